@@ -1,0 +1,322 @@
+//! `broken`: one component that breaks the policy contract on purpose, in exactly one way
+//! chosen by the config key `fault`, so that the host's tests can check it catches each
+//! kind of violation. Without a fault (or with `fault=none`) it behaves like `system`.
+//!
+//! See [`Fault`] for what each value does. Faults that misplace blocks only do so for
+//! blocks from `malloc`; `calloc` and `realloc` stay correct unless the fault names them.
+//! With any fault set, `malloc-many` and `free-many` are loops over this policy's own
+//! `malloc` and `free`, so a fault shows whichever way the host asks, and `batch` is
+//! false (except for `trap-malloc-many` and `trap-free-many`, which need the host to
+//! batch).
+
+wit_bindgen::generate!({ path: "../../wit", world: "policy" });
+
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::hint::black_box;
+
+use allocbox::policy::{allocator as upstream, bytes};
+use exports::allocbox::policy::allocator::Guest as Allocator;
+use exports::allocbox::policy::lifecycle::{Guest as Lifecycle, Info};
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Fault {
+    None,
+    /// The named export panics (a wasm trap).
+    TrapMalloc,
+    TrapCalloc,
+    TrapRealloc,
+    TrapFree,
+    TrapInit,
+    TrapTrim,
+    TrapMallocMany,
+    TrapFreeMany,
+    /// `malloc(13)` never returns; other sizes behave.
+    LoopMalloc,
+    /// `malloc` allocates guest memory, 1 MiB at a time, until the guest runs out.
+    GrowMemory,
+    /// `malloc` returns an address 64 KiB past the (16-rounded) end of its upstream block.
+    Outside,
+    /// `malloc` of up to 4096 bytes always returns the start of one upstream block.
+    Overlap,
+    /// `malloc` returns upstream + 8 (from a block of size + 16), declaring alignment 16.
+    Misaligned,
+    /// `free` frees upstream with size + 1.
+    WrongSizeFree,
+    /// `free` frees upstream twice.
+    DoubleFree,
+    /// `free` frees upstream `ptr + 4096`, which it never got.
+    ForeignFree,
+    /// `calloc` is upstream `malloc` filled with 0xAB.
+    CallocDirty,
+    /// `realloc` copies only half of `min(old, new)` bytes.
+    ReallocLoses,
+    /// `malloc(size)` returns an upstream block of `size - 1` bytes (for size > 1).
+    OffByOne,
+    /// `free` of 64 bytes or more does nothing.
+    Leak,
+    /// `malloc` writes 8 bytes into the previous block from `malloc`, still lent out.
+    Scribble,
+    /// `init` answers a 200-byte name, an empty name, version 2, alignment 24, an `err`.
+    BadName,
+    EmptyName,
+    BadVersion,
+    BadAlignment,
+    InitErr,
+}
+
+const FAULTS: &[(&str, Fault)] = &[
+    ("none", Fault::None),
+    ("trap-malloc", Fault::TrapMalloc),
+    ("trap-calloc", Fault::TrapCalloc),
+    ("trap-realloc", Fault::TrapRealloc),
+    ("trap-free", Fault::TrapFree),
+    ("trap-init", Fault::TrapInit),
+    ("trap-trim", Fault::TrapTrim),
+    ("trap-malloc-many", Fault::TrapMallocMany),
+    ("trap-free-many", Fault::TrapFreeMany),
+    ("loop-malloc", Fault::LoopMalloc),
+    ("grow-memory", Fault::GrowMemory),
+    ("outside", Fault::Outside),
+    ("overlap", Fault::Overlap),
+    ("misaligned", Fault::Misaligned),
+    ("wrong-size-free", Fault::WrongSizeFree),
+    ("double-free", Fault::DoubleFree),
+    ("foreign-free", Fault::ForeignFree),
+    ("calloc-dirty", Fault::CallocDirty),
+    ("realloc-loses", Fault::ReallocLoses),
+    ("off-by-one", Fault::OffByOne),
+    ("leak", Fault::Leak),
+    ("scribble", Fault::Scribble),
+    ("bad-name", Fault::BadName),
+    ("empty-name", Fault::EmptyName),
+    ("bad-version", Fault::BadVersion),
+    ("bad-alignment", Fault::BadAlignment),
+    ("init-err", Fault::InitErr),
+];
+
+const OVERLAP_BLOCK: u64 = 4096;
+
+thread_local! {
+    // Guests are single-threaded; thread-locals are just statics without `unsafe`.
+    static FAULT: Cell<Fault> = const { Cell::new(Fault::None) };
+    /// Blocks `malloc` returned moved off their upstream block: returned -> (upstream, size),
+    /// so that `free` can still give back what it got, should the host ever let it.
+    static MOVED: RefCell<BTreeMap<u64, (u64, u64)>> = const { RefCell::new(BTreeMap::new()) };
+    /// `overlap`: the one upstream block every small `malloc` returns.
+    static SHARED: Cell<u64> = const { Cell::new(0) };
+    /// `scribble`: the last block `malloc` returned, while it is still lent out.
+    static LAST: Cell<u64> = const { Cell::new(0) };
+    /// `grow-memory`: keeps every hoarded buffer reachable.
+    static HOARD: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
+}
+
+fn fault() -> Fault {
+    FAULT.with(Cell::get)
+}
+
+fn trap(what: &str) -> ! {
+    panic!("broken: fault `trap-{what}`: trapping on purpose")
+}
+
+fn moved(ptr: u64, upstream_ptr: u64, upstream_size: u64) -> u64 {
+    MOVED.with(|m| m.borrow_mut().insert(ptr, (upstream_ptr, upstream_size)));
+    ptr
+}
+
+struct Broken;
+
+impl Allocator for Broken {
+    fn malloc(size: u64) -> u64 {
+        match fault() {
+            Fault::TrapMalloc => trap("malloc"),
+            Fault::LoopMalloc if size == 13 => {
+                // `black_box` is opaque to the optimiser, so the loop cannot be removed.
+                let mut spins = 0u64;
+                loop {
+                    spins = black_box(spins).wrapping_add(1);
+                }
+            }
+            Fault::GrowMemory => loop {
+                let buffer = black_box(vec![1u8; 1 << 20]);
+                HOARD.with(|h| h.borrow_mut().push(buffer));
+            },
+            Fault::Outside => match upstream::malloc(size) {
+                0 => 0,
+                p => moved(p + size.next_multiple_of(16) + (64 << 10), p, size),
+            },
+            Fault::Overlap if size <= OVERLAP_BLOCK => {
+                if SHARED.with(Cell::get) == 0 {
+                    SHARED.with(|s| s.set(upstream::malloc(OVERLAP_BLOCK)));
+                }
+                SHARED.with(Cell::get)
+            }
+            Fault::Misaligned => match size.checked_add(16).map(upstream::malloc) {
+                None | Some(0) => 0,
+                Some(p) => moved(p + 8, p, size + 16),
+            },
+            Fault::OffByOne if size > 1 => match upstream::malloc(size - 1) {
+                0 => 0,
+                p => moved(p, p, size - 1),
+            },
+            Fault::Scribble => {
+                let ptr = upstream::malloc(size);
+                if ptr != 0 {
+                    let previous = LAST.with(|l| l.replace(ptr));
+                    if previous != 0 {
+                        bytes::write_u64(previous, 0x5C21_BB1E_5C21_BB1E);
+                    }
+                }
+                ptr
+            }
+            _ => upstream::malloc(size),
+        }
+    }
+
+    fn calloc(nelem: u64, elsize: u64) -> u64 {
+        match fault() {
+            Fault::TrapCalloc => trap("calloc"),
+            Fault::CallocDirty => {
+                let Some(size) = nelem.checked_mul(elsize) else {
+                    return 0;
+                };
+                let ptr = upstream::malloc(size);
+                if ptr != 0 {
+                    bytes::fill(ptr, size, 0xAB);
+                }
+                ptr
+            }
+            _ => upstream::calloc(nelem, elsize),
+        }
+    }
+
+    fn realloc(ptr: u64, old_size: u64, new_size: u64) -> u64 {
+        match fault() {
+            Fault::TrapRealloc => trap("realloc"),
+            Fault::ReallocLoses if ptr != 0 => {
+                let new = upstream::malloc(new_size);
+                if new != 0 {
+                    bytes::copy(new, ptr, old_size.min(new_size) / 2);
+                    upstream::free(ptr, old_size);
+                }
+                new
+            }
+            Fault::Scribble => {
+                let new = upstream::realloc(ptr, old_size, new_size);
+                if new != 0 && ptr != 0 && LAST.with(Cell::get) == ptr {
+                    LAST.with(|l| l.set(new));
+                }
+                new
+            }
+            _ => upstream::realloc(ptr, old_size, new_size),
+        }
+    }
+
+    fn free(ptr: u64, size: u64) {
+        if let Some((up, up_size)) = MOVED.with(|m| m.borrow_mut().remove(&ptr)) {
+            return upstream::free(up, up_size);
+        }
+        match fault() {
+            Fault::TrapFree => trap("free"),
+            Fault::WrongSizeFree => upstream::free(ptr, size + 1),
+            Fault::DoubleFree => {
+                upstream::free(ptr, size);
+                upstream::free(ptr, size);
+            }
+            Fault::ForeignFree => upstream::free(ptr + 4096, size),
+            Fault::Leak if size >= 64 => {}
+            // The shared block stays with us until `trim`.
+            Fault::Overlap if ptr == SHARED.with(Cell::get) => {}
+            Fault::Scribble => {
+                if LAST.with(Cell::get) == ptr {
+                    LAST.with(|l| l.set(0));
+                }
+                upstream::free(ptr, size);
+            }
+            _ => upstream::free(ptr, size),
+        }
+    }
+
+    fn malloc_many(size: u64, count: u32) -> Vec<u64> {
+        match fault() {
+            Fault::TrapMallocMany => trap("malloc-many"),
+            Fault::None | Fault::TrapFreeMany => upstream::malloc_many(size, count),
+            _ => (0..count)
+                .map(|_| Self::malloc(size))
+                .take_while(|&p| p != 0)
+                .collect(),
+        }
+    }
+
+    fn free_many(ptrs: Vec<u64>, size: u64) {
+        match fault() {
+            Fault::TrapFreeMany => trap("free-many"),
+            Fault::None | Fault::TrapMallocMany => upstream::free_many(&ptrs, size),
+            _ => ptrs.into_iter().for_each(|p| Self::free(p, size)),
+        }
+    }
+}
+
+impl Lifecycle for Broken {
+    fn init(config: Vec<(String, String)>) -> Result<Info, String> {
+        let mut chosen = None;
+        for (key, value) in &config {
+            match key.as_str() {
+                "fault" if chosen.is_some() => {
+                    return Err("broken: `fault` given more than once".into());
+                }
+                "fault" => {
+                    let Some(&(_, f)) = FAULTS.iter().find(|(name, _)| name == value) else {
+                        let known: Vec<&str> = FAULTS.iter().map(|(name, _)| *name).collect();
+                        return Err(format!(
+                            "broken: bad value `{value}` for `fault`: unknown fault; known: {}",
+                            known.join(", ")
+                        ));
+                    };
+                    chosen = Some(f);
+                }
+                _ => {
+                    return Err(format!(
+                        "broken: unknown config key `{key}` (value `{value}`); known: fault"
+                    ));
+                }
+            }
+        }
+        let fault = chosen.unwrap_or(Fault::None);
+        FAULT.with(|f| f.set(fault));
+        let mut info = Info {
+            name: "broken".into(),
+            version: 1,
+            alignment: 16,
+            batch: matches!(
+                fault,
+                Fault::None | Fault::TrapMallocMany | Fault::TrapFreeMany
+            ),
+        };
+        match fault {
+            Fault::TrapInit => trap("init"),
+            Fault::BadName => info.name = "x".repeat(200),
+            Fault::EmptyName => info.name = String::new(),
+            Fault::BadVersion => info.version = 2,
+            Fault::BadAlignment => info.alignment = 24,
+            Fault::InitErr => return Err("refusing: test fault".into()),
+            _ => {}
+        }
+        Ok(info)
+    }
+
+    fn trim() {
+        match fault() {
+            Fault::TrapTrim => trap("trim"),
+            Fault::Overlap => {
+                let shared = SHARED.with(|s| s.replace(0));
+                if shared != 0 {
+                    upstream::free(shared, OVERLAP_BLOCK);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+export!(Broken);

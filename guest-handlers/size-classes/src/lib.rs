@@ -1,0 +1,199 @@
+//! `size-classes`: NumPy's small-block cache (`numpy/_core/src/multiarray/alloc.c`).
+//!
+//! Sizes below [`NBUCKETS`] bytes get one exact-size bucket each; a bucket keeps at most
+//! `bucket-depth` freed blocks and hands them out again before asking upstream. Larger
+//! sizes, and frees that find their bucket full, go straight upstream.
+//!
+//! Every cached block is a whole upstream block of exactly its bucket's size (it was got
+//! upstream with that size, and the sized-free rule means it comes back with it), so
+//! handing it out again and finally freeing it upstream with the bucket's size both keep
+//! the host's rules.
+
+wit_bindgen::generate!({ path: "../../wit", world: "policy" });
+
+use std::cell::RefCell;
+
+use allocbox::policy::{allocator as upstream, bytes};
+use exports::allocbox::policy::allocator::Guest as Allocator;
+use exports::allocbox::policy::lifecycle::{Guest as Lifecycle, Info};
+
+/// Sizes `1..NBUCKETS` are cached, as in NumPy.
+const NBUCKETS: u64 = 1024;
+const DEFAULT_DEPTH: usize = 7;
+const MAX_DEPTH: usize = 64;
+
+struct Cache {
+    depth: usize,
+    /// `buckets[size]` holds freed blocks of exactly `size` bytes; index 0 is unused.
+    buckets: Vec<Vec<u64>>,
+}
+
+impl Cache {
+    fn bucket(&mut self, size: u64) -> Option<&mut Vec<u64>> {
+        // Bucket 0 stays unused: the host never sends size 0, and `trim` skips it.
+        if (1..NBUCKETS).contains(&size) {
+            Some(&mut self.buckets[size as usize])
+        } else {
+            None
+        }
+    }
+
+    /// A cached block of `size` bytes, if there is one.
+    fn take(&mut self, size: u64) -> Option<u64> {
+        self.bucket(size)?.pop()
+    }
+
+    /// Keeps `ptr` if its bucket has room; otherwise the caller frees it upstream.
+    fn keep(&mut self, ptr: u64, size: u64) -> bool {
+        let depth = self.depth;
+        match self.bucket(size) {
+            Some(bucket) if bucket.len() < depth => {
+                bucket.push(ptr);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+thread_local! {
+    // Guests are single-threaded; a thread-local is just a static without `unsafe`.
+    // No borrow is held across a call to our own exports, so the RefCell never panics.
+    static CACHE: RefCell<Cache> = RefCell::new(Cache {
+        depth: DEFAULT_DEPTH,
+        buckets: vec![Vec::new(); NBUCKETS as usize],
+    });
+}
+
+fn with_cache<R>(f: impl FnOnce(&mut Cache) -> R) -> R {
+    CACHE.with(|c| f(&mut c.borrow_mut()))
+}
+
+struct SizeClasses;
+
+impl Allocator for SizeClasses {
+    fn malloc(size: u64) -> u64 {
+        with_cache(|c| c.take(size)).unwrap_or_else(|| upstream::malloc(size))
+    }
+
+    fn calloc(nelem: u64, elsize: u64) -> u64 {
+        if let Some(size) = nelem.checked_mul(elsize)
+            && let Some(ptr) = with_cache(|c| c.take(size))
+        {
+            // A recycled block still holds its previous owner's bytes.
+            bytes::fill(ptr, size, 0);
+            return ptr;
+        }
+        // Upstream handles an overflowing product too (it returns 0).
+        upstream::calloc(nelem, elsize)
+    }
+
+    fn realloc(ptr: u64, old_size: u64, new_size: u64) -> u64 {
+        if ptr == 0 {
+            return Self::malloc(new_size);
+        }
+        if old_size >= NBUCKETS && new_size >= NBUCKETS {
+            // Neither side touches the cache: the block is a plain upstream block.
+            return upstream::realloc(ptr, old_size, new_size);
+        }
+        let new = Self::malloc(new_size);
+        if new == 0 {
+            return 0;
+        }
+        bytes::copy(new, ptr, old_size.min(new_size));
+        Self::free(ptr, old_size);
+        new
+    }
+
+    fn free(ptr: u64, size: u64) {
+        if ptr != 0 && !with_cache(|c| c.keep(ptr, size)) {
+            upstream::free(ptr, size);
+        }
+    }
+
+    fn malloc_many(size: u64, count: u32) -> Vec<u64> {
+        let mut ptrs = with_cache(|c| match c.bucket(size) {
+            Some(bucket) => {
+                let n = bucket.len().min(count as usize);
+                bucket.split_off(bucket.len() - n)
+            }
+            None => Vec::new(),
+        });
+        let rest = count - ptrs.len() as u32;
+        if rest > 0 {
+            ptrs.extend(upstream::malloc_many(size, rest));
+        }
+        ptrs
+    }
+
+    fn free_many(mut ptrs: Vec<u64>, size: u64) {
+        ptrs.retain(|&p| p != 0);
+        with_cache(|c| {
+            let depth = c.depth;
+            if let Some(bucket) = c.bucket(size) {
+                let n = depth.saturating_sub(bucket.len()).min(ptrs.len());
+                bucket.extend(ptrs.drain(ptrs.len() - n..));
+            }
+        });
+        if !ptrs.is_empty() {
+            upstream::free_many(&ptrs, size);
+        }
+    }
+}
+
+fn parse_depth(value: &str) -> Result<usize, String> {
+    match value.trim().parse::<usize>() {
+        Ok(d) if d <= MAX_DEPTH => Ok(d),
+        _ => Err(format!(
+            "size-classes: bad value `{value}` for `bucket-depth`: want an integer in 0..={MAX_DEPTH}"
+        )),
+    }
+}
+
+impl Lifecycle for SizeClasses {
+    fn init(config: Vec<(String, String)>) -> Result<Info, String> {
+        let mut depth = None;
+        for (key, value) in &config {
+            match key.as_str() {
+                "bucket-depth" if depth.is_some() => {
+                    return Err("size-classes: `bucket-depth` given more than once".into());
+                }
+                "bucket-depth" => depth = Some(parse_depth(value)?),
+                _ => {
+                    return Err(format!(
+                        "size-classes: unknown config key `{key}` (value `{value}`); \
+                         known: bucket-depth"
+                    ));
+                }
+            }
+        }
+        let depth = depth.unwrap_or(DEFAULT_DEPTH);
+        with_cache(|c| {
+            c.depth = depth;
+            for bucket in &mut c.buckets[1..] {
+                bucket.reserve_exact(depth);
+            }
+        });
+        Ok(Info {
+            name: "size-classes".into(),
+            version: 1,
+            // Blocks are whole upstream blocks, which the host aligns to 16.
+            alignment: 16,
+            batch: true,
+        })
+    }
+
+    fn trim() {
+        // Upstream cannot call back into us, so holding the borrow across its calls is fine.
+        with_cache(|c| {
+            for (size, bucket) in c.buckets.iter_mut().enumerate().skip(1) {
+                if !bucket.is_empty() {
+                    upstream::free_many(bucket, size as u64);
+                    bucket.clear();
+                }
+            }
+        });
+    }
+}
+
+export!(SizeClasses);

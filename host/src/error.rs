@@ -1,0 +1,230 @@
+//! Typed failures. Every message names the policy, the call, the address and the sizes,
+//! so a log line alone is enough to find the bug.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The operation during which something went wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Call {
+    Init,
+    Malloc,
+    Calloc,
+    Realloc,
+    Free,
+    MallocMany,
+    FreeMany,
+    Trim,
+    BytesRead,
+    BytesWrite,
+    BytesFill,
+    BytesCopy,
+}
+
+impl fmt::Display for Call {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Call::Init => "init",
+            Call::Malloc => "malloc",
+            Call::Calloc => "calloc",
+            Call::Realloc => "realloc",
+            Call::Free => "free",
+            Call::MallocMany => "malloc-many",
+            Call::FreeMany => "free-many",
+            Call::Trim => "trim",
+            Call::BytesRead => "bytes.read",
+            Call::BytesWrite => "bytes.write",
+            Call::BytesFill => "bytes.fill",
+            Call::BytesCopy => "bytes.copy",
+        })
+    }
+}
+
+/// A rule of the handler contract (DESIGN.md §1) that a policy broke.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rule {
+    /// C6: a returned block is not inside one block the policy got from upstream.
+    OutsideOwned,
+    /// C6: a returned block overlaps a block the policy has lent and not had back.
+    Overlap { other: u64, other_size: u64 },
+    /// C6: a returned block is not aligned as the policy declared.
+    Misaligned { alignment: u64 },
+    /// C2/C3/C4: a block shorter than asked for (seen as an overlap or an out-of-bounds
+    /// block by the ledger; named when the checker proves it directly).
+    TooSmall,
+    /// C5: an upstream free or realloc with another size than the block was lent with.
+    WrongSizeFree { recorded: u64 },
+    /// An upstream free or realloc of an address that was lent and already given back.
+    DoubleFree,
+    /// An upstream free or realloc of an address that was never lent to this policy.
+    UnknownFree,
+    /// `bytes` access outside the blocks the policy owns and has not lent out.
+    BytesOutOfBounds,
+    /// C3: calloc returned bytes that are not zero (checked mode).
+    CallocNotZeroed { offset: u64 },
+    /// C4: realloc did not keep the old block's bytes (checked mode).
+    ReallocLostBytes { offset: u64 },
+    /// A block's bytes changed while the client held it (checked mode).
+    LiveBlockChanged { offset: u64 },
+    /// After every block was freed and the policy trimmed, it still holds upstream memory.
+    Leak { blocks: usize, bytes: u64 },
+    /// The policy answered `malloc-many` with more blocks than were asked for.
+    TooManyBlocks { asked: u32, got: usize },
+}
+
+impl fmt::Display for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Rule::OutsideOwned => f.write_str("block outside the memory the policy owns"),
+            Rule::Overlap { other, other_size } => write!(
+                f,
+                "block overlaps the live block {other:#x} ({other_size} bytes)"
+            ),
+            Rule::Misaligned { alignment } => {
+                write!(f, "block not aligned to the declared {alignment} bytes")
+            }
+            Rule::TooSmall => f.write_str("block smaller than the size asked for"),
+            Rule::WrongSizeFree { recorded } => write!(
+                f,
+                "sized-free rule broken: the block was lent with {recorded} bytes"
+            ),
+            Rule::DoubleFree => f.write_str("block already given back (double free)"),
+            Rule::UnknownFree => f.write_str("address was never lent to this policy"),
+            Rule::BytesOutOfBounds => {
+                f.write_str("bytes access outside owned, not-lent-out memory")
+            }
+            Rule::CallocNotZeroed { offset } => {
+                write!(f, "calloc block not zero-filled (byte {offset})")
+            }
+            Rule::ReallocLostBytes { offset } => {
+                write!(f, "realloc did not preserve the old bytes (byte {offset})")
+            }
+            Rule::LiveBlockChanged { offset } => {
+                write!(f, "a live block's bytes changed under its client (byte {offset})")
+            }
+            Rule::Leak { blocks, bytes } => write!(
+                f,
+                "leak: {blocks} upstream blocks ({bytes} bytes) still held after free-all and trim"
+            ),
+            Rule::TooManyBlocks { asked, got } => {
+                write!(f, "malloc-many returned {got} blocks for {asked} asked")
+            }
+        }
+    }
+}
+
+/// A policy broke the handler contract. The policy instance is stopped (poisoned).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("policy `{policy}` broke the contract in `{call}` at {addr:#x} ({size} bytes): {rule}")]
+pub struct Violation {
+    pub policy: Arc<str>,
+    pub call: Call,
+    pub addr: u64,
+    pub size: u64,
+    pub rule: Rule,
+}
+
+/// Why a component could not be loaded or started as a policy.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot read `{path}`: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("not a WebAssembly file (neither the wasm binary magic nor WAT text): {detail}")]
+    NotWasm { detail: String },
+    #[error(
+        "this is a core wasm module, not a component; make it a component of the \
+         `allocbox:policy/policy` world (e.g. `wasm-tools component new`)"
+    )]
+    CoreModule,
+    #[error("invalid component: {detail}")]
+    Invalid { detail: String },
+    #[error("WAT core module could not be made a component of the policy world: {detail}")]
+    Componentize { detail: String },
+    #[error("the component targets another world: {detail}")]
+    WrongWorld { detail: String },
+    #[error("the component speaks allocbox:policy@{found}; this host speaks @{expected}")]
+    WrongVersion { found: String, expected: &'static str },
+    #[error("policy start-up failed: {0}")]
+    Start(#[source] Box<Error>),
+    #[error("policy `{policy}` refused its configuration: {message}")]
+    ConfigRejected { policy: String, message: String },
+    #[error("policy name must be 1..=127 bytes of UTF-8, got {len} bytes")]
+    BadName { len: usize },
+    #[error("policy `{policy}` declares contract version {version}; this host speaks version 1")]
+    BadVersion { policy: String, version: u8 },
+    #[error("policy `{policy}` declares alignment {alignment}, which is not a power of two")]
+    BadAlignment { policy: String, alignment: u64 },
+    #[error("a handler needs at least one policy")]
+    EmptyChain,
+}
+
+/// A client broke the sized-free rule or freed something it does not own. The handler is
+/// not harmed: the call does nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClientError {
+    #[error("free of {addr:#x}, which this handler never lent")]
+    UnknownBlock { addr: u64 },
+    #[error("double free of {addr:#x}")]
+    DoubleFree { addr: u64 },
+    #[error("realloc of {addr:#x}, which this handler never lent")]
+    UnknownRealloc { addr: u64 },
+}
+
+/// Everything that can go wrong when using a handler.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Violation(#[from] Violation),
+    #[error("policy `{policy}` trapped in `{call}`: {message}")]
+    Trap {
+        policy: Arc<str>,
+        call: Call,
+        message: String,
+    },
+    #[error("policy `{policy}` ran past its time limit of {limit:?} in `{call}`")]
+    Timeout {
+        policy: Arc<str>,
+        call: Call,
+        limit: Duration,
+    },
+    #[error(
+        "policy `{policy}` tried to grow its own memory past the limit of {limit} bytes in `{call}`"
+    )]
+    MemoryLimit {
+        policy: Arc<str>,
+        call: Call,
+        limit: u64,
+    },
+    #[error("policy `{policy}` was stopped earlier and takes no more calls; cause: {cause}")]
+    Poisoned { policy: Arc<str>, cause: Arc<Error> },
+    #[error(transparent)]
+    Client(#[from] ClientError),
+}
+
+impl Error {
+    /// The policy at fault, when a policy is at fault.
+    pub fn policy(&self) -> Option<&str> {
+        match self {
+            Error::Violation(v) => Some(&v.policy),
+            Error::Trap { policy, .. }
+            | Error::Timeout { policy, .. }
+            | Error::MemoryLimit { policy, .. }
+            | Error::Poisoned { policy, .. } => Some(policy),
+            Error::Client(_) => None,
+        }
+    }
+
+    /// The broken rule, when the error is a contract violation (directly or as the cause
+    /// of a poisoning).
+    pub fn rule(&self) -> Option<&Rule> {
+        match self {
+            Error::Violation(v) => Some(&v.rule),
+            Error::Poisoned { cause, .. } => cause.rule(),
+            _ => None,
+        }
+    }
+}

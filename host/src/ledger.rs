@@ -1,0 +1,183 @@
+//! The host's own record of the blocks lent across one boundary.
+//!
+//! Ordered by address so that "which block contains this range" and "does this range
+//! overlap a live block" are one `range` query each, O(log n). The ledger never trusts
+//! the party it records: it is filled from what the host saw cross the boundary.
+
+use std::collections::BTreeMap;
+
+/// One lent block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub(crate) size: u64,
+    /// Placed by the policy and held by the host in a magazine, not by the client.
+    pub(crate) cached: bool,
+}
+
+/// Why a block cannot be taken back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TakeBack {
+    /// Never lent, as far as the recent history tells.
+    Unknown,
+    /// Lent and given back not long ago.
+    AlreadyFreed,
+    /// Lent with another size.
+    WrongSize { recorded: u64 },
+}
+
+/// How many recently freed addresses are remembered to tell a double free from a wild one.
+const FREED_HISTORY: usize = 64;
+
+#[derive(Debug)]
+pub(crate) struct Ledger {
+    blocks: BTreeMap<u64, Entry>,
+    bytes: u64,
+    freed: [u64; FREED_HISTORY],
+    freed_next: usize,
+}
+
+impl Default for Ledger {
+    fn default() -> Self {
+        Ledger {
+            blocks: BTreeMap::new(),
+            bytes: 0,
+            freed: [0; FREED_HISTORY],
+            freed_next: 0,
+        }
+    }
+}
+
+impl Ledger {
+    pub(crate) fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Bytes in all live blocks.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub(crate) fn get(&self, addr: u64) -> Option<Entry> {
+        self.blocks.get(&addr).copied()
+    }
+
+    pub(crate) fn get_mut(&mut self, addr: u64) -> Option<&mut Entry> {
+        self.blocks.get_mut(&addr)
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, Entry)> + '_ {
+        self.blocks.iter().map(|(&a, &e)| (a, e))
+    }
+
+    /// The live block that `[addr, addr+len)` overlaps, if any (the lowest such block is
+    /// not promised, only some block). `len` is at least 1 for every block the host
+    /// records, so empty ranges never overlap.
+    pub(crate) fn overlapping(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let end = addr.checked_add(len)?;
+        // The last block starting before `end` is the only candidate that can reach into
+        // the range from below or start inside it; blocks never overlap each other.
+        let (&start, entry) = self.blocks.range(..end).next_back()?;
+        (start + entry.size > addr).then_some((start, entry.size))
+    }
+
+    /// The live block that wholly contains `[addr, addr+len)`.
+    pub(crate) fn containing(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let end = addr.checked_add(len)?;
+        let (&start, entry) = self.blocks.range(..=addr).next_back()?;
+        (start + entry.size >= end).then_some((start, entry.size))
+    }
+
+    /// Record a newly lent block. The caller has checked that it overlaps nothing.
+    pub(crate) fn insert(&mut self, addr: u64, size: u64, cached: bool) {
+        debug_assert!(self.overlapping(addr, size).is_none());
+        self.blocks.insert(addr, Entry { size, cached });
+        self.bytes += size;
+    }
+
+    /// Take back the block at `addr` that must have been lent with `size` bytes.
+    pub(crate) fn take_back(&mut self, addr: u64, size: u64) -> Result<Entry, TakeBack> {
+        match self.blocks.get(&addr) {
+            Some(e) if e.size == size => {}
+            Some(e) => return Err(TakeBack::WrongSize { recorded: e.size }),
+            None => return Err(self.why_unknown(addr)),
+        }
+        Ok(self.remove(addr).expect("block was just found"))
+    }
+
+    /// Remove the block at `addr` whatever its size.
+    pub(crate) fn remove(&mut self, addr: u64) -> Option<Entry> {
+        let entry = self.blocks.remove(&addr)?;
+        self.bytes -= entry.size;
+        self.freed[self.freed_next] = addr;
+        self.freed_next = (self.freed_next + 1) % FREED_HISTORY;
+        Some(entry)
+    }
+
+    /// Why an address that is not live cannot be freed.
+    pub(crate) fn why_unknown(&self, addr: u64) -> TakeBack {
+        if addr != 0 && self.freed.contains(&addr) {
+            TakeBack::AlreadyFreed
+        } else {
+            TakeBack::Unknown
+        }
+    }
+
+    /// Every block, emptying the ledger.
+    pub(crate) fn drain(&mut self) -> Vec<(u64, Entry)> {
+        self.bytes = 0;
+        std::mem::take(&mut self.blocks).into_iter().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ledger(blocks: &[(u64, u64)]) -> Ledger {
+        let mut l = Ledger::default();
+        for &(a, s) in blocks {
+            l.insert(a, s, false);
+        }
+        l
+    }
+
+    #[test]
+    fn overlap_is_found_from_below_inside_and_above() {
+        let l = ledger(&[(100, 50), (200, 10)]);
+        assert_eq!(l.overlapping(90, 11), Some((100, 50)), "reaches in from below");
+        assert_eq!(l.overlapping(120, 5), Some((100, 50)), "lies inside");
+        assert_eq!(l.overlapping(149, 40), Some((100, 50)), "starts in the last byte");
+        assert_eq!(l.overlapping(50, 500), Some((200, 10)), "covers both");
+        assert_eq!(l.overlapping(150, 50), None, "fits the gap exactly");
+        assert_eq!(l.overlapping(90, 10), None, "ends where a block starts");
+    }
+
+    #[test]
+    fn containment_needs_the_whole_range_inside_one_block() {
+        let l = ledger(&[(100, 50), (150, 50)]);
+        assert_eq!(l.containing(100, 50), Some((100, 50)));
+        assert_eq!(l.containing(120, 10), Some((100, 50)));
+        assert_eq!(l.containing(140, 20), None, "spans two adjacent blocks");
+        assert_eq!(l.containing(99, 2), None);
+        assert_eq!(l.containing(u64::MAX, 2), None, "overflowing range");
+    }
+
+    #[test]
+    fn take_back_enforces_the_sized_free_rule_and_tells_double_from_unknown() {
+        let mut l = ledger(&[(100, 50)]);
+        assert_eq!(
+            l.take_back(100, 49),
+            Err(TakeBack::WrongSize { recorded: 50 })
+        );
+        assert_eq!(l.bytes(), 50, "a refused free changes nothing");
+        assert!(l.take_back(100, 50).is_ok());
+        assert_eq!(l.take_back(100, 50), Err(TakeBack::AlreadyFreed));
+        assert_eq!(l.take_back(300, 50), Err(TakeBack::Unknown));
+        assert_eq!(l.bytes(), 0);
+        assert!(l.is_empty());
+    }
+}

@@ -1,0 +1,14 @@
+#![doc = include_str!("../README.md")]
+
+mod error;
+mod handler;
+mod ledger;
+mod link;
+mod runtime;
+mod system;
+
+pub use error::{Call, ClientError, Error, LoadError, Rule, Violation};
+pub use handler::{Handler, HandlerBuilder, Stats};
+pub use link::{Limits, PolicyInfo};
+pub use runtime::{POLICY_WIT, Policy, Runtime, WORLD_PACKAGE, WORLD_VERSION};
+pub use system::SYSTEM_ALIGNMENT;

@@ -1,0 +1,763 @@
+//! One policy instance in a chain, the ledger of what it lent, and its upstream.
+//!
+//! The chain is nested ownership: a [`Link`]'s store owns its [`Upstream`], which is the
+//! host's own memory or the next `Link`. A guest's `upstream.*` import therefore reaches
+//! the next link through plain `&mut` access, and every boundary is checked by the same
+//! code: a link's answers against its ledgers here, its calls upstream in the `Host`
+//! impls below.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use wasmtime::component::ResourceTable;
+use wasmtime::{Store, Trap};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use crate::error::{Call, Error, Rule, Violation};
+use crate::ledger::{Ledger, TakeBack};
+use crate::system::SystemMemory;
+
+pub(crate) mod bindings {
+    wasmtime::component::bindgen!({
+        path: "../wit",
+        world: "policy",
+        imports: { default: trappable },
+    });
+}
+
+use bindings::exports::allocbox::policy::allocator::Guest as Allocator;
+
+/// What a policy declared about itself at start-up, checked by the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyInfo {
+    pub name: Arc<str>,
+    pub version: u8,
+    pub alignment: u64,
+    pub batch: bool,
+}
+
+/// Where a link gets its memory from.
+#[derive(Debug)]
+pub(crate) enum Upstream {
+    System(SystemMemory),
+    Policy(Box<Link>),
+}
+
+/// The link's client broke the sized-free rule or freed what it does not own.
+pub(crate) type CallerFault = TakeBack;
+
+impl Upstream {
+    /// The blocks this upstream lent: what the link above it owns.
+    pub(crate) fn lent(&self) -> &Ledger {
+        match self {
+            Upstream::System(s) => &s.lent,
+            Upstream::Policy(l) => &l.store.data().lent,
+        }
+    }
+
+    // The methods below absorb a failing upstream policy into "none": the caller is a
+    // healthy guest that must not be trapped for its upstream's fault. The failure is
+    // kept in the failing link and in the chain's poison log, where the handler finds it.
+
+    fn malloc(&mut self, size: u64) -> u64 {
+        match self {
+            Upstream::System(s) => s.malloc(size, false),
+            Upstream::Policy(l) => l.malloc(size).unwrap_or(0),
+        }
+    }
+
+    fn calloc(&mut self, nelem: u64, elsize: u64) -> u64 {
+        match self {
+            Upstream::System(s) => match nelem.checked_mul(elsize) {
+                Some(size) => s.malloc(size.max(1), true),
+                None => 0,
+            },
+            Upstream::Policy(l) => l.calloc(nelem, elsize).unwrap_or(0),
+        }
+    }
+
+    fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> Result<u64, CallerFault> {
+        match self {
+            Upstream::System(s) => s.realloc(ptr, old, new),
+            Upstream::Policy(l) => match l.realloc(ptr, old, new) {
+                Ok(addr) => Ok(addr),
+                Err(LinkFault::Caller(fault)) => Err(fault),
+                Err(LinkFault::Link(_)) => Ok(0),
+            },
+        }
+    }
+
+    pub(crate) fn free(&mut self, ptr: u64, size: u64) -> Result<(), CallerFault> {
+        match self {
+            Upstream::System(s) => s.free(ptr, size),
+            Upstream::Policy(l) => match l.free(ptr, size) {
+                Ok(()) | Err(LinkFault::Link(_)) => Ok(()),
+                Err(LinkFault::Caller(fault)) => Err(fault),
+            },
+        }
+    }
+
+    fn malloc_many(&mut self, size: u64, count: u32) -> Vec<u64> {
+        match self {
+            Upstream::System(s) => (0..count)
+                .map_while(|_| Some(s.malloc(size, false)).filter(|&a| a != 0))
+                .collect(),
+            Upstream::Policy(l) => l.malloc_many(size, count).unwrap_or_default(),
+        }
+    }
+
+    fn trim(&mut self) {
+        if let Upstream::Policy(l) = self {
+            // A failing trim poisons that link; its blocks are released host-side.
+            let _ = l.trim();
+        }
+    }
+
+    /// Every poisoned link from here down, with its cause.
+    pub(crate) fn failures(&self, out: &mut Vec<Arc<Error>>) {
+        if let Upstream::Policy(l) = self {
+            if let Some(cause) = &l.poisoned {
+                out.push(cause.clone());
+            }
+            l.store.data().upstream.failures(out);
+        }
+    }
+}
+
+/// Bounds on one policy instance.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Most bytes of linear memory (and tables) the guest may grow to. Default 64 MiB.
+    pub memory: u64,
+    /// Longest a single call into the guest may run. Default 1 s.
+    pub call_time: Duration,
+    /// Guest stdout/stderr kept for error messages and the log. Default 16 KiB.
+    pub output: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            memory: 64 << 20,
+            call_time: Duration::from_secs(1),
+            output: 16 << 10,
+        }
+    }
+}
+
+/// The store data of one policy instance.
+pub(crate) struct LinkState {
+    pub(crate) name: Arc<str>,
+    /// What this policy lent to its client and has not had back.
+    pub(crate) lent: Ledger,
+    pub(crate) upstream: Upstream,
+    /// The block being resized by this policy's own `realloc`: readable through `bytes`,
+    /// and its upstream block may not be given back until the answer is checked.
+    in_transit: Option<(u64, u64)>,
+    /// Upstream frees held back while a block is in transit (see `in_transit`).
+    deferred: Vec<(u64, u64)>,
+    /// A rule this policy broke inside one of its imports; the trap it causes is
+    /// reported as this violation.
+    fault: Option<Violation>,
+    limiter: MemoryLimiter,
+    /// Counts poisonings anywhere in the chain, so the handler notices a failure deep
+    /// down with one atomic load per call.
+    poison_count: Arc<AtomicUsize>,
+    output: MemoryOutputPipe,
+    wasi: WasiCtx,
+    table: ResourceTable,
+}
+
+impl std::fmt::Debug for LinkState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkState")
+            .field("name", &self.name)
+            .field("lent", &self.lent.len())
+            .field("upstream", &self.upstream)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WasiView for LinkState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+/// Caps the guest's own memory; remembers that it tried to pass the cap so that the
+/// resulting trap is reported as a memory-limit error, not a generic trap.
+#[derive(Debug)]
+struct MemoryLimiter {
+    limit: u64,
+    hit: bool,
+}
+
+impl wasmtime::ResourceLimiter for MemoryLimiter {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired as u64 > self.limit {
+            self.hit = true;
+            wasmtime::bail!("guest memory limit of {} bytes reached", self.limit);
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(desired <= 1 << 20)
+    }
+}
+
+impl LinkState {
+    pub(crate) fn new(
+        name: Arc<str>,
+        upstream: Upstream,
+        limits: &Limits,
+        wasi: WasiCtx,
+        output: MemoryOutputPipe,
+        poison_count: Arc<AtomicUsize>,
+    ) -> Self {
+        LinkState {
+            name,
+            lent: Ledger::default(),
+            upstream,
+            in_transit: None,
+            deferred: Vec::new(),
+            fault: None,
+            limiter: MemoryLimiter {
+                limit: limits.memory,
+                hit: false,
+            },
+            poison_count,
+            output,
+            wasi,
+            table: ResourceTable::new(),
+        }
+    }
+
+    pub(crate) fn limiter(&mut self) -> &mut dyn wasmtime::ResourceLimiter {
+        &mut self.limiter
+    }
+
+    /// Record that this policy broke `rule` and produce the error that traps it.
+    fn violate(&mut self, call: Call, addr: u64, size: u64, rule: Rule) -> wasmtime::Error {
+        let v = Violation {
+            policy: self.name.clone(),
+            call,
+            addr,
+            size,
+            rule,
+        };
+        let err = wasmtime::Error::new(v.clone());
+        self.fault = Some(v);
+        err
+    }
+
+    fn caller_fault(&mut self, call: Call, addr: u64, size: u64, f: CallerFault) -> wasmtime::Error {
+        let rule = match f {
+            TakeBack::Unknown => Rule::UnknownFree,
+            TakeBack::AlreadyFreed => Rule::DoubleFree,
+            TakeBack::WrongSize { recorded } => Rule::WrongSizeFree { recorded },
+        };
+        self.violate(call, addr, size, rule)
+    }
+
+    /// Is `[at, at+len)` inside memory this policy owns and has not lent out?
+    fn check_bytes(
+        &mut self,
+        call: Call,
+        at: u64,
+        len: u64,
+        read_only: bool,
+    ) -> wasmtime::Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let owned = self.upstream.lent().containing(at, len).is_some();
+        let clash = self.lent.overlapping(at, len);
+        let in_transit = |(p, s): (u64, u64)| at >= p && at.checked_add(len).is_some_and(|e| e <= p + s);
+        let allowed = owned
+            && match clash {
+                None => true,
+                Some(_) => read_only && self.in_transit.is_some_and(in_transit),
+            };
+        if allowed {
+            Ok(())
+        } else {
+            Err(self.violate(call, at, len, Rule::BytesOutOfBounds))
+        }
+    }
+
+    /// Should an upstream give-back of `ptr` wait until the block in transit is settled?
+    fn holds_transit(&self, ptr: u64, size: u64) -> bool {
+        self.in_transit
+            .is_some_and(|(p, s)| p < ptr.saturating_add(size) && ptr < p + s)
+    }
+}
+
+impl bindings::allocbox::policy::allocator::Host for LinkState {
+    fn malloc(&mut self, size: u64) -> wasmtime::Result<u64> {
+        Ok(if size == 0 { 0 } else { self.upstream.malloc(size) })
+    }
+
+    fn calloc(&mut self, nelem: u64, elsize: u64) -> wasmtime::Result<u64> {
+        Ok(self.upstream.calloc(nelem, elsize))
+    }
+
+    fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> wasmtime::Result<u64> {
+        if ptr == 0 {
+            return self.malloc(new);
+        }
+        if new == 0 {
+            // Like malloc(0) upstream: none, and the old block stays.
+            return Ok(0);
+        }
+        if self.holds_transit(ptr, old) {
+            // Resizing the block that holds the client's data in transit: move it by
+            // copy so the original stays intact until this policy's answer is checked.
+            if let Err(f) = check_lent(self.upstream.lent(), ptr, old) {
+                return Err(self.caller_fault(Call::Realloc, ptr, old, f));
+            }
+            let fresh = self.upstream.malloc(new);
+            if fresh != 0 {
+                // SAFETY: `ptr` is a live upstream block of `old` bytes and `fresh` a new
+                // one of `new` bytes (both recorded in the upstream ledger, so inside host
+                // memory); the new block cannot overlap a live one.
+                unsafe { std::ptr::copy_nonoverlapping(ptr as *const u8, fresh as *mut u8, old.min(new) as usize) };
+                self.deferred.push((ptr, old));
+            }
+            return Ok(fresh);
+        }
+        match self.upstream.realloc(ptr, old, new) {
+            Ok(addr) => Ok(addr),
+            Err(f) => Err(self.caller_fault(Call::Realloc, ptr, old, f)),
+        }
+    }
+
+    fn free(&mut self, ptr: u64, size: u64) -> wasmtime::Result<()> {
+        if self.holds_transit(ptr, size) {
+            if let Err(f) = check_lent(self.upstream.lent(), ptr, size) {
+                return Err(self.caller_fault(Call::Free, ptr, size, f));
+            }
+            self.deferred.push((ptr, size));
+            return Ok(());
+        }
+        self.upstream
+            .free(ptr, size)
+            .map_err(|f| self.caller_fault(Call::Free, ptr, size, f))
+    }
+
+    fn malloc_many(&mut self, size: u64, count: u32) -> wasmtime::Result<Vec<u64>> {
+        Ok(if size == 0 { Vec::new() } else { self.upstream.malloc_many(size, count) })
+    }
+
+    fn free_many(&mut self, ptrs: Vec<u64>, size: u64) -> wasmtime::Result<()> {
+        for ptr in ptrs {
+            self.free(ptr, size)?;
+        }
+        Ok(())
+    }
+}
+
+/// Is `ptr` lent with exactly `size` bytes?
+fn check_lent(ledger: &Ledger, ptr: u64, size: u64) -> Result<(), CallerFault> {
+    match ledger.get(ptr) {
+        Some(e) if e.size == size => Ok(()),
+        Some(e) => Err(TakeBack::WrongSize { recorded: e.size }),
+        None => Err(ledger.why_unknown(ptr)),
+    }
+}
+
+impl bindings::allocbox::policy::bytes::Host for LinkState {
+    fn read(&mut self, at: u64, len: u32) -> wasmtime::Result<Vec<u8>> {
+        self.check_bytes(Call::BytesRead, at, len.into(), true)?;
+        let mut out = vec![0; len as usize];
+        // SAFETY: check_bytes proved `[at, at+len)` lies inside one live upstream block,
+        // and every block in a ledger lies inside host memory allocated by SystemMemory.
+        unsafe { std::ptr::copy_nonoverlapping(at as *const u8, out.as_mut_ptr(), out.len()) };
+        Ok(out)
+    }
+
+    fn write(&mut self, at: u64, data: Vec<u8>) -> wasmtime::Result<()> {
+        self.check_bytes(Call::BytesWrite, at, data.len() as u64, false)?;
+        // SAFETY: as in `read`; the range is also not lent out, so no client holds it.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at as *mut u8, data.len()) };
+        Ok(())
+    }
+
+    fn fill(&mut self, at: u64, len: u64, byte: u8) -> wasmtime::Result<()> {
+        self.check_bytes(Call::BytesFill, at, len, false)?;
+        // SAFETY: as in `write`.
+        unsafe { std::ptr::write_bytes(at as *mut u8, byte, len as usize) };
+        Ok(())
+    }
+
+    fn copy(&mut self, dst: u64, src: u64, len: u64) -> wasmtime::Result<()> {
+        self.check_bytes(Call::BytesCopy, src, len, true)?;
+        self.check_bytes(Call::BytesCopy, dst, len, false)?;
+        // SAFETY: both ranges were checked as in `read`/`write`; `copy` allows overlap.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
+        Ok(())
+    }
+
+    fn read_u64(&mut self, at: u64) -> wasmtime::Result<u64> {
+        self.check_bytes(Call::BytesRead, at, 8, true)?;
+        // SAFETY: as in `read`; an unaligned read is used because headers may sit anywhere.
+        Ok(u64::from_le(unsafe { std::ptr::read_unaligned(at as *const u64) }))
+    }
+
+    fn write_u64(&mut self, at: u64, value: u64) -> wasmtime::Result<()> {
+        self.check_bytes(Call::BytesWrite, at, 8, false)?;
+        // SAFETY: as in `write`.
+        unsafe { std::ptr::write_unaligned(at as *mut u64, value.to_le()) };
+        Ok(())
+    }
+}
+
+/// Why a link could not serve a free or realloc.
+#[derive(Debug)]
+pub(crate) enum LinkFault {
+    /// The caller broke the rule; nothing happened.
+    Caller(CallerFault),
+    /// The link failed and is now poisoned.
+    Link(Error),
+}
+
+/// A started, initialised policy instance.
+pub(crate) struct Link {
+    pub(crate) store: Store<LinkState>,
+    bindings: bindings::Policy,
+    pub(crate) info: PolicyInfo,
+    pub(crate) poisoned: Option<Arc<Error>>,
+    deadline_ticks: u64,
+    limits: Limits,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link")
+            .field("info", &self.info)
+            .field("poisoned", &self.poisoned)
+            .field("state", self.store.data())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Link {
+    pub(crate) fn new(
+        store: Store<LinkState>,
+        bindings: bindings::Policy,
+        info: PolicyInfo,
+        deadline_ticks: u64,
+        limits: Limits,
+    ) -> Self {
+        Link {
+            store,
+            bindings,
+            info,
+            poisoned: None,
+            deadline_ticks,
+            limits,
+        }
+    }
+
+    pub(crate) fn name(&self) -> &Arc<str> {
+        &self.info.name
+    }
+
+    pub(crate) fn lent(&self) -> &Ledger {
+        &self.store.data().lent
+    }
+
+    pub(crate) fn lent_mut(&mut self) -> &mut Ledger {
+        &mut self.store.data_mut().lent
+    }
+
+    pub(crate) fn upstream(&self) -> &Upstream {
+        &self.store.data().upstream
+    }
+
+    /// Run one call into the guest under its time limit, turning every failure into a
+    /// typed error and poisoning the link.
+    fn enter<R>(
+        &mut self,
+        call: Call,
+        f: impl FnOnce(&Allocator, &mut Store<LinkState>) -> wasmtime::Result<R>,
+    ) -> Result<R, Error> {
+        if let Some(cause) = &self.poisoned {
+            return Err(Error::Poisoned {
+                policy: self.info.name.clone(),
+                cause: cause.clone(),
+            });
+        }
+        self.store.set_epoch_deadline(self.deadline_ticks);
+        match f(self.bindings.allocbox_policy_allocator(), &mut self.store) {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                let err = classify(&mut self.store, &self.limits, call, e);
+                self.poison(err.clone());
+                Err(err)
+            }
+        }
+    }
+
+    /// Stop the link for good. Its upstream blocks are given back once its client has
+    /// given back everything it holds.
+    pub(crate) fn poison(&mut self, cause: Error) {
+        if self.poisoned.is_some() {
+            return;
+        }
+        log::warn!("{cause}");
+        self.poisoned = Some(Arc::new(cause));
+        let state = self.store.data_mut();
+        state.poison_count.fetch_add(1, Ordering::Relaxed);
+        state.in_transit = None;
+        state.deferred.clear();
+        self.release_if_done();
+    }
+
+    /// A dead link whose client holds nothing returns all its upstream memory.
+    fn release_if_done(&mut self) {
+        if self.poisoned.is_none() || !self.lent().is_empty() {
+            return;
+        }
+        let state = self.store.data_mut();
+        let held: Vec<(u64, u64)> = state.upstream.lent().iter().map(|(a, e)| (a, e.size)).collect();
+        for (addr, size) in held {
+            // These are exactly the recorded sizes, so the upstream cannot refuse them.
+            let _ = state.upstream.free(addr, size);
+        }
+    }
+
+    /// Check and record a block this link returned.
+    fn admit(&mut self, call: Call, addr: u64, size: u64) -> Result<u64, Error> {
+        let alignment = self.info.alignment;
+        let state = self.store.data_mut();
+        let rule = if addr % alignment != 0 {
+            Rule::Misaligned { alignment }
+        } else if state.upstream.lent().containing(addr, size).is_none() {
+            Rule::OutsideOwned
+        } else if let Some((other, other_size)) = state.lent.overlapping(addr, size) {
+            Rule::Overlap { other, other_size }
+        } else {
+            state.lent.insert(addr, size, false);
+            return Ok(addr);
+        };
+        let err = Error::Violation(Violation {
+            policy: self.info.name.clone(),
+            call,
+            addr,
+            size,
+            rule,
+        });
+        self.poison(err.clone());
+        Err(err)
+    }
+
+    pub(crate) fn malloc(&mut self, size: u64) -> Result<u64, Error> {
+        let size = size.max(1);
+        let addr = self.enter(Call::Malloc, |g, s| g.call_malloc(s, size))?;
+        if addr == 0 {
+            return Ok(0);
+        }
+        self.admit(Call::Malloc, addr, size)
+    }
+
+    /// `calloc`; an overflowing product is "none" without asking the policy (C3).
+    pub(crate) fn calloc(&mut self, nelem: u64, elsize: u64) -> Result<u64, Error> {
+        let Some(size) = nelem.checked_mul(elsize) else {
+            return Ok(0);
+        };
+        let (nelem, elsize) = if size == 0 { (1, 1) } else { (nelem, elsize) };
+        let addr = self.enter(Call::Calloc, |g, s| g.call_calloc(s, nelem, elsize))?;
+        if addr == 0 {
+            return Ok(0);
+        }
+        self.admit(Call::Calloc, addr, size.max(1))
+    }
+
+    /// Resize a block the caller holds with `old` bytes; 0 leaves it live and unchanged.
+    pub(crate) fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> Result<u64, LinkFault> {
+        let new = new.max(1);
+        if ptr == 0 {
+            return self.malloc(new).map_err(LinkFault::Link);
+        }
+        check_lent(self.lent(), ptr, old).map_err(LinkFault::Caller)?;
+        if self.poisoned.is_some() {
+            return Ok(0);
+        }
+        self.store.data_mut().in_transit = Some((ptr, old));
+        let answer = self.enter(Call::Realloc, |g, s| g.call_realloc(s, ptr, old, new));
+        let state = self.store.data_mut();
+        state.in_transit = None;
+        let addr = match answer {
+            Ok(0) => {
+                // The old block stays; nothing held back may be freed after all.
+                let held_back = std::mem::take(&mut state.deferred);
+                self.settle(held_back);
+                return Ok(0);
+            }
+            Ok(addr) => addr,
+            Err(e) => return Err(LinkFault::Link(e)),
+        };
+        let old_entry = self.lent_mut().remove(ptr).expect("checked above");
+        match self.admit(Call::Realloc, addr, new) {
+            Ok(addr) => {
+                let held_back = std::mem::take(&mut self.store.data_mut().deferred);
+                self.settle(held_back);
+                Ok(addr)
+            }
+            Err(e) => {
+                // The client still holds its old block, intact: the upstream block under
+                // it was held back, so put it back on the books.
+                self.lent_mut().insert(ptr, old_entry.size, false);
+                Err(LinkFault::Link(e))
+            }
+        }
+    }
+
+    /// Give held-back upstream frees to the upstream now that the transit is settled.
+    fn settle(&mut self, held_back: Vec<(u64, u64)>) {
+        let state = self.store.data_mut();
+        for (addr, size) in held_back {
+            // Sizes were checked when the policy asked.
+            let _ = state.upstream.free(addr, size);
+        }
+    }
+
+    pub(crate) fn free(&mut self, ptr: u64, size: u64) -> Result<(), LinkFault> {
+        self.lent_mut()
+            .take_back(ptr, size)
+            .map_err(LinkFault::Caller)?;
+        if self.poisoned.is_some() {
+            self.release_if_done();
+            return Ok(());
+        }
+        self.enter(Call::Free, |g, s| g.call_free(s, ptr, size))
+            .map_err(LinkFault::Link)
+    }
+
+    pub(crate) fn malloc_many(&mut self, size: u64, count: u32) -> Result<Vec<u64>, Error> {
+        let size = size.max(1);
+        let blocks = self.enter(Call::MallocMany, |g, s| g.call_malloc_many(s, size, count))?;
+        if blocks.len() > count as usize {
+            let err = Error::Violation(Violation {
+                policy: self.info.name.clone(),
+                call: Call::MallocMany,
+                addr: 0,
+                size,
+                rule: Rule::TooManyBlocks {
+                    asked: count,
+                    got: blocks.len(),
+                },
+            });
+            self.poison(err.clone());
+            return Err(err);
+        }
+        for (i, &addr) in blocks.iter().enumerate() {
+            if let Err(e) = self.admit(Call::MallocMany, addr, size) {
+                // Blocks admitted before the bad one go back into the books of a dead
+                // link, so they are released with it.
+                for &ok in &blocks[..i] {
+                    self.lent_mut().remove(ok);
+                }
+                self.release_if_done();
+                return Err(e);
+            }
+        }
+        Ok(blocks)
+    }
+
+    /// Give back several blocks of `size` bytes the caller holds. Every address is
+    /// checked before any is given back, so a refused batch changes nothing.
+    pub(crate) fn free_many(&mut self, ptrs: Vec<u64>, size: u64) -> Result<(), LinkFault> {
+        for &ptr in &ptrs {
+            check_lent(self.lent(), ptr, size).map_err(LinkFault::Caller)?;
+        }
+        for &ptr in &ptrs {
+            self.lent_mut().remove(ptr);
+        }
+        if self.poisoned.is_some() {
+            self.release_if_done();
+            return Ok(());
+        }
+        self.enter(Call::FreeMany, |g, s| g.call_free_many(s, &ptrs, size))
+            .map_err(LinkFault::Link)
+    }
+
+    /// Ask this link, then every link below it, to give back what it caches.
+    pub(crate) fn trim(&mut self) -> Result<(), Error> {
+        let here = if self.poisoned.is_some() {
+            Ok(())
+        } else {
+            self.store.set_epoch_deadline(self.deadline_ticks);
+            let lifecycle = self.bindings.allocbox_policy_lifecycle();
+            match lifecycle.call_trim(&mut self.store) {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    let err = classify(&mut self.store, &self.limits, Call::Trim, e);
+                    self.poison(err.clone());
+                    Err(err)
+                }
+            }
+        };
+        self.store.data_mut().upstream.trim();
+        here
+    }
+}
+
+/// Turn a failed call into the error that says what happened.
+pub(crate) fn classify(
+    store: &mut Store<LinkState>,
+    limits: &Limits,
+    call: Call,
+    err: wasmtime::Error,
+) -> Error {
+    let state = store.data_mut();
+    let policy = state.name.clone();
+    if let Some(v) = state.fault.take() {
+        return Error::Violation(v);
+    }
+    if std::mem::take(&mut state.limiter.hit) {
+        return Error::MemoryLimit {
+            policy,
+            call,
+            limit: limits.memory,
+        };
+    }
+    if err.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
+        return Error::Timeout {
+            policy,
+            call,
+            limit: limits.call_time,
+        };
+    }
+    let mut message = match err.downcast_ref::<Trap>() {
+        Some(trap) => trap.to_string(),
+        None => format!("{err:#}"),
+    };
+    let said = state.output.contents();
+    if !said.is_empty() {
+        let said = String::from_utf8_lossy(&said);
+        let tail: String = said.trim_end().lines().rev().take(3).collect::<Vec<_>>().join(" | ");
+        message.push_str(&format!(" (guest output: {tail})"));
+    }
+    Error::Trap {
+        policy,
+        call,
+        message,
+    }
+}

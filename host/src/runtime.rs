@@ -1,0 +1,400 @@
+//! Loading policy components and starting them: one `Engine` per runtime, one `Linker`
+//! filled once, one `Store` per policy instance.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use wasmtime::component::{Component, Linker};
+use wasmtime::{Config, Engine, Store};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{HostMonotonicClock, HostWallClock, WasiCtx};
+
+use crate::error::{Call, LoadError};
+use crate::link::bindings::{Policy as Bindings, PolicyPre};
+use crate::link::{Limits, Link, LinkState, PolicyInfo, Upstream, classify};
+
+/// The package and version of the WIT world this host speaks.
+pub const WORLD_PACKAGE: &str = "allocbox:policy";
+pub const WORLD_VERSION: &str = "0.1.0";
+/// The WIT source of the policy world, for tools that need it.
+pub const POLICY_WIT: &str = include_str!("../../wit/policy.wit");
+
+/// How often the epoch advances; a call's time limit is rounded up to this.
+const EPOCH_TICK: Duration = Duration::from_millis(5);
+
+/// Compiles and caches policy components, and starts policy instances.
+///
+/// Cheap to clone. Compiling a component is the costly step, so a runtime keeps every
+/// component it compiled, keyed by its bytes: loading the same policy again is free.
+#[derive(Clone)]
+pub struct Runtime {
+    inner: Arc<RuntimeInner>,
+}
+
+struct RuntimeInner {
+    engine: Engine,
+    linker: Linker<LinkState>,
+    compiled: Mutex<HashMap<u64, Policy>>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("compiled", &self.inner.compiled.lock().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Runtime {
+    /// A runtime with its own engine. Most programs want [`Runtime::shared`].
+    pub fn new() -> Result<Runtime, wasmtime::Error> {
+        let mut config = Config::new();
+        // Component calls cost 2.5-3x more with async concurrency support on; policies
+        // are synchronous.
+        config.concurrency_support(false);
+        config.epoch_interruption(true);
+        let engine = Engine::new(&config)?;
+        let mut linker = Linker::new(&engine);
+        // A std wasm32-wasip2 guest imports wasi:io and wasi:cli even if it never prints;
+        // the WasiCtx built per instance grants nothing.
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
+        Bindings::add_to_linker::<LinkState, wasmtime::component::HasSelf<LinkState>>(
+            &mut linker,
+            |s| s,
+        )?;
+        start_epoch_ticker(&engine);
+        Ok(Runtime {
+            inner: Arc::new(RuntimeInner {
+                engine,
+                linker,
+                compiled: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// The process-wide runtime.
+    pub fn shared() -> &'static Runtime {
+        static SHARED: OnceLock<Runtime> = OnceLock::new();
+        SHARED.get_or_init(|| Runtime::new().expect("the default wasmtime configuration is valid"))
+    }
+
+    /// Load a policy from a file: a component binary, or WAT text (a component, or a
+    /// core module written to the policy world's canonical ABI, which is made a
+    /// component here — no wasm toolchain needed).
+    pub fn load_file(&self, path: impl AsRef<Path>) -> Result<Policy, LoadError> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| LoadError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        self.load_named(&bytes, &path.display().to_string())
+    }
+
+    /// Load a policy from bytes (see [`Runtime::load_file`]).
+    pub fn load(&self, bytes: &[u8]) -> Result<Policy, LoadError> {
+        self.load_named(bytes, "<bytes>")
+    }
+
+    fn load_named(&self, bytes: &[u8], source: &str) -> Result<Policy, LoadError> {
+        let key = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            bytes.hash(&mut h);
+            h.finish()
+        };
+        if let Some(p) = self.inner.compiled.lock().get(&key) {
+            return Ok(p.clone());
+        }
+        let binary = to_component_binary(bytes)?;
+        let component = Component::new(&self.inner.engine, &binary).map_err(|e| {
+            LoadError::Invalid {
+                detail: format!("{e:#}"),
+            }
+        })?;
+        let policy = self.check_world(component, binary.len(), source)?;
+        self.inner.compiled.lock().insert(key, policy.clone());
+        Ok(policy)
+    }
+
+    fn check_world(
+        &self,
+        component: Component,
+        size: usize,
+        source: &str,
+    ) -> Result<Policy, LoadError> {
+        let ty = component.component_type();
+        let engine = &self.inner.engine;
+        let imports: Vec<String> = ty.imports(engine).map(|(n, _)| n.to_string()).collect();
+        let exports: Vec<String> = ty.exports(engine).map(|(n, _)| n.to_string()).collect();
+        for needed in ["allocator", "lifecycle"] {
+            let want = format!("{WORLD_PACKAGE}/{needed}@{WORLD_VERSION}");
+            if exports.iter().any(|e| *e == want) {
+                continue;
+            }
+            let other = format!("{WORLD_PACKAGE}/{needed}@");
+            if let Some(found) = exports.iter().find_map(|e| e.strip_prefix(&other)) {
+                return Err(LoadError::WrongVersion {
+                    found: found.to_string(),
+                    expected: WORLD_VERSION,
+                });
+            }
+            return Err(LoadError::WrongWorld {
+                detail: format!(
+                    "it does not export `{want}` (it exports: {})",
+                    list_or_none(&exports)
+                ),
+            });
+        }
+        let pre = self
+            .inner
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| LoadError::WrongWorld {
+                detail: format!("{e:#}"),
+            })?;
+        let pre = PolicyPre::new(pre).map_err(|e| LoadError::WrongWorld {
+            detail: format!("{e:#}"),
+        })?;
+        Ok(Policy {
+            pre,
+            meta: Arc::new(PolicyMeta {
+                source: source.to_string(),
+                size,
+                imports,
+                exports,
+            }),
+        })
+    }
+
+    /// Start one instance of `policy` over `upstream` and initialise it with `config`.
+    pub(crate) fn start(
+        &self,
+        policy: &Policy,
+        config: &[(String, String)],
+        upstream: Upstream,
+        limits: &Limits,
+        poison_count: Arc<AtomicUsize>,
+    ) -> Result<Link, LoadError> {
+        let output = MemoryOutputPipe::new(limits.output);
+        let wasi = WasiCtx::builder()
+            .stdout(output.clone())
+            .stderr(output.clone())
+            .wall_clock(FrozenClock)
+            .monotonic_clock(FrozenClock)
+            .build();
+        let provisional: Arc<str> = Arc::from(policy.meta.source.as_str());
+        let state = LinkState::new(provisional, upstream, limits, wasi, output, poison_count);
+        let mut store = Store::new(&self.inner.engine, state);
+        store.limiter(|s| s.limiter());
+        store.epoch_deadline_trap();
+        let ticks = limits.call_time.as_nanos().div_ceil(EPOCH_TICK.as_nanos()) as u64 + 1;
+        store.set_epoch_deadline(ticks);
+        let start_err = |store: &mut Store<LinkState>, e| {
+            LoadError::Start(Box::new(classify(store, limits, Call::Init, e)))
+        };
+        let bindings = match policy.pre.instantiate(&mut store) {
+            Ok(b) => b,
+            Err(e) => return Err(start_err(&mut store, e)),
+        };
+        let answer = bindings
+            .allocbox_policy_lifecycle()
+            .call_init(&mut store, config);
+        let info = match answer {
+            Ok(Ok(info)) => info,
+            Ok(Err(message)) => {
+                return Err(LoadError::ConfigRejected {
+                    policy: policy.meta.source.clone(),
+                    message,
+                });
+            }
+            Err(e) => return Err(start_err(&mut store, e)),
+        };
+        let info = check_info(info)?;
+        store.data_mut().name = info.name.clone();
+        Ok(Link::new(store, bindings, info, ticks, limits.clone()))
+    }
+}
+
+fn list_or_none(items: &[String]) -> String {
+    if items.is_empty() {
+        "nothing".to_string()
+    } else {
+        items.join(", ")
+    }
+}
+
+/// Check what a policy says about itself (C1, C6).
+fn check_info(
+    info: crate::link::bindings::exports::allocbox::policy::lifecycle::Info,
+) -> Result<PolicyInfo, LoadError> {
+    if info.name.is_empty() || info.name.len() > 127 {
+        return Err(LoadError::BadName {
+            len: info.name.len(),
+        });
+    }
+    if info.version != 1 {
+        return Err(LoadError::BadVersion {
+            policy: info.name,
+            version: info.version,
+        });
+    }
+    if !info.alignment.is_power_of_two() {
+        return Err(LoadError::BadAlignment {
+            policy: info.name,
+            alignment: info.alignment,
+        });
+    }
+    Ok(PolicyInfo {
+        name: info.name.into(),
+        version: info.version,
+        alignment: info.alignment,
+        batch: info.batch,
+    })
+}
+
+/// Clocks a policy sees unless the embedder grants real ones: always zero, so that a
+/// policy cannot time anything or leak timing into its placement decisions.
+struct FrozenClock;
+
+impl HostWallClock for FrozenClock {
+    fn resolution(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+    fn now(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+impl HostMonotonicClock for FrozenClock {
+    fn resolution(&self) -> u64 {
+        1_000_000_000
+    }
+    fn now(&self) -> u64 {
+        0
+    }
+}
+
+/// One thread per engine advances its epoch so that a call that runs too long traps; it
+/// ends when the engine is dropped.
+fn start_epoch_ticker(engine: &Engine) {
+    let weak = engine.weak();
+    std::thread::Builder::new()
+        .name("allocbox-epoch".into())
+        .spawn(move || {
+            while let Some(engine) = weak.upgrade() {
+                engine.increment_epoch();
+                drop(engine);
+                std::thread::sleep(EPOCH_TICK);
+            }
+        })
+        .expect("spawning the epoch thread");
+}
+
+/// Turn file contents into component bytes, or say clearly why they are not one.
+fn to_component_binary(bytes: &[u8]) -> Result<Vec<u8>, LoadError> {
+    const MAGIC: &[u8] = b"\0asm";
+    if bytes.starts_with(MAGIC) {
+        // Bytes 6..8 are the layer: 0 for a core module, 1 for a component.
+        return match bytes.get(6..8) {
+            Some([1, 0]) => Ok(bytes.to_vec()),
+            Some([0, 0]) => Err(LoadError::CoreModule),
+            _ => Err(LoadError::Invalid {
+                detail: "unknown wasm binary layer".into(),
+            }),
+        };
+    }
+    let Ok(text) = std::str::from_utf8(bytes) else {
+        return Err(LoadError::NotWasm {
+            detail: "binary data without the `\\0asm` magic".into(),
+        });
+    };
+    let looks_like_wat = text
+        .lines()
+        .map(str::trim_start)
+        .find(|l| !l.is_empty() && !l.starts_with(";;"))
+        .is_some_and(|l| l.starts_with('('));
+    let binary = wat::parse_str(text).map_err(|e| {
+        if looks_like_wat {
+            LoadError::Invalid {
+                detail: e.to_string(),
+            }
+        } else {
+            LoadError::NotWasm {
+                detail: "text that is not WAT".into(),
+            }
+        }
+    })?;
+    match binary.get(6..8) {
+        Some([0, 0]) => componentize(binary),
+        _ => Ok(binary),
+    }
+}
+
+/// Make a WAT core module a component of the policy world, as `wasm-tools component new`
+/// would: embed the world's type information, then encode with wit-component.
+fn componentize(mut module: Vec<u8>) -> Result<Vec<u8>, LoadError> {
+    let err = |e: anyhow::Error| LoadError::Componentize {
+        detail: format!("{e:#}"),
+    };
+    let mut resolve = wit_parser::Resolve::default();
+    let pkg = resolve.push_str("policy.wit", POLICY_WIT).map_err(err)?;
+    let world = resolve.select_world(&[pkg], Some("policy")).map_err(err)?;
+    wit_component::embed_component_metadata(
+        &mut module,
+        &resolve,
+        world,
+        wit_component::StringEncoding::UTF8,
+    )
+    .map_err(err)?;
+    wit_component::ComponentEncoder::default()
+        .module(&module)
+        .map_err(err)?
+        .validate(true)
+        .encode()
+        .map_err(err)
+}
+
+/// A compiled policy component, checked against the policy world. Cheap to clone;
+/// start instances of it with [`crate::HandlerBuilder`].
+#[derive(Clone)]
+pub struct Policy {
+    pre: PolicyPre<LinkState>,
+    meta: Arc<PolicyMeta>,
+}
+
+#[derive(Debug)]
+struct PolicyMeta {
+    source: String,
+    size: usize,
+    imports: Vec<String>,
+    exports: Vec<String>,
+}
+
+impl std::fmt::Debug for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Policy").field("meta", &self.meta).finish()
+    }
+}
+
+impl Policy {
+    /// Where it was loaded from.
+    pub fn source(&self) -> &str {
+        &self.meta.source
+    }
+    /// Size of the component binary in bytes.
+    pub fn size(&self) -> usize {
+        self.meta.size
+    }
+    /// The names the component imports.
+    pub fn imports(&self) -> &[String] {
+        &self.meta.imports
+    }
+    /// The names the component exports.
+    pub fn exports(&self) -> &[String] {
+        &self.meta.exports
+    }
+}

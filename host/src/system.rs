@@ -1,0 +1,144 @@
+//! The host's own memory: the last upstream of every chain.
+//!
+//! Blocks come from the global allocator with a fixed alignment. Because the ledger
+//! checks every give-back against the size the block was lent with, the `Layout` passed
+//! to `dealloc`/`realloc` is always the one the block was allocated with — the sized-free
+//! rule is what makes this memory-safe.
+
+use std::alloc::{self, Layout};
+
+use crate::ledger::{Ledger, TakeBack};
+
+/// Every block the host lends is aligned to this.
+pub const SYSTEM_ALIGNMENT: u64 = 16;
+
+#[derive(Debug)]
+pub(crate) struct SystemMemory {
+    pub(crate) lent: Ledger,
+    /// Most bytes lent at once; requests past it are "none".
+    limit: u64,
+}
+
+impl SystemMemory {
+    pub(crate) fn new(limit: u64) -> Self {
+        SystemMemory {
+            lent: Ledger::default(),
+            limit,
+        }
+    }
+
+    fn layout(size: u64) -> Option<Layout> {
+        Layout::from_size_align(usize::try_from(size).ok()?, SYSTEM_ALIGNMENT as usize).ok()
+    }
+
+    fn within_limit(&self, extra: u64) -> bool {
+        self.lent.bytes().checked_add(extra).is_some_and(|t| t <= self.limit)
+    }
+
+    /// A block of `size` (> 0) bytes, zeroed if asked; 0 when memory runs out.
+    pub(crate) fn malloc(&mut self, size: u64, zeroed: bool) -> u64 {
+        debug_assert!(size > 0, "the host never asks for 0 bytes");
+        let Some(layout) = Self::layout(size).filter(|_| self.within_limit(size)) else {
+            return 0;
+        };
+        // SAFETY: `layout` has a non-zero size (sizes are normalised to at least 1).
+        let ptr = unsafe {
+            if zeroed {
+                alloc::alloc_zeroed(layout)
+            } else {
+                alloc::alloc(layout)
+            }
+        };
+        if ptr.is_null() {
+            return 0;
+        }
+        self.lent.insert(ptr as u64, size, false);
+        ptr as u64
+    }
+
+    pub(crate) fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> Result<u64, TakeBack> {
+        let entry = self.lent.get(ptr).ok_or_else(|| self.lent.why_unknown(ptr))?;
+        if entry.size != old {
+            return Err(TakeBack::WrongSize { recorded: entry.size });
+        }
+        let grow = new.saturating_sub(old);
+        if new == 0 || Self::layout(new).is_none() || !self.within_limit(grow) {
+            return Ok(0);
+        }
+        let old_layout = Self::layout(old).expect("a lent block has a valid layout");
+        // SAFETY: `ptr` was allocated by this allocator with `old_layout` (the ledger
+        // recorded exactly `old` bytes for it and it is still live), and `new` is
+        // non-zero and forms a valid layout with the same alignment.
+        let moved = unsafe { alloc::realloc(ptr as *mut u8, old_layout, new as usize) };
+        if moved.is_null() {
+            return Ok(0);
+        }
+        self.lent.remove(ptr);
+        self.lent.insert(moved as u64, new, false);
+        Ok(moved as u64)
+    }
+
+    pub(crate) fn free(&mut self, ptr: u64, size: u64) -> Result<(), TakeBack> {
+        self.lent.take_back(ptr, size)?;
+        let layout = Self::layout(size).expect("a lent block has a valid layout");
+        // SAFETY: the ledger proved `ptr` is live and was allocated with exactly `size`
+        // bytes at SYSTEM_ALIGNMENT, i.e. with `layout`; it is now off the books, so it
+        // is freed once.
+        unsafe { alloc::dealloc(ptr as *mut u8, layout) };
+        Ok(())
+    }
+}
+
+impl Drop for SystemMemory {
+    /// A handler dropped with blocks still out frees them: the host owns this memory,
+    /// whatever the policies above did.
+    fn drop(&mut self) {
+        for (addr, entry) in self.lent.drain() {
+            let layout = Self::layout(entry.size).expect("a lent block has a valid layout");
+            // SAFETY: each entry is a live block allocated here with exactly this layout;
+            // draining removed it from the books, so it is freed once.
+            unsafe { alloc::dealloc(addr as *mut u8, layout) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refuses_a_free_with_the_wrong_size_and_keeps_the_block() {
+        let mut m = SystemMemory::new(u64::MAX);
+        let p = m.malloc(100, false);
+        assert_ne!(p, 0);
+        assert_eq!(m.free(p, 99), Err(TakeBack::WrongSize { recorded: 100 }));
+        assert_eq!(m.free(p, 100), Ok(()));
+        assert_eq!(m.free(p, 100), Err(TakeBack::AlreadyFreed));
+    }
+
+    #[test]
+    fn sizes_past_the_address_space_or_the_limit_are_none() {
+        let mut m = SystemMemory::new(1 << 20);
+        assert_eq!(m.malloc(u64::MAX - 8, false), 0);
+        assert_eq!(m.malloc(2 << 20, false), 0);
+        let p = m.malloc(1 << 19, true);
+        assert_ne!(p, 0);
+        assert_eq!(m.realloc(p, 1 << 19, 4 << 20), Ok(0), "growing past the limit");
+        assert_eq!(m.lent.bytes(), 1 << 19, "a refused realloc keeps the block");
+    }
+
+    #[test]
+    fn calloc_memory_is_zero_and_realloc_keeps_bytes() {
+        let mut m = SystemMemory::new(u64::MAX);
+        let p = m.malloc(64, true);
+        // SAFETY: `p` is a live 64-byte block lent by `m`.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, 64) };
+        assert!(bytes.iter().all(|&b| b == 0));
+        bytes.copy_from_slice(&[7; 64]);
+        let q = m.realloc(p, 64, 4096).unwrap();
+        // SAFETY: `q` is a live 4096-byte block lent by `m`; its first 64 bytes were kept.
+        let moved = unsafe { std::slice::from_raw_parts(q as *const u8, 64) };
+        assert!(moved.iter().all(|&b| b == 7));
+        m.free(q, 4096).unwrap();
+    }
+}
