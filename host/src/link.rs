@@ -542,20 +542,24 @@ impl Link {
         }
     }
 
-    /// Check and record a block this link returned.
-    fn admit(&mut self, call: Call, addr: u64, size: u64) -> Result<u64, Error> {
+    /// The rule a block this link returned breaks, if any.
+    fn misplaced(&self, addr: u64, size: u64) -> Option<Rule> {
         let alignment = self.info.alignment;
-        let state = self.store.data_mut();
-        let rule = if addr % alignment != 0 {
-            Rule::Misaligned { alignment }
+        let state = self.store.data();
+        if addr % alignment != 0 {
+            Some(Rule::Misaligned { alignment })
         } else if state.upstream.lent().containing(addr, size).is_none() {
-            Rule::OutsideOwned
-        } else if let Some((other, other_size)) = state.lent.overlapping(addr, size) {
-            Rule::Overlap { other, other_size }
+            Some(Rule::OutsideOwned)
         } else {
-            state.lent.insert(addr, size, false);
-            return Ok(addr);
-        };
+            state
+                .lent
+                .overlapping(addr, size)
+                .map(|(other, other_size)| Rule::Overlap { other, other_size })
+        }
+    }
+
+    /// Stop the link for breaking `rule` and produce the error that says so.
+    fn violation(&mut self, call: Call, addr: u64, size: u64, rule: Rule) -> Error {
         let err = Error::Violation(Violation {
             policy: self.info.name.clone(),
             call,
@@ -564,7 +568,18 @@ impl Link {
             rule,
         });
         self.poison(err.clone());
-        Err(err)
+        err
+    }
+
+    /// Check and record a block this link returned.
+    fn admit(&mut self, call: Call, addr: u64, size: u64) -> Result<u64, Error> {
+        match self.misplaced(addr, size) {
+            None => {
+                self.lent_mut().insert(addr, size, false);
+                Ok(addr)
+            }
+            Some(rule) => Err(self.violation(call, addr, size, rule)),
+        }
     }
 
     pub(crate) fn malloc(&mut self, size: u64) -> Result<u64, Error> {
@@ -614,19 +629,17 @@ impl Link {
             Err(e) => return Err(LinkFault::Link(e)),
         };
         let old_entry = self.lent_mut().remove(ptr).expect("checked above");
-        match self.admit(Call::Realloc, addr, new) {
-            Ok(addr) => {
-                let held_back = std::mem::take(&mut self.store.data_mut().deferred);
-                self.settle(held_back);
-                Ok(addr)
-            }
-            Err(e) => {
-                // The client still holds its old block, intact: the upstream block under
-                // it was held back, so put it back on the books.
-                self.lent_mut().insert(ptr, old_entry.size, false);
-                Err(LinkFault::Link(e))
-            }
+        if let Some(rule) = self.misplaced(addr, new) {
+            // The client still holds its old block, intact: the upstream block under it
+            // was held back. It goes back on the books before the link is stopped, so
+            // the stop cannot release that memory while the client holds it.
+            self.lent_mut().insert(ptr, old_entry.size, false);
+            return Err(LinkFault::Link(self.violation(Call::Realloc, addr, new, rule)));
         }
+        self.lent_mut().insert(addr, new, false);
+        let held_back = std::mem::take(&mut self.store.data_mut().deferred);
+        self.settle(held_back);
+        Ok(addr)
     }
 
     /// Give held-back upstream frees to the upstream now that the transit is settled.
@@ -654,18 +667,11 @@ impl Link {
         let size = size.max(1);
         let blocks = self.enter(Call::MallocMany, |g, s| g.call_malloc_many(s, size, count))?;
         if blocks.len() > count as usize {
-            let err = Error::Violation(Violation {
-                policy: self.info.name.clone(),
-                call: Call::MallocMany,
-                addr: 0,
-                size,
-                rule: Rule::TooManyBlocks {
-                    asked: count,
-                    got: blocks.len(),
-                },
-            });
-            self.poison(err.clone());
-            return Err(err);
+            let rule = Rule::TooManyBlocks {
+                asked: count,
+                got: blocks.len(),
+            };
+            return Err(self.violation(Call::MallocMany, 0, size, rule));
         }
         for (i, &addr) in blocks.iter().enumerate() {
             if let Err(e) = self.admit(Call::MallocMany, addr, size) {

@@ -1,1 +1,30 @@
+//! The guest policies of `guest-handlers/`, built by this crate's build script.
+//!
+//! Tests name a policy by its constant (`allocbox_artifacts::SYSTEM.path()`), never by a
+//! hand-written path; `foreach_good_policy!` generates one test module per good policy.
 
+/// A guest policy built (or, for WAT, found) by the build script.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Guest {
+    pub name: &'static str,
+    path: &'static str,
+}
+
+impl Guest {
+    /// The component (or WAT source) file. Panics, naming the fix, when the guests could
+    /// not be built (e.g. the wasm32-wasip2 target is missing).
+    pub fn path(&self) -> &'static str {
+        if let (Some(err), false) = (BUILD_ERROR, self.path.ends_with(".wat")) {
+            panic!("the `{}` guest is not available: {err}", self.name);
+        }
+        self.path
+    }
+
+    /// The file's bytes.
+    pub fn bytes(&self) -> Vec<u8> {
+        let path = self.path();
+        std::fs::read(path).unwrap_or_else(|e| panic!("reading {path}: {e}"))
+    }
+}
+
+include!(concat!(env!("OUT_DIR"), "/artifacts.rs"));

@@ -51,6 +51,8 @@ enum Fault {
     CallocDirty,
     /// `realloc` copies only half of `min(old, new)` bytes.
     ReallocLoses,
+    /// `realloc` moves the data, frees the old block, and answers outside its memory.
+    ReallocOutside,
     /// `malloc(size)` returns an upstream block of `size - 1` bytes (for size > 1).
     OffByOne,
     /// `free` of 64 bytes or more does nothing.
@@ -85,6 +87,7 @@ const FAULTS: &[(&str, Fault)] = &[
     ("foreign-free", Fault::ForeignFree),
     ("calloc-dirty", Fault::CallocDirty),
     ("realloc-loses", Fault::ReallocLoses),
+    ("realloc-outside", Fault::ReallocOutside),
     ("off-by-one", Fault::OffByOne),
     ("leak", Fault::Leak),
     ("scribble", Fault::Scribble),
@@ -200,6 +203,16 @@ impl Allocator for Broken {
                     upstream::free(ptr, old_size);
                 }
                 new
+            }
+            // Moves the data, gives the old block back, then answers with an address
+            // past the new block: the host must still hold the client's old bytes.
+            Fault::ReallocOutside if ptr != 0 => {
+                let new = upstream::malloc(new_size);
+                if new != 0 {
+                    bytes::copy(new, ptr, old_size.min(new_size));
+                    upstream::free(ptr, old_size);
+                }
+                new + new_size.next_multiple_of(16) + 65536
             }
             Fault::Scribble => {
                 let new = upstream::realloc(ptr, old_size, new_size);

@@ -1,0 +1,62 @@
+//! Chains of policies, with the host between every two links.
+
+use allocbox::{HandlerBuilder, Runtime};
+
+use super::support::*;
+
+#[test]
+fn aligned_over_size_classes_over_system_places_aligned_blocks_and_keeps_bytes() {
+    let h = HandlerBuilder::new(Runtime::shared())
+        .link_with(&load(&allocbox_artifacts::ALIGNED), &[("alignment", "256")])
+        .link(&load(&allocbox_artifacts::SIZE_CLASSES))
+        .link(&load(&allocbox_artifacts::SYSTEM))
+        .build()
+        .unwrap();
+    assert_eq!(
+        h.policy_names().iter().map(|n| &**n).collect::<Vec<_>>(),
+        ["aligned", "size-classes", "system"]
+    );
+    let mut blocks = Vec::new();
+    for (i, size) in [1usize, 15, 100, 1000, 5000, 70000].into_iter().enumerate() {
+        let p = h.malloc(size).unwrap().unwrap();
+        assert_eq!(p.as_ptr() as usize % 256, 0, "{size} bytes");
+        fill(p, size, i as u8);
+        blocks.push((p, size, i as u8));
+    }
+    for (p, size, byte) in &mut blocks {
+        let q = h.realloc(Some(*p), *size * 2).unwrap().unwrap();
+        assert!(holds(q, *size, *byte));
+        *p = q;
+        *size *= 2;
+    }
+    for (p, size, _) in blocks {
+        h.free(Some(p), size).unwrap();
+    }
+    h.trim().unwrap();
+    assert_eq!(h.held_from_host(), (0, 0));
+}
+
+#[test]
+fn a_violation_deep_in_a_chain_names_the_inner_policy_and_stops_the_handler() {
+    let h = HandlerBuilder::new(Runtime::shared())
+        .link(&load(&allocbox_artifacts::SYSTEM))
+        .link_with(&load(&allocbox_artifacts::BROKEN), &[("fault", "misaligned")])
+        .build()
+        .unwrap();
+    let err = h.malloc(16).unwrap_err();
+    assert_eq!(err.policy(), Some("broken"), "{err}");
+    assert!(matches!(h.malloc(8), Err(allocbox::Error::Poisoned { .. })));
+}
+
+#[test]
+fn the_arena_serves_from_chunks_and_returns_them_on_trim() {
+    let h = handler(&allocbox_artifacts::ARENA, &[("chunk-size", "65536")]);
+    let blocks: Vec<_> = (1..200).map(|s| (h.malloc(s * 8).unwrap().unwrap(), s * 8)).collect();
+    let (held, _) = h.held_from_host();
+    assert!(held < 20, "carved from a few chunks, not one upstream block each: {held}");
+    for (p, s) in blocks {
+        h.free(Some(p), s).unwrap();
+    }
+    h.trim().unwrap();
+    assert_eq!(h.held_from_host(), (0, 0));
+}

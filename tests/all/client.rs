@@ -1,0 +1,74 @@
+//! The client's side of the contract: the host corrects and refuses, the policy never
+//! sees a wrong size.
+
+use allocbox::{ClientError, Error};
+
+use super::support::*;
+
+#[test]
+fn a_client_double_free_is_refused_and_harmless() {
+    for guest in [&allocbox_artifacts::SYSTEM, &allocbox_artifacts::ALIGNED] {
+        let h = handler(guest, &[]);
+        let p = h.malloc(64).unwrap();
+        h.free(p, 64).unwrap();
+        let err = h.free(p, 64).unwrap_err();
+        assert!(matches!(err, Error::Client(ClientError::DoubleFree { .. })), "{err}");
+        let q = h.malloc(64).unwrap();
+        h.free(q, 64).unwrap();
+        assert!(h.failure().is_none(), "a client mistake does not stop the policy");
+    }
+}
+
+#[test]
+fn a_free_of_an_address_never_lent_is_refused() {
+    let h = handler(&allocbox_artifacts::SYSTEM, &[]);
+    let mut local = [0u8; 16];
+    let err = h.free(std::ptr::NonNull::new(local.as_mut_ptr()), 16).unwrap_err();
+    assert!(matches!(err, Error::Client(ClientError::UnknownBlock { .. })), "{err}");
+}
+
+#[test]
+fn a_wrong_size_free_is_corrected_so_the_policy_gets_the_right_size() {
+    // `aligned` traps if the size it is given is not the one in its header.
+    let h = handler(&allocbox_artifacts::ALIGNED, &[]);
+    let p = h.malloc(8).unwrap();
+    h.free(p, 1).unwrap();
+    assert_eq!(h.stats().size_corrections, 1);
+    assert!(h.failure().is_none());
+}
+
+#[test]
+fn free_of_null_with_a_size_does_nothing() {
+    let h = handler(&allocbox_artifacts::SYSTEM, &[]);
+    h.free(None, 32).unwrap();
+    assert_eq!(h.stats().frees, 0);
+}
+
+#[test]
+fn zero_size_requests_get_distinct_blocks_freed_with_either_size() {
+    let h = handler(&allocbox_artifacts::ALIGNED, &[]);
+    let a = h.malloc(0).unwrap();
+    let b = h.malloc(0).unwrap();
+    assert!(a.is_some() && a != b);
+    h.free(a, 0).unwrap();
+    h.free(b, 1).unwrap();
+    assert_eq!(h.stats().size_corrections, 0, "0 and 1 both name a 0-byte block");
+    let c = h.calloc(0, 8).unwrap();
+    h.free(c, 0).unwrap();
+}
+
+#[test]
+fn an_overflowing_calloc_is_none_without_asking_the_policy() {
+    let h = broken("trap-calloc");
+    assert_eq!(h.calloc(usize::MAX, 2).unwrap(), None);
+    assert!(h.failure().is_none());
+}
+
+#[test]
+fn impossible_sizes_are_none_not_errors() {
+    let h = handler(&allocbox_artifacts::SYSTEM, &[]);
+    assert_eq!(h.malloc(usize::MAX - 4).unwrap(), None);
+    let p = h.malloc(16).unwrap();
+    assert_eq!(h.realloc(p, usize::MAX - 4).unwrap(), None);
+    h.free(p, 16).unwrap();
+}

@@ -1,0 +1,172 @@
+//! A policy that breaks the contract is caught, named and stopped; no client data is lost.
+
+use std::ptr::NonNull;
+
+use allocbox::{Call, Error, Rule};
+
+use super::support::*;
+
+/// A live block with known contents, to prove that a failure loses no data. It comes
+/// from `calloc`, which the malloc faults leave alone.
+fn precious(h: &allocbox::Handler) -> NonNull<u8> {
+    let p = h.calloc(1, 4000).unwrap().unwrap();
+    fill(p, 4000, 0xC7);
+    p
+}
+
+fn assert_intact_and_freeable(h: &allocbox::Handler, p: NonNull<u8>) {
+    assert!(holds(p, 4000, 0xC7), "live data changed");
+    fill(p, 4000, 0x11);
+    assert!(holds(p, 4000, 0x11), "live block no longer writable");
+    h.free(Some(p), 4000).unwrap();
+}
+
+fn violation(err: &Error) -> (&Rule, Call) {
+    match err {
+        Error::Violation(v) => (&v.rule, v.call),
+        other => panic!("expected a violation, got: {other}"),
+    }
+}
+
+#[test]
+fn a_block_outside_the_policy_s_memory_is_refused() {
+    let h = broken("outside");
+    let p = precious(&h);
+    let err = h.malloc(64).unwrap_err();
+    assert_eq!(violation(&err), (&Rule::OutsideOwned, Call::Malloc));
+    assert!(err.to_string().contains("broken") && err.to_string().contains("64 bytes"), "{err}");
+    assert!(matches!(h.malloc(8), Err(Error::Poisoned { .. })), "stopped after a violation");
+    assert_intact_and_freeable(&h, p);
+}
+
+#[test]
+fn an_overlapping_block_is_refused() {
+    let h = broken("overlap");
+    let first = h.malloc(64).unwrap().unwrap();
+    fill(first, 64, 0xC7);
+    let err = h.malloc(64).unwrap_err();
+    assert!(matches!(violation(&err).0, Rule::Overlap { .. }), "{err}");
+    assert!(holds(first, 64, 0xC7));
+    h.free(Some(first), 64).unwrap();
+}
+
+#[test]
+fn a_misaligned_block_is_refused() {
+    let h = broken("misaligned");
+    let err = h.malloc(32).unwrap_err();
+    assert_eq!(violation(&err).0, &Rule::Misaligned { alignment: 16 });
+}
+
+#[test]
+fn a_block_shorter_than_asked_is_refused() {
+    let h = broken("off-by-one");
+    let err = h.malloc(100).unwrap_err();
+    assert_eq!(violation(&err).0, &Rule::OutsideOwned, "{err}");
+}
+
+#[test]
+fn an_upstream_free_with_the_wrong_size_is_caught() {
+    let h = broken("wrong-size-free");
+    let keep = precious(&h);
+    let p = h.malloc(48).unwrap();
+    let err = h.free(p, 48).unwrap_err();
+    assert_eq!(
+        violation(&err),
+        (&Rule::WrongSizeFree { recorded: 48 }, Call::Free),
+        "{err}"
+    );
+    assert_intact_and_freeable(&h, keep);
+    assert_eq!(h.held_from_host(), (0, 0), "a dead policy's memory is returned");
+}
+
+#[test]
+fn an_upstream_double_free_is_caught() {
+    let h = broken("double-free");
+    let p = h.malloc(48).unwrap();
+    let err = h.free(p, 48).unwrap_err();
+    assert_eq!(violation(&err).0, &Rule::DoubleFree, "{err}");
+}
+
+#[test]
+fn an_upstream_free_of_an_address_never_lent_is_caught() {
+    let h = broken("foreign-free");
+    let p = h.malloc(48).unwrap();
+    let err = h.free(p, 48).unwrap_err();
+    assert_eq!(violation(&err).0, &Rule::UnknownFree, "{err}");
+}
+
+#[test]
+fn writing_into_a_lent_block_through_bytes_is_refused() {
+    let h = broken("scribble");
+    let first = h.malloc(64).unwrap().unwrap();
+    fill(first, 64, 0xC7);
+    let err = h.malloc(64).unwrap_err();
+    assert_eq!(violation(&err), (&Rule::BytesOutOfBounds, Call::BytesWrite));
+    assert!(holds(first, 64, 0xC7), "the scribble never reached the client's block");
+    h.free(Some(first), 64).unwrap();
+    assert_eq!(h.held_from_host(), (0, 0));
+}
+
+#[test]
+fn a_trap_in_every_export_is_an_error_and_loses_nothing() {
+    type Op = fn(&allocbox::Handler) -> Result<(), Error>;
+    let cases: &[(&str, Call, Op)] = &[
+        ("trap-malloc", Call::Malloc, |h| h.malloc(64).map(drop)),
+        ("trap-calloc", Call::Calloc, |h| h.calloc(8, 8).map(drop)),
+        ("trap-realloc", Call::Realloc, |h| {
+            let p = h.malloc(64)?;
+            h.realloc(p, 128).map(drop)
+        }),
+        ("trap-free", Call::Free, |h| {
+            let p = h.malloc(64)?;
+            h.free(p, 64)
+        }),
+        ("trap-trim", Call::Trim, |h| h.trim()),
+    ];
+    for (fault, call, op) in cases {
+        let h = broken(fault);
+        let keep = match *fault {
+            "trap-calloc" => {
+                let p = h.malloc(4000).unwrap().unwrap();
+                fill(p, 4000, 0xC7);
+                p
+            }
+            _ => precious(&h),
+        };
+        let err = op(&h).expect_err(fault);
+        match &err {
+            Error::Trap { call: c, message, .. } => {
+                assert_eq!(c, call, "{fault}");
+                assert!(message.contains("trapping on purpose"), "{fault}: {message}");
+            }
+            other => panic!("{fault}: expected a trap, got {other}"),
+        }
+        assert_intact_and_freeable(&h, keep);
+    }
+}
+
+#[test]
+fn a_trap_in_the_batch_exports_is_caught_through_the_magazines() {
+    let h = broken("trap-malloc-many");
+    let err = h.malloc(24).unwrap_err();
+    assert!(matches!(err, Error::Trap { call: Call::MallocMany, .. }), "{err}");
+
+    let h = broken("trap-free-many");
+    let blocks: Vec<_> = (0..100).map(|_| h.malloc(24).unwrap()).collect();
+    let errors: Vec<_> = blocks.into_iter().filter_map(|p| h.free(p, 24).err()).collect();
+    assert!(
+        matches!(errors.first(), Some(Error::Trap { call: Call::FreeMany, .. })),
+        "{errors:?}"
+    );
+    assert_eq!(h.held_from_host(), (0, 0), "every block returned once the client let go");
+}
+
+#[test]
+fn a_realloc_that_returns_a_bad_block_keeps_the_old_block_intact() {
+    // `realloc-outside` moves the bytes, frees the old block upstream, then lies.
+    let h = broken("realloc-outside");
+    let p = Some(precious(&h));
+    let err = h.realloc(p, 8000).unwrap_err();
+    assert!(matches!(violation(&err).0, Rule::OutsideOwned), "{err}");
+    assert_intact_and_freeable(&h, p.unwrap());
+}

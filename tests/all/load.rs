@@ -1,0 +1,115 @@
+//! Loading and starting: every kind of bad input is a clear, typed `LoadError`.
+
+use allocbox::{Error, HandlerBuilder, LoadError, Runtime};
+
+use super::support::*;
+
+fn start(bytes: &[u8]) -> Result<allocbox::Handler, LoadError> {
+    let policy = Runtime::shared().load(bytes)?;
+    HandlerBuilder::new(Runtime::shared()).link(&policy).build()
+}
+
+fn start_broken(fault: &str) -> LoadError {
+    let policy = load(&allocbox_artifacts::BROKEN);
+    HandlerBuilder::new(Runtime::shared())
+        .link_with(&policy, &[("fault", fault)])
+        .build()
+        .expect_err("start-up must fail")
+}
+
+#[test]
+fn a_file_that_is_not_wasm_is_refused() {
+    let err = start(b"\x89PNG\r\n\x1a\n not a policy").unwrap_err();
+    assert!(matches!(err, LoadError::NotWasm { .. }), "{err}");
+    let err = start(b"hello, I am plain text").unwrap_err();
+    assert!(matches!(err, LoadError::NotWasm { .. }), "{err}");
+}
+
+#[test]
+fn a_core_module_is_refused_with_the_fix() {
+    let core = wat::parse_str("(module (func (export \"f\")))").unwrap();
+    let err = start(&core).unwrap_err();
+    assert!(matches!(err, LoadError::CoreModule), "{err}");
+    assert!(err.to_string().contains("wasm-tools component new"));
+}
+
+#[test]
+fn a_component_of_another_world_is_refused() {
+    let err = start(b"(component)").unwrap_err();
+    assert!(matches!(err, LoadError::WrongWorld { .. }), "{err}");
+    assert!(err.to_string().contains("allocbox:policy/allocator@0.1.0"), "{err}");
+}
+
+#[test]
+fn a_component_of_another_version_is_refused() {
+    let wat = r#"(component
+        (core module $m (func (export "f") (param i64) (result i64) local.get 0))
+        (core instance $i (instantiate $m))
+        (func $f (param "size" u64) (result u64) (canon lift (core func $i "f")))
+        (instance $alloc (export "malloc" (func $f)))
+        (export "allocbox:policy/allocator@0.2.0" (instance $alloc))
+        (export "allocbox:policy/lifecycle@0.2.0" (instance $alloc)))"#;
+    let err = start(wat.as_bytes()).unwrap_err();
+    assert!(
+        matches!(&err, LoadError::WrongVersion { found, .. } if found == "0.2.0"),
+        "{err}"
+    );
+}
+
+#[test]
+fn broken_wat_text_is_invalid_not_silently_accepted() {
+    let err = start(b"(module (func (export \"x\") (i32.add)").unwrap_err();
+    assert!(matches!(err, LoadError::Invalid { .. }), "{err}");
+}
+
+#[test]
+fn a_wat_core_module_missing_exports_cannot_become_a_policy() {
+    let err = start(b"(module (memory (export \"memory\") 1))").unwrap_err();
+    assert!(matches!(err, LoadError::WrongWorld { .. } | LoadError::Componentize { .. }), "{err}");
+}
+
+#[test]
+fn a_trap_during_start_up_is_a_start_error_naming_the_trap() {
+    let err = start_broken("trap-init");
+    let LoadError::Start(inner) = &err else { panic!("{err}") };
+    assert!(matches!(**inner, Error::Trap { .. }), "{err}");
+    assert!(err.to_string().contains("trapping on purpose"), "guest output is shown: {err}");
+}
+
+#[test]
+fn bad_descriptions_are_refused() {
+    assert!(matches!(start_broken("bad-name"), LoadError::BadName { len: 200 }));
+    assert!(matches!(start_broken("empty-name"), LoadError::BadName { len: 0 }));
+    assert!(matches!(start_broken("bad-version"), LoadError::BadVersion { version: 2, .. }));
+    assert!(matches!(
+        start_broken("bad-alignment"),
+        LoadError::BadAlignment { alignment: 24, .. }
+    ));
+}
+
+#[test]
+fn a_bad_configuration_is_refused_with_the_policy_s_reason() {
+    let err = start_broken("no-such-fault");
+    let LoadError::ConfigRejected { message, .. } = &err else { panic!("{err}") };
+    assert!(message.contains("no-such-fault"), "{message}");
+
+    let policy = load(&allocbox_artifacts::ALIGNED);
+    let err = HandlerBuilder::new(Runtime::shared())
+        .link_with(&policy, &[("alignment", "48")])
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, LoadError::ConfigRejected { .. }), "{err}");
+    assert!(err.to_string().contains("48"), "{err}");
+}
+
+#[test]
+fn an_empty_chain_is_refused() {
+    let err = HandlerBuilder::new(Runtime::shared()).build().unwrap_err();
+    assert!(matches!(err, LoadError::EmptyChain));
+}
+
+#[test]
+fn a_missing_file_names_the_path() {
+    let err = Runtime::shared().load_file("/no/such/policy.wasm").unwrap_err();
+    assert!(err.to_string().contains("/no/such/policy.wasm"), "{err}");
+}

@@ -1,0 +1,26 @@
+//! allocbox's integration tests: one binary, a module per area (keeps link time down).
+
+mod support;
+
+mod chain;
+mod client;
+mod contract;
+mod limits;
+mod load;
+
+mod smoke {
+    use super::support::*;
+
+    #[test]
+    fn every_good_policy_serves_a_malloc_free_round_trip() {
+        for guest in allocbox_artifacts::GOOD {
+            let h = handler(guest, &[]);
+            let p = h.malloc(100).unwrap().unwrap();
+            fill(p, 100, 0x5a);
+            assert!(holds(p, 100, 0x5a));
+            h.free(Some(p), 100).unwrap();
+            h.trim().unwrap();
+            assert_eq!(h.held_from_host(), (0, 0), "{} leaks", guest.name);
+        }
+    }
+}

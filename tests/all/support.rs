@@ -1,0 +1,35 @@
+//! Helpers shared by the test modules.
+
+use std::ptr::NonNull;
+
+use allocbox::{Handler, HandlerBuilder, Policy, Runtime};
+use allocbox_artifacts::Guest;
+
+pub fn load(guest: &Guest) -> Policy {
+    Runtime::shared()
+        .load_file(guest.path())
+        .unwrap_or_else(|e| panic!("loading {}: {e}", guest.name))
+}
+
+pub fn handler(guest: &Guest, config: &[(&str, &str)]) -> Handler {
+    HandlerBuilder::new(Runtime::shared())
+        .link_with(&load(guest), config)
+        .build()
+        .unwrap_or_else(|e| panic!("starting {}: {e}", guest.name))
+}
+
+/// A handler over the `broken` policy with one fault switched on.
+pub fn broken(fault: &str) -> Handler {
+    handler(&allocbox_artifacts::BROKEN, &[("fault", fault)])
+}
+
+pub fn fill(p: NonNull<u8>, len: usize, byte: u8) {
+    // SAFETY: tests only pass blocks of at least `len` bytes that the handler lent them.
+    unsafe { std::ptr::write_bytes(p.as_ptr(), byte, len) }
+}
+
+pub fn holds(p: NonNull<u8>, len: usize, byte: u8) -> bool {
+    // SAFETY: as in `fill`.
+    let bytes = unsafe { std::slice::from_raw_parts(p.as_ptr(), len) };
+    bytes.iter().all(|&b| b == byte)
+}
