@@ -29,8 +29,14 @@ fn main() {
     let target_dir = root.join("target").join("guests");
 
     println!("cargo:rerun-if-changed={}", root.join("wit").display());
-    println!("cargo:rerun-if-changed={}", guests.join("Cargo.toml").display());
-    println!("cargo:rerun-if-changed={}", guests.join("Cargo.lock").display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        guests.join("Cargo.toml").display()
+    );
+    println!(
+        "cargo:rerun-if-changed={}",
+        guests.join("Cargo.lock").display()
+    );
     for (name, _) in RUST_GUESTS {
         println!("cargo:rerun-if-changed={}", guests.join(name).display());
     }
@@ -40,32 +46,62 @@ fn main() {
 
     let mut code = String::new();
     let error = built.err();
-    writeln!(code, "/// Why the Rust guests could not be built, if they could not.").unwrap();
+    writeln!(
+        code,
+        "/// Why the Rust guests could not be built, if they could not."
+    )
+    .unwrap();
     writeln!(code, "pub const BUILD_ERROR: Option<&str> = {error:?};").unwrap();
     for (name, _) in RUST_GUESTS {
         let file = out_dir.join(format!("policy_{}.wasm", name.replace('-', "_")));
         let ident = name.replace('-', "_").to_uppercase();
         writeln!(code, "/// The `{name}` policy component.").unwrap();
-        writeln!(code, "pub const {ident}: Guest = Guest {{ name: {name:?}, path: {:?} }};", file.display().to_string()).unwrap();
+        writeln!(
+            code,
+            "pub const {ident}: Guest = Guest {{ name: {name:?}, path: {:?} }};",
+            file.display().to_string()
+        )
+        .unwrap();
     }
     for name in WAT_GUESTS {
         let file = guests.join(name).join(format!("{name}.wat"));
         let ident = format!("WAT_{}", name.replace('-', "_").to_uppercase());
-        writeln!(code, "/// The hand-written WAT `{name}` policy (source, compiled at load).").unwrap();
-        writeln!(code, "pub const {ident}: Guest = Guest {{ name: {name:?}, path: {:?} }};", file.display().to_string()).unwrap();
+        writeln!(
+            code,
+            "/// The hand-written WAT `{name}` policy (source, compiled at load)."
+        )
+        .unwrap();
+        writeln!(
+            code,
+            "pub const {ident}: Guest = Guest {{ name: {name:?}, path: {:?} }};",
+            file.display().to_string()
+        )
+        .unwrap();
     }
     let good: Vec<String> = RUST_GUESTS
         .iter()
         .filter(|(_, good)| *good)
         .map(|(n, _)| n.replace('-', "_").to_uppercase())
-        .chain(WAT_GUESTS.iter().map(|n| format!("WAT_{}", n.to_uppercase())))
+        .chain(
+            WAT_GUESTS
+                .iter()
+                .map(|n| format!("WAT_{}", n.to_uppercase())),
+        )
         .collect();
     writeln!(code, "/// Every good policy, in every language.").unwrap();
     writeln!(code, "pub const GOOD: &[Guest] = &[{}];", good.join(", ")).unwrap();
     let idents: Vec<String> = good.iter().map(|g| g.to_lowercase()).collect();
-    writeln!(code, "/// Calls `$m!(ident, GUEST)` for every good policy: a test module per policy,").unwrap();
+    writeln!(
+        code,
+        "/// Calls `$m!(ident, GUEST)` for every good policy: a test module per policy,"
+    )
+    .unwrap();
     writeln!(code, "/// so a policy without tests cannot exist.").unwrap();
-    writeln!(code, "#[macro_export]\nmacro_rules! foreach_good_policy {{ ($m:ident) => {{").unwrap();
+    writeln!(
+        code,
+        "#[macro_export]\nmacro_rules! foreach_good_policy {{ ($m:ident) => {{"
+    )
+    .unwrap();
     for (ident, konst) in idents.iter().zip(&good) {
         writeln!(code, "    $m!({ident}, $crate::{konst});").unwrap();
     }
@@ -79,7 +115,13 @@ fn build_guests(guests: &Path, target_dir: &Path) -> Result<(), String> {
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(guests)
-        .args(["build", "--release", "--target", "wasm32-wasip2", "--workspace"])
+        .args([
+            "build",
+            "--release",
+            "--target",
+            "wasm32-wasip2",
+            "--workspace",
+        ])
         .arg("--target-dir")
         .arg(target_dir)
         // Flags meant for the host build (coverage, sanitizers, -D warnings) are not for
@@ -91,12 +133,16 @@ fn build_guests(guests: &Path, target_dir: &Path) -> Result<(), String> {
         .env_remove("CARGO_BUILD_TARGET")
         .env_remove("RUSTC_WORKSPACE_WRAPPER")
         .env_remove("RUSTC_WRAPPER");
-    let output = cmd.output().map_err(|e| format!("could not run cargo: {e}"))?;
+    let output = cmd
+        .output()
+        .map_err(|e| format!("could not run cargo: {e}"))?;
     if output.status.success() {
         return Ok(());
     }
     let stderr = String::from_utf8_lossy(&output.stderr);
-    if stderr.contains("wasm32-wasip2") && (stderr.contains("may not be installed") || stderr.contains("can't find crate")) {
+    if stderr.contains("wasm32-wasip2")
+        && (stderr.contains("may not be installed") || stderr.contains("can't find crate"))
+    {
         return Err("the wasm32-wasip2 target is not installed; run `rustup target add wasm32-wasip2` (or `.ci/setup`)".into());
     }
     let tail: Vec<&str> = stderr.lines().rev().take(30).collect();

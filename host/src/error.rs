@@ -101,7 +101,10 @@ impl fmt::Display for Rule {
                 write!(f, "realloc did not preserve the old bytes (byte {offset})")
             }
             Rule::LiveBlockChanged { offset } => {
-                write!(f, "a live block's bytes changed under its client (byte {offset})")
+                write!(
+                    f,
+                    "a live block's bytes changed under its client (byte {offset})"
+                )
             }
             Rule::Leak { blocks, bytes } => write!(
                 f,
@@ -128,11 +131,8 @@ pub struct Violation {
 /// Why a component could not be loaded or started as a policy.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("cannot read `{path}`: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error("cannot read `{path}`: {error}")]
+    Io { path: String, error: std::io::Error },
     #[error("not a WebAssembly file (neither the wasm binary magic nor WAT text): {detail}")]
     NotWasm { detail: String },
     #[error(
@@ -147,9 +147,12 @@ pub enum LoadError {
     #[error("the component targets another world: {detail}")]
     WrongWorld { detail: String },
     #[error("the component speaks allocbox:policy@{found}; this host speaks @{expected}")]
-    WrongVersion { found: String, expected: &'static str },
+    WrongVersion {
+        found: String,
+        expected: &'static str,
+    },
     #[error("policy start-up failed: {0}")]
-    Start(#[source] Box<Error>),
+    Start(Box<Error>),
     #[error("policy `{policy}` refused its configuration: {message}")]
     ConfigRejected { policy: String, message: String },
     #[error("policy name must be 1..=127 bytes of UTF-8, got {len} bytes")]

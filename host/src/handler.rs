@@ -96,13 +96,9 @@ impl HandlerBuilder {
         let mut upstream = Upstream::System(SystemMemory::new(self.host_memory_limit));
         let mut names = Vec::new();
         for (policy, config) in self.links.iter().rev() {
-            let link = self.runtime.start(
-                policy,
-                config,
-                upstream,
-                &self.limits,
-                poison_count.clone(),
-            )?;
+            let link =
+                self.runtime
+                    .start(policy, config, upstream, &self.limits, poison_count.clone())?;
             names.push(link.name().clone());
             upstream = Upstream::Policy(Box::new(link));
         }
@@ -172,7 +168,8 @@ impl Magazines {
     fn stack(&mut self, size: u64) -> &mut Vec<u64> {
         let i = size as usize;
         if self.by_size.len() <= i {
-            self.by_size.resize_with(MAGAZINE_MAX_SIZE as usize + 1, Vec::new);
+            self.by_size
+                .resize_with(MAGAZINE_MAX_SIZE as usize + 1, Vec::new);
         }
         &mut self.by_size[i]
     }
@@ -279,7 +276,10 @@ impl Handler {
         let Some(entry) = c.head.lent().get(addr).filter(|e| !e.cached) else {
             if c.rerouted.contains(&addr) {
                 drop(c);
-                let fallback = self.fallback.as_ref().expect("rerouted blocks have a fallback");
+                let fallback = self
+                    .fallback
+                    .as_ref()
+                    .expect("rerouted blocks have a fallback");
                 return fallback.realloc(Some(ptr), new_size);
             }
             return Err(ClientError::UnknownRealloc { addr }.into());
@@ -316,7 +316,10 @@ impl Handler {
             Some(_) => return Err(ClientError::DoubleFree { addr }.into()),
             None if c.rerouted.remove(&addr) => {
                 drop(c);
-                let fallback = self.fallback.as_ref().expect("rerouted blocks have a fallback");
+                let fallback = self
+                    .fallback
+                    .as_ref()
+                    .expect("rerouted blocks have a fallback");
                 return fallback.free(Some(ptr), size);
             }
             None => {
@@ -473,7 +476,11 @@ impl Chain {
                 self.fail(cause.clone());
                 // A block that was served is good; "none" caused by the failure is not
                 // an answer, the failure is.
-                if addr == 0 { Err((*cause).clone()) } else { Ok(addr) }
+                if addr == 0 {
+                    Err((*cause).clone())
+                } else {
+                    Ok(addr)
+                }
             }
         }
     }
@@ -500,7 +507,10 @@ impl Chain {
         } = self;
         let stack = magazines.as_mut().expect("checked by caller").stack(size);
         if let Some(addr) = stack.pop() {
-            head.lent_mut().get_mut(addr).expect("cached blocks are lent").cached = false;
+            head.lent_mut()
+                .get_mut(addr)
+                .expect("cached blocks are lent")
+                .cached = false;
             self.stats.magazine_hits += 1;
             return Ok(addr);
         }
@@ -533,7 +543,10 @@ impl Chain {
                 Err(LinkFault::Caller(_)) => unreachable!("cached blocks are lent"),
             }
         }
-        head.lent_mut().get_mut(addr).expect("found by caller").cached = true;
+        head.lent_mut()
+            .get_mut(addr)
+            .expect("found by caller")
+            .cached = true;
         stack.push(addr);
         Ok(0)
     }

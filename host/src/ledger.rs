@@ -32,7 +32,8 @@ const FREED_HISTORY: usize = 64;
 pub(crate) struct Ledger {
     blocks: BTreeMap<u64, Entry>,
     bytes: u64,
-    freed: [u64; FREED_HISTORY],
+    /// Boxed: a ledger sits inline in every link's state.
+    freed: Box<[u64; FREED_HISTORY]>,
     freed_next: usize,
 }
 
@@ -41,7 +42,7 @@ impl Default for Ledger {
         Ledger {
             blocks: BTreeMap::new(),
             bytes: 0,
-            freed: [0; FREED_HISTORY],
+            freed: Box::new([0; FREED_HISTORY]),
             freed_next: 0,
         }
     }
@@ -148,9 +149,17 @@ mod tests {
     #[test]
     fn overlap_is_found_from_below_inside_and_above() {
         let l = ledger(&[(100, 50), (200, 10)]);
-        assert_eq!(l.overlapping(90, 11), Some((100, 50)), "reaches in from below");
+        assert_eq!(
+            l.overlapping(90, 11),
+            Some((100, 50)),
+            "reaches in from below"
+        );
         assert_eq!(l.overlapping(120, 5), Some((100, 50)), "lies inside");
-        assert_eq!(l.overlapping(149, 40), Some((100, 50)), "starts in the last byte");
+        assert_eq!(
+            l.overlapping(149, 40),
+            Some((100, 50)),
+            "starts in the last byte"
+        );
         assert_eq!(l.overlapping(50, 500), Some((200, 10)), "covers both");
         assert_eq!(l.overlapping(150, 50), None, "fits the gap exactly");
         assert_eq!(l.overlapping(90, 10), None, "ends where a block starts");

@@ -1,4 +1,4 @@
-#![doc = include_str!("../README.md")]
+#![doc = include_str!("../../README.md")]
 
 mod error;
 mod handler;
@@ -10,5 +10,5 @@ mod system;
 pub use error::{Call, ClientError, Error, LoadError, Rule, Violation};
 pub use handler::{Handler, HandlerBuilder, Stats};
 pub use link::{Limits, PolicyInfo};
-pub use runtime::{POLICY_WIT, Policy, Runtime, WORLD_PACKAGE, WORLD_VERSION};
+pub use runtime::{DEFAULT_POLICY_WAT, POLICY_WIT, Policy, Runtime, WORLD_PACKAGE, WORLD_VERSION};
 pub use system::SYSTEM_ALIGNMENT;

@@ -266,7 +266,13 @@ impl LinkState {
         err
     }
 
-    fn caller_fault(&mut self, call: Call, addr: u64, size: u64, f: CallerFault) -> wasmtime::Error {
+    fn caller_fault(
+        &mut self,
+        call: Call,
+        addr: u64,
+        size: u64,
+        f: CallerFault,
+    ) -> wasmtime::Error {
         let rule = match f {
             TakeBack::Unknown => Rule::UnknownFree,
             TakeBack::AlreadyFreed => Rule::DoubleFree,
@@ -288,7 +294,8 @@ impl LinkState {
         }
         let owned = self.upstream.lent().containing(at, len).is_some();
         let clash = self.lent.overlapping(at, len);
-        let in_transit = |(p, s): (u64, u64)| at >= p && at.checked_add(len).is_some_and(|e| e <= p + s);
+        let in_transit =
+            |(p, s): (u64, u64)| at >= p && at.checked_add(len).is_some_and(|e| e <= p + s);
         let allowed = owned
             && match clash {
                 None => true,
@@ -310,7 +317,11 @@ impl LinkState {
 
 impl bindings::allocbox::policy::allocator::Host for LinkState {
     fn malloc(&mut self, size: u64) -> wasmtime::Result<u64> {
-        Ok(if size == 0 { 0 } else { self.upstream.malloc(size) })
+        Ok(if size == 0 {
+            0
+        } else {
+            self.upstream.malloc(size)
+        })
     }
 
     fn calloc(&mut self, nelem: u64, elsize: u64) -> wasmtime::Result<u64> {
@@ -336,7 +347,13 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
                 // SAFETY: `ptr` is a live upstream block of `old` bytes and `fresh` a new
                 // one of `new` bytes (both recorded in the upstream ledger, so inside host
                 // memory); the new block cannot overlap a live one.
-                unsafe { std::ptr::copy_nonoverlapping(ptr as *const u8, fresh as *mut u8, old.min(new) as usize) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        ptr as *const u8,
+                        fresh as *mut u8,
+                        old.min(new) as usize,
+                    )
+                };
                 self.deferred.push((ptr, old));
             }
             return Ok(fresh);
@@ -361,7 +378,11 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
     }
 
     fn malloc_many(&mut self, size: u64, count: u32) -> wasmtime::Result<Vec<u64>> {
-        Ok(if size == 0 { Vec::new() } else { self.upstream.malloc_many(size, count) })
+        Ok(if size == 0 {
+            Vec::new()
+        } else {
+            self.upstream.malloc_many(size, count)
+        })
     }
 
     fn free_many(&mut self, ptrs: Vec<u64>, size: u64) -> wasmtime::Result<()> {
@@ -416,7 +437,9 @@ impl bindings::allocbox::policy::bytes::Host for LinkState {
     fn read_u64(&mut self, at: u64) -> wasmtime::Result<u64> {
         self.check_bytes(Call::BytesRead, at, 8, true)?;
         // SAFETY: as in `read`; an unaligned read is used because headers may sit anywhere.
-        Ok(u64::from_le(unsafe { std::ptr::read_unaligned(at as *const u64) }))
+        Ok(u64::from_le(unsafe {
+            std::ptr::read_unaligned(at as *const u64)
+        }))
     }
 
     fn write_u64(&mut self, at: u64, value: u64) -> wasmtime::Result<()> {
@@ -535,7 +558,12 @@ impl Link {
             return;
         }
         let state = self.store.data_mut();
-        let held: Vec<(u64, u64)> = state.upstream.lent().iter().map(|(a, e)| (a, e.size)).collect();
+        let held: Vec<(u64, u64)> = state
+            .upstream
+            .lent()
+            .iter()
+            .map(|(a, e)| (a, e.size))
+            .collect();
         for (addr, size) in held {
             // These are exactly the recorded sizes, so the upstream cannot refuse them.
             let _ = state.upstream.free(addr, size);
@@ -546,7 +574,7 @@ impl Link {
     fn misplaced(&self, addr: u64, size: u64) -> Option<Rule> {
         let alignment = self.info.alignment;
         let state = self.store.data();
-        if addr % alignment != 0 {
+        if !addr.is_multiple_of(alignment) {
             Some(Rule::Misaligned { alignment })
         } else if state.upstream.lent().containing(addr, size).is_none() {
             Some(Rule::OutsideOwned)
@@ -634,7 +662,12 @@ impl Link {
             // was held back. It goes back on the books before the link is stopped, so
             // the stop cannot release that memory while the client holds it.
             self.lent_mut().insert(ptr, old_entry.size, false);
-            return Err(LinkFault::Link(self.violation(Call::Realloc, addr, new, rule)));
+            return Err(LinkFault::Link(self.violation(
+                Call::Realloc,
+                addr,
+                new,
+                rule,
+            )));
         }
         self.lent_mut().insert(addr, new, false);
         let held_back = std::mem::take(&mut self.store.data_mut().deferred);
@@ -758,7 +791,13 @@ pub(crate) fn classify(
     let said = state.output.contents();
     if !said.is_empty() {
         let said = String::from_utf8_lossy(&said);
-        let tail: String = said.trim_end().lines().rev().take(3).collect::<Vec<_>>().join(" | ");
+        let tail: String = said
+            .trim_end()
+            .lines()
+            .rev()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" | ");
         message.push_str(&format!(" (guest output: {tail})"));
     }
     Error::Trap {

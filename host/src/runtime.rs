@@ -22,6 +22,10 @@ pub const WORLD_PACKAGE: &str = "allocbox:policy";
 pub const WORLD_VERSION: &str = "0.1.0";
 /// The WIT source of the policy world, for tools that need it.
 pub const POLICY_WIT: &str = include_str!("../../wit/policy.wit");
+/// The built-in default policy: the hand-written WAT `passthrough`, which needs no wasm
+/// toolchain to build.
+pub const DEFAULT_POLICY_WAT: &str =
+    include_str!("../../guest-handlers/passthrough/passthrough.wat");
 
 /// How often the epoch advances; a call's time limit is rounded up to this.
 const EPOCH_TICK: Duration = Duration::from_millis(5);
@@ -87,9 +91,9 @@ impl Runtime {
     /// component here — no wasm toolchain needed).
     pub fn load_file(&self, path: impl AsRef<Path>) -> Result<Policy, LoadError> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| LoadError::Io {
+        let bytes = std::fs::read(path).map_err(|error| LoadError::Io {
             path: path.display().to_string(),
-            source,
+            error,
         })?;
         self.load_named(&bytes, &path.display().to_string())
     }
@@ -110,11 +114,10 @@ impl Runtime {
             return Ok(p.clone());
         }
         let binary = to_component_binary(bytes)?;
-        let component = Component::new(&self.inner.engine, &binary).map_err(|e| {
-            LoadError::Invalid {
+        let component =
+            Component::new(&self.inner.engine, &binary).map_err(|e| LoadError::Invalid {
                 detail: format!("{e:#}"),
-            }
-        })?;
+            })?;
         let policy = self.check_world(component, binary.len(), source)?;
         self.inner.compiled.lock().insert(key, policy.clone());
         Ok(policy)
@@ -132,7 +135,7 @@ impl Runtime {
         let exports: Vec<String> = ty.exports(engine).map(|(n, _)| n.to_string()).collect();
         for needed in ["allocator", "lifecycle"] {
             let want = format!("{WORLD_PACKAGE}/{needed}@{WORLD_VERSION}");
-            if exports.iter().any(|e| *e == want) {
+            if exports.contains(&want) {
                 continue;
             }
             let other = format!("{WORLD_PACKAGE}/{needed}@");
@@ -149,13 +152,13 @@ impl Runtime {
                 ),
             });
         }
-        let pre = self
-            .inner
-            .linker
-            .instantiate_pre(&component)
-            .map_err(|e| LoadError::WrongWorld {
-                detail: format!("{e:#}"),
-            })?;
+        let pre =
+            self.inner
+                .linker
+                .instantiate_pre(&component)
+                .map_err(|e| LoadError::WrongWorld {
+                    detail: format!("{e:#}"),
+                })?;
         let pre = PolicyPre::new(pre).map_err(|e| LoadError::WrongWorld {
             detail: format!("{e:#}"),
         })?;

@@ -32,7 +32,10 @@ impl SystemMemory {
     }
 
     fn within_limit(&self, extra: u64) -> bool {
-        self.lent.bytes().checked_add(extra).is_some_and(|t| t <= self.limit)
+        self.lent
+            .bytes()
+            .checked_add(extra)
+            .is_some_and(|t| t <= self.limit)
     }
 
     /// A block of `size` (> 0) bytes, zeroed if asked; 0 when memory runs out.
@@ -57,9 +60,14 @@ impl SystemMemory {
     }
 
     pub(crate) fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> Result<u64, TakeBack> {
-        let entry = self.lent.get(ptr).ok_or_else(|| self.lent.why_unknown(ptr))?;
+        let entry = self
+            .lent
+            .get(ptr)
+            .ok_or_else(|| self.lent.why_unknown(ptr))?;
         if entry.size != old {
-            return Err(TakeBack::WrongSize { recorded: entry.size });
+            return Err(TakeBack::WrongSize {
+                recorded: entry.size,
+            });
         }
         let grow = new.saturating_sub(old);
         if new == 0 || Self::layout(new).is_none() || !self.within_limit(grow) {
@@ -123,7 +131,11 @@ mod tests {
         assert_eq!(m.malloc(2 << 20, false), 0);
         let p = m.malloc(1 << 19, true);
         assert_ne!(p, 0);
-        assert_eq!(m.realloc(p, 1 << 19, 4 << 20), Ok(0), "growing past the limit");
+        assert_eq!(
+            m.realloc(p, 1 << 19, 4 << 20),
+            Ok(0),
+            "growing past the limit"
+        );
         assert_eq!(m.lent.bytes(), 1 << 19, "a refused realloc keeps the block");
     }
 

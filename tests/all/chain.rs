@@ -40,7 +40,10 @@ fn aligned_over_size_classes_over_system_places_aligned_blocks_and_keeps_bytes()
 fn a_violation_deep_in_a_chain_names_the_inner_policy_and_stops_the_handler() {
     let h = HandlerBuilder::new(Runtime::shared())
         .link(&load(&allocbox_artifacts::SYSTEM))
-        .link_with(&load(&allocbox_artifacts::BROKEN), &[("fault", "misaligned")])
+        .link_with(
+            &load(&allocbox_artifacts::BROKEN),
+            &[("fault", "misaligned")],
+        )
         .build()
         .unwrap();
     let err = h.malloc(16).unwrap_err();
@@ -51,9 +54,14 @@ fn a_violation_deep_in_a_chain_names_the_inner_policy_and_stops_the_handler() {
 #[test]
 fn the_arena_serves_from_chunks_and_returns_them_on_trim() {
     let h = handler(&allocbox_artifacts::ARENA, &[("chunk-size", "65536")]);
-    let blocks: Vec<_> = (1..200).map(|s| (h.malloc(s * 8).unwrap().unwrap(), s * 8)).collect();
+    let blocks: Vec<_> = (1..200)
+        .map(|s| (h.malloc(s * 8).unwrap().unwrap(), s * 8))
+        .collect();
     let (held, _) = h.held_from_host();
-    assert!(held < 20, "carved from a few chunks, not one upstream block each: {held}");
+    assert!(
+        held < 20,
+        "carved from a few chunks, not one upstream block each: {held}"
+    );
     for (p, s) in blocks {
         h.free(Some(p), s).unwrap();
     }

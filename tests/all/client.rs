@@ -12,10 +12,16 @@ fn a_client_double_free_is_refused_and_harmless() {
         let p = h.malloc(64).unwrap();
         h.free(p, 64).unwrap();
         let err = h.free(p, 64).unwrap_err();
-        assert!(matches!(err, Error::Client(ClientError::DoubleFree { .. })), "{err}");
+        assert!(
+            matches!(err, Error::Client(ClientError::DoubleFree { .. })),
+            "{err}"
+        );
         let q = h.malloc(64).unwrap();
         h.free(q, 64).unwrap();
-        assert!(h.failure().is_none(), "a client mistake does not stop the policy");
+        assert!(
+            h.failure().is_none(),
+            "a client mistake does not stop the policy"
+        );
     }
 }
 
@@ -23,8 +29,13 @@ fn a_client_double_free_is_refused_and_harmless() {
 fn a_free_of_an_address_never_lent_is_refused() {
     let h = handler(&allocbox_artifacts::SYSTEM, &[]);
     let mut local = [0u8; 16];
-    let err = h.free(std::ptr::NonNull::new(local.as_mut_ptr()), 16).unwrap_err();
-    assert!(matches!(err, Error::Client(ClientError::UnknownBlock { .. })), "{err}");
+    let err = h
+        .free(std::ptr::NonNull::new(local.as_mut_ptr()), 16)
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Client(ClientError::UnknownBlock { .. })),
+        "{err}"
+    );
 }
 
 #[test]
@@ -52,7 +63,11 @@ fn zero_size_requests_get_distinct_blocks_freed_with_either_size() {
     assert!(a.is_some() && a != b);
     h.free(a, 0).unwrap();
     h.free(b, 1).unwrap();
-    assert_eq!(h.stats().size_corrections, 0, "0 and 1 both name a 0-byte block");
+    assert_eq!(
+        h.stats().size_corrections,
+        0,
+        "0 and 1 both name a 0-byte block"
+    );
     let c = h.calloc(0, 8).unwrap();
     h.free(c, 0).unwrap();
 }

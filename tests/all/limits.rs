@@ -10,7 +10,10 @@ use super::support::*;
 #[test]
 fn an_endless_loop_is_a_timeout_within_the_limit() {
     let h = HandlerBuilder::new(Runtime::shared())
-        .link_with(&load(&allocbox_artifacts::BROKEN), &[("fault", "loop-malloc")])
+        .link_with(
+            &load(&allocbox_artifacts::BROKEN),
+            &[("fault", "loop-malloc")],
+        )
         .limits(Limits {
             call_time: Duration::from_millis(100),
             ..Limits::default()
@@ -21,8 +24,21 @@ fn an_endless_loop_is_a_timeout_within_the_limit() {
     fill(keep, 64, 9);
     let start = Instant::now();
     let err = h.malloc(13).unwrap_err();
-    assert!(matches!(err, Error::Timeout { call: Call::Malloc, .. }), "{err}");
-    assert!(start.elapsed() < Duration::from_secs(2), "took {:?}", start.elapsed());
+    assert!(
+        matches!(
+            err,
+            Error::Timeout {
+                call: Call::Malloc,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        start.elapsed()
+    );
     assert!(holds(keep, 64, 9));
     h.free(Some(keep), 64).unwrap();
 }
@@ -30,7 +46,10 @@ fn an_endless_loop_is_a_timeout_within_the_limit() {
 #[test]
 fn a_guest_growing_its_memory_without_bound_hits_the_cap() {
     let h = HandlerBuilder::new(Runtime::shared())
-        .link_with(&load(&allocbox_artifacts::BROKEN), &[("fault", "grow-memory")])
+        .link_with(
+            &load(&allocbox_artifacts::BROKEN),
+            &[("fault", "grow-memory")],
+        )
         .limits(Limits {
             memory: 16 << 20,
             ..Limits::default()
@@ -38,20 +57,29 @@ fn a_guest_growing_its_memory_without_bound_hits_the_cap() {
         .build()
         .unwrap();
     let err = h.malloc(64).unwrap_err();
-    assert!(matches!(err, Error::MemoryLimit { limit, .. } if limit == 16 << 20), "{err}");
+    assert!(
+        matches!(err, Error::MemoryLimit { limit, .. } if limit == 16 << 20),
+        "{err}"
+    );
 }
 
 #[test]
 fn a_fallback_handler_takes_new_requests_after_a_failure() {
     let fallback = Arc::new(handler(&allocbox_artifacts::SYSTEM, &[]));
     let h = HandlerBuilder::new(Runtime::shared())
-        .link_with(&load(&allocbox_artifacts::BROKEN), &[("fault", "trap-realloc")])
+        .link_with(
+            &load(&allocbox_artifacts::BROKEN),
+            &[("fault", "trap-realloc")],
+        )
         .fallback(fallback.clone())
         .build()
         .unwrap();
     let p = h.malloc(100).unwrap().unwrap();
     fill(p, 100, 3);
-    assert!(h.realloc(Some(p), 200).is_err(), "the failing call reports the trap");
+    assert!(
+        h.realloc(Some(p), 200).is_err(),
+        "the failing call reports the trap"
+    );
     let q = h.realloc(Some(p), 200).unwrap().unwrap();
     assert!(holds(q, 100, 3), "moved into the fallback with its bytes");
     let r = h.malloc(10).unwrap();

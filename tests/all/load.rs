@@ -37,7 +37,10 @@ fn a_core_module_is_refused_with_the_fix() {
 fn a_component_of_another_world_is_refused() {
     let err = start(b"(component)").unwrap_err();
     assert!(matches!(err, LoadError::WrongWorld { .. }), "{err}");
-    assert!(err.to_string().contains("allocbox:policy/allocator@0.1.0"), "{err}");
+    assert!(
+        err.to_string().contains("allocbox:policy/allocator@0.1.0"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -65,22 +68,42 @@ fn broken_wat_text_is_invalid_not_silently_accepted() {
 #[test]
 fn a_wat_core_module_missing_exports_cannot_become_a_policy() {
     let err = start(b"(module (memory (export \"memory\") 1))").unwrap_err();
-    assert!(matches!(err, LoadError::WrongWorld { .. } | LoadError::Componentize { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            LoadError::WrongWorld { .. } | LoadError::Componentize { .. }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
 fn a_trap_during_start_up_is_a_start_error_naming_the_trap() {
     let err = start_broken("trap-init");
-    let LoadError::Start(inner) = &err else { panic!("{err}") };
+    let LoadError::Start(inner) = &err else {
+        panic!("{err}")
+    };
     assert!(matches!(**inner, Error::Trap { .. }), "{err}");
-    assert!(err.to_string().contains("trapping on purpose"), "guest output is shown: {err}");
+    assert!(
+        err.to_string().contains("trapping on purpose"),
+        "guest output is shown: {err}"
+    );
 }
 
 #[test]
 fn bad_descriptions_are_refused() {
-    assert!(matches!(start_broken("bad-name"), LoadError::BadName { len: 200 }));
-    assert!(matches!(start_broken("empty-name"), LoadError::BadName { len: 0 }));
-    assert!(matches!(start_broken("bad-version"), LoadError::BadVersion { version: 2, .. }));
+    assert!(matches!(
+        start_broken("bad-name"),
+        LoadError::BadName { len: 200 }
+    ));
+    assert!(matches!(
+        start_broken("empty-name"),
+        LoadError::BadName { len: 0 }
+    ));
+    assert!(matches!(
+        start_broken("bad-version"),
+        LoadError::BadVersion { version: 2, .. }
+    ));
     assert!(matches!(
         start_broken("bad-alignment"),
         LoadError::BadAlignment { alignment: 24, .. }
@@ -90,7 +113,9 @@ fn bad_descriptions_are_refused() {
 #[test]
 fn a_bad_configuration_is_refused_with_the_policy_s_reason() {
     let err = start_broken("no-such-fault");
-    let LoadError::ConfigRejected { message, .. } = &err else { panic!("{err}") };
+    let LoadError::ConfigRejected { message, .. } = &err else {
+        panic!("{err}")
+    };
     assert!(message.contains("no-such-fault"), "{message}");
 
     let policy = load(&allocbox_artifacts::ALIGNED);
@@ -110,6 +135,8 @@ fn an_empty_chain_is_refused() {
 
 #[test]
 fn a_missing_file_names_the_path() {
-    let err = Runtime::shared().load_file("/no/such/policy.wasm").unwrap_err();
+    let err = Runtime::shared()
+        .load_file("/no/such/policy.wasm")
+        .unwrap_err();
     assert!(err.to_string().contains("/no/such/policy.wasm"), "{err}");
 }

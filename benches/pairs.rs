@@ -1,0 +1,188 @@
+//! ns per malloc+free pair, in one run: glibc, the bare component-call floor, and
+//! allocbox handlers. Prints a table of medians and ratios.
+//!
+//! Run: `cargo bench -p allocbox --bench pairs` (`-- --quick` for a short run).
+//!
+//! The floor is the `system` policy instantiated with plain wasmtime and an upstream that
+//! does nothing: the same two calls and two imports per pair that allocbox's `system`
+//! makes, without the ledger, the checks or the lock. The difference is the host's work.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use allocbox::{Handler, HandlerBuilder, Runtime};
+use wasmtime::component::{HasSelf, Linker, ResourceTable};
+use wasmtime::{Config, Engine, Store};
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+mod raw {
+    wasmtime::component::bindgen!({ path: "../wit", world: "policy" });
+}
+
+/// NumPy's most common request size (72% of its mallocs are 8-15 bytes).
+const SIZE: usize = 16;
+
+struct RawHost {
+    wasi: WasiCtx,
+    table: ResourceTable,
+}
+
+impl WasiView for RawHost {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+impl raw::allocbox::policy::allocator::Host for RawHost {
+    fn malloc(&mut self, _size: u64) -> u64 {
+        4096
+    }
+    fn calloc(&mut self, _n: u64, _e: u64) -> u64 {
+        4096
+    }
+    fn realloc(&mut self, _p: u64, _o: u64, _n: u64) -> u64 {
+        4096
+    }
+    fn free(&mut self, _p: u64, _s: u64) {}
+    fn malloc_many(&mut self, _s: u64, _c: u32) -> Vec<u64> {
+        Vec::new()
+    }
+    fn free_many(&mut self, _p: Vec<u64>, _s: u64) {}
+}
+
+impl raw::allocbox::policy::bytes::Host for RawHost {
+    fn read(&mut self, _at: u64, len: u32) -> Vec<u8> {
+        vec![0; len as usize]
+    }
+    fn write(&mut self, _at: u64, _data: Vec<u8>) {}
+    fn fill(&mut self, _at: u64, _len: u64, _byte: u8) {}
+    fn copy(&mut self, _dst: u64, _src: u64, _len: u64) {}
+    fn read_u64(&mut self, _at: u64) -> u64 {
+        0
+    }
+    fn write_u64(&mut self, _at: u64, _value: u64) {}
+}
+
+fn raw_system() -> (Store<RawHost>, raw::Policy) {
+    let mut config = Config::new();
+    config.concurrency_support(false);
+    let engine = Engine::new(&config).unwrap();
+    let mut linker = Linker::new(&engine);
+    wasmtime_wasi::p2::add_to_linker_sync(&mut linker).unwrap();
+    raw::Policy::add_to_linker::<RawHost, HasSelf<RawHost>>(&mut linker, |s| s).unwrap();
+    let component =
+        wasmtime::component::Component::from_file(&engine, allocbox_artifacts::SYSTEM.path())
+            .unwrap();
+    let mut store = Store::new(
+        &engine,
+        RawHost {
+            wasi: WasiCtx::builder().build(),
+            table: ResourceTable::new(),
+        },
+    );
+    let policy = raw::Policy::instantiate(&mut store, &component, &linker).unwrap();
+    policy
+        .allocbox_policy_lifecycle()
+        .call_init(&mut store, &[])
+        .unwrap()
+        .unwrap();
+    (store, policy)
+}
+
+/// Median ns per iteration of `f` over `rounds` rounds of `iters` iterations.
+fn median_ns(rounds: usize, iters: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..iters / 10 {
+        f();
+    }
+    let mut samples: Vec<f64> = (0..rounds)
+        .map(|_| {
+            let start = Instant::now();
+            for _ in 0..iters {
+                f();
+            }
+            start.elapsed().as_nanos() as f64 / iters as f64
+        })
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+fn handler(links: &[(&allocbox_artifacts::Guest, &[(&str, &str)])], magazines: bool) -> Handler {
+    let runtime = Runtime::shared();
+    let mut builder = HandlerBuilder::new(runtime).magazines(magazines);
+    for (guest, config) in links {
+        builder = builder.link_with(&runtime.load_file(guest.path()).unwrap(), config);
+    }
+    builder.build().unwrap()
+}
+
+fn pair(h: &Handler) {
+    let p = h.malloc(black_box(SIZE)).unwrap();
+    h.free(black_box(p), SIZE).unwrap();
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let (rounds, iters) = if quick { (5, 20_000) } else { (15, 200_000) };
+
+    let glibc = median_ns(rounds, iters, || {
+        let layout = std::alloc::Layout::from_size_align(SIZE, 16).unwrap();
+        // SAFETY: a non-zero layout, freed right away with the same layout.
+        unsafe { std::alloc::dealloc(black_box(std::alloc::alloc(layout)), layout) };
+    });
+
+    let (mut store, raw) = raw_system();
+    let empty_call = median_ns(rounds, iters, || {
+        raw.allocbox_policy_lifecycle()
+            .call_trim(&mut store)
+            .unwrap();
+    });
+    let floor = median_ns(rounds, iters, || {
+        let a = raw.allocbox_policy_allocator();
+        let p = a.call_malloc(&mut store, black_box(SIZE as u64)).unwrap();
+        a.call_free(&mut store, p, SIZE as u64).unwrap();
+    });
+
+    use allocbox_artifacts::{SIZE_CLASSES, SYSTEM};
+    let cases: Vec<(&str, Handler)> = vec![
+        ("allocbox system, per op", handler(&[(&SYSTEM, &[])], false)),
+        (
+            "allocbox system, magazines",
+            handler(&[(&SYSTEM, &[])], true),
+        ),
+        (
+            "allocbox size-classes, per op",
+            handler(&[(&SIZE_CLASSES, &[])], false),
+        ),
+        (
+            "allocbox size-classes, magazines",
+            handler(&[(&SIZE_CLASSES, &[])], true),
+        ),
+        (
+            "allocbox size-classes > system, per op",
+            handler(&[(&SIZE_CLASSES, &[]), (&SYSTEM, &[])], false),
+        ),
+    ];
+
+    println!("ns per malloc({SIZE})+free pair, median of {rounds} rounds x {iters} pairs");
+    println!(
+        "{:<42} {:>9} {:>9} {:>9}",
+        "case", "ns/pair", "x glibc", "x floor"
+    );
+    let row = |name: &str, ns: f64| {
+        println!(
+            "{name:<42} {ns:>9.1} {:>9.1} {:>9.2}",
+            ns / glibc,
+            ns / floor
+        );
+    };
+    row("glibc malloc+free", glibc);
+    row("empty component call (one)", empty_call);
+    row("floor: raw wasmtime system (2 calls+2 imports)", floor);
+    for (name, h) in &cases {
+        row(name, median_ns(rounds, iters, || pair(h)));
+    }
+}
