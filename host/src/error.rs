@@ -50,9 +50,6 @@ pub enum Rule {
     Overlap { other: u64, other_size: u64 },
     /// C6: a returned block is not aligned as the policy declared.
     Misaligned { alignment: u64 },
-    /// C2/C3/C4: a block shorter than asked for (seen as an overlap or an out-of-bounds
-    /// block by the ledger; named when the checker proves it directly).
-    TooSmall,
     /// C5: an upstream free or realloc with another size than the block was lent with.
     WrongSizeFree { recorded: u64 },
     /// An upstream free or realloc of an address that was lent and already given back.
@@ -73,6 +70,26 @@ pub enum Rule {
     TooManyBlocks { asked: u32, got: usize },
 }
 
+impl Rule {
+    /// A short, stable name, for scripts, JSON reports and tests.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Rule::OutsideOwned => "outside-owned",
+            Rule::Overlap { .. } => "overlap",
+            Rule::Misaligned { .. } => "misaligned",
+            Rule::WrongSizeFree { .. } => "wrong-size-free",
+            Rule::DoubleFree => "double-free",
+            Rule::UnknownFree => "unknown-free",
+            Rule::BytesOutOfBounds => "bytes-out-of-bounds",
+            Rule::CallocNotZeroed { .. } => "calloc-not-zeroed",
+            Rule::ReallocLostBytes { .. } => "realloc-lost-bytes",
+            Rule::LiveBlockChanged { .. } => "live-block-changed",
+            Rule::Leak { .. } => "leak",
+            Rule::TooManyBlocks { .. } => "too-many-blocks",
+        }
+    }
+}
+
 impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -84,7 +101,6 @@ impl fmt::Display for Rule {
             Rule::Misaligned { alignment } => {
                 write!(f, "block not aligned to the declared {alignment} bytes")
             }
-            Rule::TooSmall => f.write_str("block smaller than the size asked for"),
             Rule::WrongSizeFree { recorded } => write!(
                 f,
                 "sized-free rule broken: the block was lent with {recorded} bytes"

@@ -1,12 +1,16 @@
 //! The `allocbox` command line.
 //!
-//! Exit status: 0 success, 2 unusable input (a file that is not a policy, a bad
-//! configuration).
+//! Exit status: 0 every rule held (or the command succeeded), 1 a rule was broken,
+//! 2 unusable input (a file that is not a policy, a bad configuration, a bad script).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use allocbox::{HandlerBuilder, Policy, Runtime};
+use std::io::IsTerminal;
+use std::sync::Arc;
+
+use allocbox::check::{self, CheckOptions, CheckReport, Script};
+use allocbox::{HandlerBuilder, Limits, Policy, Runtime};
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
@@ -19,6 +23,43 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Fuzz the handler contract of policies: random malloc/calloc/realloc/free sequences
+    /// with every check on; a failure is shrunk to a short replayable script. With no
+    /// file, checks the built-in default policy.
+    Check {
+        /// Policy components (.wasm) or WAT sources (.wat).
+        policies: Vec<PathBuf>,
+        /// Random sequences per policy.
+        #[arg(long, default_value_t = 64)]
+        cases: u32,
+        /// Seed, for a run that repeats exactly.
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Most operations per sequence (per thread).
+        #[arg(long, default_value_t = 128)]
+        max_ops: usize,
+        /// Client threads calling one handler at once.
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        /// One JSON report per line instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Where failing seeds and scripts are kept.
+        #[arg(long, default_value = "proptest-regressions")]
+        regressions: PathBuf,
+        /// Configuration passed to every policy's `init`, as KEY=VALUE (repeatable).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+    },
+    /// Run a script (one operation a line, as `check` prints it) through a policy with
+    /// every check on.
+    Replay {
+        script: PathBuf,
+        /// With no file, the built-in default policy.
+        policy: Option<PathBuf>,
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+    },
     /// Show what a policy is: name, version, alignment, world, imports, exports, size.
     /// With no file, the built-in default policy.
     Inspect {
@@ -80,6 +121,168 @@ fn inspect(policy: Option<PathBuf>, config: Vec<(String, String)>) -> Result<()>
     Ok(())
 }
 
+/// A failed check exits 1; input that cannot be used exits 2.
+enum Outcome {
+    Held,
+    Broken,
+}
+
+struct CheckArgs {
+    policies: Vec<PathBuf>,
+    options: CheckOptions,
+    json: bool,
+    config: Vec<(String, String)>,
+}
+
+fn run_check(args: CheckArgs) -> Result<Outcome> {
+    let runtime = Runtime::shared();
+    let config: Vec<(&str, &str)> = args
+        .config
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let targets: Vec<Option<&PathBuf>> = if args.policies.is_empty() {
+        vec![None]
+    } else {
+        args.policies.iter().map(Some).collect()
+    };
+    let mut outcome = Outcome::Held;
+    for target in targets {
+        let policy = load(runtime, target)?;
+        let mut options = args.options.clone();
+        let label = target.map_or("built-in default".to_string(), |p| p.display().to_string());
+        if std::io::stderr().is_terminal() && !args.json {
+            let label = label.clone();
+            options.progress = Some(Arc::new(move |done, total| {
+                eprint!("\r{label}: case {done}/{total}   ");
+            }));
+        }
+        let report = check::check(runtime, &policy, &config, &options)?;
+        if options.progress.is_some() {
+            eprint!("\r\x1b[K");
+        }
+        let script_file = match &report.failure {
+            Some((_, script)) => save_script(&args.options, &report, script),
+            None => None,
+        };
+        if args.json {
+            print_report(&format!("{}\n", json_report(&report, &label)));
+        } else {
+            print_report(&text_report(
+                &report,
+                &label,
+                target,
+                script_file.as_deref(),
+            ));
+        }
+        if !report.passed() {
+            outcome = Outcome::Broken;
+        }
+    }
+    Ok(outcome)
+}
+
+fn save_script(options: &CheckOptions, report: &CheckReport, script: &Script) -> Option<PathBuf> {
+    let dir = options.regressions.as_ref()?;
+    let file = dir.join(format!("{}.script", report.policy));
+    let (finding, _) = report.failure.as_ref()?;
+    let text = format!(
+        "# allocbox replay script for `{}`\n# {finding}\n{script}",
+        report.policy
+    );
+    std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&file, text))
+        .ok()?;
+    Some(file)
+}
+
+fn text_report(
+    report: &CheckReport,
+    label: &str,
+    target: Option<&PathBuf>,
+    saved: Option<&std::path::Path>,
+) -> String {
+    let totals = format!(
+        "{} cases, {} operations in {:.2} s ({:.0} ops/s)",
+        report.cases,
+        report.ops,
+        report.elapsed.as_secs_f64(),
+        report.ops_per_second()
+    );
+    let Some((finding, script)) = &report.failure else {
+        return format!("{} ({label}): every rule held — {totals}\n", report.policy);
+    };
+    let mut out = format!("{} ({label}): BROKEN {finding}\n", report.policy);
+    out += &format!("  shrunk to {} operations:\n", script.len());
+    for line in script.to_string().lines() {
+        out += &format!("    {line}\n");
+    }
+    if let Some(file) = saved {
+        let policy = target.map_or(String::new(), |p| format!(" {}", p.display()));
+        out += &format!("  replay: allocbox replay {}{policy}\n", file.display());
+    }
+    out += &format!("  ({totals}, shrinking included)\n");
+    out
+}
+
+fn json_report(report: &CheckReport, label: &str) -> serde_json::Value {
+    let (rule, message, script) = match &report.failure {
+        Some((f, s)) => (
+            Some(f.rule),
+            Some(f.message.clone()),
+            Some(
+                s.to_string()
+                    .lines()
+                    .map(str::to_string)
+                    .collect::<Vec<_>>(),
+            ),
+        ),
+        None => (None, None, None),
+    };
+    serde_json::json!({
+        "policy": report.policy,
+        "source": label,
+        "passed": report.passed(),
+        "cases": report.cases,
+        "operations": report.ops,
+        "seconds": report.elapsed.as_secs_f64(),
+        "operations_per_second": report.ops_per_second(),
+        "rule": rule,
+        "message": message,
+        "script": script,
+    })
+}
+
+fn run_replay(
+    script: PathBuf,
+    policy: Option<PathBuf>,
+    config: Vec<(String, String)>,
+) -> Result<Outcome> {
+    let runtime = Runtime::shared();
+    let text = std::fs::read_to_string(&script)
+        .with_context(|| format!("reading {}", script.display()))?;
+    let parsed = Script::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", script.display()))?;
+    let loaded = load(runtime, policy.as_ref())?;
+    let config: Vec<(&str, &str)> = config
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let limits = CheckOptions::default().limits;
+    match check::replay(runtime, &loaded, &config, &parsed, &limits)? {
+        None => {
+            print_report(&format!(
+                "every rule held over {} operations\n",
+                parsed.len()
+            ));
+            Ok(Outcome::Held)
+        }
+        Some(finding) => {
+            print_report(&format!("BROKEN {finding}\n"));
+            Ok(Outcome::Broken)
+        }
+    }
+}
+
 /// Print to stdout; a reader that went away (`| head`) is not an error.
 fn print_report(text: &str) {
     use std::io::Write;
@@ -89,10 +292,42 @@ fn print_report(text: &str) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Inspect { policy, config } => inspect(policy, config),
+        Command::Inspect { policy, config } => inspect(policy, config).map(|()| Outcome::Held),
+        Command::Check {
+            policies,
+            cases,
+            seed,
+            max_ops,
+            threads,
+            json,
+            regressions,
+            config,
+        } => run_check(CheckArgs {
+            policies,
+            options: CheckOptions {
+                cases,
+                seed,
+                max_ops,
+                threads,
+                regressions: Some(regressions),
+                limits: Limits {
+                    call_time: std::time::Duration::from_millis(250),
+                    ..Limits::default()
+                },
+                progress: None,
+            },
+            json,
+            config,
+        }),
+        Command::Replay {
+            script,
+            policy,
+            config,
+        } => run_replay(script, policy, config),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(Outcome::Held) => ExitCode::SUCCESS,
+        Ok(Outcome::Broken) => ExitCode::from(1),
         Err(e) => {
             eprintln!("allocbox: {e:#}");
             ExitCode::from(2)

@@ -3,6 +3,7 @@
 mod support;
 
 mod chain;
+mod check;
 mod client;
 mod contract;
 mod limits;

@@ -1,0 +1,745 @@
+//! The contract checker: drives random sequences of client operations through a policy
+//! with every host check on, plus deep checks that cost bandwidth (checked mode), and
+//! shrinks a failure to a short, replayable script.
+//!
+//! The reference model is the list of live blocks and the bytes each must hold; the
+//! system under test is a fresh [`Handler`] per case. Operations name blocks by *slot*
+//! (index into the live blocks, oldest first, modulo their number), so every sequence is
+//! valid and proptest can shrink by dropping operations without preconditions.
+//!
+//! ```no_run
+//! // In a policy author's own `cargo test`:
+//! allocbox::check::assert_contract("target/wasm32-wasip2/release/my_policy.wasm", &[]);
+//! ```
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+use proptest::test_runner::{
+    Config, FileFailurePersistence, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner,
+};
+
+use crate::error::{Error, LoadError, Rule};
+use crate::handler::{Handler, HandlerBuilder};
+use crate::link::Limits;
+use crate::runtime::{Policy, Runtime};
+
+/// One client operation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    Malloc(u64),
+    Calloc(u64, u64),
+    /// Resize the block in the slot; `None` (or no live block) is realloc from null.
+    Realloc(Option<usize>, u64),
+    /// Free the block in the slot (nothing when no block is live).
+    Free(usize),
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Op::Malloc(size) => write!(f, "malloc {size}"),
+            Op::Calloc(n, e) => write!(f, "calloc {n} {e}"),
+            Op::Realloc(None, size) => write!(f, "realloc - {size}"),
+            Op::Realloc(Some(slot), size) => write!(f, "realloc #{slot} {size}"),
+            Op::Free(slot) => write!(f, "free #{slot}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Op {
+    type Err = String;
+
+    fn from_str(line: &str) -> Result<Op, String> {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let num = |w: &str| w.parse::<u64>().map_err(|e| format!("`{w}`: {e}"));
+        let slot = |w: &str| {
+            w.strip_prefix('#')
+                .ok_or_else(|| format!("`{w}`: a block is written #N"))?
+                .parse::<usize>()
+                .map_err(|e| format!("`{w}`: {e}"))
+        };
+        match words.as_slice() {
+            ["malloc", size] => Ok(Op::Malloc(num(size)?)),
+            ["calloc", n, e] => Ok(Op::Calloc(num(n)?, num(e)?)),
+            ["realloc", "-", size] => Ok(Op::Realloc(None, num(size)?)),
+            ["realloc", s, size] => Ok(Op::Realloc(Some(slot(s)?), num(size)?)),
+            ["free", s] => Ok(Op::Free(slot(s)?)),
+            _ => Err(format!("not an operation: `{line}`")),
+        }
+    }
+}
+
+/// A replayable sequence: one list of operations per client thread, slots resolved.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Script {
+    pub threads: Vec<Vec<Op>>,
+}
+
+impl Script {
+    /// Number of operations in all threads.
+    pub fn len(&self) -> usize {
+        self.threads.iter().map(Vec::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Parse the text form: one operation a line, `# ` comments, `thread` lines between
+    /// the operations of different client threads.
+    pub fn parse(text: &str) -> Result<Script, String> {
+        let mut threads = vec![Vec::new()];
+        for (n, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            if line == "thread" {
+                if !threads.last().is_some_and(Vec::is_empty) {
+                    threads.push(Vec::new());
+                }
+                continue;
+            }
+            let op = line.parse().map_err(|e| format!("line {}: {e}", n + 1))?;
+            threads.last_mut().expect("one thread at least").push(op);
+        }
+        Ok(Script { threads })
+    }
+}
+
+impl fmt::Display for Script {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, ops) in self.threads.iter().enumerate() {
+            if i > 0 {
+                writeln!(f, "thread")?;
+            }
+            for op in ops {
+                writeln!(f, "{op}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A broken rule, found by running a script.
+#[derive(Debug, Clone)]
+pub struct Finding {
+    /// A short stable name: a [`Rule::name`], or `trap`, `timeout`, `memory-limit`,
+    /// `poisoned`, `client`.
+    pub rule: &'static str,
+    pub message: String,
+}
+
+impl Finding {
+    fn from_error(e: &Error) -> Finding {
+        let rule = match e {
+            Error::Violation(v) => v.rule.name(),
+            Error::Trap { .. } => "trap",
+            Error::Timeout { .. } => "timeout",
+            Error::MemoryLimit { .. } => "memory-limit",
+            Error::Poisoned { cause, .. } => return Finding::from_error(cause),
+            Error::Client(_) => "client",
+        };
+        Finding {
+            rule,
+            message: e.to_string(),
+        }
+    }
+
+    fn checked(policy: &str, call: &str, addr: usize, size: u64, rule: Rule) -> Finding {
+        Finding {
+            rule: rule.name(),
+            message: format!(
+                "policy `{policy}` broke the contract in `{call}` at {addr:#x} ({size} bytes): {rule}"
+            ),
+        }
+    }
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[{}] {}", self.rule, self.message)
+    }
+}
+
+/// How hard to check.
+#[derive(Clone)]
+pub struct CheckOptions {
+    /// Random sequences to run. Default 64.
+    pub cases: u32,
+    /// Most operations in one sequence (per thread). Default 128.
+    pub max_ops: usize,
+    /// Seed for a reproducible run; default a fixed seed (runs are deterministic unless
+    /// a seed is given).
+    pub seed: Option<u64>,
+    /// Client threads calling one handler at once. Default 1.
+    pub threads: usize,
+    /// Bounds on the policy; default [`Limits::default`] with a 250 ms call limit.
+    pub limits: Limits,
+    /// Where failing seeds persist (`proptest-regressions/<policy>.txt`). Default none.
+    pub regressions: Option<PathBuf>,
+    /// Called after every finished case with (cases done, cases wanted).
+    pub progress: Option<Arc<dyn Fn(u32, u32) + Send + Sync>>,
+}
+
+impl fmt::Debug for CheckOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CheckOptions")
+            .field("cases", &self.cases)
+            .field("max_ops", &self.max_ops)
+            .field("seed", &self.seed)
+            .field("threads", &self.threads)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for CheckOptions {
+    fn default() -> Self {
+        CheckOptions {
+            cases: 64,
+            max_ops: 128,
+            seed: None,
+            threads: 1,
+            limits: Limits {
+                call_time: Duration::from_millis(250),
+                ..Limits::default()
+            },
+            regressions: None,
+            progress: None,
+        }
+    }
+}
+
+/// What a check run found.
+#[derive(Debug, Clone)]
+pub struct CheckReport {
+    pub policy: String,
+    /// Cases run, shrinking runs included.
+    pub cases: u32,
+    /// Operations run, shrinking runs included.
+    pub ops: u64,
+    pub elapsed: Duration,
+    /// The first broken rule, with the shrunk script that shows it.
+    pub failure: Option<(Finding, Script)>,
+}
+
+impl CheckReport {
+    pub fn passed(&self) -> bool {
+        self.failure.is_none()
+    }
+
+    /// Operations per second, shrinking included.
+    pub fn ops_per_second(&self) -> f64 {
+        self.ops as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+/// The size mix, in percent: NumPy's common small sizes dominate (72% of its mallocs
+/// are 8-15 bytes); edges, pages, large blocks and sizes that must fail all appear in
+/// most sequences.
+fn size() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        40 => 8u64..=15,
+        25 => 1u64..=256,
+        15 => 257u64..=4096,
+        4 => Just(0u64),
+        5 => prop::sample::select(vec![15u64, 16, 17, 63, 64, 65]),
+        5 => prop::sample::select(vec![4095u64, 4096, 4097, 65536]),
+        2 => 65537u64..=(1 << 20),
+        4 => prop::sample::select(vec![u64::MAX, u64::MAX - 15, 1 << 63, (1 << 62) + 3]),
+    ]
+}
+
+fn calloc_args() -> impl Strategy<Value = (u64, u64)> {
+    prop_oneof![
+        6 => (1u64..=64, 1u64..=64),
+        1 => prop::sample::select(vec![(0u64, 8u64), (8, 0), (0, 0)]),
+        1 => prop::sample::select(vec![(u64::MAX / 2 + 1, 2), (1 << 32, 1 << 32), (u64::MAX, u64::MAX)]),
+    ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => size().prop_map(Op::Malloc),
+        2 => calloc_args().prop_map(|(n, e)| Op::Calloc(n, e)),
+        3 => (prop::option::weighted(0.9, 0usize..64), size()).prop_map(|(s, n)| Op::Realloc(s, n)),
+        4 => (0usize..64).prop_map(Op::Free),
+    ]
+}
+
+/// The period of the byte pattern written into every block: prime, so that a copy from
+/// a wrong offset is seen unless the offset is a multiple of it.
+const PERIOD: usize = 251;
+/// Blocks are filled and compared in chunks of this many bytes (a multiple of PERIOD).
+const CHUNK: usize = PERIOD * 64;
+
+/// `PERIOD + CHUNK` bytes of the pattern; a block with phase `p` holds, from every chunk
+/// boundary on, `template()[p..p + CHUNK]` — so fill and compare run at memcpy speed.
+fn template() -> &'static [u8] {
+    static TEMPLATE: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    TEMPLATE.get_or_init(|| {
+        (0..PERIOD + CHUNK)
+            .map(|i| (i % PERIOD) as u8 ^ 0xA5)
+            .collect()
+    })
+}
+
+struct Live {
+    ptr: NonNull<u8>,
+    size: usize,
+    /// Where in the pattern this block starts (0..PERIOD), distinct from block to block.
+    phase: usize,
+}
+
+impl Live {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the block is live (lent by the handler, not yet freed by this model)
+        // and `size` bytes long; only this model's thread touches it.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.size) }
+    }
+
+    fn expected(&self) -> &'static [u8] {
+        &template()[self.phase..self.phase + CHUNK]
+    }
+
+    fn fill(&mut self, phase: usize) {
+        self.phase = phase % PERIOD;
+        let expected = self.expected();
+        // SAFETY: as in `bytes`; writing through the block's own pointer.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.size) };
+        for chunk in bytes.chunks_mut(CHUNK) {
+            chunk.copy_from_slice(&expected[..chunk.len()]);
+        }
+    }
+
+    /// The first offset below `len` that does not hold the pattern.
+    fn first_changed(&self, len: usize) -> Option<usize> {
+        let expected = self.expected();
+        let bytes = &self.bytes()[..len.min(self.size)];
+        bytes.chunks(CHUNK).enumerate().find_map(|(k, chunk)| {
+            let want = &expected[..chunk.len()];
+            (chunk != want).then(|| {
+                k * CHUNK
+                    + chunk
+                        .iter()
+                        .zip(want)
+                        .position(|(a, b)| a != b)
+                        .expect("differs")
+            })
+        })
+    }
+
+    /// A cheap look after every call: both ends and 16 bytes spread across the block.
+    /// Full comparisons happen on every free and realloc.
+    fn first_changed_sparse(&self) -> Option<usize> {
+        let bytes = self.bytes();
+        let expected = self.expected();
+        let at = |i: usize| expected[i % CHUNK];
+        let step = (self.size / 16).max(1);
+        (0..self.size.min(16))
+            .chain(self.size.saturating_sub(16)..self.size)
+            .chain((0..self.size).step_by(step))
+            .find(|&i| bytes[i] != at(i))
+    }
+}
+
+/// Runs one client's operations against a handler and checks every answer.
+struct Client<'h> {
+    handler: &'h Handler,
+    live: Vec<Live>,
+    next_phase: usize,
+    ran: Vec<Op>,
+}
+
+// SAFETY: the raw block pointers are owned by this client alone (each thread has its own
+// `Client` and its own blocks); the handler is Sync.
+unsafe impl Send for Client<'_> {}
+
+impl<'h> Client<'h> {
+    fn new(handler: &'h Handler, thread: usize) -> Self {
+        Client {
+            handler,
+            live: Vec::new(),
+            next_phase: thread * 67,
+            ran: Vec::new(),
+        }
+    }
+
+    /// A new phase for the next block, so neighbouring blocks hold different bytes.
+    fn phase(&mut self) -> usize {
+        self.next_phase = (self.next_phase + 37) % PERIOD;
+        self.next_phase
+    }
+
+    fn policy(&self) -> &str {
+        self.handler.name()
+    }
+
+    fn lost(&self, call: &str, live: &Live, offset: usize, rule: fn(u64) -> Rule) -> Finding {
+        Finding::checked(
+            self.policy(),
+            call,
+            live.ptr.as_ptr() as usize,
+            live.size as u64,
+            rule(offset as u64),
+        )
+    }
+
+    fn run(&mut self, op: &Op) -> Result<(), Finding> {
+        let h = self.handler;
+        let err = |e: Error| Finding::from_error(&e);
+        match *op {
+            Op::Malloc(size) => {
+                self.ran.push(op.clone());
+                if let Some(ptr) = h.malloc(size as usize).map_err(err)? {
+                    let mut block = Live {
+                        ptr,
+                        size: size as usize,
+                        phase: 0,
+                    };
+                    let phase = self.phase();
+                    block.fill(phase);
+                    self.live.push(block);
+                }
+            }
+            Op::Calloc(n, e) => {
+                self.ran.push(op.clone());
+                if let Some(ptr) = h.calloc(n as usize, e as usize).map_err(err)? {
+                    let size = n.checked_mul(e).expect("an overflowing calloc is none") as usize;
+                    let mut block = Live {
+                        ptr,
+                        size,
+                        phase: 0,
+                    };
+                    if let Some(at) = block.bytes().iter().position(|&b| b != 0) {
+                        return Err(self.lost("calloc", &block, at, |offset| {
+                            Rule::CallocNotZeroed { offset }
+                        }));
+                    }
+                    let phase = self.phase();
+                    block.fill(phase);
+                    self.live.push(block);
+                }
+            }
+            Op::Realloc(slot, size) => {
+                let Some(slot) = slot.filter(|_| !self.live.is_empty()) else {
+                    self.ran.push(Op::Realloc(None, size));
+                    if let Some(ptr) = h.realloc(None, size as usize).map_err(err)? {
+                        let mut block = Live {
+                            ptr,
+                            size: size as usize,
+                            phase: 0,
+                        };
+                        let phase = self.phase();
+                        block.fill(phase);
+                        self.live.push(block);
+                    }
+                    return Ok(());
+                };
+                let slot = slot % self.live.len();
+                self.ran.push(Op::Realloc(Some(slot), size));
+                let old = &self.live[slot];
+                let (old_ptr, old_size) = (old.ptr, old.size);
+                match h.realloc(Some(old_ptr), size as usize).map_err(err)? {
+                    None => {
+                        if let Some(at) = old.first_changed(old_size) {
+                            return Err(self.lost("realloc", old, at, |offset| {
+                                Rule::LiveBlockChanged { offset }
+                            }));
+                        }
+                    }
+                    Some(ptr) => {
+                        let moved = Live {
+                            ptr,
+                            size: size as usize,
+                            phase: old.phase,
+                        };
+                        if let Some(at) = moved.first_changed(old_size) {
+                            return Err(self.lost("realloc", &moved, at, |offset| {
+                                Rule::ReallocLostBytes { offset }
+                            }));
+                        }
+                        self.live[slot] = moved;
+                        let phase = self.phase();
+                        self.live[slot].fill(phase);
+                    }
+                }
+            }
+            Op::Free(slot) => {
+                if self.live.is_empty() {
+                    return Ok(());
+                }
+                let slot = slot % self.live.len();
+                self.ran.push(Op::Free(slot));
+                self.free_slot(slot)?;
+            }
+        }
+        self.look_at_all()
+    }
+
+    fn free_slot(&mut self, slot: usize) -> Result<(), Finding> {
+        let block = &self.live[slot];
+        if let Some(at) = block.first_changed(block.size) {
+            return Err(
+                self.lost("free", block, at, |offset| Rule::LiveBlockChanged {
+                    offset,
+                }),
+            );
+        }
+        let block = self.live.remove(slot);
+        self.handler
+            .free(Some(block.ptr), block.size)
+            .map_err(|e| Finding::from_error(&e))
+    }
+
+    fn look_at_all(&self) -> Result<(), Finding> {
+        for block in &self.live {
+            if let Some(at) = block.first_changed_sparse() {
+                return Err(
+                    self.lost("(any call)", block, at, |offset| Rule::LiveBlockChanged {
+                        offset,
+                    }),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Free every live block, oldest first.
+    fn free_all(&mut self) -> Result<(), Finding> {
+        while !self.live.is_empty() {
+            self.free_slot(0)?;
+        }
+        Ok(())
+    }
+}
+
+/// Everything needed to start a fresh handler for one case.
+struct Subject<'a> {
+    runtime: &'a Runtime,
+    policy: &'a Policy,
+    config: &'a [(&'a str, &'a str)],
+    limits: &'a Limits,
+}
+
+impl Subject<'_> {
+    fn start(&self) -> Result<Handler, LoadError> {
+        HandlerBuilder::new(self.runtime)
+            .link_with(self.policy, self.config)
+            .limits(self.limits.clone())
+            .build()
+    }
+
+    /// Run `threads` (one op list per client thread), then free everything, trim, and
+    /// look for leaks. Returns the resolved script and the first finding.
+    fn run(&self, threads: &[Vec<Op>]) -> (Script, Option<Finding>) {
+        let handler = match self.start() {
+            Ok(h) => h,
+            Err(e) => {
+                let finding = Finding {
+                    rule: "start",
+                    message: e.to_string(),
+                };
+                return (Script::default(), Some(finding));
+            }
+        };
+        let results: Vec<(Vec<Op>, Option<Finding>)> = if threads.len() == 1 {
+            vec![run_client(&handler, 0, &threads[0])]
+        } else {
+            std::thread::scope(|s| {
+                let running: Vec<_> = threads
+                    .iter()
+                    .enumerate()
+                    .map(|(t, ops)| {
+                        let handler = &handler;
+                        s.spawn(move || run_client(handler, t, ops))
+                    })
+                    .collect();
+                running
+                    .into_iter()
+                    .map(|t| t.join().expect("client thread"))
+                    .collect()
+            })
+        };
+        let mut script = Script::default();
+        let mut finding = None;
+        for (ops, found) in results {
+            script.threads.push(ops);
+            finding = finding.or(found);
+        }
+        if finding.is_none() {
+            finding = leak_check(&handler);
+        }
+        (script, finding)
+    }
+}
+
+fn run_client(handler: &Handler, thread: usize, ops: &[Op]) -> (Vec<Op>, Option<Finding>) {
+    let mut client = Client::new(handler, thread);
+    let mut finding = None;
+    for op in ops {
+        if let Err(f) = client.run(op) {
+            finding = Some(f);
+            break;
+        }
+    }
+    if finding.is_none() {
+        finding = client.free_all().err();
+    }
+    // After a failure the rest are released host-side, so nothing leaks here either.
+    let _ = client.free_all();
+    (client.ran, finding)
+}
+
+fn leak_check(handler: &Handler) -> Option<Finding> {
+    if let Err(e) = handler.trim() {
+        return Some(Finding::from_error(&e));
+    }
+    let (blocks, bytes) = handler.held_from_host();
+    (blocks > 0).then(|| Finding {
+        rule: "leak",
+        message: format!(
+            "policy `{}` broke the contract: {}",
+            handler.name(),
+            Rule::Leak { blocks, bytes }
+        ),
+    })
+}
+
+/// Fuzz the handler contract of `policy` (started with `config`) with proptest.
+///
+/// Errs only when the policy cannot be started at all; a broken rule is a report with
+/// `failure` set, holding the shrunk script.
+pub fn check(
+    runtime: &Runtime,
+    policy: &Policy,
+    config: &[(&str, &str)],
+    options: &CheckOptions,
+) -> Result<CheckReport, LoadError> {
+    let subject = Subject {
+        runtime,
+        policy,
+        config,
+        limits: &options.limits,
+    };
+    let name = subject.start()?.name().to_string();
+
+    let mut proptest_config = Config {
+        cases: options.cases,
+        max_shrink_iters: 2048,
+        failure_persistence: None,
+        ..Config::default()
+    };
+    if let Some(dir) = &options.regressions {
+        let file = dir.join(format!("{name}.txt"));
+        // proptest wants a 'static path; one small string per distinct path is kept.
+        let file: &'static str = Box::leak(file.display().to_string().into_boxed_str());
+        proptest_config.failure_persistence = Some(Box::new(FileFailurePersistence::Direct(file)));
+    }
+    let seed = options.seed.unwrap_or(0x5EED_A110_CB0C);
+    let mut seed_bytes = [0u8; 32];
+    seed_bytes[..8].copy_from_slice(&seed.to_le_bytes());
+    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes);
+    let mut runner = TestRunner::new_with_rng(proptest_config, rng);
+
+    let threads = options.threads.max(1);
+    let strategy = prop::collection::vec(
+        prop::collection::vec(op(), 1..=options.max_ops.max(1)),
+        threads,
+    );
+    let cases = AtomicU64::new(0);
+    let ops = AtomicU64::new(0);
+    let start = Instant::now();
+    let outcome = runner.run(&strategy, |threads| {
+        let (script, finding) = subject.run(&threads);
+        ops.fetch_add(script.len() as u64, Ordering::Relaxed);
+        let done = cases.fetch_add(1, Ordering::Relaxed) + 1;
+        if let Some(progress) = &options.progress {
+            progress(done.min(u64::from(options.cases)) as u32, options.cases);
+        }
+        match finding {
+            None => Ok(()),
+            Some(f) => Err(TestCaseError::fail(f.to_string())),
+        }
+    });
+    let failure = match outcome {
+        Ok(()) => None,
+        Err(TestError::Fail(_, minimal)) => {
+            // Run the minimal case once more for its resolved script and finding.
+            let (script, finding) = subject.run(&minimal);
+            let finding = finding.unwrap_or_else(|| Finding {
+                rule: "flaky",
+                message: "the shrunk case passed when run again (threads?)".into(),
+            });
+            Some((finding, script))
+        }
+        Err(TestError::Abort(reason)) => Some((
+            Finding {
+                rule: "aborted",
+                message: reason.to_string(),
+            },
+            Script::default(),
+        )),
+    };
+    Ok(CheckReport {
+        policy: name,
+        cases: cases.into_inner() as u32,
+        ops: ops.into_inner(),
+        elapsed: start.elapsed(),
+        failure,
+    })
+}
+
+/// Run a script exactly, with every check on. `Ok(None)`: every rule held.
+pub fn replay(
+    runtime: &Runtime,
+    policy: &Policy,
+    config: &[(&str, &str)],
+    script: &Script,
+    limits: &Limits,
+) -> Result<Option<Finding>, LoadError> {
+    let subject = Subject {
+        runtime,
+        policy,
+        config,
+        limits,
+    };
+    subject.start()?;
+    // Threads run one after the other so that a replay is exact.
+    let mut finding = None;
+    for ops in &script.threads {
+        let (_, found) = subject.run(std::slice::from_ref(ops));
+        if found.is_some() {
+            finding = found;
+            break;
+        }
+    }
+    Ok(finding)
+}
+
+/// For a policy author's `#[test]`: check the component at `path` with the default
+/// options and panic with the broken rule and the shrunk script if any rule breaks.
+pub fn assert_contract(path: impl AsRef<Path>, config: &[(&str, &str)]) {
+    let runtime = Runtime::shared();
+    let path = path.as_ref();
+    let policy = runtime
+        .load_file(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let options = CheckOptions {
+        regressions: Some(PathBuf::from("proptest-regressions")),
+        ..CheckOptions::default()
+    };
+    let report = check(runtime, &policy, config, &options).unwrap_or_else(|e| panic!("{e}"));
+    if let Some((finding, script)) = report.failure {
+        panic!(
+            "{finding}\nshrunk script ({} operations):\n{script}",
+            script.len()
+        );
+    }
+}

@@ -1,0 +1,176 @@
+//! The contract checker: it passes every good policy, catches every broken one with the
+//! right rule, shrinks to a short script, and replays it exactly.
+
+use std::process::Command;
+use std::time::Duration;
+
+use allocbox::check::{self, CheckOptions, Script};
+use allocbox::{Limits, Runtime};
+
+use super::support::*;
+
+/// Small enough for CI, large enough that each fault shows up.
+fn options() -> CheckOptions {
+    CheckOptions {
+        cases: 48,
+        limits: Limits {
+            call_time: Duration::from_millis(100),
+            memory: 32 << 20,
+            ..Limits::default()
+        },
+        ..CheckOptions::default()
+    }
+}
+
+macro_rules! passes_check {
+    ($name:ident, $guest:path) => {
+        #[test]
+        fn $name() {
+            let policy = load(&$guest);
+            let report = check::check(Runtime::shared(), &policy, &[], &options()).unwrap();
+            if let Some((finding, script)) = &report.failure {
+                panic!("{finding}\n{script}");
+            }
+            assert!(report.ops > 1000, "ran {} operations", report.ops);
+        }
+    };
+}
+
+mod every_good_policy_passes_check {
+    use super::*;
+    allocbox_artifacts::foreach_good_policy!(passes_check);
+}
+
+/// Each `broken` fault, the rule the checker must name, and the shortest script.
+const CORPUS: &[(&str, &str)] = &[
+    ("outside", "outside-owned"),
+    ("overlap", "overlap"),
+    ("misaligned", "misaligned"),
+    ("off-by-one", "outside-owned"),
+    ("wrong-size-free", "wrong-size-free"),
+    ("double-free", "double-free"),
+    ("foreign-free", "unknown-free"),
+    ("calloc-dirty", "calloc-not-zeroed"),
+    ("realloc-loses", "realloc-lost-bytes"),
+    ("realloc-outside", "outside-owned"),
+    ("leak", "leak"),
+    ("scribble", "bytes-out-of-bounds"),
+    ("trap-malloc", "trap"),
+    ("trap-calloc", "trap"),
+    ("trap-realloc", "trap"),
+    ("trap-free", "trap"),
+    ("trap-trim", "trap"),
+    ("trap-malloc-many", "trap"),
+    ("trap-free-many", "trap"),
+    ("loop-malloc", "timeout"),
+    ("grow-memory", "memory-limit"),
+];
+
+#[test]
+fn check_catches_every_broken_policy_names_the_rule_and_shrinks_it() {
+    let policy = load(&allocbox_artifacts::BROKEN);
+    for (fault, rule) in CORPUS {
+        let config = [("fault", *fault)];
+        let report = check::check(Runtime::shared(), &policy, &config, &options()).unwrap();
+        let (finding, script) = report
+            .failure
+            .unwrap_or_else(|| panic!("`{fault}` passed the check"));
+        assert_eq!(finding.rule, *rule, "`{fault}`: {finding}\n{script}");
+        assert!(
+            script.len() <= 5,
+            "`{fault}` shrank only to {} operations:\n{script}",
+            script.len()
+        );
+        // The printed script replays to the same broken rule.
+        let replayed = Script::parse(&script.to_string()).unwrap();
+        assert_eq!(replayed, script);
+        let again = check::replay(
+            Runtime::shared(),
+            &policy,
+            &config,
+            &replayed,
+            &options().limits,
+        )
+        .unwrap()
+        .unwrap_or_else(|| panic!("`{fault}`: the replay passed"));
+        assert_eq!(again.rule, *rule, "`{fault}` replay: {again}");
+    }
+}
+
+#[test]
+fn several_client_threads_share_one_handler_under_check() {
+    let policy = load(&allocbox_artifacts::SIZE_CLASSES);
+    let opts = CheckOptions {
+        threads: 4,
+        cases: 16,
+        ..options()
+    };
+    let report = check::check(Runtime::shared(), &policy, &[], &opts).unwrap();
+    assert!(report.passed(), "{:?}", report.failure);
+}
+
+#[test]
+fn scripts_parse_and_print_one_operation_a_line() {
+    let text = "# a comment\nmalloc 16\ncalloc 4 8\nrealloc #0 100\nrealloc - 7\nfree #1\nthread\nmalloc 1\n";
+    let script = Script::parse(text).unwrap();
+    assert_eq!(script.threads.len(), 2);
+    assert_eq!(script.len(), 6);
+    assert_eq!(Script::parse(&script.to_string()).unwrap(), script);
+    let err = Script::parse("malloc sixteen").unwrap_err();
+    assert!(err.contains("line 1"), "{err}");
+}
+
+fn allocbox_cli(args: &[&str], dir: &std::path::Path) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_allocbox"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap(), text)
+}
+
+#[test]
+fn the_cli_exits_0_when_rules_hold_1_when_broken_2_on_bad_input() {
+    let dir = std::env::temp_dir().join(format!("allocbox-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+
+    let (code, out) = allocbox_cli(&["check", "--cases", "8"], &dir);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("passthrough") && out.contains("every rule held"),
+        "{out}"
+    );
+
+    let broken = allocbox_artifacts::BROKEN.path();
+    let (code, out) = allocbox_cli(
+        &["check", broken, "-c", "fault=double-free", "--json"],
+        &dir,
+    );
+    assert_eq!(code, 1, "{out}");
+    let report: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert_eq!(report["rule"], "double-free");
+    assert_eq!(report["passed"], false);
+
+    // The saved script replays to the same rule.
+    let saved = dir.join("proptest-regressions").join("broken.script");
+    let (code, out) = allocbox_cli(
+        &[
+            "replay",
+            saved.to_str().unwrap(),
+            broken,
+            "-c",
+            "fault=double-free",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("double-free"), "{out}");
+
+    let (code, out) = allocbox_cli(&["check", "/no/such.wasm"], &dir);
+    assert_eq!(code, 2, "{out}");
+    let (code, out) = allocbox_cli(&["check", broken, "-c", "fault=bad-name"], &dir);
+    assert_eq!(code, 2, "{out}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
