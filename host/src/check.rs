@@ -308,45 +308,82 @@ impl Live {
         &template()[self.phase..self.phase + CHUNK]
     }
 
+    /// The byte ranges that hold the pattern: all of a block up to `SAMPLED_ABOVE`
+    /// bytes; for larger ones the first and last 4 KiB and 64 probes of 64 bytes between.
+    /// Writing every byte of a megabyte block page-faults every page and costs more
+    /// than it finds; the probes still see a lost or shifted copy.
+    fn ranges(size: usize) -> Vec<std::ops::Range<usize>> {
+        const SAMPLED_ABOVE: usize = 64 << 10;
+        const EDGE: usize = 4 << 10;
+        if size <= SAMPLED_ABOVE {
+            return vec![0..size];
+        }
+        let mut ranges = vec![0..EDGE];
+        let step = (size - 2 * EDGE) / 65;
+        ranges.extend((1..=64).map(|k| EDGE + k * step..EDGE + k * step + 64));
+        ranges.push(size - EDGE..size);
+        ranges
+    }
+
     fn fill(&mut self, phase: usize) {
         self.phase = phase % PERIOD;
         let expected = self.expected();
         // SAFETY: as in `bytes`; writing through the block's own pointer.
         let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.size) };
-        for chunk in bytes.chunks_mut(CHUNK) {
-            chunk.copy_from_slice(&expected[..chunk.len()]);
+        for range in Self::ranges(self.size) {
+            for (k, chunk) in bytes[range.clone()].chunks_mut(CHUNK).enumerate() {
+                let from = (range.start + k * CHUNK) % PERIOD;
+                chunk.copy_from_slice(&expected_at(expected, from)[..chunk.len()]);
+            }
         }
+    }
+
+    /// The first offset below `len` that does not hold the pattern this block was
+    /// filled with (`filled` is the size it had then).
+    fn first_changed_as(&self, filled: usize, len: usize) -> Option<usize> {
+        let bytes = &self.bytes()[..len.min(self.size)];
+        let expected = self.expected();
+        Self::ranges(filled).into_iter().find_map(|range| {
+            let range = range.start.min(bytes.len())..range.end.min(bytes.len());
+            bytes[range.clone()]
+                .chunks(CHUNK)
+                .enumerate()
+                .find_map(|(k, chunk)| {
+                    let start = range.start + k * CHUNK;
+                    let want = &expected_at(expected, start % PERIOD)[..chunk.len()];
+                    (chunk != want).then(|| {
+                        start
+                            + chunk
+                                .iter()
+                                .zip(want)
+                                .position(|(a, b)| a != b)
+                                .expect("differs")
+                    })
+                })
+        })
     }
 
     /// The first offset below `len` that does not hold the pattern.
     fn first_changed(&self, len: usize) -> Option<usize> {
-        let expected = self.expected();
-        let bytes = &self.bytes()[..len.min(self.size)];
-        bytes.chunks(CHUNK).enumerate().find_map(|(k, chunk)| {
-            let want = &expected[..chunk.len()];
-            (chunk != want).then(|| {
-                k * CHUNK
-                    + chunk
-                        .iter()
-                        .zip(want)
-                        .position(|(a, b)| a != b)
-                        .expect("differs")
-            })
-        })
+        self.first_changed_as(self.size, len)
     }
 
-    /// A cheap look after every call: both ends and 16 bytes spread across the block.
-    /// Full comparisons happen on every free and realloc.
+    /// A cheap look after every call: the first and last 16 bytes.
     fn first_changed_sparse(&self) -> Option<usize> {
         let bytes = self.bytes();
         let expected = self.expected();
-        let at = |i: usize| expected[i % CHUNK];
-        let step = (self.size / 16).max(1);
         (0..self.size.min(16))
             .chain(self.size.saturating_sub(16)..self.size)
-            .chain((0..self.size).step_by(step))
-            .find(|&i| bytes[i] != at(i))
+            .find(|&i| bytes[i] != expected[i % PERIOD])
     }
+}
+
+/// The pattern as it runs from offset `from` (mod PERIOD) of a block on: `CHUNK` bytes.
+fn expected_at(expected: &'static [u8], from: usize) -> &'static [u8] {
+    // `expected` starts at the block's phase; the template is PERIOD + CHUNK long and
+    // periodic, so starting `from` further in is another window of it.
+    let base = expected.as_ptr() as usize - template().as_ptr() as usize;
+    &template()[(base + from) % PERIOD..][..CHUNK]
 }
 
 /// Runs one client's operations against a handler and checks every answer.
@@ -354,6 +391,8 @@ struct Client<'h> {
     handler: &'h Handler,
     live: Vec<Live>,
     next_phase: usize,
+    /// Where the rotating look at live blocks goes on from.
+    next_look: usize,
     ran: Vec<Op>,
 }
 
@@ -367,6 +406,7 @@ impl<'h> Client<'h> {
             handler,
             live: Vec::new(),
             next_phase: thread * 67,
+            next_look: 0,
             ran: Vec::new(),
         }
     }
@@ -460,7 +500,7 @@ impl<'h> Client<'h> {
                             size: size as usize,
                             phase: old.phase,
                         };
-                        if let Some(at) = moved.first_changed(old_size) {
+                        if let Some(at) = moved.first_changed_as(old_size, old_size) {
                             return Err(self.lost("realloc", &moved, at, |offset| {
                                 Rule::ReallocLostBytes { offset }
                             }));
@@ -480,7 +520,7 @@ impl<'h> Client<'h> {
                 self.free_slot(slot)?;
             }
         }
-        self.look_at_all()
+        self.look_around()
     }
 
     fn free_slot(&mut self, slot: usize) -> Result<(), Finding> {
@@ -498,8 +538,14 @@ impl<'h> Client<'h> {
             .map_err(|e| Finding::from_error(&e))
     }
 
-    fn look_at_all(&self) -> Result<(), Finding> {
-        for block in &self.live {
+    /// After every call, a sparse look at a few live blocks in turn, so the cost per
+    /// call stays flat however many blocks are live; every block is compared in full
+    /// when it is freed or reallocated, and at the end of the sequence.
+    fn look_around(&mut self) -> Result<(), Finding> {
+        const BLOCKS_PER_CALL: usize = 4;
+        for _ in 0..BLOCKS_PER_CALL.min(self.live.len()) {
+            self.next_look = (self.next_look + 1) % self.live.len();
+            let block = &self.live[self.next_look];
             if let Some(at) = block.first_changed_sparse() {
                 return Err(
                     self.lost("(any call)", block, at, |offset| Rule::LiveBlockChanged {
