@@ -316,9 +316,9 @@ impl Live {
         const SAMPLED_ABOVE: usize = 64 << 10;
         const EDGE: usize = 4 << 10;
         if size <= SAMPLED_ABOVE {
-            return Vec::from([0..size]);
+            return std::iter::once(0..size).collect();
         }
-        let mut ranges = Vec::from([0..EDGE]);
+        let mut ranges: Vec<_> = std::iter::once(0..EDGE).collect();
         let step = (size - 2 * EDGE) / 65;
         ranges.extend((1..=64).map(|k| EDGE + k * step..EDGE + k * step + 64));
         ranges.push(size - EDGE..size);
