@@ -644,18 +644,7 @@ fn run_client(handler: &Handler, thread: usize, ops: &[Op]) -> (Vec<Op>, Option<
 }
 
 fn leak_check(handler: &Handler) -> Option<Finding> {
-    if let Err(e) = handler.trim() {
-        return Some(Finding::from_error(&e));
-    }
-    let (blocks, bytes) = handler.held_from_host();
-    (blocks > 0).then(|| Finding {
-        rule: "leak",
-        message: format!(
-            "policy `{}` broke the contract: {}",
-            handler.name(),
-            Rule::Leak { blocks, bytes }
-        ),
-    })
+    handler.leak_check().err().map(|e| Finding::from_error(&e))
 }
 
 /// Fuzz the handler contract of `policy` (started with `config`) with proptest.

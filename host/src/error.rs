@@ -191,6 +191,8 @@ pub enum ClientError {
     DoubleFree { addr: u64 },
     #[error("realloc of {addr:#x}, which this handler never lent")]
     UnknownRealloc { addr: u64 },
+    #[error("out of memory: the handler has no block of {size} bytes")]
+    OutOfMemory { size: u64 },
 }
 
 /// Everything that can go wrong when using a handler.

@@ -383,6 +383,36 @@ impl Handler {
         (!e.cached).then_some(e.size as usize)
     }
 
+    /// Counters of every policy in the chain, top first.
+    pub fn link_stats(&self) -> Vec<crate::link::LinkStats> {
+        let c = self.chain.lock();
+        let mut out = vec![c.head.stats()];
+        let mut up = c.head.upstream();
+        while let Upstream::Policy(l) = up {
+            out.push(l.stats());
+            up = l.upstream();
+        }
+        out
+    }
+
+    /// Trim, then fail with a [`Rule::Leak`] violation if the chain still holds memory
+    /// from the host — to be called once the client has freed everything (a test's last
+    /// assertion).
+    pub fn leak_check(&self) -> Result<(), Error> {
+        self.trim()?;
+        let (blocks, bytes) = self.held_from_host();
+        if blocks == 0 {
+            return Ok(());
+        }
+        Err(Error::Violation(crate::error::Violation {
+            policy: self.info.name.clone(),
+            call: crate::error::Call::Trim,
+            addr: 0,
+            size: bytes,
+            rule: crate::error::Rule::Leak { blocks, bytes },
+        }))
+    }
+
     /// Upstream blocks still held from the host's memory, `(blocks, bytes)`: after every
     /// block was freed and the handler trimmed, anything here is a leak.
     pub fn held_from_host(&self) -> (usize, u64) {

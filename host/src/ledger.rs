@@ -32,6 +32,7 @@ const FREED_HISTORY: usize = 64;
 pub(crate) struct Ledger {
     blocks: BTreeMap<u64, Entry>,
     bytes: u64,
+    peak_bytes: u64,
     /// Boxed: a ledger sits inline in every link's state.
     freed: Box<[u64; FREED_HISTORY]>,
     freed_next: usize,
@@ -42,6 +43,7 @@ impl Default for Ledger {
         Ledger {
             blocks: BTreeMap::new(),
             bytes: 0,
+            peak_bytes: 0,
             freed: Box::new([0; FREED_HISTORY]),
             freed_next: 0,
         }
@@ -60,6 +62,11 @@ impl Ledger {
     /// Bytes in all live blocks.
     pub(crate) fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// The most bytes live at once.
+    pub(crate) fn peak_bytes(&self) -> u64 {
+        self.peak_bytes
     }
 
     pub(crate) fn get(&self, addr: u64) -> Option<Entry> {
@@ -97,6 +104,7 @@ impl Ledger {
         debug_assert!(self.overlapping(addr, size).is_none());
         self.blocks.insert(addr, Entry { size, cached });
         self.bytes += size;
+        self.peak_bytes = self.peak_bytes.max(self.bytes);
     }
 
     /// Take back the block at `addr` that must have been lent with `size` bytes.

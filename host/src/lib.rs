@@ -5,11 +5,16 @@ mod error;
 mod handler;
 mod ledger;
 mod link;
+mod native;
+pub mod nep49;
 mod runtime;
 mod system;
+pub mod trace;
 
 pub use error::{Call, ClientError, Error, LoadError, Rule, Violation};
 pub use handler::{Handler, HandlerBuilder, Stats};
-pub use link::{Limits, PolicyInfo};
+pub use link::{Limits, LinkStats, PolicyInfo};
+pub use native::NumpyDefault;
+pub use nep49::{Buffer, MemHandler};
 pub use runtime::{DEFAULT_POLICY_WAT, POLICY_WIT, Policy, Runtime, WORLD_PACKAGE, WORLD_VERSION};
 pub use system::SYSTEM_ALIGNMENT;

@@ -459,6 +459,23 @@ pub(crate) enum LinkFault {
     Link(Error),
 }
 
+/// Calls the host made into one policy of a chain, and what it has lent.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LinkStats {
+    pub name: String,
+    pub mallocs: u64,
+    pub callocs: u64,
+    pub reallocs: u64,
+    pub frees: u64,
+    pub malloc_many: u64,
+    pub free_many: u64,
+    pub live_blocks: u64,
+    pub live_bytes: u64,
+    pub peak_bytes: u64,
+    /// Why the policy was stopped, if it was.
+    pub failure: Option<String>,
+}
+
 /// A started, initialised policy instance.
 pub(crate) struct Link {
     pub(crate) store: Store<LinkState>,
@@ -467,6 +484,7 @@ pub(crate) struct Link {
     pub(crate) poisoned: Option<Arc<Error>>,
     deadline_ticks: u64,
     limits: Limits,
+    calls: LinkStats,
 }
 
 impl std::fmt::Debug for Link {
@@ -494,6 +512,20 @@ impl Link {
             poisoned: None,
             deadline_ticks,
             limits,
+            calls: LinkStats::default(),
+        }
+    }
+
+    /// This link's counters.
+    pub(crate) fn stats(&self) -> LinkStats {
+        let lent = self.lent();
+        LinkStats {
+            name: self.info.name.to_string(),
+            live_blocks: lent.len() as u64,
+            live_bytes: lent.bytes(),
+            peak_bytes: lent.peak_bytes(),
+            failure: self.poisoned.as_ref().map(|e| e.to_string()),
+            ..self.calls.clone()
         }
     }
 
@@ -612,6 +644,7 @@ impl Link {
 
     pub(crate) fn malloc(&mut self, size: u64) -> Result<u64, Error> {
         let size = size.max(1);
+        self.calls.mallocs += 1;
         let addr = self.enter(Call::Malloc, |g, s| g.call_malloc(s, size))?;
         if addr == 0 {
             return Ok(0);
@@ -625,6 +658,7 @@ impl Link {
             return Ok(0);
         };
         let (nelem, elsize) = if size == 0 { (1, 1) } else { (nelem, elsize) };
+        self.calls.callocs += 1;
         let addr = self.enter(Call::Calloc, |g, s| g.call_calloc(s, nelem, elsize))?;
         if addr == 0 {
             return Ok(0);
@@ -642,6 +676,7 @@ impl Link {
         if self.poisoned.is_some() {
             return Ok(0);
         }
+        self.calls.reallocs += 1;
         self.store.data_mut().in_transit = Some((ptr, old));
         let answer = self.enter(Call::Realloc, |g, s| g.call_realloc(s, ptr, old, new));
         let state = self.store.data_mut();
@@ -692,12 +727,14 @@ impl Link {
             self.release_if_done();
             return Ok(());
         }
+        self.calls.frees += 1;
         self.enter(Call::Free, |g, s| g.call_free(s, ptr, size))
             .map_err(LinkFault::Link)
     }
 
     pub(crate) fn malloc_many(&mut self, size: u64, count: u32) -> Result<Vec<u64>, Error> {
         let size = size.max(1);
+        self.calls.malloc_many += 1;
         let blocks = self.enter(Call::MallocMany, |g, s| g.call_malloc_many(s, size, count))?;
         if blocks.len() > count as usize {
             let rule = Rule::TooManyBlocks {
@@ -733,6 +770,7 @@ impl Link {
             self.release_if_done();
             return Ok(());
         }
+        self.calls.free_many += 1;
         self.enter(Call::FreeMany, |g, s| g.call_free_many(s, &ptrs, size))
             .map_err(LinkFault::Link)
     }

@@ -51,6 +51,19 @@ enum Command {
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
     },
+    /// Replay an allocation trace (`op id size thread` lines, plain or gzip) through a
+    /// handler and report time per event, peak bytes, corrections and the first failing
+    /// event. Exit 1 if an event fails.
+    ReplayTrace {
+        trace: PathBuf,
+        /// The chain, top first: a policy file, `default` (NumPy's default handler,
+        /// natively) or `builtin` (the built-in default policy). Default: `default`.
+        #[arg(long = "policy", short = 'p')]
+        policies: Vec<String>,
+        /// Configuration for the top policy's `init`, as KEY=VALUE (repeatable).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+    },
     /// Run a script (one operation a line, as `check` prints it) through a policy with
     /// every check on.
     Replay {
@@ -283,6 +296,77 @@ fn run_replay(
     }
 }
 
+fn run_replay_trace(
+    trace: PathBuf,
+    policies: Vec<String>,
+    config: Vec<(String, String)>,
+) -> Result<Outcome> {
+    use allocbox::nep49::{MemHandler, default_handler};
+    let events =
+        allocbox::trace::read_trace(&trace).with_context(|| trace.display().to_string())?;
+    let handler: Arc<dyn MemHandler> = match policies.as_slice() {
+        [] => default_handler(),
+        [only] if only == "default" => default_handler(),
+        chain => {
+            let runtime = Runtime::shared();
+            let mut builder = HandlerBuilder::new(runtime);
+            for (i, name) in chain.iter().enumerate() {
+                let policy = match name.as_str() {
+                    "builtin" => load(runtime, None)?,
+                    "default" => {
+                        bail!("`default` is the native handler; it cannot be a link of a chain")
+                    }
+                    path => load(runtime, Some(&PathBuf::from(path)))?,
+                };
+                let link_config: Vec<(&str, &str)> = if i == 0 {
+                    config
+                        .iter()
+                        .map(|(k, v)| (k.as_str(), v.as_str()))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                builder = builder.link_with(&policy, &link_config);
+            }
+            Arc::new(builder.build()?)
+        }
+    };
+    let report = allocbox::trace::replay_trace(&*handler, &events);
+    let stats = &report.stats;
+    let mut out = format!(
+        "trace      {} ({} events)\nhandler    {}\ntime       {:.2} s, {:.0} ns/event\n\
+         peak       {} bytes live\ncalls      {} malloc, {} calloc, {} realloc, {} free\n\
+         quirks     {} ids not allocated in the trace, {} free(NULL), {} wrong-size frees corrected\n\
+         none       {} requests answered out-of-memory\n",
+        trace.display(),
+        events.len(),
+        handler.name(),
+        report.elapsed.as_secs_f64(),
+        report.ns_per_event(),
+        stats.peak_bytes,
+        stats.mallocs,
+        stats.callocs,
+        stats.reallocs,
+        stats.frees,
+        report.unknown_ids,
+        report.null_frees,
+        stats.size_corrections,
+        report.out_of_memory,
+    );
+    let outcome = match &report.failure {
+        None => {
+            out += "failures   none\n";
+            Outcome::Held
+        }
+        Some((event, error)) => {
+            out += &format!("FAILED     at {event}: {error}\n");
+            Outcome::Broken
+        }
+    };
+    print_report(&out);
+    Ok(outcome)
+}
+
 /// Print to stdout; a reader that went away (`| head`) is not an error.
 fn print_report(text: &str) {
     use std::io::Write;
@@ -324,6 +408,11 @@ fn main() -> ExitCode {
             policy,
             config,
         } => run_replay(script, policy, config),
+        Command::ReplayTrace {
+            trace,
+            policies,
+            config,
+        } => run_replay_trace(trace, policies, config),
     };
     match result {
         Ok(Outcome::Held) => ExitCode::SUCCESS,

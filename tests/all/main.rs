@@ -8,6 +8,8 @@ mod client;
 mod contract;
 mod limits;
 mod load;
+mod nep49;
+mod trace;
 
 mod smoke {
     use super::support::*;

@@ -1,0 +1,233 @@
+//! NumPy's default data-memory handler, ported to Rust: what NumPy users have today, so
+//! that wasm policies can be compared with it.
+//!
+//! As in NumPy's `alloc.c`: requests below 1024 bytes are served from an exact-size cache
+//! of at most 7 freed blocks per size; everything else goes to the C library; blocks of
+//! 4 MiB and more get the transparent-huge-page hint. Unlike NumPy, the cache is
+//! thread-safe on its own (NumPy leans on the GIL, yet calls realloc without it), and a
+//! block freed with a size larger than it really has is never cached under that size.
+
+use std::ptr::NonNull;
+
+use parking_lot::Mutex;
+
+use crate::error::Error;
+use crate::handler::Stats;
+use crate::nep49::MemHandler;
+
+/// Sizes below this are cached.
+const NBUCKETS: usize = 1024;
+/// Freed blocks kept per size.
+const NCACHE: usize = 7;
+/// Blocks at least this large are advised to use huge pages.
+const HUGEPAGE_THRESHOLD: usize = 1 << 22;
+
+/// NumPy's default handler, natively. Create one with [`NumpyDefault::new`]; the process
+/// default is [`crate::nep49::default_handler`].
+#[derive(Debug)]
+pub struct NumpyDefault {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    /// `cache[size]`: freed blocks of exactly `size` usable bytes or more.
+    cache: Vec<Vec<usize>>,
+    stats: Stats,
+}
+
+impl Default for NumpyDefault {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl NumpyDefault {
+    pub fn new() -> Self {
+        NumpyDefault {
+            inner: Mutex::new(Inner {
+                cache: (0..NBUCKETS).map(|_| Vec::with_capacity(NCACHE)).collect(),
+                stats: Stats::default(),
+            }),
+        }
+    }
+
+    fn take_cached(&self, size: usize) -> Option<NonNull<u8>> {
+        if size >= NBUCKETS {
+            return None;
+        }
+        let mut inner = self.inner.lock();
+        let addr = inner.cache[size].pop()?;
+        inner.stats.magazine_hits += 1;
+        NonNull::new(addr as *mut u8)
+    }
+
+    fn count_new(&self, size: usize, calloc: bool, got: Option<NonNull<u8>>) {
+        let mut inner = self.inner.lock();
+        if calloc {
+            inner.stats.callocs += 1;
+        } else {
+            inner.stats.mallocs += 1;
+        }
+        match got {
+            Some(_) => {
+                let stats = &mut inner.stats;
+                stats.live_blocks += 1;
+                stats.live_bytes += size as u64;
+                stats.total_bytes += size as u64;
+                stats.peak_bytes = stats.peak_bytes.max(stats.live_bytes);
+            }
+            None => inner.stats.failed += 1,
+        }
+    }
+}
+
+fn advise_huge_pages(ptr: NonNull<u8>, size: usize) {
+    if size < HUGEPAGE_THRESHOLD {
+        return;
+    }
+    // madvise needs a page-aligned start: advise the whole pages inside the block.
+    let page = 4096;
+    let start = (ptr.as_ptr() as usize).next_multiple_of(page);
+    let end = (ptr.as_ptr() as usize + size) & !(page - 1);
+    if end > start {
+        // SAFETY: [start, end) lies inside the block just allocated; MADV_HUGEPAGE is
+        // advice only and changes no contents. Failure (no THP support) is harmless.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    }
+}
+
+impl MemHandler for NumpyDefault {
+    fn name(&self) -> &str {
+        "default_allocator"
+    }
+
+    fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
+        let got = self.take_cached(size).or_else(|| {
+            // SAFETY: plain C malloc; a zero size gives a unique pointer or null.
+            let p = NonNull::new(unsafe { libc::malloc(size.max(1)) }.cast::<u8>());
+            p.inspect(|&p| advise_huge_pages(p, size))
+        });
+        self.count_new(size, false, got);
+        Ok(got)
+    }
+
+    fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error> {
+        let Some(size) = nelem.checked_mul(elsize) else {
+            self.count_new(0, true, None);
+            return Ok(None);
+        };
+        let got = match self.take_cached(size) {
+            Some(p) => {
+                // SAFETY: a cached block has at least `size` usable bytes (see `free`).
+                unsafe { std::ptr::write_bytes(p.as_ptr(), 0, size) };
+                Some(p)
+            }
+            None => {
+                // SAFETY: plain C calloc; the product was checked for overflow above.
+                let p =
+                    NonNull::new(unsafe { libc::calloc(nelem.max(1), elsize.max(1)) }.cast::<u8>());
+                p.inspect(|&p| advise_huge_pages(p, size))
+            }
+        };
+        self.count_new(size, true, got);
+        Ok(got)
+    }
+
+    fn realloc(
+        &self,
+        ptr: Option<NonNull<u8>>,
+        new_size: usize,
+    ) -> Result<Option<NonNull<u8>>, Error> {
+        let old = ptr.map_or(std::ptr::null_mut(), |p| p.as_ptr().cast());
+        // SAFETY: `ptr` is null or a block from this handler, i.e. from C malloc/calloc
+        // (cached blocks are never handed out twice); C realloc accepts both.
+        let got = NonNull::new(unsafe { libc::realloc(old, new_size.max(1)) }.cast::<u8>());
+        let mut inner = self.inner.lock();
+        inner.stats.reallocs += 1;
+        if got.is_none() {
+            inner.stats.failed += 1;
+        }
+        Ok(got)
+    }
+
+    fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error> {
+        let Some(ptr) = ptr else {
+            return Ok(());
+        };
+        let mut inner = self.inner.lock();
+        inner.stats.frees += 1;
+        inner.stats.live_blocks = inner.stats.live_blocks.saturating_sub(1);
+        inner.stats.live_bytes = inner.stats.live_bytes.saturating_sub(size as u64);
+        // NumPy sometimes frees with a size larger than the block (it reallocs and
+        // frees with the original size); caching such a block under that size would
+        // hand out too few bytes later, so the C library's own record decides.
+        // SAFETY: `ptr` came from C malloc/calloc/realloc and is live.
+        let usable = unsafe { libc::malloc_usable_size(ptr.as_ptr().cast()) };
+        if size < NBUCKETS && size <= usable && inner.cache[size].len() < NCACHE {
+            inner.cache[size].push(ptr.as_ptr() as usize);
+            return Ok(());
+        }
+        drop(inner);
+        // SAFETY: as above; the block is not cached, so it is freed once.
+        unsafe { libc::free(ptr.as_ptr().cast()) };
+        Ok(())
+    }
+
+    fn stats(&self) -> Stats {
+        self.inner.lock().stats.clone()
+    }
+}
+
+impl Drop for NumpyDefault {
+    fn drop(&mut self) {
+        for bucket in &mut self.inner.get_mut().cache {
+            for addr in bucket.drain(..) {
+                // SAFETY: cached blocks came from C malloc and are owned by the cache.
+                unsafe { libc::free(addr as *mut libc::c_void) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_blocks_are_reused_from_the_exact_size_cache() {
+        let h = NumpyDefault::new();
+        let a = h.malloc(24).unwrap();
+        h.free(a, 24).unwrap();
+        let b = h.malloc(24).unwrap();
+        assert_eq!(a, b, "the freed block comes back for the same size");
+        assert_eq!(h.stats().magazine_hits, 1);
+        h.free(b, 24).unwrap();
+    }
+
+    #[test]
+    fn a_block_freed_with_a_too_large_size_is_not_cached_under_it() {
+        let h = NumpyDefault::new();
+        let a = h.malloc(8).unwrap();
+        h.free(a, 1000).unwrap();
+        let b = h.malloc(1000).unwrap();
+        // SAFETY: `b` is a live block of 1000 bytes from `h`.
+        unsafe { std::ptr::write_bytes(b.unwrap().as_ptr(), 1, 1000) };
+        h.free(b, 1000).unwrap();
+    }
+
+    #[test]
+    fn calloc_from_the_cache_is_zeroed_and_overflow_is_none() {
+        let h = NumpyDefault::new();
+        let a = h.malloc(64).unwrap().unwrap();
+        // SAFETY: `a` is a live 64-byte block.
+        unsafe { std::ptr::write_bytes(a.as_ptr(), 0xff, 64) };
+        h.free(Some(a), 64).unwrap();
+        let b = h.calloc(8, 8).unwrap().unwrap();
+        // SAFETY: `b` is a live 64-byte block.
+        let bytes = unsafe { std::slice::from_raw_parts(b.as_ptr(), 64) };
+        assert!(bytes.iter().all(|&x| x == 0));
+        h.free(Some(b), 64).unwrap();
+        assert_eq!(h.calloc(usize::MAX, 2).unwrap(), None);
+    }
+}

@@ -1,0 +1,124 @@
+//! Recording and replaying allocation traces.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use allocbox::nep49::{MemHandler, default_handler};
+use allocbox::trace::{Recorder, parse_trace, read_trace, replay_trace};
+
+use super::support::*;
+
+/// A `Write` the test can read back.
+#[derive(Clone, Default)]
+struct Shared(Arc<Mutex<Vec<u8>>>);
+impl Write for Shared {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_recorded_trace_replays_to_the_same_calls() {
+    let out = Shared::default();
+    let rec = Recorder::new(
+        Arc::new(handler(&allocbox_artifacts::SYSTEM, &[])),
+        out.clone(),
+    );
+    let a = rec.malloc(10).unwrap();
+    let b = rec.calloc(4, 8).unwrap();
+    let a = rec.realloc(a, 100).unwrap();
+    rec.free(None, 5).unwrap();
+    rec.free(b, 32).unwrap();
+    rec.free(a, 100).unwrap();
+    rec.finish().unwrap();
+    let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+    assert_eq!(
+        lines,
+        [
+            "m 1 10 1",
+            "c 2 32 1",
+            "r 1 100 1",
+            "f 0 5 1",
+            "f 2 32 1",
+            "f 1 100 1"
+        ]
+    );
+
+    let events = parse_trace(text.as_bytes()).unwrap();
+    let report = replay_trace(&handler(&allocbox_artifacts::ARENA, &[]), &events);
+    assert!(report.failure.is_none());
+    assert_eq!(
+        (
+            report.stats.mallocs,
+            report.stats.callocs,
+            report.stats.reallocs,
+            report.stats.frees
+        ),
+        (1, 1, 1, 2)
+    );
+    assert_eq!(report.null_frees, 1);
+}
+
+#[test]
+fn replay_tolerates_the_trace_quirks_and_counts_wrong_size_frees() {
+    let text = "# header\nm 1 8 1\nr 1 16 1\nf 1 8 1\nf 77 8 1\nf 0 3 1\nr 99 24 1\nf 99 24 1\n";
+    let events = parse_trace(text.as_bytes()).unwrap();
+    let report = replay_trace(&handler(&allocbox_artifacts::SIZE_CLASSES, &[]), &events);
+    assert!(report.failure.is_none(), "{:?}", report.failure);
+    assert_eq!(
+        report.stats.size_corrections, 1,
+        "realloc to 16 then free with 8"
+    );
+    assert_eq!(
+        report.unknown_ids, 2,
+        "the free of 77 and the realloc of 99"
+    );
+    assert_eq!(report.null_frees, 1);
+}
+
+#[test]
+fn replay_names_the_event_that_failed() {
+    let events = parse_trace("m 1 8 1\nm 2 8 1\nf 2 8 1\n".as_bytes()).unwrap();
+    let report = replay_trace(&broken("double-free"), &events);
+    let (event, error) = report.failure.expect("the free breaks a rule");
+    assert_eq!(event.line, 3);
+    assert!(event.to_string().contains("line 3"));
+    assert_eq!(error.rule().map(|r| r.name()), Some("double-free"));
+}
+
+#[test]
+fn a_bad_trace_line_is_a_syntax_error_with_its_number() {
+    let err = parse_trace("m 1 8 1\nx 1 2 3\n".as_bytes()).unwrap_err();
+    assert!(err.to_string().starts_with("line 2"), "{err}");
+}
+
+/// The first events of NumPy's own recorded suite, through every shipped policy and the
+/// native default: zero violations. (All 11.6 M events: `cargo bench --bench replay`.)
+#[test]
+fn numpy_s_recorded_trace_replays_through_every_policy_without_violation() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/traces/numpy-core-sample.txt.gz"
+    );
+    let Ok(events) = read_trace(path) else {
+        panic!("{path} is missing: the NumPy trace lives in shared/ beside the repository");
+    };
+    let prefix = &events[..events.len().min(400_000)];
+    let native = replay_trace(&*default_handler(), prefix);
+    assert!(native.failure.is_none());
+    for guest in allocbox_artifacts::GOOD {
+        let report = replay_trace(&handler(guest, &[]), prefix);
+        assert!(
+            report.failure.is_none(),
+            "{}: {:?}",
+            guest.name,
+            report.failure
+        );
+        assert_eq!(report.stats.live_blocks, 0, "{}", guest.name);
+    }
+}
