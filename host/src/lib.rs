@@ -3,6 +3,7 @@
 pub mod check;
 mod error;
 mod handler;
+mod hook;
 mod ledger;
 mod link;
 mod native;
@@ -13,6 +14,7 @@ pub mod trace;
 
 pub use error::{Call, ClientError, Error, LoadError, Rule, Violation};
 pub use handler::{Handler, HandlerBuilder, Stats};
+pub use hook::WasmHook;
 pub use link::{Limits, LinkStats, PolicyInfo};
 pub use native::NumpyDefault;
 pub use nep49::{Buffer, MemHandler};

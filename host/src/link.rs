@@ -147,9 +147,107 @@ impl Default for Limits {
     }
 }
 
+/// What every guest store holds, policy or hook: the deny-by-default WASI context, the
+/// memory cap, the bounded output, and a rule the guest broke inside an import.
+pub(crate) struct Sandbox {
+    pub(crate) name: Arc<str>,
+    /// A rule the guest broke inside one of its imports; the trap it causes is reported
+    /// as this violation.
+    fault: Option<Violation>,
+    limiter: MemoryLimiter,
+    output: MemoryOutputPipe,
+    wasi: WasiCtx,
+    table: ResourceTable,
+}
+
+impl Sandbox {
+    pub(crate) fn new(
+        name: Arc<str>,
+        limits: &Limits,
+        wasi: WasiCtx,
+        output: MemoryOutputPipe,
+    ) -> Self {
+        Sandbox {
+            name,
+            fault: None,
+            limiter: MemoryLimiter {
+                limit: limits.memory,
+                hit: false,
+            },
+            output,
+            wasi,
+            table: ResourceTable::new(),
+        }
+    }
+
+    pub(crate) fn limiter(&mut self) -> &mut dyn wasmtime::ResourceLimiter {
+        &mut self.limiter
+    }
+
+    /// Turn a failed call into the error that says what happened.
+    pub(crate) fn classify(&mut self, limits: &Limits, call: Call, err: wasmtime::Error) -> Error {
+        let policy = self.name.clone();
+        if let Some(v) = self.fault.take() {
+            return Error::Violation(v);
+        }
+        if std::mem::take(&mut self.limiter.hit) {
+            return Error::MemoryLimit {
+                policy,
+                call,
+                limit: limits.memory,
+            };
+        }
+        if err.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
+            return Error::Timeout {
+                policy,
+                call,
+                limit: limits.call_time,
+            };
+        }
+        let mut message = match err.downcast_ref::<Trap>() {
+            Some(trap) => trap.to_string(),
+            None => format!("{err:#}"),
+        };
+        let said = self.output.contents();
+        if !said.is_empty() {
+            let said = String::from_utf8_lossy(&said);
+            let tail: Vec<&str> = said.trim_end().lines().rev().take(3).collect();
+            message.push_str(&format!(" (guest output: {})", tail.join(" | ")));
+        }
+        Error::Trap {
+            policy,
+            call,
+            message,
+        }
+    }
+}
+
+impl WasiView for Sandbox {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+impl Drop for Sandbox {
+    /// What the guest printed goes to the host's log.
+    fn drop(&mut self) {
+        let said = self.output.contents();
+        if !said.is_empty() {
+            log::info!(
+                "guest `{}` said: {}",
+                self.name,
+                String::from_utf8_lossy(&said).trim_end()
+            );
+        }
+    }
+}
+
 /// The store data of one policy instance.
 pub(crate) struct LinkState {
-    pub(crate) name: Arc<str>,
+    pub(crate) sandbox: Sandbox,
     /// What this policy lent to its client and has not had back.
     pub(crate) lent: Ledger,
     pub(crate) upstream: Upstream,
@@ -158,22 +256,15 @@ pub(crate) struct LinkState {
     in_transit: Option<(u64, u64)>,
     /// Upstream frees held back while a block is in transit (see `in_transit`).
     deferred: Vec<(u64, u64)>,
-    /// A rule this policy broke inside one of its imports; the trap it causes is
-    /// reported as this violation.
-    fault: Option<Violation>,
-    limiter: MemoryLimiter,
     /// Counts poisonings anywhere in the chain, so the handler notices a failure deep
     /// down with one atomic load per call.
     poison_count: Arc<AtomicUsize>,
-    output: MemoryOutputPipe,
-    wasi: WasiCtx,
-    table: ResourceTable,
 }
 
 impl std::fmt::Debug for LinkState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LinkState")
-            .field("name", &self.name)
+            .field("name", &self.sandbox.name)
             .field("lent", &self.lent.len())
             .field("upstream", &self.upstream)
             .finish_non_exhaustive()
@@ -182,10 +273,7 @@ impl std::fmt::Debug for LinkState {
 
 impl WasiView for LinkState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
-        WasiCtxView {
-            ctx: &mut self.wasi,
-            table: &mut self.table,
-        }
+        self.sandbox.ctx()
     }
 }
 
@@ -223,46 +311,31 @@ impl wasmtime::ResourceLimiter for MemoryLimiter {
 
 impl LinkState {
     pub(crate) fn new(
-        name: Arc<str>,
+        sandbox: Sandbox,
         upstream: Upstream,
-        limits: &Limits,
-        wasi: WasiCtx,
-        output: MemoryOutputPipe,
         poison_count: Arc<AtomicUsize>,
     ) -> Self {
         LinkState {
-            name,
+            sandbox,
             lent: Ledger::default(),
             upstream,
             in_transit: None,
             deferred: Vec::new(),
-            fault: None,
-            limiter: MemoryLimiter {
-                limit: limits.memory,
-                hit: false,
-            },
             poison_count,
-            output,
-            wasi,
-            table: ResourceTable::new(),
         }
-    }
-
-    pub(crate) fn limiter(&mut self) -> &mut dyn wasmtime::ResourceLimiter {
-        &mut self.limiter
     }
 
     /// Record that this policy broke `rule` and produce the error that traps it.
     fn violate(&mut self, call: Call, addr: u64, size: u64, rule: Rule) -> wasmtime::Error {
         let v = Violation {
-            policy: self.name.clone(),
+            policy: self.sandbox.name.clone(),
             call,
             addr,
             size,
             rule,
         };
         let err = wasmtime::Error::new(v.clone());
-        self.fault = Some(v);
+        self.sandbox.fault = Some(v);
         err
     }
 
@@ -803,44 +876,5 @@ pub(crate) fn classify(
     call: Call,
     err: wasmtime::Error,
 ) -> Error {
-    let state = store.data_mut();
-    let policy = state.name.clone();
-    if let Some(v) = state.fault.take() {
-        return Error::Violation(v);
-    }
-    if std::mem::take(&mut state.limiter.hit) {
-        return Error::MemoryLimit {
-            policy,
-            call,
-            limit: limits.memory,
-        };
-    }
-    if err.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
-        return Error::Timeout {
-            policy,
-            call,
-            limit: limits.call_time,
-        };
-    }
-    let mut message = match err.downcast_ref::<Trap>() {
-        Some(trap) => trap.to_string(),
-        None => format!("{err:#}"),
-    };
-    let said = state.output.contents();
-    if !said.is_empty() {
-        let said = String::from_utf8_lossy(&said);
-        let tail: String = said
-            .trim_end()
-            .lines()
-            .rev()
-            .take(3)
-            .collect::<Vec<_>>()
-            .join(" | ");
-        message.push_str(&format!(" (guest output: {tail})"));
-    }
-    Error::Trap {
-        policy,
-        call,
-        message,
-    }
+    store.data_mut().sandbox.classify(limits, call, err)
 }

@@ -15,7 +15,7 @@ use wasmtime_wasi::{HostMonotonicClock, HostWallClock, WasiCtx};
 
 use crate::error::{Call, LoadError};
 use crate::link::bindings::{Policy as Bindings, PolicyPre};
-use crate::link::{Limits, Link, LinkState, PolicyInfo, Upstream, classify};
+use crate::link::{Limits, Link, LinkState, PolicyInfo, Sandbox, Upstream, classify};
 
 /// The package and version of the WIT world this host speaks.
 pub const WORLD_PACKAGE: &str = "allocbox:policy";
@@ -42,6 +42,7 @@ pub struct Runtime {
 struct RuntimeInner {
     engine: Engine,
     linker: Linker<LinkState>,
+    hook_linker: Linker<Sandbox>,
     compiled: Mutex<HashMap<u64, Policy>>,
 }
 
@@ -70,11 +71,14 @@ impl Runtime {
             &mut linker,
             |s| s,
         )?;
+        let mut hook_linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_sync(&mut hook_linker)?;
         start_epoch_ticker(&engine);
         Ok(Runtime {
             inner: Arc::new(RuntimeInner {
                 engine,
                 linker,
+                hook_linker,
                 compiled: Mutex::new(HashMap::new()),
             }),
         })
@@ -113,14 +117,73 @@ impl Runtime {
         if let Some(p) = self.inner.compiled.lock().get(&key) {
             return Ok(p.clone());
         }
-        let binary = to_component_binary(bytes)?;
-        let component =
-            Component::new(&self.inner.engine, &binary).map_err(|e| LoadError::Invalid {
-                detail: format!("{e:#}"),
-            })?;
+        let binary = to_component_binary(bytes, "policy")?;
+        let component = self.compile(&binary)?;
         let policy = self.check_world(component, binary.len(), source)?;
         self.inner.compiled.lock().insert(key, policy.clone());
         Ok(policy)
+    }
+
+    fn compile(&self, binary: &[u8]) -> Result<Component, LoadError> {
+        Component::new(&self.inner.engine, binary).map_err(|e| LoadError::Invalid {
+            detail: format!("{e:#}"),
+        })
+    }
+
+    /// Compile a component of the `hook` world (binary, or WAT as for policies) and
+    /// check it exports `events`.
+    pub(crate) fn compile_hook(
+        &self,
+        bytes: &[u8],
+    ) -> Result<wasmtime::component::InstancePre<Sandbox>, LoadError> {
+        let binary = to_component_binary(bytes, "hook")?;
+        let component = self.compile(&binary)?;
+        let want = format!("{WORLD_PACKAGE}/events@{WORLD_VERSION}");
+        let exports: Vec<String> = component
+            .component_type()
+            .exports(&self.inner.engine)
+            .map(|(n, _)| n.to_string())
+            .collect();
+        if !exports.contains(&want) {
+            return Err(LoadError::WrongWorld {
+                detail: format!(
+                    "a hook exports `{want}`; this exports: {}",
+                    list_or_none(&exports)
+                ),
+            });
+        }
+        self.inner
+            .hook_linker
+            .instantiate_pre(&component)
+            .map_err(|e| LoadError::WrongWorld {
+                detail: format!("{e:#}"),
+            })
+    }
+
+    /// A store for one guest: deny-by-default WASI (no files, network, environment;
+    /// frozen clocks), output kept up to the limit, memory capped, calls time-limited.
+    /// Returns the store and the epoch ticks of one call's time limit.
+    pub(crate) fn guest_store<T>(
+        &self,
+        name: &str,
+        limits: &Limits,
+        state: impl FnOnce(Sandbox) -> T,
+        sandbox: fn(&mut T) -> &mut Sandbox,
+    ) -> (Store<T>, u64) {
+        let output = MemoryOutputPipe::new(limits.output);
+        let wasi = WasiCtx::builder()
+            .stdout(output.clone())
+            .stderr(output.clone())
+            .wall_clock(FrozenClock)
+            .monotonic_clock(FrozenClock)
+            .build();
+        let sandboxed = Sandbox::new(Arc::from(name), limits, wasi, output);
+        let mut store = Store::new(&self.inner.engine, state(sandboxed));
+        store.limiter(move |s| sandbox(s).limiter());
+        store.epoch_deadline_trap();
+        let ticks = limits.call_time.as_nanos().div_ceil(EPOCH_TICK.as_nanos()) as u64 + 1;
+        store.set_epoch_deadline(ticks);
+        (store, ticks)
     }
 
     fn check_world(
@@ -182,20 +245,12 @@ impl Runtime {
         limits: &Limits,
         poison_count: Arc<AtomicUsize>,
     ) -> Result<Link, LoadError> {
-        let output = MemoryOutputPipe::new(limits.output);
-        let wasi = WasiCtx::builder()
-            .stdout(output.clone())
-            .stderr(output.clone())
-            .wall_clock(FrozenClock)
-            .monotonic_clock(FrozenClock)
-            .build();
-        let provisional: Arc<str> = Arc::from(policy.meta.source.as_str());
-        let state = LinkState::new(provisional, upstream, limits, wasi, output, poison_count);
-        let mut store = Store::new(&self.inner.engine, state);
-        store.limiter(|s| s.limiter());
-        store.epoch_deadline_trap();
-        let ticks = limits.call_time.as_nanos().div_ceil(EPOCH_TICK.as_nanos()) as u64 + 1;
-        store.set_epoch_deadline(ticks);
+        let (mut store, ticks) = self.guest_store(
+            &policy.meta.source,
+            limits,
+            |sandbox| LinkState::new(sandbox, upstream, poison_count),
+            |s: &mut LinkState| &mut s.sandbox,
+        );
         let start_err = |store: &mut Store<LinkState>, e| {
             LoadError::Start(Box::new(classify(store, limits, Call::Init, e)))
         };
@@ -217,7 +272,7 @@ impl Runtime {
             Err(e) => return Err(start_err(&mut store, e)),
         };
         let info = check_info(info)?;
-        store.data_mut().name = info.name.clone();
+        store.data_mut().sandbox.name = info.name.clone();
         Ok(Link::new(store, bindings, info, ticks, limits.clone()))
     }
 }
@@ -298,7 +353,7 @@ fn start_epoch_ticker(engine: &Engine) {
 }
 
 /// Turn file contents into component bytes, or say clearly why they are not one.
-fn to_component_binary(bytes: &[u8]) -> Result<Vec<u8>, LoadError> {
+fn to_component_binary(bytes: &[u8], world: &str) -> Result<Vec<u8>, LoadError> {
     const MAGIC: &[u8] = b"\0asm";
     if bytes.starts_with(MAGIC) {
         // Bytes 6..8 are the layer: 0 for a core module, 1 for a component.
@@ -332,20 +387,20 @@ fn to_component_binary(bytes: &[u8]) -> Result<Vec<u8>, LoadError> {
         }
     })?;
     match binary.get(6..8) {
-        Some([0, 0]) => componentize(binary),
+        Some([0, 0]) => componentize(binary, world),
         _ => Ok(binary),
     }
 }
 
-/// Make a WAT core module a component of the policy world, as `wasm-tools component new`
-/// would: embed the world's type information, then encode with wit-component.
-fn componentize(mut module: Vec<u8>) -> Result<Vec<u8>, LoadError> {
+/// Make a WAT core module a component of `world` (`policy` or `hook`), as `wasm-tools
+/// component new` would: embed the world's type information, then encode.
+fn componentize(mut module: Vec<u8>, world: &str) -> Result<Vec<u8>, LoadError> {
     let err = |e: anyhow::Error| LoadError::Componentize {
         detail: format!("{e:#}"),
     };
     let mut resolve = wit_parser::Resolve::default();
     let pkg = resolve.push_str("policy.wit", POLICY_WIT).map_err(err)?;
-    let world = resolve.select_world(&[pkg], Some("policy")).map_err(err)?;
+    let world = resolve.select_world(&[pkg], Some(world)).map_err(err)?;
     wit_component::embed_component_metadata(
         &mut module,
         &resolve,

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
 use allocbox::nep49::{self, Buffer, HookData, SharedHandler};
-use allocbox::{Error, HandlerBuilder, Runtime};
+use allocbox::{Error, HandlerBuilder, Limits, Runtime, WasmHook};
 
 use super::support::*;
 
@@ -17,6 +17,7 @@ fn wasm(guest: &allocbox_artifacts::Guest) -> SharedHandler {
 
 #[test]
 fn new_buffers_carry_the_current_handler_s_name_views_carry_none() {
+    let _exclusive = exclusive();
     let size_classes = wasm(&allocbox_artifacts::SIZE_CLASSES);
     let buf = nep49::with_handler(size_classes.clone(), || Buffer::new(100)).unwrap();
     assert_eq!(buf.handler_name(), "size-classes");
@@ -92,6 +93,7 @@ impl Future for YieldOnce {
 
 #[test]
 fn tasks_inherit_at_creation_keep_their_own_handler_and_leak_nothing_back() {
+    let _exclusive = exclusive();
     let system = wasm(&allocbox_artifacts::SYSTEM);
     let arena = wasm(&allocbox_artifacts::ARENA);
     let task = |mine: SharedHandler, expect_inherited: &'static str| {
@@ -127,6 +129,7 @@ fn tasks_inherit_at_creation_keep_their_own_handler_and_leak_nothing_back() {
 
 #[test]
 fn buffers_made_before_a_switch_are_freed_by_their_own_handler() {
+    let _exclusive = exclusive();
     let system = wasm(&allocbox_artifacts::SYSTEM);
     let arena = wasm(&allocbox_artifacts::ARENA);
     let old = nep49::with_handler(system.clone(), || Buffer::new(64)).unwrap();
@@ -152,7 +155,7 @@ type Seen = (std::thread::ThreadId, Arc<Mutex<Vec<(bool, bool, usize)>>>);
 
 #[test]
 fn event_hooks_see_new_free_and_renew_and_may_allocate() {
-    let _exclusive = HOOK_TESTS.lock().unwrap();
+    let _exclusive = exclusive();
     let seen: Seen = (std::thread::current().id(), Arc::default());
     let data: HookData = Arc::new(seen.clone());
     let hook: nep49::Hook = Arc::new(
@@ -184,8 +187,84 @@ fn event_hooks_see_new_free_and_renew_and_may_allocate() {
     );
 }
 
-/// Hooks are process-wide; tests that set one take turns.
+/// Hooks are process-wide: tests that make buffers (and so fire hooks) take turns.
 static HOOK_TESTS: Mutex<()> = Mutex::new(());
+
+fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    HOOK_TESTS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+#[test]
+fn a_wasm_hook_counts_every_event_in_its_sandbox() {
+    let _exclusive = exclusive();
+    let source = include_str!("../../guest-handlers/counting-hook/counting-hook.wat");
+    let hook = WasmHook::start(
+        Runtime::shared(),
+        source.as_bytes(),
+        "counting-hook",
+        Limits::default(),
+    )
+    .unwrap();
+    nep49::set_event_hook(Some(hook.as_hook()));
+    nep49::with_handler(wasm(&allocbox_artifacts::SIZE_CLASSES), || {
+        let mut a = Buffer::new(100).unwrap();
+        let b = Buffer::zeroed(28).unwrap();
+        a.resize(300).unwrap();
+        drop((a, b));
+    });
+    nep49::set_event_hook(None);
+    assert_eq!(
+        hook.report().unwrap(),
+        [2, 2, 1, 128],
+        "[new, free, renew, bytes]"
+    );
+}
+
+#[test]
+fn a_failing_wasm_hook_is_stopped_and_allocation_goes_on() {
+    let _exclusive = exclusive();
+    let trapping = r#"(module
+        (func (export "allocbox:policy/events@0.1.0#on-event") (param i64 i64 i64) unreachable)
+        (func (export "allocbox:policy/events@0.1.0#report") (result i32) unreachable)
+        (memory (export "memory") 1))"#;
+    let hook = WasmHook::start(
+        Runtime::shared(),
+        trapping.as_bytes(),
+        "trapping",
+        Limits::default(),
+    )
+    .unwrap();
+    nep49::set_event_hook(Some(hook.as_hook()));
+    let buffer = Buffer::new(64);
+    nep49::set_event_hook(None);
+    assert_eq!(buffer.unwrap().len(), 64, "the allocation stands");
+    assert!(
+        matches!(hook.failure().as_deref(), Some(Error::Trap { .. })),
+        "{:?}",
+        hook.failure()
+    );
+    assert!(matches!(hook.report(), Err(Error::Poisoned { .. })));
+}
+
+#[test]
+fn a_policy_is_not_a_hook() {
+    let err = WasmHook::start(
+        Runtime::shared(),
+        allocbox::DEFAULT_POLICY_WAT.as_bytes(),
+        "x",
+        Limits::default(),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            allocbox::LoadError::WrongWorld { .. } | allocbox::LoadError::Componentize { .. }
+        ),
+        "{err}"
+    );
+}
 #[test]
 fn per_link_statistics_and_a_leak_check_a_test_can_assert_on() {
     let h = HandlerBuilder::new(Runtime::shared())

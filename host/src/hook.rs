@@ -1,0 +1,139 @@
+//! Event hooks as sandboxed wasm components (the `hook` world): loaded like policies,
+//! with the same deny-by-default WASI, memory cap and time limit.
+
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use wasmtime::Store;
+
+use crate::error::{Call, Error, LoadError};
+use crate::link::{Limits, Sandbox};
+use crate::nep49::{Hook, HookData};
+use crate::runtime::Runtime;
+
+mod bindings {
+    wasmtime::component::bindgen!({ path: "../wit", world: "hook" });
+}
+
+/// A started hook component. A hook that fails (traps, loops, grows too much) is stopped:
+/// later events skip it, and [`WasmHook::failure`] says why. Allocation never fails
+/// because of a hook.
+pub struct WasmHook {
+    name: String,
+    state: Mutex<HookState>,
+}
+
+struct HookState {
+    store: Store<Sandbox>,
+    bindings: bindings::Hook,
+    ticks: u64,
+    limits: Limits,
+    failure: Option<Arc<Error>>,
+}
+
+impl std::fmt::Debug for WasmHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WasmHook")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WasmHook {
+    /// Compile (or reuse) and start a hook component from bytes: a component binary or
+    /// WAT (a core module is made a component of the `hook` world).
+    pub fn start(
+        runtime: &Runtime,
+        bytes: &[u8],
+        name: &str,
+        limits: Limits,
+    ) -> Result<Arc<WasmHook>, LoadError> {
+        let pre = runtime.compile_hook(bytes)?;
+        let (mut store, ticks) = runtime.guest_store(name, &limits, |s| s, |s| s);
+        let instance = pre.instantiate(&mut store).map_err(|e| {
+            LoadError::Start(Box::new(store.data_mut().classify(&limits, Call::Init, e)))
+        })?;
+        let bindings =
+            bindings::Hook::new(&mut store, &instance).map_err(|e| LoadError::WrongWorld {
+                detail: format!("{e:#}"),
+            })?;
+        Ok(Arc::new(WasmHook {
+            name: name.to_string(),
+            state: Mutex::new(HookState {
+                store,
+                bindings,
+                ticks,
+                limits,
+                failure: None,
+            }),
+        }))
+    }
+
+    fn call<R>(
+        &self,
+        call: Call,
+        f: impl FnOnce(
+            &bindings::exports::allocbox::policy::events::Guest,
+            &mut Store<Sandbox>,
+        ) -> wasmtime::Result<R>,
+    ) -> Result<R, Error> {
+        let mut st = self.state.lock();
+        if let Some(cause) = &st.failure {
+            return Err(Error::Poisoned {
+                policy: self.name.as_str().into(),
+                cause: cause.clone(),
+            });
+        }
+        let ticks = st.ticks;
+        st.store.set_epoch_deadline(ticks);
+        let HookState {
+            store,
+            bindings,
+            limits,
+            failure,
+            ..
+        } = &mut *st;
+        f(bindings.allocbox_policy_events(), store).map_err(|e| {
+            let err = store.data_mut().classify(limits, call, e);
+            log::warn!("hook stopped: {err}");
+            *failure = Some(Arc::new(err.clone()));
+            err
+        })
+    }
+
+    /// Tell the hook about one event.
+    pub fn on_event(
+        &self,
+        old: Option<NonNull<u8>>,
+        new: Option<NonNull<u8>>,
+        size: usize,
+    ) -> Result<(), Error> {
+        let addr = |p: Option<NonNull<u8>>| p.map_or(0, |p| p.as_ptr() as u64);
+        self.call(Call::Malloc, |g, s| {
+            g.call_on_event(s, addr(old), addr(new), size as u64)
+        })
+    }
+
+    /// The numbers the hook keeps.
+    pub fn report(&self) -> Result<Vec<u64>, Error> {
+        self.call(Call::Trim, |g, s| g.call_report(s))
+    }
+
+    /// Why the hook was stopped, if it was.
+    pub fn failure(&self) -> Option<Arc<Error>> {
+        self.state.lock().failure.clone()
+    }
+
+    /// This hook as a NEP 49 hook, for [`crate::nep49::set_event_hook`]; its data is the
+    /// hook itself.
+    pub fn as_hook(self: &Arc<Self>) -> (Hook, HookData) {
+        let hook: Hook = Arc::new(|old, new, size, data: &HookData| {
+            if let Some(hook) = data.downcast_ref::<WasmHook>() {
+                // A failing hook is stopped and logged; the allocation stands.
+                let _ = hook.on_event(old, new, size);
+            }
+        });
+        (hook, self.clone())
+    }
+}
