@@ -1,10 +1,14 @@
 //! The host's own record of the blocks lent across one boundary.
 //!
 //! Ordered by address so that "which block contains this range" and "does this range
-//! overlap a live block" are one `range` query each, O(log n). The ledger never trusts
-//! the party it records: it is filled from what the host saw cross the boundary.
+//! overlap a live block" are one `range` query each, O(log n); indexed by address too,
+//! so the exact lookups of every client call (magazine hits, frees) are one hash probe.
+//! The ledger never trusts the party it records: it is filled from what the host saw
+//! cross the boundary.
 
 use std::collections::BTreeMap;
+
+use crate::fasthash::FastMap;
 
 /// One lent block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,7 +34,10 @@ const FREED_HISTORY: usize = 64;
 
 #[derive(Debug)]
 pub(crate) struct Ledger {
-    blocks: BTreeMap<u64, Entry>,
+    /// Address -> size, for range queries.
+    ranges: BTreeMap<u64, u64>,
+    /// Address -> entry, for exact lookups.
+    blocks: FastMap<u64, Entry>,
     bytes: u64,
     peak_bytes: u64,
     /// Boxed: a ledger sits inline in every link's state.
@@ -41,7 +48,8 @@ pub(crate) struct Ledger {
 impl Default for Ledger {
     fn default() -> Self {
         Ledger {
-            blocks: BTreeMap::new(),
+            ranges: BTreeMap::new(),
+            blocks: FastMap::default(),
             bytes: 0,
             peak_bytes: 0,
             freed: Box::new([0; FREED_HISTORY]),
@@ -77,8 +85,9 @@ impl Ledger {
         self.blocks.get_mut(&addr)
     }
 
+    /// Every block, by address.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, Entry)> + '_ {
-        self.blocks.iter().map(|(&a, &e)| (a, e))
+        self.ranges.keys().map(|a| (*a, self.blocks[a]))
     }
 
     /// The live block that `[addr, addr+len)` overlaps, if any (the lowest such block is
@@ -88,21 +97,22 @@ impl Ledger {
         let end = addr.checked_add(len)?;
         // The last block starting before `end` is the only candidate that can reach into
         // the range from below or start inside it; blocks never overlap each other.
-        let (&start, entry) = self.blocks.range(..end).next_back()?;
-        (start + entry.size > addr).then_some((start, entry.size))
+        let (&start, &size) = self.ranges.range(..end).next_back()?;
+        (start + size > addr).then_some((start, size))
     }
 
     /// The live block that wholly contains `[addr, addr+len)`.
     pub(crate) fn containing(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
         let end = addr.checked_add(len)?;
-        let (&start, entry) = self.blocks.range(..=addr).next_back()?;
-        (start + entry.size >= end).then_some((start, entry.size))
+        let (&start, &size) = self.ranges.range(..=addr).next_back()?;
+        (start + size >= end).then_some((start, size))
     }
 
     /// Record a newly lent block. The caller has checked that it overlaps nothing.
     pub(crate) fn insert(&mut self, addr: u64, size: u64, cached: bool) {
         debug_assert!(self.overlapping(addr, size).is_none());
         self.blocks.insert(addr, Entry { size, cached });
+        self.ranges.insert(addr, size);
         self.bytes += size;
         self.peak_bytes = self.peak_bytes.max(self.bytes);
     }
@@ -120,6 +130,7 @@ impl Ledger {
     /// Remove the block at `addr` whatever its size.
     pub(crate) fn remove(&mut self, addr: u64) -> Option<Entry> {
         let entry = self.blocks.remove(&addr)?;
+        self.ranges.remove(&addr);
         self.bytes -= entry.size;
         self.freed[self.freed_next] = addr;
         self.freed_next = (self.freed_next + 1) % FREED_HISTORY;
@@ -138,6 +149,7 @@ impl Ledger {
     /// Every block, emptying the ledger.
     pub(crate) fn drain(&mut self) -> Vec<(u64, Entry)> {
         self.bytes = 0;
+        self.ranges.clear();
         std::mem::take(&mut self.blocks).into_iter().collect()
     }
 }

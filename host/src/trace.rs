@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::error::Error;
+use crate::fasthash::FastMap;
 use crate::handler::Stats;
 use crate::nep49::{MemHandler, SharedHandler};
 
@@ -138,30 +139,12 @@ impl ReplayReport {
     }
 }
 
-/// Hashes block ids (small sequential integers) with one multiply: the replay loop's own
-/// bookkeeping should cost little next to the handler it measures.
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_u64(&mut self, id: u64) {
-        self.0 = id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
 /// Replay `events` through `handler`, in one thread. Every block still live at the end
 /// is freed (outside the timing), so the handler is left empty.
 pub fn replay_trace(handler: &dyn MemHandler, events: &[Event]) -> ReplayReport {
-    let mut live: HashMap<u64, (NonNull<u8>, usize), std::hash::BuildHasherDefault<IdHasher>> =
-        HashMap::with_capacity_and_hasher(1 << 16, Default::default());
+    // The replay's own bookkeeping should cost little next to the handler it measures.
+    let mut live: FastMap<u64, (NonNull<u8>, usize)> =
+        FastMap::with_capacity_and_hasher(1 << 16, Default::default());
     let mut report = ReplayReport::default();
     let start = Instant::now();
     for event in events {

@@ -1,0 +1,507 @@
+//! `allocbox._allocbox`: makes an allocbox handler NumPy's data-memory handler.
+//!
+//! NumPy's handler API (`PyDataMem_SetHandler`, slot 304 of the `_ARRAY_API` table, and
+//! `PyDataMem_GetHandler`, slot 305) takes a capsule named `mem_handler` holding a
+//! `PyDataMem_Handler`. Ours holds C callbacks whose context is a Rust handler; NumPy
+//! calls them with or without the GIL and from several threads at once, so they never
+//! touch the Python C-API: the handler is `Send + Sync` on its own.
+
+use std::ffi::{CStr, c_char, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::PathBuf;
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
+
+use allocbox::nep49::MemHandler;
+use allocbox::trace::Recorder;
+use allocbox::{Error, Handler, HandlerBuilder, Runtime};
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use pyo3::{create_exception, ffi};
+
+create_exception!(
+    allocbox,
+    AllocboxError,
+    pyo3::exceptions::PyException,
+    "Any allocbox failure."
+);
+create_exception!(
+    allocbox,
+    LoadError,
+    AllocboxError,
+    "A file or bytes that are not a usable policy."
+);
+create_exception!(
+    allocbox,
+    ContractViolation,
+    AllocboxError,
+    "A policy broke the handler contract."
+);
+create_exception!(
+    allocbox,
+    PoisonedPolicy,
+    AllocboxError,
+    "A policy that was stopped earlier (violation, trap, time or memory limit)."
+);
+create_exception!(
+    allocbox,
+    ClientError,
+    AllocboxError,
+    "A client double or unknown free."
+);
+
+/// NumPy's `PyDataMemAllocator`.
+#[repr(C)]
+struct PyDataMemAllocator {
+    ctx: *mut c_void,
+    malloc: unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void,
+    calloc: unsafe extern "C" fn(*mut c_void, usize, usize) -> *mut c_void,
+    realloc: unsafe extern "C" fn(*mut c_void, *mut c_void, usize) -> *mut c_void,
+    free: unsafe extern "C" fn(*mut c_void, *mut c_void, usize),
+}
+
+/// NumPy's `PyDataMem_Handler`.
+#[repr(C)]
+struct PyDataMemHandler {
+    name: [u8; 127],
+    version: u8,
+    allocator: PyDataMemAllocator,
+}
+
+const CAPSULE_NAME: &CStr = c"mem_handler";
+
+/// The context behind a capsule: the handler and what went wrong inside callbacks,
+/// where no Python exception can be raised (NumPy sees NULL and raises MemoryError).
+struct Bridge {
+    handler: Arc<dyn MemHandler>,
+    failures: Mutex<Vec<Error>>,
+}
+
+impl Bridge {
+    fn note(&self, error: Error) {
+        let mut failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        // The first failures say what happened; a bound keeps a flood from growing.
+        if failures.len() < 64 {
+            failures.push(error);
+        }
+    }
+
+    fn block(
+        &self,
+        answer: std::thread::Result<Result<Option<NonNull<u8>>, Error>>,
+    ) -> *mut c_void {
+        match answer {
+            Ok(Ok(Some(p))) => p.as_ptr().cast(),
+            Ok(Ok(None)) => std::ptr::null_mut(),
+            Ok(Err(e)) => {
+                self.note(e);
+                std::ptr::null_mut()
+            }
+            Err(_) => std::ptr::null_mut(),
+        }
+    }
+}
+
+/// # Safety
+/// `ctx` is the `Bridge` of a live capsule (NumPy passes the allocator's ctx back).
+unsafe fn bridge<'a>(ctx: *mut c_void) -> &'a Bridge {
+    // SAFETY: the caller's contract; the capsule owns the Bridge until its destructor.
+    unsafe { &*ctx.cast::<Bridge>() }
+}
+
+unsafe extern "C" fn bridge_malloc(ctx: *mut c_void, size: usize) -> *mut c_void {
+    // SAFETY: NumPy calls this with the ctx of the handler it found in our capsule.
+    let b = unsafe { bridge(ctx) };
+    b.block(catch_unwind(AssertUnwindSafe(|| b.handler.malloc(size))))
+}
+
+unsafe extern "C" fn bridge_calloc(ctx: *mut c_void, nelem: usize, elsize: usize) -> *mut c_void {
+    // SAFETY: as in `bridge_malloc`.
+    let b = unsafe { bridge(ctx) };
+    b.block(catch_unwind(AssertUnwindSafe(|| {
+        b.handler.calloc(nelem, elsize)
+    })))
+}
+
+unsafe extern "C" fn bridge_realloc(
+    ctx: *mut c_void,
+    ptr: *mut c_void,
+    size: usize,
+) -> *mut c_void {
+    // SAFETY: as in `bridge_malloc`.
+    let b = unsafe { bridge(ctx) };
+    let old = NonNull::new(ptr.cast::<u8>());
+    b.block(catch_unwind(AssertUnwindSafe(|| {
+        b.handler.realloc(old, size)
+    })))
+}
+
+unsafe extern "C" fn bridge_free(ctx: *mut c_void, ptr: *mut c_void, size: usize) {
+    // SAFETY: as in `bridge_malloc`.
+    let b = unsafe { bridge(ctx) };
+    let block = NonNull::new(ptr.cast::<u8>());
+    if let Ok(Err(e)) = catch_unwind(AssertUnwindSafe(|| b.handler.free(block, size))) {
+        b.note(e);
+    }
+}
+
+unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
+    // SAFETY: called once by Python when the capsule dies; its pointer is the
+    // PyDataMemHandler we boxed in `make_capsule`, and no array uses it any more (each
+    // array holds a reference to its handler's capsule).
+    unsafe {
+        let handler =
+            ffi::PyCapsule_GetPointer(capsule, CAPSULE_NAME.as_ptr()).cast::<PyDataMemHandler>();
+        if handler.is_null() {
+            ffi::PyErr_Clear();
+            return;
+        }
+        let handler = Box::from_raw(handler);
+        drop(Arc::from_raw(
+            handler.allocator.ctx.cast::<Bridge>().cast_const(),
+        ));
+    }
+}
+
+fn make_capsule(py: Python<'_>, bridge: Arc<Bridge>) -> PyResult<Py<PyAny>> {
+    let mut name = [0u8; 127];
+    let text = bridge.handler.name().as_bytes();
+    let n = text.len().min(126);
+    name[..n].copy_from_slice(&text[..n]);
+    // The capsule holds one reference to the Bridge the Policy object shares, so what
+    // callbacks note is visible from Python.
+    let version = bridge.handler.version();
+    let ctx = Arc::into_raw(bridge).cast_mut();
+    let handler = Box::into_raw(Box::new(PyDataMemHandler {
+        name,
+        version,
+        allocator: PyDataMemAllocator {
+            ctx: ctx.cast(),
+            malloc: bridge_malloc,
+            calloc: bridge_calloc,
+            realloc: bridge_realloc,
+            free: bridge_free,
+        },
+    }));
+    // SAFETY: `handler` is a valid boxed PyDataMemHandler that the destructor frees;
+    // the name is a static C string.
+    unsafe {
+        let capsule = ffi::PyCapsule_New(
+            handler.cast(),
+            CAPSULE_NAME.as_ptr(),
+            Some(capsule_destructor),
+        );
+        if capsule.is_null() {
+            drop(Box::from_raw(handler));
+            drop(Arc::from_raw(ctx.cast_const()));
+            return Err(PyErr::fetch(py));
+        }
+        Ok(Bound::from_owned_ptr(py, capsule).unbind())
+    }
+}
+
+/// NumPy's C API table.
+fn array_api(py: Python<'_>) -> PyResult<*const *const c_void> {
+    let module = py.import("numpy._core._multiarray_umath")?;
+    let capsule = module.getattr("_ARRAY_API")?;
+    // SAFETY: `_ARRAY_API` is a capsule with no name holding NumPy's function table; it
+    // lives as long as the numpy module, which stays imported.
+    let table = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), std::ptr::null()) };
+    if table.is_null() {
+        return Err(PyErr::fetch(py));
+    }
+    Ok(table.cast())
+}
+
+type SetHandler = unsafe extern "C" fn(*mut ffi::PyObject) -> *mut ffi::PyObject;
+type GetHandler = unsafe extern "C" fn() -> *mut ffi::PyObject;
+const SLOT_SET_HANDLER: usize = 304;
+const SLOT_GET_HANDLER: usize = 305;
+
+/// Install `capsule` (or NumPy's default for `None`) in the current context; returns the
+/// previous handler's capsule.
+fn numpy_set_handler(py: Python<'_>, capsule: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
+    let table = array_api(py)?;
+    // SAFETY: slot 304 of NumPy >= 2's API table is `PyObject *PyDataMem_SetHandler(
+    // PyObject *)`; it takes a borrowed capsule (or NULL) and returns a new reference.
+    unsafe {
+        let set: SetHandler = std::mem::transmute(*table.add(SLOT_SET_HANDLER));
+        let old = set(capsule.map_or(std::ptr::null_mut(), |c| c.as_ptr()));
+        if old.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        Ok(Bound::from_owned_ptr(py, old).unbind())
+    }
+}
+
+/// The current context's handler capsule.
+#[pyfunction]
+fn get_handler(py: Python<'_>) -> PyResult<Py<PyAny>> {
+    let table = array_api(py)?;
+    // SAFETY: slot 305 is `PyObject *PyDataMem_GetHandler(void)`, a new reference.
+    unsafe {
+        let get: GetHandler = std::mem::transmute(*table.add(SLOT_GET_HANDLER));
+        let h = get();
+        if h.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        Ok(Bound::from_owned_ptr(py, h).unbind())
+    }
+}
+
+fn to_py(error: &Error) -> PyErr {
+    let text = error.to_string();
+    match error {
+        Error::Violation(_) => ContractViolation::new_err(text),
+        Error::Poisoned { .. } => PoisonedPolicy::new_err(text),
+        Error::Client(_) => ClientError::new_err(text),
+        _ => PoisonedPolicy::new_err(text),
+    }
+}
+
+/// A policy chain ready to be NumPy's handler.
+#[pyclass(frozen, module = "allocbox")]
+struct Policy {
+    handler: Option<Arc<Handler>>,
+    bridge: Arc<Bridge>,
+    recorder: Option<Arc<Recorder>>,
+    capsule: Mutex<Option<Py<PyAny>>>,
+}
+
+#[pymethods]
+impl Policy {
+    /// The handler's name, as NumPy reports it.
+    #[getter]
+    fn name(&self) -> String {
+        self.bridge.handler.name().to_string()
+    }
+
+    /// The `mem_handler` capsule NumPy holds for arrays this policy placed.
+    fn capsule(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let mut slot = self.capsule.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = &*slot {
+            return Ok(c.clone_ref(py));
+        }
+        let c = make_capsule(py, self.bridge.clone())?;
+        *slot = Some(c.clone_ref(py));
+        Ok(c)
+    }
+
+    /// Counters: calls, live/peak/total bytes, size corrections, magazine hits.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.bridge.handler.stats();
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("mallocs", s.mallocs),
+            ("callocs", s.callocs),
+            ("reallocs", s.reallocs),
+            ("frees", s.frees),
+            ("failed", s.failed),
+            ("live_blocks", s.live_blocks),
+            ("live_bytes", s.live_bytes),
+            ("peak_bytes", s.peak_bytes),
+            ("total_bytes", s.total_bytes),
+            ("size_corrections", s.size_corrections),
+            ("magazine_hits", s.magazine_hits),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    /// Per policy of the chain, top first: name, calls, live and peak bytes, failure.
+    fn link_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let Some(h) = &self.handler else {
+            return Ok(Vec::new());
+        };
+        h.link_stats()
+            .into_iter()
+            .map(|l| {
+                let d = PyDict::new(py);
+                d.set_item("name", l.name)?;
+                d.set_item("mallocs", l.mallocs)?;
+                d.set_item("frees", l.frees)?;
+                d.set_item("live_blocks", l.live_blocks)?;
+                d.set_item("live_bytes", l.live_bytes)?;
+                d.set_item("peak_bytes", l.peak_bytes)?;
+                d.set_item("failure", l.failure)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// The live blocks, `(address, size)`, by address.
+    fn snapshot(&self) -> Vec<(usize, usize)> {
+        self.handler
+            .as_ref()
+            .map(|h| h.live_blocks())
+            .unwrap_or_default()
+    }
+
+    /// Why the chain was stopped, or `None`.
+    #[getter]
+    fn failure(&self) -> Option<String> {
+        self.handler.as_ref()?.failure().map(|e| e.to_string())
+    }
+
+    /// Raise the first failure seen inside NumPy's calls (where only NULL could be
+    /// returned) as its exception: ContractViolation, PoisonedPolicy or ClientError.
+    fn raise_if_failed(&self) -> PyResult<()> {
+        if let Some(h) = &self.handler
+            && let Some(e) = h.failure()
+        {
+            return Err(to_py(&e));
+        }
+        let failures = self
+            .bridge
+            .failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match failures.first() {
+            Some(e) => Err(to_py(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// Everything that went wrong inside NumPy's calls, as text, oldest first.
+    fn failures(&self) -> Vec<String> {
+        let failures = self
+            .bridge
+            .failures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        failures.iter().map(ToString::to_string).collect()
+    }
+
+    /// Flush the trace being recorded (`load(..., record=path)`).
+    fn finish_recording(&self) -> PyResult<()> {
+        if let Some(r) = &self.recorder {
+            r.finish()
+                .map_err(|e| AllocboxError::new_err(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<allocbox.Policy {:?}>", self.name())
+    }
+}
+
+fn source_bytes(source: &Bound<'_, PyAny>) -> PyResult<(Vec<u8>, String)> {
+    if let Ok(b) = source.cast::<PyBytes>() {
+        return Ok((b.as_bytes().to_vec(), "<bytes>".into()));
+    }
+    let path: PathBuf = source
+        .extract()
+        .map_err(|_| PyTypeError::new_err("a policy is a path or bytes"))?;
+    let bytes = std::fs::read(&path)
+        .map_err(|e| LoadError::new_err(format!("cannot read `{}`: {e}", path.display())))?;
+    Ok((bytes, path.display().to_string()))
+}
+
+/// Load a chain of policies, top first. Each item is a source (path or bytes) or a
+/// `(source, {key: value})` pair. `record` writes a trace of every call.
+#[pyfunction]
+#[pyo3(signature = (*chain, record = None))]
+fn load_chain(chain: Vec<Bound<'_, PyAny>>, record: Option<PathBuf>) -> PyResult<Policy> {
+    let runtime = Runtime::shared();
+    let mut builder = HandlerBuilder::new(runtime);
+    if chain.is_empty() {
+        return Err(LoadError::new_err("a chain needs at least one policy"));
+    }
+    for item in &chain {
+        let (source, config): (Bound<'_, PyAny>, Vec<(String, String)>) =
+            match item.extract::<(Bound<'_, PyAny>, Bound<'_, PyDict>)>() {
+                Ok((s, d)) => {
+                    let mut config = Vec::new();
+                    for (k, v) in d.iter() {
+                        config.push((k.str()?.to_string(), v.str()?.to_string()));
+                    }
+                    (s, config)
+                }
+                Err(_) => (item.clone(), Vec::new()),
+            };
+        let (bytes, _label) = source_bytes(&source)?;
+        let policy = runtime
+            .load(&bytes)
+            .map_err(|e| LoadError::new_err(e.to_string()))?;
+        let config: Vec<(&str, &str)> = config
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        builder = builder.link_with(&policy, &config);
+    }
+    let handler = Arc::new(
+        builder
+            .build()
+            .map_err(|e| LoadError::new_err(e.to_string()))?,
+    );
+    let (shared, recorder): (Arc<dyn MemHandler>, _) = match record {
+        None => (handler.clone(), None),
+        Some(path) => {
+            let file = std::fs::File::create(&path)
+                .map_err(|e| AllocboxError::new_err(format!("{}: {e}", path.display())))?;
+            let rec = Arc::new(Recorder::new(
+                handler.clone(),
+                std::io::BufWriter::new(file),
+            ));
+            (rec.clone(), Some(rec))
+        }
+    };
+    Ok(Policy {
+        handler: Some(handler),
+        bridge: Arc::new(Bridge {
+            handler: shared,
+            failures: Mutex::new(Vec::new()),
+        }),
+        recorder,
+        capsule: Mutex::new(None),
+    })
+}
+
+/// Install a policy (or a capsule `set_handler` returned earlier, or `None` for NumPy's
+/// default) as NumPy's handler in the current context. Returns the previous capsule.
+#[pyfunction]
+fn set_handler(py: Python<'_>, handler: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
+    match handler {
+        None => numpy_set_handler(py, None),
+        Some(h) => {
+            if let Ok(policy) = h.cast::<Policy>() {
+                let policy = policy.get();
+                policy.raise_if_failed().map_err(|e| {
+                    PoisonedPolicy::new_err(format!("refusing a stopped policy: {}", e.value(py)))
+                })?;
+                let capsule = policy.capsule(py)?;
+                numpy_set_handler(py, Some(capsule.bind(py)))
+            } else {
+                // SAFETY: only the name is read; PyCapsule_IsValid accepts any object.
+                let valid = unsafe {
+                    ffi::PyCapsule_IsValid(h.as_ptr(), CAPSULE_NAME.as_ptr() as *const c_char)
+                };
+                if valid == 0 {
+                    return Err(PyTypeError::new_err(
+                        "set_handler takes an allocbox.Policy, a `mem_handler` capsule, or None",
+                    ));
+                }
+                numpy_set_handler(py, Some(h))
+            }
+        }
+    }
+}
+
+#[pymodule]
+fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Policy>()?;
+    m.add_function(wrap_pyfunction!(load_chain, m)?)?;
+    m.add_function(wrap_pyfunction!(set_handler, m)?)?;
+    m.add_function(wrap_pyfunction!(get_handler, m)?)?;
+    m.add("AllocboxError", py.get_type::<AllocboxError>())?;
+    m.add("LoadError", py.get_type::<LoadError>())?;
+    m.add("ContractViolation", py.get_type::<ContractViolation>())?;
+    m.add("PoisonedPolicy", py.get_type::<PoisonedPolicy>())?;
+    m.add("ClientError", py.get_type::<ClientError>())?;
+    m.add("DEFAULT_POLICY_WAT", allocbox::DEFAULT_POLICY_WAT)?;
+    Ok(())
+}

@@ -1,0 +1,208 @@
+"""The NumPy bridge: NumPy's own handler-API behaviours (numpy/_core/tests/
+test_mem_policy.py) with wasm policies, and what a broken policy does inside NumPy."""
+
+import asyncio
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import allocbox
+from conftest import guest
+
+SHIPPED = ["system", "size-classes", "arena", "aligned", "template"]
+
+
+@pytest.fixture
+def size_classes():
+    return allocbox.load(guest("size-classes"))
+
+
+def test_new_arrays_views_and_bases_report_their_handler(size_classes):
+    with allocbox.use(size_classes):
+        a = np.arange(100)
+        view = a[::3]
+        assert allocbox.handler_name(a) == "size-classes"
+        assert allocbox.handler_name(view) is None
+        assert allocbox.handler_name(view.base) == "size-classes"
+        assert allocbox.handler_name() == "size-classes"
+        assert np._core.multiarray.get_handler_version(a) == 1
+    assert allocbox.handler_name() == "default_allocator"
+    assert allocbox.handler_name(a) == "size-classes", "an array keeps its handler"
+
+
+def test_set_handler_returns_the_previous_and_none_restores_the_default_singleton(size_classes):
+    default = allocbox.get_handler()
+    previous = allocbox.set_handler(size_classes)
+    try:
+        assert previous is default
+        assert allocbox.get_handler() is size_classes.capsule()
+    finally:
+        allocbox.set_handler(None)
+    assert allocbox.get_handler() is default, "the same default capsule object"
+
+
+def test_an_invalid_handler_is_refused_with_a_clear_error():
+    with pytest.raises(TypeError, match="Policy"):
+        allocbox.set_handler("not a handler")
+    with pytest.raises(TypeError):
+        allocbox.set_handler(object())
+
+
+def test_a_new_thread_starts_at_numpy_s_default(size_classes):
+    seen = []
+    with allocbox.use(size_classes):
+        t = threading.Thread(target=lambda: seen.append(allocbox.handler_name(np.ones(4))))
+        t.start()
+        t.join()
+    assert seen == ["default_allocator"]
+
+
+def test_asyncio_tasks_inherit_and_keep_their_own_handler(size_classes):
+    arena = allocbox.load(guest("arena"))
+
+    async def task(mine, started):
+        inherited = allocbox.handler_name()
+        allocbox.set_handler(mine)
+        started.set()
+        await asyncio.sleep(0)
+        return inherited, allocbox.handler_name(np.ones(8))
+
+    async def main():
+        allocbox.set_handler(size_classes)
+        a_started, b_started = asyncio.Event(), asyncio.Event()
+        a = asyncio.create_task(task(arena, a_started))
+        b = asyncio.create_task(task(size_classes, b_started))
+        results = await asyncio.gather(a, b)
+        return results, allocbox.handler_name()
+
+    results, after = asyncio.run(main())
+    assert results == [("size-classes", "arena"), ("size-classes", "size-classes")]
+    assert after == "size-classes", "a task's handler does not leak back"
+    assert allocbox.handler_name() == "default_allocator", "asyncio.run had its own context"
+
+
+def test_arrays_outliving_a_switch_are_freed_by_their_own_handler(size_classes):
+    with allocbox.use(size_classes):
+        kept = [np.full(n, n, dtype=np.int64) for n in (1, 10, 1000, 100_000)]
+    live = size_classes.stats()["live_blocks"]
+    assert live == 4
+    arena = allocbox.load(guest("arena"))
+    with allocbox.use(arena):
+        del kept
+        gc.collect()
+    assert size_classes.stats()["live_blocks"] == 0
+    assert arena.stats()["frees"] == 0
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_policy_places_arrays_numpy_computes_with_correctly(name):
+    policy = allocbox.load(guest(name))
+    rng = np.random.default_rng(7)
+    sizes = [0, 1, 7, 100, 4096, 100_000, 2_000_000]
+    expected = [rng.standard_normal(n) for n in sizes]
+    with allocbox.use(policy):
+        for x in expected:
+            y = np.array(x)                      # copied into policy memory
+            assert allocbox.handler_name(y) == policy.name
+            z = (y * 3 + 1) @ np.ones_like(y) if y.size else 0.0
+            np.testing.assert_allclose(z, (x * 3 + 1).sum() if x.size else 0.0)
+            s = np.sort(np.concatenate([y, y[::-1]]))
+            np.testing.assert_array_equal(s, np.sort(np.concatenate([x, x[::-1]])))
+            grown = np.resize(y, y.size * 2 + 1)
+            assert grown.size == y.size * 2 + 1
+        text = np.fromstring("1 2 3", sep=" ")   # NumPy's realloc-then-wrong-size-free path
+        np.testing.assert_array_equal(text, [1, 2, 3])
+    gc.collect()
+    policy.raise_if_failed()
+    assert policy.failure is None
+
+
+def test_numpy_s_wrong_size_frees_are_corrected_and_counted(size_classes):
+    with allocbox.use(size_classes):
+        for _ in range(5):
+            np.fromstring("", sep=" ")
+    gc.collect()
+    stats = size_classes.stats()
+    assert stats["live_blocks"] == 0
+    assert stats["size_corrections"] >= 1, stats
+
+
+def test_a_broken_policy_does_not_crash_python_and_loses_no_data():
+    before = np.arange(1000.0)
+    bad = allocbox.load(guest("broken"), {"fault": "misaligned"})
+    with allocbox.use(bad):
+        with pytest.raises(MemoryError):
+            np.ones(100)
+        with pytest.raises(MemoryError):
+            np.ones(100)                         # stopped: fails cleanly again
+    np.testing.assert_array_equal(before, np.arange(1000.0))
+    assert "misaligned" in bad.failure or "aligned" in bad.failure
+    with pytest.raises(allocbox.ContractViolation):
+        bad.raise_if_failed()
+    with pytest.raises(allocbox.PoisonedPolicy):
+        allocbox.set_handler(bad)
+
+
+def test_a_policy_failing_after_arrays_were_made_keeps_their_data():
+    bad = allocbox.load(guest("broken"), {"fault": "trap-realloc"})
+    with allocbox.use(bad):
+        a = np.arange(10_000.0)
+        b = np.arange(3, dtype=np.int8)
+        with pytest.raises(MemoryError):
+            a.resize(20_000, refcheck=False)     # realloc traps inside the policy
+    np.testing.assert_array_equal(a, np.arange(10_000.0))
+    np.testing.assert_array_equal(b, [0, 1, 2])
+    with pytest.raises(allocbox.PoisonedPolicy):
+        bad.raise_if_failed()
+    del a, b
+    gc.collect()
+    assert bad.stats()["live_blocks"] == 0
+
+
+def test_errors_are_distinct_exception_classes():
+    classes = [allocbox.LoadError, allocbox.ContractViolation, allocbox.PoisonedPolicy, allocbox.ClientError]
+    assert len(set(classes)) == 4
+    assert all(issubclass(c, allocbox.AllocboxError) for c in classes)
+    with pytest.raises(allocbox.LoadError, match="not a WebAssembly file"):
+        allocbox.load(b"definitely not wasm")
+    with pytest.raises(allocbox.LoadError, match="refused its configuration"):
+        allocbox.load(guest("aligned"), {"alignment": "3"})
+
+
+def test_realloc_without_the_gil_from_many_threads(size_classes):
+    errors = []
+
+    def work(seed):
+        # A new thread starts at NumPy's default; each worker installs the policy.
+        allocbox.set_handler(size_classes)
+        try:
+            rng = np.random.default_rng(seed)
+            for _ in range(200):
+                a = rng.standard_normal(rng.integers(1, 5000))
+                a.resize(a.size * 2, refcheck=False)
+                np.sort(a)
+        except Exception as e:  # noqa: BLE001 - any failure fails the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    size_classes.raise_if_failed()
+    assert size_classes.stats()["reallocs"] >= 800
+
+
+def test_recording_writes_numpy_s_calls_as_a_trace(tmp_path, size_classes):
+    path = tmp_path / "numpy.trace"
+    policy = allocbox.load(guest("system"), record=str(path))
+    with allocbox.use(policy):
+        a = np.arange(50)
+        del a
+    policy.finish_recording()
+    lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
+    assert lines[0].startswith("m 1 400 ") or lines[0].startswith("c 1 400 "), lines[:3]
+    assert any(line.startswith("f 1 400 ") for line in lines)
