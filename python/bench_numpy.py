@@ -3,7 +3,10 @@
     python python/bench_numpy.py            # prints a table of medians and ratios
 
 Workloads: small-array arithmetic (1-100 elements, in a loop), mid-size (64 KiB), and
-large temporaries (8-64 MiB, `a + b + c` chains). Each cell is the median of 7 rounds.
+large temporaries (`a + b + c` over 8-32 MiB and 64 MiB operands). Each cell is the median of 7 rounds.
+`+large-cache` is size-classes with `large-cache=4` (keeps freed blocks >= 1 MiB).
+Build the extension with `maturin develop --release` first: a debug build measures
+unoptimised host code.
 """
 
 import pathlib
@@ -33,17 +36,30 @@ def mid():
         c.sum()
 
 
-def large():
-    for mib in (8, 16, 32, 64):
-        n = mib * (1 << 20) // 8
-        a = np.ones(n)
-        b = np.full(n, 2.0)
-        c = np.full(n, 3.0)
-        for _ in range(2):
-            (a + b + c).sum()
+def temporaries(sizes_mib):
+    """Operands made once per size, then the same expression over and over: each
+    evaluation makes (and frees) one temporary of the operands' size."""
+
+    def work():
+        for mib in sizes_mib:
+            n = mib * (1 << 20) // 8
+            a = np.ones(n)
+            b = np.full(n, 2.0)
+            c = np.full(n, 3.0)
+            for _ in range(5):
+                (a + b + c).sum()
+
+    return work
 
 
-WORKLOADS = [("small arrays (1-100 elements)", small), ("mid-size (64 KiB)", mid), ("large temporaries (8-64 MiB)", large)]
+# glibc serves blocks up to 32 MiB from its heap once one was freed (its mmap threshold
+# rises), so NumPy's default reuses them; larger ones are mapped and faulted in anew.
+WORKLOADS = [
+    ("small arrays (1-100 elements)", small),
+    ("mid-size (64 KiB)", mid),
+    ("large temporaries (8-32 MiB)", temporaries([8, 16, 32])),
+    ("large temporaries (64 MiB)", temporaries([64])),
+]
 
 
 def median_seconds(work, policy, rounds=7):
@@ -63,11 +79,16 @@ def median_seconds(work, policy, rounds=7):
 
 def main():
     handlers = [("numpy default", None)]
-    for name in ("system", "size-classes", "arena"):
+    for label, name, config in (
+        ("system", "system", None),
+        ("size-classes", "size-classes", None),
+        ("arena", "arena", None),
+        ("+large-cache", "size-classes", {"large-cache": "4"}),
+    ):
         path = GUESTS / f"policy_{name.replace('-', '_')}.wasm"
         if not path.exists():
             sys.exit(f"{path} is missing: build the guests first (cargo test)")
-        handlers.append((name, allocbox.load(path)))
+        handlers.append((label, allocbox.load(path, config)))
     print(f"{'workload':<32}" + "".join(f"{name:>16}" for name, _ in handlers))
     for label, work in WORKLOADS:
         work()  # warm up caches and page tables

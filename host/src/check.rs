@@ -251,7 +251,7 @@ fn size() -> impl Strategy<Value = u64> {
         4 => Just(0u64),
         5 => prop::sample::select(vec![15u64, 16, 17, 63, 64, 65]),
         5 => prop::sample::select(vec![4095u64, 4096, 4097, 65536]),
-        2 => 65537u64..=(1 << 20),
+        2 => 65537u64..=(2 << 20),
         4 => prop::sample::select(vec![u64::MAX, u64::MAX - 15, 1 << 63, (1 << 62) + 3]),
     ]
 }

@@ -41,6 +41,14 @@ mod every_good_policy_passes_check {
     allocbox_artifacts::foreach_good_policy!(passes_check);
 }
 
+#[test]
+fn size_classes_with_its_large_block_cache_passes_check() {
+    let policy = load(&allocbox_artifacts::SIZE_CLASSES);
+    let config = [("large-cache", "4"), ("bucket-depth", "3")];
+    let report = check::check(Runtime::shared(), &policy, &config, &options()).unwrap();
+    assert!(report.passed(), "{:?}", report.failure);
+}
+
 /// Each `broken` fault, the rule the checker must name, and the shortest script.
 const CORPUS: &[(&str, &str)] = &[
     ("outside", "outside-owned"),

@@ -2,7 +2,11 @@
 //!
 //! Sizes below [`NBUCKETS`] bytes get one exact-size bucket each; a bucket keeps at most
 //! `bucket-depth` freed blocks and hands them out again before asking upstream. Larger
-//! sizes, and frees that find their bucket full, go straight upstream.
+//! sizes, and frees that find their bucket full, go straight upstream — except, with
+//! `large-cache = N`, up to N freed blocks of at least [`LARGE`] bytes, which `malloc`
+//! reuses for the same size: NumPy's `a + b + c` on big arrays makes temporaries of one
+//! size over and over, and a reused block skips the kernel's page faults (NumPy's default
+//! handler does not do this).
 //!
 //! Every cached block is a whole upstream block of exactly its bucket's size (it was got
 //! upstream with that size, and the sized-free rule means it comes back with it), so
@@ -21,11 +25,18 @@ use exports::allocbox::policy::lifecycle::{Guest as Lifecycle, Info};
 const NBUCKETS: u64 = 1024;
 const DEFAULT_DEPTH: usize = 7;
 const MAX_DEPTH: usize = 64;
+/// Blocks at least this large may be kept by `large-cache`.
+const LARGE: u64 = 1 << 20;
+const MAX_LARGE_CACHE: usize = 16;
 
 struct Cache {
     depth: usize,
     /// `buckets[size]` holds freed blocks of exactly `size` bytes; index 0 is unused.
     buckets: Vec<Vec<u64>>,
+    /// Most large blocks kept.
+    large_limit: usize,
+    /// Freed large blocks, `(size, ptr)`, oldest first.
+    large: Vec<(u64, u64)>,
 }
 
 impl Cache {
@@ -40,11 +51,22 @@ impl Cache {
 
     /// A cached block of `size` bytes, if there is one.
     fn take(&mut self, size: u64) -> Option<u64> {
+        if size >= LARGE {
+            let i = self.large.iter().rposition(|&(s, _)| s == size)?;
+            return Some(self.large.remove(i).1);
+        }
         self.bucket(size)?.pop()
     }
 
-    /// Keeps `ptr` if its bucket has room; otherwise the caller frees it upstream.
+    /// Keeps `ptr` if there is room for it; otherwise the caller frees it upstream.
     fn keep(&mut self, ptr: u64, size: u64) -> bool {
+        if size >= LARGE {
+            if self.large.len() < self.large_limit {
+                self.large.push((size, ptr));
+                return true;
+            }
+            return false;
+        }
         let depth = self.depth;
         match self.bucket(size) {
             Some(bucket) if bucket.len() < depth => {
@@ -62,6 +84,8 @@ thread_local! {
     static CACHE: RefCell<Cache> = RefCell::new(Cache {
         depth: DEFAULT_DEPTH,
         buckets: vec![Vec::new(); NBUCKETS as usize],
+        large_limit: 0,
+        large: Vec::new(),
     });
 }
 
@@ -77,7 +101,9 @@ impl Allocator for SizeClasses {
     }
 
     fn calloc(nelem: u64, elsize: u64) -> u64 {
-        if let Some(size) = nelem.checked_mul(elsize)
+        // Large zeroed blocks come fresh from upstream: untouched zero pages cost less
+        // than clearing a cached block.
+        if let Some(size) = nelem.checked_mul(elsize).filter(|&s| s < LARGE)
             && let Some(ptr) = with_cache(|c| c.take(size))
         {
             // A recycled block still holds its previous owner's bytes.
@@ -93,7 +119,8 @@ impl Allocator for SizeClasses {
             return Self::malloc(new_size);
         }
         if old_size >= NBUCKETS && new_size >= NBUCKETS {
-            // Neither side touches the cache: the block is a plain upstream block.
+            // A block handed out is a plain upstream block of its size, whichever cache
+            // it came from.
             return upstream::realloc(ptr, old_size, new_size);
         }
         let new = Self::malloc(new_size);
@@ -141,11 +168,11 @@ impl Allocator for SizeClasses {
     }
 }
 
-fn parse_depth(value: &str) -> Result<usize, String> {
+fn parse_count(key: &str, value: &str, max: usize) -> Result<usize, String> {
     match value.trim().parse::<usize>() {
-        Ok(d) if d <= MAX_DEPTH => Ok(d),
+        Ok(d) if d <= max => Ok(d),
         _ => Err(format!(
-            "size-classes: bad value `{value}` for `bucket-depth`: want an integer in 0..={MAX_DEPTH}"
+            "size-classes: bad value `{value}` for `{key}`: want an integer in 0..={max}"
         )),
     }
 }
@@ -153,23 +180,27 @@ fn parse_depth(value: &str) -> Result<usize, String> {
 impl Lifecycle for SizeClasses {
     fn init(config: Vec<(String, String)>) -> Result<Info, String> {
         let mut depth = None;
+        let mut large = None;
         for (key, value) in &config {
-            match key.as_str() {
-                "bucket-depth" if depth.is_some() => {
-                    return Err("size-classes: `bucket-depth` given more than once".into());
-                }
-                "bucket-depth" => depth = Some(parse_depth(value)?),
+            let (slot, max) = match key.as_str() {
+                "bucket-depth" => (&mut depth, MAX_DEPTH),
+                "large-cache" => (&mut large, MAX_LARGE_CACHE),
                 _ => {
                     return Err(format!(
                         "size-classes: unknown config key `{key}` (value `{value}`); \
-                         known: bucket-depth"
+                         known: bucket-depth, large-cache"
                     ));
                 }
+            };
+            if slot.is_some() {
+                return Err(format!("size-classes: `{key}` given more than once"));
             }
+            *slot = Some(parse_count(key, value, max)?);
         }
         let depth = depth.unwrap_or(DEFAULT_DEPTH);
         with_cache(|c| {
             c.depth = depth;
+            c.large_limit = large.unwrap_or(0);
             for bucket in &mut c.buckets[1..] {
                 bucket.reserve_exact(depth);
             }
@@ -191,6 +222,9 @@ impl Lifecycle for SizeClasses {
                     upstream::free_many(bucket, size as u64);
                     bucket.clear();
                 }
+            }
+            for (size, ptr) in c.large.drain(..) {
+                upstream::free(ptr, size);
             }
         });
     }
