@@ -12,6 +12,22 @@
 //!   not lent out (plus, during `realloc`, the block being resized);
 //! - `trim` gives back everything you cache: the contract checker calls it last and
 //!   counts whatever is still held upstream as a leak.
+//!
+//! Check it against the whole handler contract before anyone uses it:
+//!
+//! ```text
+//! cargo build --release --target wasm32-wasip2
+//! allocbox check target/wasm32-wasip2/release/my_policy.wasm --cases 1000
+//! ```
+//!
+//! or from a host-side `#[test]` of your own (dev-dependency on `allocbox`):
+//!
+//! ```text
+//! #[test]
+//! fn my_policy_keeps_the_handler_contract() {
+//!     allocbox::check::assert_contract("target/wasm32-wasip2/release/my_policy.wasm", &[]);
+//! }
+//! ```
 
 // Generates `allocbox::policy::{allocator, bytes}` (the imports: upstream and byte
 // access) and `exports::allocbox::policy::{allocator, lifecycle}` (what we implement).
