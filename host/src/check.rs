@@ -431,6 +431,18 @@ impl<'h> Client<'h> {
         )
     }
 
+    /// Track a block the handler just lent, filled with a pattern of its own.
+    fn adopt(&mut self, ptr: NonNull<u8>, size: usize) {
+        let mut block = Live {
+            ptr,
+            size,
+            phase: 0,
+        };
+        let phase = self.phase();
+        block.fill(phase);
+        self.live.push(block);
+    }
+
     fn run(&mut self, op: &Op) -> Result<(), Finding> {
         let h = self.handler;
         let err = |e: Error| Finding::from_error(&e);
@@ -438,21 +450,14 @@ impl<'h> Client<'h> {
             Op::Malloc(size) => {
                 self.ran.push(op.clone());
                 if let Some(ptr) = h.malloc(size as usize).map_err(err)? {
-                    let mut block = Live {
-                        ptr,
-                        size: size as usize,
-                        phase: 0,
-                    };
-                    let phase = self.phase();
-                    block.fill(phase);
-                    self.live.push(block);
+                    self.adopt(ptr, size as usize);
                 }
             }
             Op::Calloc(n, e) => {
                 self.ran.push(op.clone());
                 if let Some(ptr) = h.calloc(n as usize, e as usize).map_err(err)? {
                     let size = n.checked_mul(e).expect("an overflowing calloc is none") as usize;
-                    let mut block = Live {
+                    let block = Live {
                         ptr,
                         size,
                         phase: 0,
@@ -462,25 +467,16 @@ impl<'h> Client<'h> {
                             Rule::CallocNotZeroed { offset }
                         }));
                     }
-                    let phase = self.phase();
-                    block.fill(phase);
-                    self.live.push(block);
+                    self.adopt(ptr, size);
                 }
             }
             Op::Realloc(slot, size) => {
                 let Some(slot) = slot.filter(|_| !self.live.is_empty()) else {
                     self.ran.push(Op::Realloc(None, size));
                     if let Some(ptr) = h.realloc(None, size as usize).map_err(err)? {
-                        let mut block = Live {
-                            ptr,
-                            size: size as usize,
-                            phase: 0,
-                        };
-                        let phase = self.phase();
-                        block.fill(phase);
-                        self.live.push(block);
+                        self.adopt(ptr, size as usize);
                     }
-                    return Ok(());
+                    return self.look_around();
                 };
                 let slot = slot % self.live.len();
                 self.ran.push(Op::Realloc(Some(slot), size));
