@@ -135,6 +135,20 @@ pub struct Limits {
     pub call_time: Duration,
     /// Guest stdout/stderr kept for error messages and the log. Default 16 KiB.
     pub output: usize,
+    /// What WASI grants the guest beyond nothing. Default: nothing.
+    pub grants: Grants,
+}
+
+/// What the sandbox grants a guest. WASI is deny-by-default: no files, no network, no
+/// environment, and clocks that always read zero (a policy cannot time anything or leak
+/// timing into its placements) — unless granted here. Files and sockets are never
+/// granted: a placement policy has no use for them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Grants {
+    /// Real wall and monotonic clocks.
+    pub clocks: bool,
+    /// Environment variables the guest may read.
+    pub env: Vec<(String, String)>,
 }
 
 impl Default for Limits {
@@ -143,6 +157,7 @@ impl Default for Limits {
             memory: 64 << 20,
             call_time: Duration::from_secs(1),
             output: 16 << 10,
+            grants: Grants::default(),
         }
     }
 }

@@ -161,7 +161,8 @@ impl Runtime {
     }
 
     /// A store for one guest: deny-by-default WASI (no files, network, environment;
-    /// frozen clocks), output kept up to the limit, memory capped, calls time-limited.
+    /// frozen clocks) unless `limits.grants` says otherwise, output kept up to the
+    /// limit, memory capped, calls time-limited.
     /// Returns the store and the epoch ticks of one call's time limit.
     pub(crate) fn guest_store<T>(
         &self,
@@ -171,12 +172,15 @@ impl Runtime {
         sandbox: fn(&mut T) -> &mut Sandbox,
     ) -> (Store<T>, u64) {
         let output = MemoryOutputPipe::new(limits.output);
-        let wasi = WasiCtx::builder()
-            .stdout(output.clone())
-            .stderr(output.clone())
-            .wall_clock(FrozenClock)
-            .monotonic_clock(FrozenClock)
-            .build();
+        let mut wasi = WasiCtx::builder();
+        wasi.stdout(output.clone()).stderr(output.clone());
+        if !limits.grants.clocks {
+            wasi.wall_clock(FrozenClock).monotonic_clock(FrozenClock);
+        }
+        for (key, value) in &limits.grants.env {
+            wasi.env(key, value);
+        }
+        let wasi = wasi.build();
         let sandboxed = Sandbox::new(Arc::from(name), limits, wasi, output);
         let mut store = Store::new(&self.inner.engine, state(sandboxed));
         store.limiter(move |s| sandbox(s).limiter());

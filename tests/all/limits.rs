@@ -118,3 +118,40 @@ fn a_handler_is_shared_by_many_threads() {
     h.trim().unwrap();
     assert_eq!(h.held_from_host(), (0, 0));
 }
+
+fn probe(grants: allocbox::Grants) -> String {
+    let err = HandlerBuilder::new(Runtime::shared())
+        .link_with(
+            &load(&allocbox_artifacts::BROKEN),
+            &[("fault", "probe-sandbox")],
+        )
+        .limits(Limits {
+            grants,
+            ..Limits::default()
+        })
+        .build()
+        .unwrap_err();
+    match err {
+        allocbox::LoadError::ConfigRejected { message, .. } => message,
+        other => panic!("{other}"),
+    }
+}
+
+#[test]
+fn the_sandbox_grants_no_environment_and_frozen_clocks_by_default() {
+    let seen = probe(allocbox::Grants::default());
+    assert_eq!(seen, "probe: env=[] monotonic=frozen wall=0");
+}
+
+#[test]
+fn an_embedder_can_grant_clocks_and_environment_variables() {
+    let seen = probe(allocbox::Grants {
+        clocks: true,
+        env: vec![("POLICY_MODE".into(), "fast".into())],
+    });
+    assert!(
+        seen.starts_with("probe: env=[POLICY_MODE=fast] monotonic=moving wall="),
+        "{seen}"
+    );
+    assert!(!seen.ends_with("wall=0"), "{seen}");
+}

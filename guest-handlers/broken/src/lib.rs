@@ -270,8 +270,37 @@ impl Allocator for Broken {
     }
 }
 
+/// What the sandbox lets a guest see, as the text of a refused `init` (the host's tests
+/// read it): the environment, and whether the clocks move.
+fn probe_sandbox() -> String {
+    let env: Vec<String> = std::env::vars().map(|(k, v)| format!("{k}={v}")).collect();
+    let start = std::time::Instant::now();
+    let mut spin = 0u64;
+    while start.elapsed().is_zero() && spin < 1000 {
+        spin = std::hint::black_box(spin + 1);
+    }
+    let wall = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    format!(
+        "probe: env=[{}] monotonic={} wall={wall}",
+        env.join(","),
+        if start.elapsed().is_zero() {
+            "frozen"
+        } else {
+            "moving"
+        }
+    )
+}
+
 impl Lifecycle for Broken {
     fn init(config: Vec<(String, String)>) -> Result<Info, String> {
+        if config
+            .iter()
+            .any(|(k, v)| k == "fault" && v == "probe-sandbox")
+        {
+            return Err(probe_sandbox());
+        }
         let mut chosen = None;
         for (key, value) in &config {
             match key.as_str() {
