@@ -277,7 +277,7 @@ fn probe_sandbox() -> String {
     let start = std::time::Instant::now();
     let mut spin = 0u64;
     while start.elapsed().is_zero() && spin < 1000 {
-        spin = std::hint::black_box(spin + 1);
+        spin = black_box(spin + 1);
     }
     let wall = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
