@@ -3,7 +3,8 @@
     python python/bench_numpy.py            # prints a table of medians and ratios
 
 Workloads: small-array arithmetic (1-100 elements, in a loop), mid-size (64 KiB), and
-large temporaries (`a + b + c` over 8-32 MiB and 64 MiB operands). Each cell is the median of 7 rounds.
+large temporaries (`a + b + c` over 8-32 MiB and 64 MiB operands). Each cell is the median of 9 rounds,
+the handlers taking turns within each round.
 `+large-cache` is size-classes with `large-cache=4` (keeps freed blocks >= 1 MiB).
 Build the extension with `maturin develop --release` first: a debug build measures
 unoptimised host code.
@@ -62,19 +63,25 @@ WORKLOADS = [
 ]
 
 
-def median_seconds(work, policy, rounds=7):
-    times = []
+def timed(work, policy):
+    if policy is None:
+        start = time.perf_counter()
+        work()
+        return time.perf_counter() - start
+    with allocbox.use(policy):
+        start = time.perf_counter()
+        work()
+        return time.perf_counter() - start
+
+
+def medians(work, handlers, rounds=9):
+    """Median seconds per handler; handlers take turns within each round, so a slow
+    moment of the machine does not land on one column only."""
+    times = [[] for _ in handlers]
     for _ in range(rounds):
-        if policy is None:
-            start = time.perf_counter()
-            work()
-            times.append(time.perf_counter() - start)
-        else:
-            with allocbox.use(policy):
-                start = time.perf_counter()
-                work()
-                times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for i, (_, policy) in enumerate(handlers):
+            times[i].append(timed(work, policy))
+    return [statistics.median(t) for t in times]
 
 
 def main():
@@ -92,11 +99,9 @@ def main():
     print(f"{'workload':<32}" + "".join(f"{name:>16}" for name, _ in handlers))
     for label, work in WORKLOADS:
         work()  # warm up caches and page tables
-        base = median_seconds(work, None)
-        cells = []
-        for _, policy in handlers:
-            t = base if policy is None else median_seconds(work, policy)
-            cells.append(f"{t * 1e3:8.1f}ms {t / base:5.2f}x")
+        results = medians(work, handlers)
+        base = results[0]
+        cells = [f"{t * 1e3:8.1f}ms {t / base:5.2f}x" for t in results]
         print(f"{label:<32}" + "".join(f"{c:>16}" for c in cells))
     for name, policy in handlers[1:]:
         policy.raise_if_failed()
