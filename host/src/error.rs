@@ -58,6 +58,9 @@ pub enum Rule {
     UnknownFree,
     /// `bytes` access outside the blocks the policy owns and has not lent out.
     BytesOutOfBounds,
+    /// An upstream free or realloc of memory that holds a block the policy has lent and
+    /// not had back: the client's data would be pulled out from under it.
+    GaveBackLentMemory { block: u64, block_size: u64 },
     /// C3: calloc returned bytes that are not zero (checked mode).
     CallocNotZeroed { offset: u64 },
     /// C4: realloc did not keep the old block's bytes (checked mode).
@@ -81,6 +84,7 @@ impl Rule {
             Rule::DoubleFree => "double-free",
             Rule::UnknownFree => "unknown-free",
             Rule::BytesOutOfBounds => "bytes-out-of-bounds",
+            Rule::GaveBackLentMemory { .. } => "gave-back-lent-memory",
             Rule::CallocNotZeroed { .. } => "calloc-not-zeroed",
             Rule::ReallocLostBytes { .. } => "realloc-lost-bytes",
             Rule::LiveBlockChanged { .. } => "live-block-changed",
@@ -110,6 +114,10 @@ impl fmt::Display for Rule {
             Rule::BytesOutOfBounds => {
                 f.write_str("bytes access outside owned, not-lent-out memory")
             }
+            Rule::GaveBackLentMemory { block, block_size } => write!(
+                f,
+                "gave back upstream memory under the live block {block:#x} ({block_size} bytes) it lent"
+            ),
             Rule::CallocNotZeroed { offset } => {
                 write!(f, "calloc block not zero-filled (byte {offset})")
             }

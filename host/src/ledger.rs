@@ -101,6 +101,22 @@ impl Ledger {
         (start + size > addr).then_some((start, size))
     }
 
+    /// Every live block overlapping `[addr, addr+len)`, highest first.
+    pub(crate) fn overlapping_all(
+        &self,
+        addr: u64,
+        len: u64,
+    ) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let end = addr.saturating_add(len);
+        // Blocks are disjoint and sorted: walking down from `end`, the first block that
+        // ends at or before `addr` ends the walk.
+        self.ranges
+            .range(..end)
+            .rev()
+            .map(|(&start, &size)| (start, size))
+            .take_while(move |&(start, size)| start + size > addr)
+    }
+
     /// The live block that wholly contains `[addr, addr+len)`.
     pub(crate) fn containing(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
         let end = addr.checked_add(len)?;
@@ -183,6 +199,14 @@ mod tests {
         assert_eq!(l.overlapping(50, 500), Some((200, 10)), "covers both");
         assert_eq!(l.overlapping(150, 50), None, "fits the gap exactly");
         assert_eq!(l.overlapping(90, 10), None, "ends where a block starts");
+    }
+
+    #[test]
+    fn every_overlapping_block_is_found() {
+        let l = ledger(&[(100, 10), (110, 10), (130, 10), (200, 10)]);
+        let found: Vec<_> = l.overlapping_all(105, 30).collect();
+        assert_eq!(found, [(130, 10), (110, 10), (100, 10)]);
+        assert_eq!(l.overlapping_all(140, 60).count(), 0);
     }
 
     #[test]

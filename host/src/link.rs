@@ -396,6 +396,32 @@ impl LinkState {
         }
     }
 
+    /// Refuse to give back (or move) upstream memory that holds a block this policy has
+    /// lent, other than the block in transit during its own realloc (whose upstream memory
+    /// is held back instead): the client would lose its data, and the host would free
+    /// memory a client still writes to.
+    fn check_nothing_lent_inside(
+        &mut self,
+        call: Call,
+        ptr: u64,
+        size: u64,
+    ) -> wasmtime::Result<()> {
+        let in_transit = self.in_transit.map(|(p, _)| p);
+        let inside = self
+            .lent
+            .overlapping_all(ptr, size)
+            .find(|&(block, _)| Some(block) != in_transit);
+        match inside {
+            None => Ok(()),
+            Some((block, block_size)) => Err(self.violate(
+                call,
+                ptr,
+                size,
+                Rule::GaveBackLentMemory { block, block_size },
+            )),
+        }
+    }
+
     /// Should an upstream give-back of `ptr` wait until the block in transit is settled?
     fn holds_transit(&self, ptr: u64, size: u64) -> bool {
         self.in_transit
@@ -424,6 +450,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
             // Like malloc(0) upstream: none, and the old block stays.
             return Ok(0);
         }
+        self.check_nothing_lent_inside(Call::Realloc, ptr, old)?;
         if self.holds_transit(ptr, old) {
             // Resizing the block that holds the client's data in transit: move it by
             // copy so the original stays intact until this policy's answer is checked.
@@ -453,6 +480,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
     }
 
     fn free(&mut self, ptr: u64, size: u64) -> wasmtime::Result<()> {
+        self.check_nothing_lent_inside(Call::Free, ptr, size)?;
         if self.holds_transit(ptr, size) {
             if let Err(f) = check_lent(self.upstream.lent(), ptr, size) {
                 return Err(self.caller_fault(Call::Free, ptr, size, f));
@@ -771,9 +799,22 @@ impl Link {
         state.in_transit = None;
         let addr = match answer {
             Ok(0) => {
-                // The old block stays; nothing held back may be freed after all.
+                // "None" means the old block stays live and unchanged; a policy that gave
+                // back its memory on the way broke that. The memory was held back, so the
+                // client's block is intact; the policy is stopped.
                 let held_back = std::mem::take(&mut state.deferred);
-                self.settle(held_back);
+                if let Some(&(addr, size)) = held_back.first() {
+                    let rule = Rule::GaveBackLentMemory {
+                        block: ptr,
+                        block_size: old,
+                    };
+                    return Err(LinkFault::Link(self.violation(
+                        Call::Realloc,
+                        addr,
+                        size,
+                        rule,
+                    )));
+                }
                 return Ok(0);
             }
             Ok(addr) => addr,

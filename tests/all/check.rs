@@ -63,6 +63,7 @@ const CORPUS: &[(&str, &str)] = &[
     ("realloc-outside", "outside-owned"),
     ("leak", "leak"),
     ("scribble", "bytes-out-of-bounds"),
+    ("free-other", "gave-back-lent-memory"),
     ("trap-malloc", "trap"),
     ("trap-calloc", "trap"),
     ("trap-realloc", "trap"),

@@ -106,6 +106,26 @@ fn an_upstream_free_of_an_address_never_lent_is_caught() {
 }
 
 #[test]
+fn giving_back_upstream_memory_under_a_lent_block_is_refused_and_the_block_survives() {
+    // On a free, `free-other` also frees upstream the oldest block it still has lent.
+    let h = broken("free-other");
+    let keep = h.malloc(4000).unwrap().unwrap();
+    fill(keep, 4000, 0xC7);
+    let other = h.malloc(64).unwrap();
+    let err = h.free(other, 64).unwrap_err();
+    assert!(
+        matches!(violation(&err), (Rule::GaveBackLentMemory { block, block_size: 4000 }, Call::Free) if *block == keep.as_ptr() as u64),
+        "{err}"
+    );
+    assert_intact_and_freeable(&h, keep);
+    assert_eq!(
+        h.held_from_host(),
+        (0, 0),
+        "the refused block was returned once, by the host"
+    );
+}
+
+#[test]
 fn writing_into_a_lent_block_through_bytes_is_refused() {
     let h = broken("scribble");
     let first = h.malloc(64).unwrap().unwrap();

@@ -53,6 +53,8 @@ enum Fault {
     ReallocLoses,
     /// `realloc` moves the data, frees the old block, and answers outside its memory.
     ReallocOutside,
+    /// `free` also gives back upstream another block it has lent and not had back.
+    FreeOther,
     /// `malloc(size)` returns an upstream block of `size - 1` bytes (for size > 1).
     OffByOne,
     /// `free` of 64 bytes or more does nothing.
@@ -88,6 +90,7 @@ const FAULTS: &[(&str, Fault)] = &[
     ("calloc-dirty", Fault::CallocDirty),
     ("realloc-loses", Fault::ReallocLoses),
     ("realloc-outside", Fault::ReallocOutside),
+    ("free-other", Fault::FreeOther),
     ("off-by-one", Fault::OffByOne),
     ("leak", Fault::Leak),
     ("scribble", Fault::Scribble),
@@ -110,6 +113,8 @@ thread_local! {
     static SHARED: Cell<u64> = const { Cell::new(0) };
     /// `scribble`: the last block `malloc` returned, while it is still lent out.
     static LAST: Cell<u64> = const { Cell::new(0) };
+    /// `free-other`: blocks returned and not yet freed, `(ptr, size)`, oldest first.
+    static LENT: RefCell<Vec<(u64, u64)>> = const { RefCell::new(Vec::new()) };
     /// `grow-memory`: keeps every hoarded buffer reachable.
     static HOARD: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
 }
@@ -162,6 +167,13 @@ impl Allocator for Broken {
                 0 => 0,
                 p => moved(p, p, size - 1),
             },
+            Fault::FreeOther => {
+                let ptr = upstream::malloc(size);
+                if ptr != 0 {
+                    LENT.with(|l| l.borrow_mut().push((ptr, size)));
+                }
+                ptr
+            }
             Fault::Scribble => {
                 let ptr = upstream::malloc(size);
                 if ptr != 0 {
@@ -238,6 +250,18 @@ impl Allocator for Broken {
             }
             Fault::ForeignFree => upstream::free(ptr + 4096, size),
             Fault::Leak if size >= 64 => {}
+            Fault::FreeOther => {
+                let other = LENT.with(|l| {
+                    let mut l = l.borrow_mut();
+                    l.retain(|&(p, _)| p != ptr);
+                    l.first().copied()
+                });
+                upstream::free(ptr, size);
+                // Gives back memory the client still holds: the host must refuse.
+                if let Some((p, s)) = other {
+                    upstream::free(p, s);
+                }
+            }
             // The shared block stays with us until `trim`.
             Fault::Overlap if ptr == SHARED.with(Cell::get) => {}
             Fault::Scribble => {
