@@ -18,7 +18,7 @@ use crate::system::SystemMemory;
 const MAGAZINE_MAX_SIZE: u64 = 1024;
 /// Blocks a magazine holds before half of them are given back in one `free-many`.
 const MAGAZINE_DEPTH: usize = 64;
-/// Blocks fetched with one `malloc-many` when a magazine runs empty.
+/// The most blocks fetched with one `malloc-many` when a magazine runs empty.
 const MAGAZINE_REFILL: u32 = 16;
 
 /// Builds a [`Handler`] from policies, top of the chain first.
@@ -159,17 +159,37 @@ impl Stats {
 }
 
 /// Blocks of one size the top policy placed ahead of demand.
+#[derive(Debug)]
+struct Magazine {
+    blocks: Vec<u64>,
+    /// Blocks the next refill asks for. It starts at one and doubles with every refill
+    /// up to [`MAGAZINE_REFILL`] (slow start): a size asked for once costs the policy one
+    /// block, not a batch the client never uses; a size in steady use soon gets full
+    /// batches.
+    next_refill: u32,
+}
+
+impl Default for Magazine {
+    fn default() -> Self {
+        Magazine {
+            blocks: Vec::new(),
+            next_refill: 1,
+        }
+    }
+}
+
+/// One magazine per exact size up to [`MAGAZINE_MAX_SIZE`].
 #[derive(Debug, Default)]
 struct Magazines {
-    by_size: Vec<Vec<u64>>,
+    by_size: Vec<Magazine>,
 }
 
 impl Magazines {
-    fn stack(&mut self, size: u64) -> &mut Vec<u64> {
+    fn of_size(&mut self, size: u64) -> &mut Magazine {
         let i = size as usize;
         if self.by_size.len() <= i {
             self.by_size
-                .resize_with(MAGAZINE_MAX_SIZE as usize + 1, Vec::new);
+                .resize_with(MAGAZINE_MAX_SIZE as usize + 1, Magazine::default);
         }
         &mut self.by_size[i]
     }
@@ -535,8 +555,8 @@ impl Chain {
         let Chain {
             head, magazines, ..
         } = self;
-        let stack = magazines.as_mut().expect("checked by caller").stack(size);
-        if let Some(addr) = stack.pop() {
+        let magazine = magazines.as_mut().expect("checked by caller").of_size(size);
+        if let Some(addr) = magazine.blocks.pop() {
             head.lent_mut()
                 .get_mut(addr)
                 .expect("cached blocks are lent")
@@ -544,7 +564,9 @@ impl Chain {
             self.stats.magazine_hits += 1;
             return Ok(addr);
         }
-        let mut blocks = head.malloc_many(size, MAGAZINE_REFILL)?;
+        let count = magazine.next_refill;
+        magazine.next_refill = (count * 2).min(MAGAZINE_REFILL);
+        let mut blocks = head.malloc_many(size, count)?;
         let Some(first) = blocks.pop() else {
             // The policy placed nothing in bulk; ask once the ordinary way.
             return head.malloc(size);
@@ -552,7 +574,7 @@ impl Chain {
         for &addr in &blocks {
             head.lent_mut().get_mut(addr).expect("just admitted").cached = true;
         }
-        stack.extend(blocks);
+        magazine.blocks.extend(blocks);
         Ok(first)
     }
 
@@ -560,7 +582,11 @@ impl Chain {
         let Chain {
             head, magazines, ..
         } = self;
-        let stack = magazines.as_mut().expect("checked by caller").stack(size);
+        let stack = &mut magazines
+            .as_mut()
+            .expect("checked by caller")
+            .of_size(size)
+            .blocks;
         if stack.len() >= MAGAZINE_DEPTH {
             let spill: Vec<u64> = stack.drain(MAGAZINE_DEPTH / 2..).collect();
             match head.free_many(spill, size) {
@@ -587,11 +613,11 @@ impl Chain {
             return Ok(0);
         };
         let mut first_error = None;
-        for (size, stack) in magazines.by_size.iter_mut().enumerate() {
-            if stack.is_empty() {
+        for (size, magazine) in magazines.by_size.iter_mut().enumerate() {
+            if magazine.blocks.is_empty() {
                 continue;
             }
-            let blocks = std::mem::take(stack);
+            let blocks = std::mem::take(&mut magazine.blocks);
             if let Err(LinkFault::Link(e)) = self.head.free_many(blocks, size as u64) {
                 first_error.get_or_insert(e);
             }
