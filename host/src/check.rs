@@ -75,6 +75,31 @@ impl std::str::FromStr for Op {
     }
 }
 
+impl Op {
+    /// The `field`th number of the operation (sizes, counts, slots), for shrinking.
+    fn number(&self, field: usize) -> Option<u64> {
+        match (self, field) {
+            (Op::Malloc(size), 0) | (Op::Realloc(None, size), 0) => Some(*size),
+            (Op::Calloc(n, _), 0) => Some(*n),
+            (Op::Calloc(_, e), 1) => Some(*e),
+            (Op::Realloc(Some(slot), _), 0) | (Op::Free(slot), 0) => Some(*slot as u64),
+            (Op::Realloc(Some(_), size), 1) => Some(*size),
+            _ => None,
+        }
+    }
+
+    fn set_number(&mut self, field: usize, value: u64) {
+        match (self, field) {
+            (Op::Malloc(size), 0) | (Op::Realloc(None, size), 0) => *size = value,
+            (Op::Calloc(n, _), 0) => *n = value,
+            (Op::Calloc(_, e), 1) => *e = value,
+            (Op::Realloc(Some(slot), _), 0) | (Op::Free(slot), 0) => *slot = value as usize,
+            (Op::Realloc(Some(_), size), 1) => *size = value,
+            _ => unreachable!("no number {field} in this operation"),
+        }
+    }
+}
+
 /// A replayable sequence: one list of operations per client thread, slots resolved.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Script {
@@ -243,34 +268,267 @@ impl CheckReport {
 /// The size mix, in percent: NumPy's common small sizes dominate (72% of its mallocs
 /// are 8-15 bytes); edges, pages, large blocks and sizes that must fail all appear in
 /// most sequences.
-fn size() -> impl Strategy<Value = u64> {
-    prop_oneof![
-        40 => 8u64..=15,
-        25 => 1u64..=256,
-        15 => 257u64..=4096,
-        4 => Just(0u64),
-        5 => prop::sample::select(vec![15u64, 16, 17, 63, 64, 65]),
-        5 => prop::sample::select(vec![4095u64, 4096, 4097, 65536]),
-        2 => 65537u64..=(2 << 20),
-        4 => prop::sample::select(vec![u64::MAX, u64::MAX - 15, 1 << 63, (1 << 62) + 3]),
-    ]
+fn draw_size(rng: &mut TestRng) -> u64 {
+    const EDGES: [u64; 6] = [15, 16, 17, 63, 64, 65];
+    const PAGES: [u64; 4] = [4095, 4096, 4097, 65536];
+    const IMPOSSIBLE: [u64; 4] = [u64::MAX, u64::MAX - 15, 1 << 63, (1 << 62) + 3];
+    match rng.random_range(0..100u32) {
+        0..40 => rng.random_range(8..=15),
+        40..65 => rng.random_range(1..=256),
+        65..80 => rng.random_range(257..=4096),
+        80..84 => 0,
+        84..89 => EDGES[rng.random_range(0..EDGES.len())],
+        89..94 => PAGES[rng.random_range(0..PAGES.len())],
+        94..96 => rng.random_range(65537..=(2 << 20)),
+        _ => IMPOSSIBLE[rng.random_range(0..IMPOSSIBLE.len())],
+    }
 }
 
-fn calloc_args() -> impl Strategy<Value = (u64, u64)> {
-    prop_oneof![
-        6 => (1u64..=64, 1u64..=64),
-        1 => prop::sample::select(vec![(0u64, 8u64), (8, 0), (0, 0)]),
-        1 => prop::sample::select(vec![(u64::MAX / 2 + 1, 2), (1 << 32, 1 << 32), (u64::MAX, u64::MAX)]),
-    ]
+/// `calloc` arguments: mostly small products, some zero counts, some that overflow.
+fn draw_calloc(rng: &mut TestRng) -> Op {
+    const ZERO: [(u64, u64); 3] = [(0, 8), (8, 0), (0, 0)];
+    const OVERFLOW: [(u64, u64); 3] = [
+        (u64::MAX / 2 + 1, 2),
+        (1 << 32, 1 << 32),
+        (u64::MAX, u64::MAX),
+    ];
+    let (n, e) = match rng.random_range(0..8u32) {
+        0..6 => (rng.random_range(1..=64), rng.random_range(1..=64)),
+        6 => ZERO[rng.random_range(0..ZERO.len())],
+        _ => OVERFLOW[rng.random_range(0..OVERFLOW.len())],
+    };
+    Op::Calloc(n, e)
 }
 
-fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        4 => size().prop_map(Op::Malloc),
-        2 => calloc_args().prop_map(|(n, e)| Op::Calloc(n, e)),
-        3 => (prop::option::weighted(0.9, 0usize..64), size()).prop_map(|(s, n)| Op::Realloc(s, n)),
-        4 => (0usize..64).prop_map(Op::Free),
-    ]
+/// One operation: malloc 4, calloc 2, realloc 3 (a tenth of them from none), free 4.
+fn draw_op(rng: &mut TestRng) -> Op {
+    const SLOTS: usize = 64;
+    match rng.random_range(0..13u32) {
+        0..4 => Op::Malloc(draw_size(rng)),
+        4..6 => draw_calloc(rng),
+        6..9 => {
+            let slot = rng.random_bool(0.9).then(|| rng.random_range(0..SLOTS));
+            Op::Realloc(slot, draw_size(rng))
+        }
+        _ => Op::Free(rng.random_range(0..SLOTS)),
+    }
+}
+
+/// Sequences of operations, one per client thread, drawn straight from the RNG.
+///
+/// proptest's `vec(prop_oneof![..])` builds a value tree per operation, and building
+/// those cost more than running the operations; this strategy keeps plain operations
+/// and shrinks them with [`ScriptTree`].
+#[derive(Debug, Clone, Copy)]
+struct Scripts {
+    threads: usize,
+    max_ops: usize,
+}
+
+impl Strategy for Scripts {
+    type Tree = ScriptTree;
+    type Value = Vec<Vec<Op>>;
+
+    fn new_tree(&self, runner: &mut TestRunner) -> proptest::strategy::NewTree<Self> {
+        let rng = runner.rng();
+        let threads = (0..self.threads)
+            .map(|_| {
+                let len = rng.random_range(1..=self.max_ops);
+                (0..len).map(|_| draw_op(rng)).collect()
+            })
+            .collect();
+        Ok(ScriptTree::new(threads))
+    }
+}
+
+/// Where shrinking has got to.
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    /// Delete `run` operations of `thread` at `at`; the run halves after each pass.
+    Delete {
+        thread: usize,
+        run: usize,
+        at: usize,
+    },
+    /// Binary search for the smallest value of one number of one operation that still
+    /// fails: the answer lies in `lo..=hi`, and `hi` fails.
+    Narrow {
+        thread: usize,
+        index: usize,
+        field: usize,
+        bounds: Option<(u64, u64)>,
+    },
+    Done,
+}
+
+/// The candidate on trial, and how to take it back if it passes.
+#[derive(Debug, Clone)]
+enum Trial {
+    Deleted {
+        thread: usize,
+        at: usize,
+        ops: Vec<Op>,
+    },
+    Narrowed {
+        thread: usize,
+        index: usize,
+        was: Op,
+    },
+}
+
+/// Shrinks a failing script: deletes runs of operations (delta debugging, so a long
+/// sequence with two guilty operations takes tens of runs, not hundreds), then lowers
+/// each number (size, count, slot) of the operations left by binary search.
+///
+/// Every `complicate` both takes back the trial that passed and puts up the next one, so
+/// no run is spent on re-running a case already known to fail.
+#[derive(Debug, Clone)]
+struct ScriptTree {
+    threads: Vec<Vec<Op>>,
+    step: Step,
+    trial: Option<Trial>,
+}
+
+impl ScriptTree {
+    fn new(threads: Vec<Vec<Op>>) -> Self {
+        let run = Self::first_run(&threads, 0);
+        ScriptTree {
+            threads,
+            step: Step::Delete {
+                thread: 0,
+                run,
+                at: 0,
+            },
+            trial: None,
+        }
+    }
+
+    fn first_run(threads: &[Vec<Op>], thread: usize) -> usize {
+        threads
+            .get(thread)
+            .map_or(1, |ops| ops.len().div_ceil(2).max(1))
+    }
+
+    /// Put up the next candidate; false when there is none left (the current script is
+    /// then the smallest failing one found).
+    fn next_trial(&mut self) -> bool {
+        loop {
+            match &mut self.step {
+                Step::Delete { thread, run, at } => {
+                    let Some(ops) = self.threads.get_mut(*thread) else {
+                        self.step = Step::Narrow {
+                            thread: 0,
+                            index: 0,
+                            field: 0,
+                            bounds: None,
+                        };
+                        continue;
+                    };
+                    if *at < ops.len() {
+                        let end = (*at + *run).min(ops.len());
+                        let removed = ops.drain(*at..end).collect();
+                        self.trial = Some(Trial::Deleted {
+                            thread: *thread,
+                            at: *at,
+                            ops: removed,
+                        });
+                        return true;
+                    }
+                    if *run > 1 {
+                        *run /= 2;
+                        *at = 0;
+                    } else {
+                        *thread += 1;
+                        *run = Self::first_run(&self.threads, *thread);
+                        *at = 0;
+                    }
+                }
+                Step::Narrow {
+                    thread,
+                    index,
+                    field,
+                    bounds,
+                } => {
+                    let Some(ops) = self.threads.get_mut(*thread) else {
+                        self.step = Step::Done;
+                        continue;
+                    };
+                    let Some(op) = ops.get_mut(*index) else {
+                        (*thread, *index, *field, *bounds) = (*thread + 1, 0, 0, None);
+                        continue;
+                    };
+                    let Some(value) = op.number(*field) else {
+                        (*index, *field, *bounds) = (*index + 1, 0, None);
+                        continue;
+                    };
+                    let (lo, hi) = *bounds.get_or_insert((0, value));
+                    if lo >= hi {
+                        (*field, *bounds) = (*field + 1, None);
+                        continue;
+                    }
+                    let was = op.clone();
+                    op.set_number(*field, lo + (hi - lo) / 2);
+                    self.trial = Some(Trial::Narrowed {
+                        thread: *thread,
+                        index: *index,
+                        was,
+                    });
+                    return true;
+                }
+                Step::Done => return false,
+            }
+        }
+    }
+}
+
+impl proptest::strategy::ValueTree for ScriptTree {
+    type Value = Vec<Vec<Op>>;
+
+    fn current(&self) -> Vec<Vec<Op>> {
+        self.threads.clone()
+    }
+
+    /// The current script failed: keep it and try a smaller one.
+    fn simplify(&mut self) -> bool {
+        if let (Some(Trial::Narrowed { thread, index, .. }), Step::Narrow { field, bounds, .. }) =
+            (self.trial.take(), &mut self.step)
+        {
+            let value = self.threads[thread][index]
+                .number(*field)
+                .expect("narrowed");
+            if let Some((_, hi)) = bounds {
+                *hi = value;
+            }
+        }
+        self.next_trial()
+    }
+
+    /// The current script passed: take the trial back and put up the next one.
+    fn complicate(&mut self) -> bool {
+        match self.trial.take() {
+            None => return false,
+            Some(Trial::Deleted { thread, at, ops }) => {
+                let run = ops.len();
+                self.threads[thread].splice(at..at, ops);
+                if let Step::Delete { at: next, .. } = &mut self.step {
+                    *next = at + run;
+                }
+            }
+            Some(Trial::Narrowed { thread, index, was }) => {
+                let op = &mut self.threads[thread][index];
+                if let Step::Narrow {
+                    field,
+                    bounds: Some((lo, _)),
+                    ..
+                } = &mut self.step
+                {
+                    *lo = op.number(*field).expect("narrowed") + 1;
+                }
+                *op = was;
+            }
+        }
+        self.next_trial()
+    }
 }
 
 /// The period of the byte pattern written into every block: prime, so that a copy from
@@ -680,10 +938,10 @@ pub fn check(
     let mut runner = TestRunner::new_with_rng(proptest_config, rng);
 
     let threads = options.threads.max(1);
-    let strategy = prop::collection::vec(
-        prop::collection::vec(op(), 1..=options.max_ops.max(1)),
+    let strategy = Scripts {
         threads,
-    );
+        max_ops: options.max_ops.max(1),
+    };
     let cases = AtomicU64::new(0);
     let ops = AtomicU64::new(0);
     let start = Instant::now();
