@@ -901,6 +901,10 @@ fn leak_check(handler: &Handler) -> Option<Finding> {
     handler.leak_check().err().map(|e| Finding::from_error(&e))
 }
 
+/// Slots in a check's instance pool. Cases run one handler (one instance) at a time;
+/// the rest is headroom.
+const POOL_INSTANCES: u32 = 4;
+
 /// Fuzz the handler contract of `policy` (started with `config`) with proptest.
 ///
 /// Errs only when the policy cannot be started at all; a broken rule is a report with
@@ -911,6 +915,16 @@ pub fn check(
     config: &[(&str, &str)],
     options: &CheckOptions,
 ) -> Result<CheckReport, LoadError> {
+    // Every case starts a fresh instance. From a pool of warm slots that skips a memory
+    // mapping and the guest's page faults each time. A pool reserves its address space
+    // up front; where that is refused (a `ulimit -v`), cases start the ordinary way.
+    let pooled = Runtime::pooled(POOL_INSTANCES, options.limits.memory)
+        .ok()
+        .and_then(|pool| Some((pool.adopt(policy).ok()?, pool)));
+    let (runtime, policy) = match &pooled {
+        Some((policy, pool)) => (pool, policy),
+        None => (runtime, policy),
+    };
     let subject = Subject {
         runtime,
         policy,

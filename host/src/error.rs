@@ -177,6 +177,9 @@ pub enum LoadError {
     },
     #[error("policy start-up failed: {0}")]
     Start(Box<Error>),
+    /// A pooled runtime ([`crate::Runtime::pooled`]) has every slot in use.
+    #[error("the runtime's instance pool is full ({detail}); end a handler first, or pool more")]
+    PoolFull { detail: String },
     #[error("policy `{policy}` refused its configuration: {message}")]
     ConfigRejected { policy: String, message: String },
     #[error("policy name must be 1..=127 bytes of UTF-8, got {len} bytes")]

@@ -9,6 +9,7 @@ mod contract;
 mod limits;
 mod load;
 mod nep49;
+mod pool;
 mod trace;
 
 mod smoke {
