@@ -93,7 +93,10 @@ impl Runtime {
                     .saturating_mul(WASM_PAGE)
                     .min(4 << 30),
             )?)
-            .linear_memory_keep_resident(KEEP_RESIDENT);
+            .linear_memory_keep_resident(KEEP_RESIDENT)
+            // Tables are a few KiB; memset beats madvise for them too (start+end of a
+            // `system` instance: 34 µs against 43 µs).
+            .table_keep_resident(64 << 10);
         let mut config = Config::new();
         config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         Runtime::with_config(config)
