@@ -1046,3 +1046,67 @@ pub fn assert_contract(path: impl AsRef<Path>, config: &[(&str, &str)]) {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Drive `Scripts` through proptest's own runner against a predicate and return the
+    /// minimal failing script it settles on.
+    fn minimal(threads: usize, fails: impl Fn(&[Vec<Op>]) -> bool) -> Vec<Vec<Op>> {
+        let config = Config {
+            cases: 256,
+            failure_persistence: None,
+            ..Config::default()
+        };
+        let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[7; 32]);
+        let mut runner = TestRunner::new_with_rng(config, rng);
+        let strategy = Scripts {
+            threads,
+            max_ops: 128,
+        };
+        match runner.run(&strategy, |script| {
+            if fails(&script) {
+                Err(TestCaseError::fail("predicate"))
+            } else {
+                Ok(())
+            }
+        }) {
+            Err(TestError::Fail(_, minimal)) => minimal,
+            other => panic!("expected a failure, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn shrinking_keeps_only_the_guilty_operations_at_their_smallest_numbers() {
+        // Fails when a malloc of at least 100 bytes is followed by any free.
+        let found = minimal(1, |t| {
+            let ops = &t[0];
+            ops.iter().enumerate().any(|(i, op)| {
+                matches!(op, Op::Malloc(s) if *s >= 100)
+                    && ops[i + 1..].iter().any(|o| matches!(o, Op::Free(_)))
+            })
+        });
+        assert_eq!(found, vec![vec![Op::Malloc(100), Op::Free(0)]]);
+    }
+
+    #[test]
+    fn shrinking_empties_the_threads_that_do_not_matter() {
+        let found = minimal(2, |t| {
+            t[1].iter()
+                .any(|op| matches!(op, Op::Calloc(n, _) if *n >= 3))
+        });
+        assert_eq!(found, vec![vec![], vec![Op::Calloc(3, 0)]]);
+    }
+
+    #[test]
+    fn a_script_survives_its_text_form() {
+        let script = Script {
+            threads: vec![
+                vec![Op::Malloc(8), Op::Realloc(Some(0), 4096), Op::Free(0)],
+                vec![Op::Calloc(u64::MAX, 2), Op::Realloc(None, 0)],
+            ],
+        };
+        assert_eq!(Script::parse(&script.to_string()).unwrap(), script);
+    }
+}
