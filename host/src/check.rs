@@ -155,8 +155,8 @@ impl fmt::Display for Script {
 /// A broken rule, found by running a script.
 #[derive(Debug, Clone)]
 pub struct Finding {
-    /// A short stable name: a [`Rule::name`], or `trap`, `timeout`, `memory-limit`,
-    /// `poisoned`, `client`.
+    /// A short stable name: a [`Rule::name`], a [`crate::Bound::name`], or `trap`,
+    /// `timeout`, `memory-limit`, `client`.
     pub rule: &'static str,
     pub message: String,
 }
@@ -168,6 +168,7 @@ impl Finding {
             Error::Trap { .. } => "trap",
             Error::Timeout { .. } => "timeout",
             Error::MemoryLimit { .. } => "memory-limit",
+            Error::WorkLimit { bound, .. } => bound.name(),
             Error::Poisoned { cause, .. } => return Finding::from_error(cause),
             Error::Client(_) => "client",
         };

@@ -46,6 +46,9 @@ impl fmt::Display for Call {
 pub enum Rule {
     /// C6: a returned block is not inside one block the policy got from upstream.
     OutsideOwned,
+    /// C6: a returned block lies in upstream memory the policy gave back during the same
+    /// call (in a realloc: freed, or moved by an upstream realloc): a use after free.
+    UseAfterFree { released: u64, released_size: u64 },
     /// C6: a returned block overlaps a block the policy has lent and not had back.
     Overlap { other: u64, other_size: u64 },
     /// C6: a returned block is not aligned as the policy declared.
@@ -78,6 +81,7 @@ impl Rule {
     pub fn name(&self) -> &'static str {
         match self {
             Rule::OutsideOwned => "outside-owned",
+            Rule::UseAfterFree { .. } => "use-after-free",
             Rule::Overlap { .. } => "overlap",
             Rule::Misaligned { .. } => "misaligned",
             Rule::WrongSizeFree { .. } => "wrong-size-free",
@@ -98,6 +102,13 @@ impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Rule::OutsideOwned => f.write_str("block outside the memory the policy owns"),
+            Rule::UseAfterFree {
+                released,
+                released_size,
+            } => write!(
+                f,
+                "use after free: block lies in upstream memory {released:#x} ({released_size} bytes) it gave back in this call"
+            ),
             Rule::Overlap { other, other_size } => write!(
                 f,
                 "block overlaps the live block {other:#x} ({other_size} bytes)"
@@ -141,6 +152,35 @@ impl fmt::Display for Rule {
     }
 }
 
+/// A bound on the host work one call of a policy may cause ([`crate::Limits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Bound {
+    /// Blocks asked of the host in one `malloc-many` or `free-many` ([`crate::Limits::batch`]).
+    Batch,
+    /// Bytes asked of `bytes.read` in one call ([`crate::Limits::memory`]: no guest could
+    /// take more).
+    ReadLength,
+}
+
+impl Bound {
+    /// A short, stable name, for JSON reports and tests.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Bound::Batch => "batch-limit",
+            Bound::ReadLength => "read-limit",
+        }
+    }
+}
+
+impl fmt::Display for Bound {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Bound::Batch => "batch bound (blocks in one malloc-many or free-many, Limits::batch)",
+            Bound::ReadLength => "read bound (bytes in one bytes.read, Limits::memory)",
+        })
+    }
+}
+
 /// A policy broke the handler contract. The policy instance is stopped (poisoned).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("policy `{policy}` broke the contract in `{call}` at {addr:#x} ({size} bytes): {rule}")]
@@ -150,6 +190,17 @@ pub struct Violation {
     pub addr: u64,
     pub size: u64,
     pub rule: Rule,
+}
+
+/// The host's own bookkeeping is wrong: a bug in allocbox, never a policy's fault.
+/// Reported by [`crate::Handler::audit`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("host invariant broken in `{link}`: block {addr:#x} ({size} bytes) {what}")]
+pub struct InvariantBroken {
+    pub link: String,
+    pub addr: u64,
+    pub size: u64,
+    pub what: &'static str,
 }
 
 /// Why a component could not be loaded or started as a policy.
@@ -217,7 +268,9 @@ pub enum Error {
         call: Call,
         message: String,
     },
-    #[error("policy `{policy}` ran past its time limit of {limit:?} in `{call}`")]
+    #[error(
+        "policy `{policy}` ran past its time limit of {limit:?} in `{call}` (time in its imports included)"
+    )]
     Timeout {
         policy: Arc<str>,
         call: Call,
@@ -229,6 +282,16 @@ pub enum Error {
     MemoryLimit {
         policy: Arc<str>,
         call: Call,
+        limit: u64,
+    },
+    #[error(
+        "policy `{policy}` passed the host's {bound} in `{call}`: asked {asked}, limit {limit}"
+    )]
+    WorkLimit {
+        policy: Arc<str>,
+        call: Call,
+        bound: Bound,
+        asked: u64,
         limit: u64,
     },
     #[error("policy `{policy}` was stopped earlier and takes no more calls; cause: {cause}")]
@@ -245,6 +308,7 @@ impl Error {
             Error::Trap { policy, .. }
             | Error::Timeout { policy, .. }
             | Error::MemoryLimit { policy, .. }
+            | Error::WorkLimit { policy, .. }
             | Error::Poisoned { policy, .. } => Some(policy),
             Error::Client(_) => None,
         }

@@ -28,6 +28,7 @@ pub struct HandlerBuilder {
     links: Vec<(Policy, Vec<(String, String)>)>,
     limits: Limits,
     host_memory_limit: u64,
+    quarantine: u64,
     magazines: bool,
     fallback: Option<Arc<Handler>>,
 }
@@ -40,6 +41,7 @@ impl HandlerBuilder {
             links: Vec::new(),
             limits: Limits::default(),
             host_memory_limit: u64::MAX,
+            quarantine: 0,
             magazines: true,
             fallback: None,
         }
@@ -73,6 +75,15 @@ impl HandlerBuilder {
         self
     }
 
+    /// Keep up to `bytes` of host memory given back by the chain poisoned (every byte
+    /// [`crate::QUARANTINE_POISON`]) and unreleased, oldest released first, so that a use
+    /// after free shows as poisoned bytes and [`Handler::audit`] can name a client block
+    /// in released memory. For tests and fuzzing: it costs that much memory. Default: 0.
+    pub fn quarantine(mut self, bytes: u64) -> Self {
+        self.quarantine = bytes;
+        self
+    }
+
     /// Keep per-size magazines of blocks for a top policy that declares `batch`.
     /// Default: true.
     pub fn magazines(mut self, on: bool) -> Self {
@@ -93,7 +104,8 @@ impl HandlerBuilder {
             return Err(LoadError::EmptyChain);
         }
         let poison_count = Arc::new(AtomicUsize::new(0));
-        let mut upstream = Upstream::System(SystemMemory::new(self.host_memory_limit));
+        let mut upstream =
+            Upstream::System(SystemMemory::new(self.host_memory_limit, self.quarantine));
         let mut names = Vec::new();
         for (policy, config) in self.links.iter().rev() {
             let link =
@@ -142,6 +154,9 @@ pub struct Stats {
     pub size_corrections: u64,
     /// Requests served from a magazine without calling the policy.
     pub magazine_hits: u64,
+    /// Upstream requests of the chain's policies answered "none" for passing their
+    /// overhead budget ([`Limits::overhead`]), summed over the chain.
+    pub budget_refusals: u64,
 }
 
 impl Stats {
@@ -300,7 +315,15 @@ impl Handler {
                     .fallback
                     .as_ref()
                     .expect("rerouted blocks have a fallback");
-                return fallback.realloc(Some(ptr), new_size);
+                let moved = fallback.realloc(Some(ptr), new_size)?;
+                if let Some(moved) = moved {
+                    // The block may have moved: the fallback now lends it at its new
+                    // address, on this handler's behalf.
+                    let mut c = self.chain.lock();
+                    c.rerouted.remove(&addr);
+                    c.rerouted.insert(moved.as_ptr() as u64);
+                }
+                return Ok(moved);
             }
             return Err(ClientError::UnknownRealloc { addr }.into());
         };
@@ -382,7 +405,60 @@ impl Handler {
 
     /// A copy of the counters.
     pub fn stats(&self) -> Stats {
-        self.chain.lock().stats.clone()
+        let c = self.chain.lock();
+        let mut stats = c.stats.clone();
+        stats.budget_refusals = c.links().map(|l| l.stats().budget_refusals).sum();
+        stats
+    }
+
+    /// Check the host's own invariants, for tests and fuzzing: every block a link lent
+    /// lies inside memory that link holds from its upstream, so every block a client
+    /// holds lies in live host memory; no client block lies in memory the host released
+    /// (with [`HandlerBuilder::quarantine`]); each ledger's indexes agree.
+    pub fn audit(&self) -> Result<(), crate::error::InvariantBroken> {
+        let c = self.chain.lock();
+        for link in c.links() {
+            let broken = |addr, size, what| crate::error::InvariantBroken {
+                link: link.name().to_string(),
+                addr,
+                size,
+                what,
+            };
+            let lent = link.lent();
+            if let Err(what) = lent.check_consistent() {
+                return Err(broken(0, 0, what));
+            }
+            let upstream = link.upstream();
+            for (addr, e) in lent.iter() {
+                if upstream.lent().containing(addr, e.size).is_none() {
+                    return Err(broken(
+                        addr,
+                        e.size,
+                        "lies outside the memory its policy holds from upstream",
+                    ));
+                }
+                if let Some((released, _)) = c.bottom().released_overlapping(addr, e.size) {
+                    return Err(broken(
+                        addr,
+                        e.size,
+                        if released == addr {
+                            "was released to the system while lent"
+                        } else {
+                            "lies in memory released to the system"
+                        },
+                    ));
+                }
+            }
+        }
+        c.bottom()
+            .lent
+            .check_consistent()
+            .map_err(|what| crate::error::InvariantBroken {
+                link: "host memory".into(),
+                addr: 0,
+                size: 0,
+                what,
+            })
     }
 
     /// The blocks the client holds, `(address, size)`, by address.
@@ -405,14 +481,7 @@ impl Handler {
 
     /// Counters of every policy in the chain, top first.
     pub fn link_stats(&self) -> Vec<crate::link::LinkStats> {
-        let c = self.chain.lock();
-        let mut out = vec![c.head.stats()];
-        let mut up = c.head.upstream();
-        while let Upstream::Policy(l) = up {
-            out.push(l.stats());
-            up = l.upstream();
-        }
-        out
+        self.chain.lock().links().map(Link::stats).collect()
     }
 
     /// Trim, then fail with a [`Rule::Leak`] violation if the chain still holds memory
@@ -437,11 +506,8 @@ impl Handler {
     /// block was freed and the handler trimmed, anything here is a leak.
     pub fn held_from_host(&self) -> (usize, u64) {
         let c = self.chain.lock();
-        let mut up = c.head.upstream();
-        while let Upstream::Policy(l) = up {
-            up = l.upstream();
-        }
-        (up.lent().len(), up.lent().bytes())
+        let host = &c.bottom().lent;
+        (host.len(), host.bytes())
     }
 
     /// The failure that stopped this handler's chain, if any.
@@ -501,6 +567,23 @@ fn poisoned(cause: &Arc<Error>) -> Error {
 }
 
 impl Chain {
+    /// Every link, top first.
+    fn links(&self) -> impl Iterator<Item = &Link> {
+        std::iter::successors(Some(&self.head), |l| match l.upstream() {
+            Upstream::Policy(next) => Some(&**next),
+            Upstream::System(_) => None,
+        })
+    }
+
+    /// The host's own memory under the chain.
+    fn bottom(&self) -> &SystemMemory {
+        let last = self.links().last().expect("a chain has a link");
+        match last.upstream() {
+            Upstream::System(s) => s,
+            Upstream::Policy(_) => unreachable!("the last link's upstream is the host"),
+        }
+    }
+
     /// Finish a call into the chain: record a failure in it, including one deep down
     /// that the head absorbed as "none".
     fn settle(&mut self, answer: Result<u64, Error>) -> Result<u64, Error> {
@@ -538,8 +621,9 @@ impl Chain {
     fn fail(&mut self, cause: Arc<Error>) {
         if self.failure.is_none() {
             self.failure = Some(cause);
-            self.poisonings_seen = self.poison_count.load(Ordering::Relaxed);
             let _ = self.flush_magazines();
+            self.head.retire(self.failure.as_ref().expect("just set"));
+            self.poisonings_seen = self.poison_count.load(Ordering::Relaxed);
         }
     }
 

@@ -162,6 +162,30 @@ impl Ledger {
         }
     }
 
+    /// Do the address index and the range index hold the same blocks, disjoint, with the
+    /// byte count their sum? O(n): for audits, not hot paths.
+    pub(crate) fn check_consistent(&self) -> Result<(), &'static str> {
+        if self.ranges.len() != self.blocks.len() {
+            return Err("ledger indexes disagree on the number of blocks");
+        }
+        let mut end = 0;
+        let mut bytes = 0u64;
+        for (&addr, &size) in &self.ranges {
+            if self.blocks.get(&addr).map(|e| e.size) != Some(size) {
+                return Err("ledger indexes disagree on a block");
+            }
+            if addr < end {
+                return Err("ledger holds overlapping blocks");
+            }
+            end = addr.saturating_add(size);
+            bytes += size;
+        }
+        if bytes != self.bytes {
+            return Err("ledger byte count is not the sum of its blocks");
+        }
+        Ok(())
+    }
+
     /// Every block, emptying the ledger.
     pub(crate) fn drain(&mut self) -> Vec<(u64, Entry)> {
         self.bytes = 0;

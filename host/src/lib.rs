@@ -13,11 +13,11 @@ mod runtime;
 mod system;
 pub mod trace;
 
-pub use error::{Call, ClientError, Error, LoadError, Rule, Violation};
+pub use error::{Bound, Call, ClientError, Error, InvariantBroken, LoadError, Rule, Violation};
 pub use handler::{Handler, HandlerBuilder, Stats};
 pub use hook::WasmHook;
-pub use link::{Grants, Limits, LinkStats, PolicyInfo};
+pub use link::{Grants, LEDGER_ENTRY_COST, Limits, LinkStats, PolicyInfo};
 pub use native::NumpyDefault;
 pub use nep49::{Buffer, MemHandler};
 pub use runtime::{DEFAULT_POLICY_WAT, POLICY_WIT, Policy, Runtime, WORLD_PACKAGE, WORLD_VERSION};
-pub use system::SYSTEM_ALIGNMENT;
+pub use system::{QUARANTINE_POISON, SYSTEM_ALIGNMENT};

@@ -7,7 +7,7 @@
 //! impls below.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use wasmtime::component::ResourceTable;
@@ -15,7 +15,7 @@ use wasmtime::{Store, Trap};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
-use crate::error::{Call, Error, Rule, Violation};
+use crate::error::{Bound, Call, Error, Rule, Violation};
 use crate::ledger::{Ledger, TakeBack};
 use crate::system::SystemMemory;
 
@@ -126,18 +126,37 @@ impl Upstream {
     }
 }
 
-/// Bounds on one policy instance.
+/// Bounds on one policy instance: every unit of host work and host memory a policy can
+/// cause is bounded by one of these. See SECURITY.md for what each one covers.
 #[derive(Debug, Clone)]
 pub struct Limits {
-    /// Most bytes of linear memory (and tables) the guest may grow to. Default 64 MiB.
+    /// Most bytes of linear memory (and tables) the guest may grow to; also the longest
+    /// `bytes.read` (an answer that could never fit in the guest). Default 64 MiB.
     pub memory: u64,
-    /// Longest a single call into the guest may run. Default 1 s.
+    /// Longest a single call into the guest may run, time spent in its imports
+    /// included. A chain's call is bounded by the sum of its links' limits. Passing it
+    /// stops the policy with [`Error::Timeout`]. Default 1 s.
     pub call_time: Duration,
+    /// Most blocks one `malloc-many` or `free-many` may ask of the host. Passing it stops
+    /// the policy with [`Error::WorkLimit`]. Default 4096.
+    pub batch: u32,
+    /// Most bytes a policy may hold from its upstream beyond what its client holds and
+    /// is asking for in the current call (its overhead: caches, headers, free lists),
+    /// each upstream block counting [`LEDGER_ENTRY_COST`] bytes more for the host's own
+    /// record of it. An upstream request past it is answered "none", as out of memory,
+    /// and counted in [`LinkStats::budget_refusals`]. It bounds overhead, not size: a
+    /// client may still get a single block of many GiB. Default 256 MiB.
+    pub overhead: u64,
     /// Guest stdout/stderr kept for error messages and the log. Default 16 KiB.
     pub output: usize,
     /// What WASI grants the guest beyond nothing. Default: nothing.
     pub grants: Grants,
 }
+
+/// Host memory one upstream block costs beyond its bytes (the ledger's entry for it),
+/// counted against [`Limits::overhead`] so that a policy cannot grow the host's books
+/// without bound by taking many tiny blocks.
+pub const LEDGER_ENTRY_COST: u64 = 64;
 
 /// What the sandbox grants a guest. WASI is deny-by-default: no files, no network, no
 /// environment, and clocks that always read zero (a policy cannot time anything or leak
@@ -156,6 +175,8 @@ impl Default for Limits {
         Limits {
             memory: 64 << 20,
             call_time: Duration::from_secs(1),
+            batch: 4096,
+            overhead: 256 << 20,
             output: 16 << 10,
             grants: Grants::default(),
         }
@@ -166,9 +187,9 @@ impl Default for Limits {
 /// memory cap, the bounded output, and a rule the guest broke inside an import.
 pub(crate) struct Sandbox {
     pub(crate) name: Arc<str>,
-    /// A rule the guest broke inside one of its imports; the trap it causes is reported
-    /// as this violation.
-    fault: Option<Violation>,
+    /// What the guest did wrong inside one of its imports (a broken rule, a passed
+    /// bound); the trap it causes is reported as this error.
+    fault: Option<Error>,
     limiter: MemoryLimiter,
     output: MemoryOutputPipe,
     wasi: WasiCtx,
@@ -202,8 +223,8 @@ impl Sandbox {
     /// Turn a failed call into the error that says what happened.
     pub(crate) fn classify(&mut self, limits: &Limits, call: Call, err: wasmtime::Error) -> Error {
         let policy = self.name.clone();
-        if let Some(v) = self.fault.take() {
-            return Error::Violation(v);
+        if let Some(fault) = self.fault.take() {
+            return fault;
         }
         if std::mem::take(&mut self.limiter.hit) {
             return Error::MemoryLimit {
@@ -266,16 +287,72 @@ pub(crate) struct LinkState {
     /// What this policy lent to its client and has not had back.
     pub(crate) lent: Ledger,
     pub(crate) upstream: Upstream,
-    /// The block being resized by this policy's own `realloc`: readable through `bytes`,
-    /// and its upstream block may not be given back until the answer is checked.
-    in_transit: Option<(u64, u64)>,
-    /// Upstream frees held back while a block is in transit (see `in_transit`).
-    deferred: Vec<(u64, u64)>,
+    /// The block this policy's own `realloc` is resizing, and what it gave back meanwhile.
+    transit: Transit,
     /// Counts poisonings anywhere in the chain, so the handler notices a failure deep
     /// down with one atomic load per call.
     poison_count: Arc<AtomicUsize>,
+    /// The runtime's tick count, advanced with the engine's epoch.
+    clock: Arc<AtomicU64>,
+    /// The tick past which the current call has run too long, its imports included.
+    deadline: u64,
+    /// Bytes the client is asking for in the current call, on top of what it holds:
+    /// the part of the overhead budget that is not overhead.
+    demand: u64,
+    call_time: Duration,
+    batch_limit: u32,
+    read_limit: u64,
+    overhead_limit: u64,
+    budget_refusals: u64,
 }
 
+/// The block a policy's own `realloc` is resizing, and the upstream memory the policy
+/// gave back during that call.
+///
+/// The invariant it keeps: while a block is in transit the client's bytes stay where
+/// they are — upstream memory under the block is held back, not released — and no
+/// answer may lie in memory the policy gave back. Once the answer is admitted the
+/// held-back memory is released; if the call fails, the policy is stopped and the
+/// memory stays on its books until its client lets go of the old block.
+#[derive(Debug, Default)]
+struct Transit {
+    block: Option<(u64, u64)>,
+    held_back: Vec<(u64, u64)>,
+}
+
+impl Transit {
+    fn begin(&mut self, ptr: u64, size: u64) {
+        debug_assert!(self.block.is_none() && self.held_back.is_empty());
+        self.block = Some((ptr, size));
+    }
+
+    /// End the transit, returning what was held back.
+    fn end(&mut self) -> Vec<(u64, u64)> {
+        self.block = None;
+        std::mem::take(&mut self.held_back)
+    }
+
+    /// Does `[at, at+len)` lie wholly inside the block in transit?
+    fn within_block(&self, at: u64, len: u64) -> bool {
+        self.block
+            .is_some_and(|(p, s)| at >= p && at.checked_add(len).is_some_and(|e| e <= p + s))
+    }
+
+    /// Does the upstream block `[ptr, ptr+size)` hold (part of) the block in transit?
+    fn under_block(&self, ptr: u64, size: u64) -> bool {
+        self.block
+            .is_some_and(|(p, s)| p < ptr.saturating_add(size) && ptr < p + s)
+    }
+
+    /// A held-back upstream block that `[at, at+len)` overlaps.
+    fn held_back_overlapping(&self, at: u64, len: u64) -> Option<(u64, u64)> {
+        let end = at.saturating_add(len);
+        self.held_back
+            .iter()
+            .copied()
+            .find(|&(p, s)| p < end && at < p + s)
+    }
+}
 impl std::fmt::Debug for LinkState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LinkState")
@@ -328,30 +405,102 @@ impl LinkState {
     pub(crate) fn new(
         sandbox: Sandbox,
         upstream: Upstream,
+        limits: &Limits,
         poison_count: Arc<AtomicUsize>,
+        clock: Arc<AtomicU64>,
     ) -> Self {
         LinkState {
             sandbox,
             lent: Ledger::default(),
             upstream,
-            in_transit: None,
-            deferred: Vec::new(),
+            transit: Transit::default(),
             poison_count,
+            clock,
+            deadline: u64::MAX,
+            demand: 0,
+            call_time: limits.call_time,
+            batch_limit: limits.batch,
+            read_limit: limits.memory,
+            overhead_limit: limits.overhead,
+            budget_refusals: 0,
         }
+    }
+
+    /// Record that this policy did `fault` inside an import and produce the error that
+    /// traps it.
+    fn fail(&mut self, fault: Error) -> wasmtime::Error {
+        let err = wasmtime::Error::new(fault.clone());
+        self.sandbox.fault = Some(fault);
+        err
     }
 
     /// Record that this policy broke `rule` and produce the error that traps it.
     fn violate(&mut self, call: Call, addr: u64, size: u64, rule: Rule) -> wasmtime::Error {
-        let v = Violation {
+        self.fail(Error::Violation(Violation {
             policy: self.sandbox.name.clone(),
             call,
             addr,
             size,
             rule,
-        };
-        let err = wasmtime::Error::new(v.clone());
-        self.sandbox.fault = Some(v);
-        err
+        }))
+    }
+
+    /// Refuse work past a bound of [`Limits`].
+    fn bounded(
+        &mut self,
+        call: Call,
+        bound: Bound,
+        asked: u64,
+        limit: u64,
+    ) -> wasmtime::Result<()> {
+        if asked <= limit {
+            return Ok(());
+        }
+        let policy = self.sandbox.name.clone();
+        Err(self.fail(Error::WorkLimit {
+            policy,
+            call,
+            bound,
+            asked,
+            limit,
+        }))
+    }
+
+    /// Stop an import of a call that has run past its time: wasm code is interrupted by
+    /// the epoch, host code checks here, at every import and between chunks of long ones.
+    fn on_time(&mut self, call: Call) -> wasmtime::Result<()> {
+        if self.clock.load(Ordering::Relaxed) <= self.deadline {
+            return Ok(());
+        }
+        let policy = self.sandbox.name.clone();
+        let limit = self.call_time;
+        Err(self.fail(Error::Timeout {
+            policy,
+            call,
+            limit,
+        }))
+    }
+
+    /// Bytes (and ledger entries, at [`LEDGER_ENTRY_COST`] each) the policy may still
+    /// take from upstream within its overhead budget.
+    fn budget_left(&self) -> u64 {
+        let allowed = self
+            .lent
+            .bytes()
+            .saturating_add(self.demand)
+            .saturating_add(self.overhead_limit);
+        allowed.saturating_sub(holding(self.upstream.lent()))
+    }
+
+    /// May the policy take `bytes` more in `blocks` more blocks from upstream? A
+    /// refusal is counted.
+    fn within_budget(&mut self, bytes: u64, blocks: u64) -> bool {
+        let cost = bytes.saturating_add(blocks.saturating_mul(LEDGER_ENTRY_COST));
+        let ok = cost <= self.budget_left();
+        if !ok {
+            self.budget_refusals += 1;
+        }
+        ok
     }
 
     fn caller_fault(
@@ -369,7 +518,26 @@ impl LinkState {
         self.violate(call, addr, size, rule)
     }
 
-    /// Is `[at, at+len)` inside memory this policy owns and has not lent out?
+    /// Does `[at, at+len)` lie inside memory this policy holds from upstream and has not
+    /// given back (held-back memory is on its way out)?
+    fn owns(&self, at: u64, len: u64) -> bool {
+        self.upstream.lent().containing(at, len).is_some()
+            && self.transit.held_back_overlapping(at, len).is_none()
+    }
+
+    /// Is `ptr` an upstream block this policy holds with exactly `size` bytes? A block
+    /// it already gave back during the current realloc is a double free.
+    fn check_held(&mut self, call: Call, ptr: u64, size: u64) -> wasmtime::Result<()> {
+        let fault = if self.transit.held_back.iter().any(|&(p, _)| p == ptr) {
+            Err(TakeBack::AlreadyFreed)
+        } else {
+            check_lent(self.upstream.lent(), ptr, size)
+        };
+        fault.map_err(|f| self.caller_fault(call, ptr, size, f))
+    }
+
+    /// Is `[at, at+len)` inside memory this policy owns and has not lent out? The block
+    /// in transit may also be read.
     fn check_bytes(
         &mut self,
         call: Call,
@@ -380,15 +548,8 @@ impl LinkState {
         if len == 0 {
             return Ok(());
         }
-        let owned = self.upstream.lent().containing(at, len).is_some();
-        let clash = self.lent.overlapping(at, len);
-        let in_transit =
-            |(p, s): (u64, u64)| at >= p && at.checked_add(len).is_some_and(|e| e <= p + s);
-        let allowed = owned
-            && match clash {
-                None => true,
-                Some(_) => read_only && self.in_transit.is_some_and(in_transit),
-            };
+        let allowed = (read_only && self.transit.within_block(at, len))
+            || (self.owns(at, len) && self.lent.overlapping(at, len).is_none());
         if allowed {
             Ok(())
         } else {
@@ -406,7 +567,7 @@ impl LinkState {
         ptr: u64,
         size: u64,
     ) -> wasmtime::Result<()> {
-        let in_transit = self.in_transit.map(|(p, _)| p);
+        let in_transit = self.transit.block.map(|(p, _)| p);
         let inside = self
             .lent
             .overlapping_all(ptr, size)
@@ -422,23 +583,39 @@ impl LinkState {
         }
     }
 
-    /// Should an upstream give-back of `ptr` wait until the block in transit is settled?
-    fn holds_transit(&self, ptr: u64, size: u64) -> bool {
-        self.in_transit
-            .is_some_and(|(p, s)| p < ptr.saturating_add(size) && ptr < p + s)
+    /// The checks every give-back upstream (free, or the old block of a realloc) passes
+    /// before the host acts on it. Returns whether the memory must be held back.
+    fn check_give_back(&mut self, call: Call, ptr: u64, size: u64) -> wasmtime::Result<bool> {
+        self.check_held(call, ptr, size)?;
+        self.check_nothing_lent_inside(call, ptr, size)?;
+        Ok(self.transit.under_block(ptr, size))
     }
+}
+
+/// Host memory an upstream ledger stands for: its bytes and the cost of its entries.
+fn holding(ledger: &Ledger) -> u64 {
+    ledger
+        .bytes()
+        .saturating_add(ledger.len() as u64 * LEDGER_ENTRY_COST)
 }
 
 impl bindings::allocbox::policy::allocator::Host for LinkState {
     fn malloc(&mut self, size: u64) -> wasmtime::Result<u64> {
-        Ok(if size == 0 {
-            0
-        } else {
-            self.upstream.malloc(size)
-        })
+        self.on_time(Call::Malloc)?;
+        if size == 0 || !self.within_budget(size, 1) {
+            return Ok(0);
+        }
+        Ok(self.upstream.malloc(size))
     }
 
     fn calloc(&mut self, nelem: u64, elsize: u64) -> wasmtime::Result<u64> {
+        self.on_time(Call::Calloc)?;
+        let Some(size) = nelem.checked_mul(elsize) else {
+            return Ok(0);
+        };
+        if !self.within_budget(size.max(1), 1) {
+            return Ok(0);
+        }
         Ok(self.upstream.calloc(nelem, elsize))
     }
 
@@ -446,22 +623,24 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         if ptr == 0 {
             return self.malloc(new);
         }
+        self.on_time(Call::Realloc)?;
+        let hold_back = self.check_give_back(Call::Realloc, ptr, old)?;
         if new == 0 {
             // Like malloc(0) upstream: none, and the old block stays.
             return Ok(0);
         }
-        self.check_nothing_lent_inside(Call::Realloc, ptr, old)?;
-        if self.holds_transit(ptr, old) {
+        if hold_back {
             // Resizing the block that holds the client's data in transit: move it by
             // copy so the original stays intact until this policy's answer is checked.
-            if let Err(f) = check_lent(self.upstream.lent(), ptr, old) {
-                return Err(self.caller_fault(Call::Realloc, ptr, old, f));
+            if !self.within_budget(new, 1) {
+                return Ok(0);
             }
             let fresh = self.upstream.malloc(new);
             if fresh != 0 {
-                // SAFETY: `ptr` is a live upstream block of `old` bytes and `fresh` a new
-                // one of `new` bytes (both recorded in the upstream ledger, so inside host
-                // memory); the new block cannot overlap a live one.
+                // SAFETY: `ptr` is a live upstream block of `old` bytes (check_held found
+                // it in the upstream ledger with that size, not given back) and `fresh` a
+                // new one of `new` bytes; both lie in host memory lent by the upstream,
+                // and a new block cannot overlap a live one.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         ptr as *const u8,
@@ -469,9 +648,12 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
                         old.min(new) as usize,
                     )
                 };
-                self.deferred.push((ptr, old));
+                self.transit.held_back.push((ptr, old));
             }
             return Ok(fresh);
+        }
+        if !self.within_budget(new.saturating_sub(old), 0) {
+            return Ok(0);
         }
         match self.upstream.realloc(ptr, old, new) {
             Ok(addr) => Ok(addr),
@@ -480,12 +662,9 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
     }
 
     fn free(&mut self, ptr: u64, size: u64) -> wasmtime::Result<()> {
-        self.check_nothing_lent_inside(Call::Free, ptr, size)?;
-        if self.holds_transit(ptr, size) {
-            if let Err(f) = check_lent(self.upstream.lent(), ptr, size) {
-                return Err(self.caller_fault(Call::Free, ptr, size, f));
-            }
-            self.deferred.push((ptr, size));
+        self.on_time(Call::Free)?;
+        if self.check_give_back(Call::Free, ptr, size)? {
+            self.transit.held_back.push((ptr, size));
             return Ok(());
         }
         self.upstream
@@ -494,14 +673,29 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
     }
 
     fn malloc_many(&mut self, size: u64, count: u32) -> wasmtime::Result<Vec<u64>> {
-        Ok(if size == 0 {
-            Vec::new()
-        } else {
-            self.upstream.malloc_many(size, count)
-        })
+        self.on_time(Call::MallocMany)?;
+        let limit = self.batch_limit;
+        self.bounded(Call::MallocMany, Bound::Batch, count.into(), limit.into())?;
+        if size == 0 {
+            return Ok(Vec::new());
+        }
+        // As many as the budget allows: fewer blocks is a valid answer.
+        let per_block = size.saturating_add(LEDGER_ENTRY_COST);
+        let granted = (self.budget_left() / per_block).min(count.into()) as u32;
+        if granted < count {
+            self.budget_refusals += 1;
+        }
+        Ok(self.upstream.malloc_many(size, granted))
     }
 
     fn free_many(&mut self, ptrs: Vec<u64>, size: u64) -> wasmtime::Result<()> {
+        let limit = self.batch_limit;
+        self.bounded(
+            Call::FreeMany,
+            Bound::Batch,
+            ptrs.len() as u64,
+            limit.into(),
+        )?;
         for ptr in ptrs {
             self.free(ptr, size)?;
         }
@@ -518,17 +712,25 @@ fn check_lent(ledger: &Ledger, ptr: u64, size: u64) -> Result<(), CallerFault> {
     }
 }
 
+/// Bytes one step of a long `fill` or `copy` touches before the time is checked again.
+const BYTES_CHUNK: u64 = 16 << 20;
+
 impl bindings::allocbox::policy::bytes::Host for LinkState {
     fn read(&mut self, at: u64, len: u32) -> wasmtime::Result<Vec<u8>> {
+        self.on_time(Call::BytesRead)?;
+        let limit = self.read_limit;
+        self.bounded(Call::BytesRead, Bound::ReadLength, len.into(), limit)?;
         self.check_bytes(Call::BytesRead, at, len.into(), true)?;
         let mut out = vec![0; len as usize];
-        // SAFETY: check_bytes proved `[at, at+len)` lies inside one live upstream block,
-        // and every block in a ledger lies inside host memory allocated by SystemMemory.
+        // SAFETY: check_bytes proved `[at, at+len)` lies inside one live upstream block
+        // (or the block in transit, which lies inside one), and every block in a ledger
+        // lies inside host memory allocated by SystemMemory and not yet released.
         unsafe { std::ptr::copy_nonoverlapping(at as *const u8, out.as_mut_ptr(), out.len()) };
         Ok(out)
     }
 
     fn write(&mut self, at: u64, data: Vec<u8>) -> wasmtime::Result<()> {
+        self.on_time(Call::BytesWrite)?;
         self.check_bytes(Call::BytesWrite, at, data.len() as u64, false)?;
         // SAFETY: as in `read`; the range is also not lent out, so no client holds it.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at as *mut u8, data.len()) };
@@ -537,20 +739,49 @@ impl bindings::allocbox::policy::bytes::Host for LinkState {
 
     fn fill(&mut self, at: u64, len: u64, byte: u8) -> wasmtime::Result<()> {
         self.check_bytes(Call::BytesFill, at, len, false)?;
-        // SAFETY: as in `write`.
-        unsafe { std::ptr::write_bytes(at as *mut u8, byte, len as usize) };
+        let mut done = 0;
+        while done < len {
+            self.on_time(Call::BytesFill)?;
+            let step = (len - done).min(BYTES_CHUNK);
+            // SAFETY: as in `write`; `[at+done, at+done+step)` lies inside the checked range.
+            unsafe { std::ptr::write_bytes((at + done) as *mut u8, byte, step as usize) };
+            done += step;
+        }
         Ok(())
     }
 
     fn copy(&mut self, dst: u64, src: u64, len: u64) -> wasmtime::Result<()> {
         self.check_bytes(Call::BytesCopy, src, len, true)?;
         self.check_bytes(Call::BytesCopy, dst, len, false)?;
-        // SAFETY: both ranges were checked as in `read`/`write`; `copy` allows overlap.
-        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
+        if dst > src && dst < src + len {
+            // Overlapping with the destination above: chunks would overwrite source bytes
+            // not yet copied, so one move (bounded by the checked ranges' size).
+            self.on_time(Call::BytesCopy)?;
+            // SAFETY: both ranges were checked as in `read`/`write`; `copy` allows overlap.
+            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
+            return Ok(());
+        }
+        let mut done = 0;
+        while done < len {
+            self.on_time(Call::BytesCopy)?;
+            let step = (len - done).min(BYTES_CHUNK);
+            // SAFETY: both ranges were checked as in `read`/`write`; ascending chunks are
+            // correct when `dst` is not above an overlapping `src`, and `copy` allows
+            // the overlap inside one chunk.
+            unsafe {
+                std::ptr::copy(
+                    (src + done) as *const u8,
+                    (dst + done) as *mut u8,
+                    step as usize,
+                )
+            };
+            done += step;
+        }
         Ok(())
     }
 
     fn read_u64(&mut self, at: u64) -> wasmtime::Result<u64> {
+        self.on_time(Call::BytesRead)?;
         self.check_bytes(Call::BytesRead, at, 8, true)?;
         // SAFETY: as in `read`; an unaligned read is used because headers may sit anywhere.
         Ok(u64::from_le(unsafe {
@@ -559,6 +790,7 @@ impl bindings::allocbox::policy::bytes::Host for LinkState {
     }
 
     fn write_u64(&mut self, at: u64, value: u64) -> wasmtime::Result<()> {
+        self.on_time(Call::BytesWrite)?;
         self.check_bytes(Call::BytesWrite, at, 8, false)?;
         // SAFETY: as in `write`.
         unsafe { std::ptr::write_unaligned(at as *mut u64, value.to_le()) };
@@ -588,6 +820,9 @@ pub struct LinkStats {
     pub live_blocks: u64,
     pub live_bytes: u64,
     pub peak_bytes: u64,
+    /// Upstream requests answered "none" because they would have taken the policy past
+    /// its overhead budget ([`Limits::overhead`]).
+    pub budget_refusals: u64,
     /// Why the policy was stopped, if it was.
     pub failure: Option<String>,
 }
@@ -640,6 +875,7 @@ impl Link {
             live_blocks: lent.len() as u64,
             live_bytes: lent.bytes(),
             peak_bytes: lent.peak_bytes(),
+            budget_refusals: self.store.data().budget_refusals,
             failure: self.poisoned.as_ref().map(|e| e.to_string()),
             ..self.calls.clone()
         }
@@ -662,10 +898,12 @@ impl Link {
     }
 
     /// Run one call into the guest under its time limit, turning every failure into a
-    /// typed error and poisoning the link.
+    /// typed error and poisoning the link. `demand` is the bytes the call asks for, which
+    /// the policy may take from upstream beyond its overhead budget.
     fn enter<R>(
         &mut self,
         call: Call,
+        demand: u64,
         f: impl FnOnce(&Allocator, &mut Store<LinkState>) -> wasmtime::Result<R>,
     ) -> Result<R, Error> {
         if let Some(cause) = &self.poisoned {
@@ -674,7 +912,7 @@ impl Link {
                 cause: cause.clone(),
             });
         }
-        self.store.set_epoch_deadline(self.deadline_ticks);
+        self.start_call(demand);
         match f(self.bindings.allocbox_policy_allocator(), &mut self.store) {
             Ok(r) => Ok(r),
             Err(e) => {
@@ -682,6 +920,31 @@ impl Link {
                 self.poison(err.clone());
                 Err(err)
             }
+        }
+    }
+
+    /// Arm the time limit of a call (the epoch for wasm code, the deadline for imports)
+    /// and say what it asks for.
+    fn start_call(&mut self, demand: u64) {
+        self.store.set_epoch_deadline(self.deadline_ticks);
+        let state = self.store.data_mut();
+        state.deadline = state.clock.load(Ordering::Relaxed) + self.deadline_ticks;
+        state.demand = demand;
+    }
+
+    /// Stop this link and every link below it because the chain failed at `cause`: no
+    /// new request will reach them, so each gives its upstream memory back once its
+    /// client holds nothing, rather than keeping caches no one can use. Bottom first, so
+    /// that the give-backs of a link above reach a stopped link, not a guest.
+    pub(crate) fn retire(&mut self, cause: &Arc<Error>) {
+        if let Upstream::Policy(next) = &mut self.store.data_mut().upstream {
+            next.retire(cause);
+        }
+        if self.poisoned.is_none() {
+            self.poison(Error::Poisoned {
+                policy: cause.policy().unwrap_or("?").into(),
+                cause: cause.clone(),
+            });
         }
     }
 
@@ -695,8 +958,9 @@ impl Link {
         self.poisoned = Some(Arc::new(cause));
         let state = self.store.data_mut();
         state.poison_count.fetch_add(1, Ordering::Relaxed);
-        state.in_transit = None;
-        state.deferred.clear();
+        // Held-back memory may lie under the client's old block: it stays on the dead
+        // link's books and is released with the rest once the client lets go.
+        state.transit.end();
         self.release_if_done();
     }
 
@@ -724,6 +988,13 @@ impl Link {
         let state = self.store.data();
         if !addr.is_multiple_of(alignment) {
             Some(Rule::Misaligned { alignment })
+        } else if let Some((released, released_size)) =
+            state.transit.held_back_overlapping(addr, size)
+        {
+            Some(Rule::UseAfterFree {
+                released,
+                released_size,
+            })
         } else if state.upstream.lent().containing(addr, size).is_none() {
             Some(Rule::OutsideOwned)
         } else {
@@ -761,7 +1032,7 @@ impl Link {
     pub(crate) fn malloc(&mut self, size: u64) -> Result<u64, Error> {
         let size = size.max(1);
         self.calls.mallocs += 1;
-        let addr = self.enter(Call::Malloc, |g, s| g.call_malloc(s, size))?;
+        let addr = self.enter(Call::Malloc, size, |g, s| g.call_malloc(s, size))?;
         if addr == 0 {
             return Ok(0);
         }
@@ -775,7 +1046,7 @@ impl Link {
         };
         let (nelem, elsize) = if size == 0 { (1, 1) } else { (nelem, elsize) };
         self.calls.callocs += 1;
-        let addr = self.enter(Call::Calloc, |g, s| g.call_calloc(s, nelem, elsize))?;
+        let addr = self.enter(Call::Calloc, size, |g, s| g.call_calloc(s, nelem, elsize))?;
         if addr == 0 {
             return Ok(0);
         }
@@ -793,16 +1064,14 @@ impl Link {
             return Ok(0);
         }
         self.calls.reallocs += 1;
-        self.store.data_mut().in_transit = Some((ptr, old));
-        let answer = self.enter(Call::Realloc, |g, s| g.call_realloc(s, ptr, old, new));
-        let state = self.store.data_mut();
-        state.in_transit = None;
+        self.store.data_mut().transit.begin(ptr, old);
+        let answer = self.enter(Call::Realloc, new, |g, s| g.call_realloc(s, ptr, old, new));
         let addr = match answer {
             Ok(0) => {
                 // "None" means the old block stays live and unchanged; a policy that gave
                 // back its memory on the way broke that. The memory was held back, so the
                 // client's block is intact; the policy is stopped.
-                let held_back = std::mem::take(&mut state.deferred);
+                let held_back = self.store.data_mut().transit.end();
                 if let Some(&(addr, size)) = held_back.first() {
                     let rule = Rule::GaveBackLentMemory {
                         block: ptr,
@@ -820,6 +1089,9 @@ impl Link {
             Ok(addr) => addr,
             Err(e) => return Err(LinkFault::Link(e)),
         };
+        // The answer is checked while the transit still holds back what the policy gave
+        // up, so an answer in that memory is refused (`owns`); the old block leaves the
+        // books only for the check, so the answer may reuse its place.
         let old_entry = self.lent_mut().remove(ptr).expect("checked above");
         if let Some(rule) = self.misplaced(addr, new) {
             // The client still holds its old block, intact: the upstream block under it
@@ -834,16 +1106,16 @@ impl Link {
             )));
         }
         self.lent_mut().insert(addr, new, false);
-        let held_back = std::mem::take(&mut self.store.data_mut().deferred);
-        self.settle(held_back);
+        self.release_held_back();
         Ok(addr)
     }
 
-    /// Give held-back upstream frees to the upstream now that the transit is settled.
-    fn settle(&mut self, held_back: Vec<(u64, u64)>) {
+    /// End the transit of an admitted realloc: what the policy gave back during it goes
+    /// upstream now, when no block lent here lies inside it.
+    fn release_held_back(&mut self) {
         let state = self.store.data_mut();
-        for (addr, size) in held_back {
-            // Sizes were checked when the policy asked.
+        for (addr, size) in state.transit.end() {
+            // Sizes were checked when the policy asked, and each block once.
             let _ = state.upstream.free(addr, size);
         }
     }
@@ -857,14 +1129,17 @@ impl Link {
             return Ok(());
         }
         self.calls.frees += 1;
-        self.enter(Call::Free, |g, s| g.call_free(s, ptr, size))
+        self.enter(Call::Free, 0, |g, s| g.call_free(s, ptr, size))
             .map_err(LinkFault::Link)
     }
 
     pub(crate) fn malloc_many(&mut self, size: u64, count: u32) -> Result<Vec<u64>, Error> {
         let size = size.max(1);
         self.calls.malloc_many += 1;
-        let blocks = self.enter(Call::MallocMany, |g, s| g.call_malloc_many(s, size, count))?;
+        let demand = size.saturating_mul(count.into());
+        let blocks = self.enter(Call::MallocMany, demand, |g, s| {
+            g.call_malloc_many(s, size, count)
+        })?;
         if blocks.len() > count as usize {
             let rule = Rule::TooManyBlocks {
                 asked: count,
@@ -900,7 +1175,7 @@ impl Link {
             return Ok(());
         }
         self.calls.free_many += 1;
-        self.enter(Call::FreeMany, |g, s| g.call_free_many(s, &ptrs, size))
+        self.enter(Call::FreeMany, 0, |g, s| g.call_free_many(s, &ptrs, size))
             .map_err(LinkFault::Link)
     }
 
@@ -909,7 +1184,7 @@ impl Link {
         let here = if self.poisoned.is_some() {
             Ok(())
         } else {
-            self.store.set_epoch_deadline(self.deadline_ticks);
+            self.start_call(0);
             let lifecycle = self.bindings.allocbox_policy_lifecycle();
             match lifecycle.call_trim(&mut self.store) {
                 Ok(()) => Ok(()),

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -47,6 +47,9 @@ struct RuntimeInner {
     linker: Linker<LinkState>,
     hook_linker: Linker<Sandbox>,
     compiled: Mutex<HashMap<u64, Policy>>,
+    /// Epoch ticks since the runtime started: host code inside imports reads it to
+    /// keep the same time limits as wasm code.
+    clock: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -118,13 +121,15 @@ impl Runtime {
         )?;
         let mut hook_linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut hook_linker)?;
-        start_epoch_ticker(&engine);
+        let clock = Arc::new(AtomicU64::new(0));
+        start_epoch_ticker(&engine, clock.clone());
         Ok(Runtime {
             inner: Arc::new(RuntimeInner {
                 engine,
                 linker,
                 hook_linker,
                 compiled: Mutex::new(HashMap::new()),
+                clock,
             }),
         })
     }
@@ -303,7 +308,15 @@ impl Runtime {
         let (mut store, ticks) = self.guest_store(
             &policy.meta.source,
             limits,
-            |sandbox| LinkState::new(sandbox, upstream, poison_count),
+            |sandbox| {
+                LinkState::new(
+                    sandbox,
+                    upstream,
+                    limits,
+                    poison_count,
+                    self.inner.clock.clone(),
+                )
+            },
             |s: &mut LinkState| &mut s.sandbox,
         );
         let start_err = |store: &mut Store<LinkState>, e| {
@@ -396,15 +409,16 @@ impl HostMonotonicClock for FrozenClock {
     }
 }
 
-/// One thread per engine advances its epoch so that a call that runs too long traps; it
-/// ends when the engine is dropped.
-fn start_epoch_ticker(engine: &Engine) {
+/// One thread per engine advances its epoch so that a call that runs too long traps, and
+/// `clock` with it for host code; it ends when the engine is dropped.
+fn start_epoch_ticker(engine: &Engine, clock: Arc<AtomicU64>) {
     let weak = engine.weak();
     std::thread::Builder::new()
         .name("allocbox-epoch".into())
         .spawn(move || {
             while let Some(engine) = weak.upgrade() {
                 engine.increment_epoch();
+                clock.fetch_add(1, Ordering::Relaxed);
                 drop(engine);
                 std::thread::sleep(EPOCH_TICK);
             }

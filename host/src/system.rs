@@ -6,6 +6,7 @@
 //! rule is what makes this memory-safe.
 
 use std::alloc::{self, Layout};
+use std::collections::{BTreeMap, VecDeque};
 use std::ptr::NonNull;
 
 use crate::ledger::{Ledger, TakeBack};
@@ -33,18 +34,72 @@ pub(crate) fn advise_huge_pages(ptr: NonNull<u8>, size: usize) {
     }
 }
 
+/// Every byte of quarantined memory (see [`crate::HandlerBuilder::quarantine`]).
+pub const QUARANTINE_POISON: u8 = 0xDD;
+
+/// Memory given back and kept unreleased and poisoned, so that a use after free reads
+/// poison and an audit can find a client block in it.
+#[derive(Debug, Default)]
+struct Quarantine {
+    capacity: u64,
+    bytes: u64,
+    /// Oldest first.
+    order: VecDeque<(u64, u64)>,
+    /// Address -> size, for overlap queries.
+    ranges: BTreeMap<u64, u64>,
+}
+
 #[derive(Debug)]
 pub(crate) struct SystemMemory {
     pub(crate) lent: Ledger,
     /// Most bytes lent at once; requests past it are "none".
     limit: u64,
+    quarantine: Quarantine,
 }
 
 impl SystemMemory {
-    pub(crate) fn new(limit: u64) -> Self {
+    /// Host memory lending at most `limit` bytes at once, keeping up to `quarantine`
+    /// bytes of what comes back poisoned and unreleased.
+    pub(crate) fn new(limit: u64, quarantine: u64) -> Self {
         SystemMemory {
             lent: Ledger::default(),
             limit,
+            quarantine: Quarantine {
+                capacity: quarantine,
+                ..Quarantine::default()
+            },
+        }
+    }
+
+    /// A quarantined range that `[addr, addr+len)` overlaps, if any.
+    pub(crate) fn released_overlapping(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let end = addr.checked_add(len)?;
+        let (&start, &size) = self.quarantine.ranges.range(..end).next_back()?;
+        (start + size > addr).then_some((start, size))
+    }
+
+    /// Release a block that is off the books: to the system, or into quarantine.
+    fn release(&mut self, ptr: u64, size: u64) {
+        let q = &mut self.quarantine;
+        if size > q.capacity {
+            // SAFETY: the caller took `ptr` off the books: it was allocated here with
+            // exactly `size` bytes at SYSTEM_ALIGNMENT and is released once.
+            unsafe { dealloc(ptr, size) };
+            return;
+        }
+        // SAFETY: as above, the block is live host memory of `size` bytes that no one
+        // may use any more; poisoning it shows any later use.
+        unsafe { std::ptr::write_bytes(ptr as *mut u8, QUARANTINE_POISON, size as usize) };
+        q.order.push_back((ptr, size));
+        q.ranges.insert(ptr, size);
+        q.bytes += size;
+        while q.bytes > q.capacity {
+            let (oldest, oldest_size) = q.order.pop_front().expect("bytes are in blocks");
+            q.ranges.remove(&oldest);
+            q.bytes -= oldest_size;
+            // SAFETY: quarantined blocks were allocated here with exactly their size
+            // and left the books when quarantined; each leaves the quarantine once.
+            unsafe { dealloc(oldest, oldest_size) };
         }
     }
 
@@ -95,6 +150,25 @@ impl SystemMemory {
         if new == 0 || Self::layout(new).is_none() || !self.within_limit(grow) {
             return Ok(0);
         }
+        if self.quarantine.capacity > 0 {
+            // Move by hand so that the old memory goes through the quarantine.
+            let moved = self.malloc(new, false);
+            if moved == 0 {
+                return Ok(0);
+            }
+            // SAFETY: `ptr` is a live block of `old` bytes and `moved` a new one of `new`
+            // bytes, both allocated here; distinct live blocks do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    ptr as *const u8,
+                    moved as *mut u8,
+                    old.min(new) as usize,
+                )
+            };
+            self.lent.remove(ptr);
+            self.release(ptr, old);
+            return Ok(moved);
+        }
         let old_layout = Self::layout(old).expect("a lent block has a valid layout");
         // SAFETY: `ptr` was allocated by this allocator with `old_layout` (the ledger
         // recorded exactly `old` bytes for it and it is still live), and `new` is
@@ -111,13 +185,22 @@ impl SystemMemory {
 
     pub(crate) fn free(&mut self, ptr: u64, size: u64) -> Result<(), TakeBack> {
         self.lent.take_back(ptr, size)?;
-        let layout = Self::layout(size).expect("a lent block has a valid layout");
-        // SAFETY: the ledger proved `ptr` is live and was allocated with exactly `size`
-        // bytes at SYSTEM_ALIGNMENT, i.e. with `layout`; it is now off the books, so it
-        // is freed once.
-        unsafe { alloc::dealloc(ptr as *mut u8, layout) };
+        // The ledger proved `ptr` is live and was allocated with exactly `size` bytes; it
+        // is now off the books, so it is released once.
+        self.release(ptr, size);
         Ok(())
     }
+}
+
+/// Give a block back to the global allocator.
+///
+/// # Safety
+/// `ptr` was allocated by [`SystemMemory`] with exactly `size` bytes (so with
+/// `SystemMemory::layout(size)`), is no longer used by anyone, and is released once.
+unsafe fn dealloc(ptr: u64, size: u64) {
+    let layout = SystemMemory::layout(size).expect("a lent block has a valid layout");
+    // SAFETY: the caller's contract: allocated with this layout, released once.
+    unsafe { alloc::dealloc(ptr as *mut u8, layout) };
 }
 
 impl Drop for SystemMemory {
@@ -125,10 +208,14 @@ impl Drop for SystemMemory {
     /// whatever the policies above did.
     fn drop(&mut self) {
         for (addr, entry) in self.lent.drain() {
-            let layout = Self::layout(entry.size).expect("a lent block has a valid layout");
-            // SAFETY: each entry is a live block allocated here with exactly this layout;
+            // SAFETY: each entry is a live block allocated here with exactly its size;
             // draining removed it from the books, so it is freed once.
-            unsafe { alloc::dealloc(addr as *mut u8, layout) };
+            unsafe { dealloc(addr, entry.size) };
+        }
+        for (addr, size) in self.quarantine.order.drain(..) {
+            // SAFETY: quarantined blocks were allocated here with exactly their size and
+            // are off the books; draining releases each once.
+            unsafe { dealloc(addr, size) };
         }
     }
 }
@@ -139,7 +226,7 @@ mod tests {
 
     #[test]
     fn refuses_a_free_with_the_wrong_size_and_keeps_the_block() {
-        let mut m = SystemMemory::new(u64::MAX);
+        let mut m = SystemMemory::new(u64::MAX, 0);
         let p = m.malloc(100, false);
         assert_ne!(p, 0);
         assert_eq!(m.free(p, 99), Err(TakeBack::WrongSize { recorded: 100 }));
@@ -149,7 +236,7 @@ mod tests {
 
     #[test]
     fn sizes_past_the_address_space_or_the_limit_are_none() {
-        let mut m = SystemMemory::new(1 << 20);
+        let mut m = SystemMemory::new(1 << 20, 0);
         assert_eq!(m.malloc(u64::MAX - 8, false), 0);
         assert_eq!(m.malloc(2 << 20, false), 0);
         let p = m.malloc(1 << 19, true);
@@ -164,7 +251,7 @@ mod tests {
 
     #[test]
     fn calloc_memory_is_zero_and_realloc_keeps_bytes() {
-        let mut m = SystemMemory::new(u64::MAX);
+        let mut m = SystemMemory::new(u64::MAX, 0);
         let p = m.malloc(64, true);
         // SAFETY: `p` is a live 64-byte block lent by `m`.
         let bytes = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, 64) };

@@ -61,6 +61,16 @@ enum Fault {
     Leak,
     /// `malloc` writes 8 bytes into the previous block from `malloc`, still lent out.
     Scribble,
+    /// `realloc` that does not grow gives the old block back upstream and answers it
+    /// again: a use after free the host must refuse.
+    ReallocFreeAnswerOld,
+    /// `realloc` resizes the old block upstream and answers the old address, whatever
+    /// upstream answered: a use after free when the block moved.
+    ReallocUpstreamAnswerOld,
+    /// `malloc` first asks upstream for `u32::MAX` one-byte blocks in one `malloc-many`.
+    MallocManyHuge,
+    /// `malloc` takes another 64 MiB upstream and keeps it for ever.
+    Hoard,
     /// `init` answers a 200-byte name, an empty name, version 2, alignment 24, an `err`.
     BadName,
     EmptyName,
@@ -94,6 +104,13 @@ const FAULTS: &[(&str, Fault)] = &[
     ("off-by-one", Fault::OffByOne),
     ("leak", Fault::Leak),
     ("scribble", Fault::Scribble),
+    ("realloc-free-answer-old", Fault::ReallocFreeAnswerOld),
+    (
+        "realloc-upstream-answer-old",
+        Fault::ReallocUpstreamAnswerOld,
+    ),
+    ("malloc-many-huge", Fault::MallocManyHuge),
+    ("hoard", Fault::Hoard),
     ("bad-name", Fault::BadName),
     ("empty-name", Fault::EmptyName),
     ("bad-version", Fault::BadVersion),
@@ -184,6 +201,16 @@ impl Allocator for Broken {
                 }
                 ptr
             }
+            Fault::MallocManyHuge => {
+                let mut blocks = upstream::malloc_many(1, u32::MAX);
+                blocks.truncate(0);
+                upstream::malloc(size)
+            }
+            Fault::Hoard => {
+                let hoarded = upstream::malloc(64 << 20);
+                black_box(hoarded);
+                upstream::malloc(size)
+            }
             _ => upstream::malloc(size),
         }
     }
@@ -225,6 +252,14 @@ impl Allocator for Broken {
                     upstream::free(ptr, old_size);
                 }
                 new + new_size.next_multiple_of(16) + 65536
+            }
+            Fault::ReallocFreeAnswerOld if ptr != 0 && new_size <= old_size => {
+                upstream::free(ptr, old_size);
+                ptr
+            }
+            Fault::ReallocUpstreamAnswerOld if ptr != 0 => {
+                upstream::realloc(ptr, old_size, new_size);
+                ptr
             }
             Fault::Scribble => {
                 let new = upstream::realloc(ptr, old_size, new_size);
