@@ -16,6 +16,7 @@ const RUST_GUESTS: &[(&str, bool)] = &[
     ("arena", true),
     ("template", true),
     ("broken", false),
+    ("chaos", false),
 ];
 
 /// Hand-written WAT policies: loaded from source at run time, no toolchain needed.

@@ -3,9 +3,11 @@
 mod support;
 
 mod chain;
+mod chaos;
 mod check;
 mod client;
 mod contract;
+mod hostile;
 mod limits;
 mod load;
 mod nep49;
