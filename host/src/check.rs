@@ -251,6 +251,9 @@ pub struct CheckReport {
     /// Operations run, shrinking runs included.
     pub ops: u64,
     pub elapsed: Duration,
+    /// Upstream requests answered "none" for passing the policy's overhead budget
+    /// ([`Limits::overhead`]), over every case.
+    pub budget_refusals: u64,
     /// The first broken rule, with the shrunk script that shows it.
     pub failure: Option<(Finding, Script)>,
 }
@@ -827,6 +830,8 @@ struct Subject<'a> {
     policy: &'a Policy,
     config: &'a [(&'a str, &'a str)],
     limits: &'a Limits,
+    /// Summed over the cases run.
+    budget_refusals: AtomicU64,
 }
 
 impl Subject<'_> {
@@ -877,6 +882,8 @@ impl Subject<'_> {
         if finding.is_none() {
             finding = leak_check(&handler);
         }
+        self.budget_refusals
+            .fetch_add(handler.stats().budget_refusals, Ordering::Relaxed);
         (script, finding)
     }
 }
@@ -931,6 +938,7 @@ pub fn check(
         policy,
         config,
         limits: &options.limits,
+        budget_refusals: AtomicU64::new(0),
     };
     let name = subject.start()?.name().to_string();
 
@@ -996,6 +1004,7 @@ pub fn check(
         cases: cases.into_inner() as u32,
         ops: ops.into_inner(),
         elapsed: start.elapsed(),
+        budget_refusals: subject.budget_refusals.into_inner(),
         failure,
     })
 }
@@ -1013,6 +1022,7 @@ pub fn replay(
         policy,
         config,
         limits,
+        budget_refusals: AtomicU64::new(0),
     };
     subject.start()?;
     // Threads run one after the other so that a replay is exact.

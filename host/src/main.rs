@@ -12,7 +12,7 @@ use std::sync::Arc;
 use allocbox::check::{self, CheckOptions, CheckReport, Script};
 use allocbox::{HandlerBuilder, Limits, Policy, Runtime};
 use anyhow::{Context, Result, bail};
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(version, about = "Sandboxed, checkable NEP 49 allocation policies")]
@@ -50,6 +50,8 @@ enum Command {
         /// Configuration passed to every policy's `init`, as KEY=VALUE (repeatable).
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
+        #[command(flatten)]
+        limits: LimitArgs,
     },
     /// Replay an allocation trace (`op id size thread` lines, plain or gzip) through a
     /// handler and report time per event, peak bytes, corrections and the first failing
@@ -63,6 +65,8 @@ enum Command {
         /// Configuration for the top policy's `init`, as KEY=VALUE (repeatable).
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
+        #[command(flatten)]
+        limits: LimitArgs,
     },
     /// Run a script (one operation a line, as `check` prints it) through a policy with
     /// every check on.
@@ -72,6 +76,8 @@ enum Command {
         policy: Option<PathBuf>,
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
+        #[command(flatten)]
+        limits: LimitArgs,
     },
     /// Show what a policy is: name, version, alignment, world, imports, exports, size.
     /// With no file, the built-in default policy.
@@ -83,6 +89,43 @@ enum Command {
         config: Vec<(String, String)>,
     },
 }
+
+/// The bounds on every policy instance ([`Limits`]); each defaults to the library's.
+#[derive(Args, Debug, Clone, Default)]
+struct LimitArgs {
+    /// Longest one call into a policy may run, time in its imports included, in ms
+    /// [default: 1000; 250 for check and replay].
+    #[arg(long)]
+    call_time_ms: Option<u64>,
+    /// Most bytes of its own memory a policy may grow to [default: 64 MiB].
+    #[arg(long)]
+    guest_memory: Option<u64>,
+    /// Most blocks one malloc-many or free-many may ask of the host [default: 4096].
+    #[arg(long)]
+    batch_limit: Option<u32>,
+    /// Most bytes a policy may hold from upstream beyond what its client holds and asks
+    /// for; past it, upstream requests are answered out-of-memory [default: 256 MiB].
+    #[arg(long)]
+    overhead: Option<u64>,
+}
+
+impl LimitArgs {
+    fn limits(&self, call_time: std::time::Duration) -> Limits {
+        let defaults = Limits::default();
+        Limits {
+            call_time: self
+                .call_time_ms
+                .map_or(call_time, std::time::Duration::from_millis),
+            memory: self.guest_memory.unwrap_or(defaults.memory),
+            batch: self.batch_limit.unwrap_or(defaults.batch),
+            overhead: self.overhead.unwrap_or(defaults.overhead),
+            ..defaults
+        }
+    }
+}
+
+/// The call limit of checking runs: short, so a looping policy is found quickly.
+const CHECK_CALL_TIME: std::time::Duration = std::time::Duration::from_millis(250);
 
 fn parse_key_value(s: &str) -> Result<(String, String)> {
     match s.split_once('=') {
@@ -215,13 +258,19 @@ fn text_report(
     target: Option<&PathBuf>,
     saved: Option<&std::path::Path>,
 ) -> String {
-    let totals = format!(
+    let mut totals = format!(
         "{} cases, {} operations in {:.2} s ({:.0} ops/s)",
         report.cases,
         report.ops,
         report.elapsed.as_secs_f64(),
         report.ops_per_second()
     );
+    if report.budget_refusals > 0 {
+        totals += &format!(
+            "; {} upstream requests refused past the overhead budget",
+            report.budget_refusals
+        );
+    }
     let Some((finding, script)) = &report.failure else {
         return format!("{} ({label}): every rule held — {totals}\n", report.policy);
     };
@@ -260,6 +309,7 @@ fn json_report(report: &CheckReport, label: &str) -> serde_json::Value {
         "operations": report.ops,
         "seconds": report.elapsed.as_secs_f64(),
         "operations_per_second": report.ops_per_second(),
+        "budget_refusals": report.budget_refusals,
         "rule": rule,
         "message": message,
         "script": script,
@@ -270,6 +320,7 @@ fn run_replay(
     script: PathBuf,
     policy: Option<PathBuf>,
     config: Vec<(String, String)>,
+    limits: Limits,
 ) -> Result<Outcome> {
     let runtime = Runtime::shared();
     let text = std::fs::read_to_string(&script)
@@ -280,7 +331,6 @@ fn run_replay(
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
-    let limits = CheckOptions::default().limits;
     match check::replay(runtime, &loaded, &config, &parsed, &limits)? {
         None => {
             print_report(&format!(
@@ -300,6 +350,7 @@ fn run_replay_trace(
     trace: PathBuf,
     policies: Vec<String>,
     config: Vec<(String, String)>,
+    limits: Limits,
 ) -> Result<Outcome> {
     use allocbox::nep49::{MemHandler, default_handler};
     let events =
@@ -309,7 +360,7 @@ fn run_replay_trace(
         [only] if only == "default" => default_handler(),
         chain => {
             let runtime = Runtime::shared();
-            let mut builder = HandlerBuilder::new(runtime);
+            let mut builder = HandlerBuilder::new(runtime).limits(limits);
             for (i, name) in chain.iter().enumerate() {
                 let policy = match name.as_str() {
                     "builtin" => load(runtime, None)?,
@@ -337,7 +388,8 @@ fn run_replay_trace(
         "trace      {} ({} events)\nhandler    {}\ntime       {:.2} s, {:.0} ns/event\n\
          peak       {} bytes live\ncalls      {} malloc, {} calloc, {} realloc, {} free\n\
          quirks     {} ids not allocated in the trace, {} free(NULL), {} wrong-size frees corrected\n\
-         none       {} requests answered out-of-memory\n",
+         none       {} requests answered out-of-memory\n\
+         budget     {} upstream requests refused past a policy's overhead budget\n",
         trace.display(),
         events.len(),
         handler.name(),
@@ -352,6 +404,7 @@ fn run_replay_trace(
         report.null_frees,
         stats.size_corrections,
         report.out_of_memory,
+        stats.budget_refusals,
     );
     let outcome = match &report.failure {
         None => {
@@ -386,6 +439,7 @@ fn main() -> ExitCode {
             json,
             regressions,
             config,
+            limits,
         } => run_check(CheckArgs {
             policies,
             options: CheckOptions {
@@ -394,10 +448,7 @@ fn main() -> ExitCode {
                 max_ops,
                 threads,
                 regressions: Some(regressions),
-                limits: Limits {
-                    call_time: std::time::Duration::from_millis(250),
-                    ..Limits::default()
-                },
+                limits: limits.limits(CHECK_CALL_TIME),
                 progress: None,
             },
             json,
@@ -407,12 +458,19 @@ fn main() -> ExitCode {
             script,
             policy,
             config,
-        } => run_replay(script, policy, config),
+            limits,
+        } => run_replay(script, policy, config, limits.limits(CHECK_CALL_TIME)),
         Command::ReplayTrace {
             trace,
             policies,
             config,
-        } => run_replay_trace(trace, policies, config),
+            limits,
+        } => run_replay_trace(
+            trace,
+            policies,
+            config,
+            limits.limits(Limits::default().call_time),
+        ),
     };
     match result {
         Ok(Outcome::Held) => ExitCode::SUCCESS,

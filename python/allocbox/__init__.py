@@ -43,11 +43,14 @@ __all__ = [
 ]
 
 
-def load(source, config=None, *, record=None):
+def load(source, config=None, *, record=None, **limits):
     """One policy from a path (a .wasm component or .wat source) or bytes, started with
-    its key/value `config`. `record` writes every call to a trace file."""
+    its key/value `config`. `record` writes every call to a trace file. Bounds, each
+    defaulting to allocbox's: `call_time` (seconds per call, imports included),
+    `memory` (the guest's own memory), `batch` (blocks in one batch call), `overhead`
+    (bytes the policy may hold beyond what NumPy holds), `host_memory_limit`."""
     item = (source, {str(k): str(v) for k, v in config.items()}) if config else source
-    return load_chain(item, record=record)
+    return load_chain(item, record=record, **limits)
 
 
 def builtin():

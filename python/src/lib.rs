@@ -10,11 +10,12 @@ use std::ffi::{CStr, c_char, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
 use allocbox::nep49::MemHandler;
 use allocbox::trace::Recorder;
-use allocbox::{Error, Handler, HandlerBuilder, Runtime};
+use allocbox::{Error, Handler, HandlerBuilder, Limits, Runtime};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -76,9 +77,35 @@ const CAPSULE_NAME: &CStr = c"mem_handler";
 struct Bridge {
     handler: Arc<dyn MemHandler>,
     failures: Mutex<Vec<Error>>,
+    /// Set when a callback panicked: the handler's books may be half-updated, so from
+    /// then on every request is refused (NULL) and frees are left to the handler's drop,
+    /// which releases all its memory once no array holds the capsule.
+    panicked: OnceLock<String>,
 }
 
 impl Bridge {
+    /// Run one callback unless the bridge has stopped; a panic stops it for good.
+    fn guard<R>(&self, refused: R, f: impl FnOnce() -> R) -> R {
+        if self.panicked.get().is_some() {
+            return refused;
+        }
+        match catch_unwind(AssertUnwindSafe(f)) {
+            Ok(r) => r,
+            Err(payload) => {
+                let message = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic without a message".into());
+                let _ = self.panicked.set(format!(
+                    "handler `{}` stopped: the host panicked inside a NumPy callback ({message})",
+                    self.handler.name()
+                ));
+                refused
+            }
+        }
+    }
+
     fn note(&self, error: Error) {
         let mut failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
         // The first failures say what happened; a bound keeps a flood from growing.
@@ -87,19 +114,16 @@ impl Bridge {
         }
     }
 
-    fn block(
-        &self,
-        answer: std::thread::Result<Result<Option<NonNull<u8>>, Error>>,
-    ) -> *mut c_void {
-        match answer {
-            Ok(Ok(Some(p))) => p.as_ptr().cast(),
-            Ok(Ok(None)) => std::ptr::null_mut(),
-            Ok(Err(e)) => {
+    /// A block for NumPy: NULL for none, for a failure (noted), or once stopped.
+    fn block(&self, f: impl FnOnce() -> Result<Option<NonNull<u8>>, Error>) -> *mut c_void {
+        self.guard(std::ptr::null_mut(), || match f() {
+            Ok(Some(p)) => p.as_ptr().cast(),
+            Ok(None) => std::ptr::null_mut(),
+            Err(e) => {
                 self.note(e);
                 std::ptr::null_mut()
             }
-            Err(_) => std::ptr::null_mut(),
-        }
+        })
     }
 }
 
@@ -113,15 +137,13 @@ unsafe fn bridge<'a>(ctx: *mut c_void) -> &'a Bridge {
 unsafe extern "C" fn bridge_malloc(ctx: *mut c_void, size: usize) -> *mut c_void {
     // SAFETY: NumPy calls this with the ctx of the handler it found in our capsule.
     let b = unsafe { bridge(ctx) };
-    b.block(catch_unwind(AssertUnwindSafe(|| b.handler.malloc(size))))
+    b.block(|| b.handler.malloc(size))
 }
 
 unsafe extern "C" fn bridge_calloc(ctx: *mut c_void, nelem: usize, elsize: usize) -> *mut c_void {
     // SAFETY: as in `bridge_malloc`.
     let b = unsafe { bridge(ctx) };
-    b.block(catch_unwind(AssertUnwindSafe(|| {
-        b.handler.calloc(nelem, elsize)
-    })))
+    b.block(|| b.handler.calloc(nelem, elsize))
 }
 
 unsafe extern "C" fn bridge_realloc(
@@ -132,18 +154,18 @@ unsafe extern "C" fn bridge_realloc(
     // SAFETY: as in `bridge_malloc`.
     let b = unsafe { bridge(ctx) };
     let old = NonNull::new(ptr.cast::<u8>());
-    b.block(catch_unwind(AssertUnwindSafe(|| {
-        b.handler.realloc(old, size)
-    })))
+    b.block(|| b.handler.realloc(old, size))
 }
 
 unsafe extern "C" fn bridge_free(ctx: *mut c_void, ptr: *mut c_void, size: usize) {
     // SAFETY: as in `bridge_malloc`.
     let b = unsafe { bridge(ctx) };
     let block = NonNull::new(ptr.cast::<u8>());
-    if let Ok(Err(e)) = catch_unwind(AssertUnwindSafe(|| b.handler.free(block, size))) {
-        b.note(e);
-    }
+    b.guard((), || {
+        if let Err(e) = b.handler.free(block, size) {
+            b.note(e);
+        }
+    });
 }
 
 unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
@@ -304,6 +326,7 @@ impl Policy {
             ("total_bytes", s.total_bytes),
             ("size_corrections", s.size_corrections),
             ("magazine_hits", s.magazine_hits),
+            ("budget_refusals", s.budget_refusals),
         ] {
             d.set_item(k, v)?;
         }
@@ -325,6 +348,7 @@ impl Policy {
                 d.set_item("live_blocks", l.live_blocks)?;
                 d.set_item("live_bytes", l.live_bytes)?;
                 d.set_item("peak_bytes", l.peak_bytes)?;
+                d.set_item("budget_refusals", l.budget_refusals)?;
                 d.set_item("failure", l.failure)?;
                 Ok(d)
             })
@@ -348,6 +372,9 @@ impl Policy {
     /// Raise the first failure seen inside NumPy's calls (where only NULL could be
     /// returned) as its exception: ContractViolation, PoisonedPolicy or ClientError.
     fn raise_if_failed(&self) -> PyResult<()> {
+        if let Some(message) = self.bridge.panicked.get() {
+            return Err(AllocboxError::new_err(message.clone()));
+        }
         if let Some(h) = &self.handler
             && let Some(e) = h.failure()
         {
@@ -371,7 +398,12 @@ impl Policy {
             .failures
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        failures.iter().map(ToString::to_string).collect()
+        let panicked = self.bridge.panicked.get().cloned();
+        failures
+            .iter()
+            .map(ToString::to_string)
+            .chain(panicked)
+            .collect()
     }
 
     /// Flush the trace being recorded (`load(..., record=path)`).
@@ -401,12 +433,46 @@ fn source_bytes(source: &Bound<'_, PyAny>) -> PyResult<(Vec<u8>, String)> {
 }
 
 /// Load a chain of policies, top first. Each item is a source (path or bytes) or a
-/// `(source, {key: value})` pair. `record` writes a trace of every call.
+/// `(source, {key: value})` pair. `record` writes a trace of every call. The bounds
+/// default to allocbox's (`Limits::default`): `call_time` in seconds per call, imports
+/// included; `memory`, a guest's own memory in bytes; `batch`, blocks in one batch
+/// call; `overhead`, bytes a policy may hold beyond what its client holds; and
+/// `host_memory_limit`, bytes lent from the host at once (default unlimited).
 #[pyfunction]
-#[pyo3(signature = (*chain, record = None))]
-fn load_chain(chain: Vec<Bound<'_, PyAny>>, record: Option<PathBuf>) -> PyResult<Policy> {
+#[pyo3(signature = (*chain, record = None, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None))]
+fn load_chain(
+    chain: Vec<Bound<'_, PyAny>>,
+    record: Option<PathBuf>,
+    call_time: Option<f64>,
+    memory: Option<u64>,
+    batch: Option<u32>,
+    overhead: Option<u64>,
+    host_memory_limit: Option<u64>,
+) -> PyResult<Policy> {
     let runtime = Runtime::shared();
-    let mut builder = HandlerBuilder::new(runtime);
+    let defaults = Limits::default();
+    let call_time = match call_time {
+        None => defaults.call_time,
+        Some(secs) => Duration::try_from_secs_f64(secs)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| {
+                pyo3::exceptions::PyValueError::new_err(format!(
+                    "call_time must be a positive number of seconds, got {secs}"
+                ))
+            })?,
+    };
+    let limits = Limits {
+        call_time,
+        memory: memory.unwrap_or(defaults.memory),
+        batch: batch.unwrap_or(defaults.batch),
+        overhead: overhead.unwrap_or(defaults.overhead),
+        ..defaults
+    };
+    let mut builder = HandlerBuilder::new(runtime).limits(limits);
+    if let Some(bytes) = host_memory_limit {
+        builder = builder.host_memory_limit(bytes);
+    }
     if chain.is_empty() {
         return Err(LoadError::new_err("a chain needs at least one policy"));
     }
@@ -454,6 +520,7 @@ fn load_chain(chain: Vec<Bound<'_, PyAny>>, record: Option<PathBuf>) -> PyResult
         bridge: Arc::new(Bridge {
             handler: shared,
             failures: Mutex::new(Vec::new()),
+            panicked: OnceLock::new(),
         }),
         recorder,
         capsule: Mutex::new(None),

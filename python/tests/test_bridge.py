@@ -206,3 +206,37 @@ def test_recording_writes_numpy_s_calls_as_a_trace(tmp_path, size_classes):
     lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
     assert lines[0].startswith("m 1 400 ") or lines[0].startswith("c 1 400 "), lines[:3]
     assert any(line.startswith("f 1 400 ") for line in lines)
+
+
+def test_the_realloc_use_after_free_of_issue_9_is_refused_inside_numpy():
+    bad = allocbox.load(guest("broken"), {"fault": "realloc-free-answer-old"})
+    with allocbox.use(bad):
+        b = np.ones(64, dtype=np.uint8)
+        with pytest.raises(MemoryError):
+            b.resize(32, refcheck=False)
+    np.testing.assert_array_equal(b, np.ones(64, dtype=np.uint8))   # intact, not freed
+    assert "use after free" in bad.failure
+    with pytest.raises(allocbox.ContractViolation, match="use after free"):
+        bad.raise_if_failed()
+
+
+def test_bounds_are_knobs_and_hoarding_past_the_overhead_budget_is_refused_and_counted():
+    hoarder = allocbox.load(
+        guest("broken"), {"fault": "hoard"}, overhead=128 << 20, call_time=0.5, batch=64
+    )
+    with allocbox.use(hoarder):
+        arrays = [np.full(100, i, dtype=np.uint8) for i in range(8)]
+    for i, a in enumerate(arrays):
+        assert (a == i).all()
+    assert hoarder.stats()["budget_refusals"] >= 6
+    assert hoarder.link_stats()[0]["budget_refusals"] == hoarder.stats()["budget_refusals"]
+    with pytest.raises(ValueError, match="call_time"):
+        allocbox.load(guest("system"), call_time=0)
+
+
+def test_a_malloc_many_past_the_batch_bound_stops_the_policy_with_a_clear_error():
+    bad = allocbox.load(guest("broken"), {"fault": "malloc-many-huge"}, batch=1000)
+    with allocbox.use(bad):
+        with pytest.raises(MemoryError):
+            np.ones(10)
+    assert "batch bound" in bad.failure and "asked 4294967295, limit 1000" in bad.failure

@@ -171,3 +171,102 @@ fn quarantined_memory_is_poisoned_and_an_audit_passes_for_honest_use() {
     h.audit().unwrap();
     h.free(Some(keep), 64).unwrap();
 }
+
+fn allocbox_cli(args: &[&str]) -> (i32, String, Duration) {
+    let start = Instant::now();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_allocbox"))
+        .args(args)
+        .current_dir(std::env::temp_dir())
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap(), text, start.elapsed())
+}
+
+#[test]
+fn replay_trace_of_the_two_event_use_after_free_exits_1_naming_the_rule() {
+    let trace = std::env::temp_dir().join(format!("allocbox-uaf-{}.trace", std::process::id()));
+    std::fs::write(&trace, "m 1 64 1\nr 1 32 1\n").unwrap();
+    let broken = allocbox_artifacts::BROKEN.path();
+    for fault in ["realloc-free-answer-old", "realloc-upstream-answer-old"] {
+        let (code, out, _) = allocbox_cli(&[
+            "replay-trace",
+            trace.to_str().unwrap(),
+            "-p",
+            broken,
+            "-c",
+            &format!("fault={fault}"),
+        ]);
+        assert_eq!(code, 1, "{fault}: {out}");
+        assert!(
+            out.contains("FAILED") && out.contains("use after free"),
+            "{fault}: {out}"
+        );
+    }
+    std::fs::remove_file(&trace).unwrap();
+}
+
+#[test]
+fn check_names_the_use_after_free_rule_not_a_deep_check_consequence() {
+    let (code, out, _) = allocbox_cli(&[
+        "check",
+        allocbox_artifacts::BROKEN.path(),
+        "-c",
+        "fault=realloc-free-answer-old",
+        "--json",
+        "--regressions",
+        std::env::temp_dir()
+            .join("allocbox-uaf-regressions")
+            .to_str()
+            .unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}");
+    let report: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert_eq!(report["rule"], "use-after-free", "{out}");
+}
+
+#[test]
+fn check_ends_hostile_batch_and_hoarding_policies_within_seconds_naming_the_bound() {
+    let broken = allocbox_artifacts::BROKEN.path();
+    let (code, out, took) = allocbox_cli(&[
+        "check",
+        broken,
+        "-c",
+        "fault=malloc-many-huge",
+        "--json",
+        "--regressions",
+        std::env::temp_dir()
+            .join("allocbox-batch-regressions")
+            .to_str()
+            .unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    let report: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert_eq!(report["rule"], "batch-limit", "{out}");
+
+    // Keeping 64 MiB per malloc is not a contract break: past the overhead budget its
+    // upstream requests are none, and replay-trace says how many.
+    let trace = std::env::temp_dir().join(format!("allocbox-hoard-{}.trace", std::process::id()));
+    let events: String = (1..=40).map(|i| format!("m {i} 100 1\n")).collect();
+    std::fs::write(&trace, events).unwrap();
+    let (code, out, took) = allocbox_cli(&[
+        "replay-trace",
+        trace.to_str().unwrap(),
+        "-p",
+        broken,
+        "-c",
+        "fault=hoard",
+    ]);
+    std::fs::remove_file(&trace).unwrap();
+    assert_eq!(code, 0, "{out}");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    let refused = out
+        .lines()
+        .find_map(|l| l.strip_prefix("budget"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no budget line: {out}"));
+    assert!(refused >= 36, "{out}");
+}
