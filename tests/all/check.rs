@@ -1,7 +1,6 @@
 //! The contract checker: it passes every good policy, catches every broken one with the
 //! right rule, shrinks to a short script, and replays it exactly.
 
-use std::process::Command;
 use std::time::Duration;
 
 use allocbox::check::{self, CheckOptions, Script};
@@ -127,17 +126,6 @@ fn scripts_parse_and_print_one_operation_a_line() {
     assert_eq!(Script::parse(&script.to_string()).unwrap(), script);
     let err = Script::parse("malloc sixteen").unwrap_err();
     assert!(err.contains("line 1"), "{err}");
-}
-
-fn allocbox_cli(args: &[&str], dir: &std::path::Path) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_allocbox"))
-        .args(args)
-        .current_dir(dir)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.code().unwrap(), text)
 }
 
 #[test]

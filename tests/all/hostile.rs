@@ -172,16 +172,11 @@ fn quarantined_memory_is_poisoned_and_an_audit_passes_for_honest_use() {
     h.free(Some(keep), 64).unwrap();
 }
 
-fn allocbox_cli(args: &[&str]) -> (i32, String, Duration) {
+/// The `allocbox` command run from the temporary directory, and how long it took.
+fn timed_cli(args: &[&str]) -> (i32, String, Duration) {
     let start = Instant::now();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_allocbox"))
-        .args(args)
-        .current_dir(std::env::temp_dir())
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.code().unwrap(), text, start.elapsed())
+    let (code, out) = allocbox_cli(args, &std::env::temp_dir());
+    (code, out, start.elapsed())
 }
 
 #[test]
@@ -190,7 +185,7 @@ fn replay_trace_of_the_two_event_use_after_free_exits_1_naming_the_rule() {
     std::fs::write(&trace, "m 1 64 1\nr 1 32 1\n").unwrap();
     let broken = allocbox_artifacts::BROKEN.path();
     for fault in ["realloc-free-answer-old", "realloc-upstream-answer-old"] {
-        let (code, out, _) = allocbox_cli(&[
+        let (code, out, _) = timed_cli(&[
             "replay-trace",
             trace.to_str().unwrap(),
             "-p",
@@ -209,7 +204,7 @@ fn replay_trace_of_the_two_event_use_after_free_exits_1_naming_the_rule() {
 
 #[test]
 fn check_names_the_use_after_free_rule_not_a_deep_check_consequence() {
-    let (code, out, _) = allocbox_cli(&[
+    let (code, out, _) = timed_cli(&[
         "check",
         allocbox_artifacts::BROKEN.path(),
         "-c",
@@ -229,7 +224,7 @@ fn check_names_the_use_after_free_rule_not_a_deep_check_consequence() {
 #[test]
 fn check_ends_hostile_batch_and_hoarding_policies_within_seconds_naming_the_bound() {
     let broken = allocbox_artifacts::BROKEN.path();
-    let (code, out, took) = allocbox_cli(&[
+    let (code, out, took) = timed_cli(&[
         "check",
         broken,
         "-c",
@@ -251,7 +246,7 @@ fn check_ends_hostile_batch_and_hoarding_policies_within_seconds_naming_the_boun
     let trace = std::env::temp_dir().join(format!("allocbox-hoard-{}.trace", std::process::id()));
     let events: String = (1..=40).map(|i| format!("m {i} 100 1\n")).collect();
     std::fs::write(&trace, events).unwrap();
-    let (code, out, took) = allocbox_cli(&[
+    let (code, out, took) = timed_cli(&[
         "replay-trace",
         trace.to_str().unwrap(),
         "-p",

@@ -35,3 +35,15 @@ pub fn holds(p: NonNull<u8>, len: usize, byte: u8) -> bool {
     let page = [byte; 4096];
     bytes.chunks(page.len()).all(|c| c == &page[..c.len()])
 }
+
+/// Run the `allocbox` command in `dir`: its exit code and everything it printed.
+pub fn allocbox_cli(args: &[&str], dir: &std::path::Path) -> (i32, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_allocbox"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().unwrap(), text)
+}
