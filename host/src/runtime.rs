@@ -480,6 +480,7 @@ fn componentize(mut module: Vec<u8>, world: &str) -> Result<Vec<u8>, LoadError> 
         &resolve,
         world,
         wit_component::StringEncoding::UTF8,
+        false,
     )
     .map_err(err)?;
     wit_component::ComponentEncoder::default()
