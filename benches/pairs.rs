@@ -21,6 +21,8 @@ mod raw {
 
 /// NumPy's most common request size (72% of its mallocs are 8-15 bytes).
 const SIZE: usize = 16;
+/// A mid-size array's data (8192 float64s), the largest size magazines serve.
+const MID_SIZE: usize = 64 << 10;
 
 struct RawHost {
     wasi: WasiCtx,
@@ -119,20 +121,22 @@ fn handler(links: &[(&allocbox_artifacts::Guest, &[(&str, &str)])], magazines: b
     builder.build().unwrap()
 }
 
-fn pair(h: &Handler) {
-    let p = h.malloc(black_box(SIZE)).unwrap();
-    h.free(black_box(p), SIZE).unwrap();
+fn pair(h: &Handler, size: usize) {
+    let p = h.malloc(black_box(size)).unwrap();
+    h.free(black_box(p), size).unwrap();
+}
+
+fn glibc_pair(size: usize) {
+    let layout = std::alloc::Layout::from_size_align(size, 16).unwrap();
+    // SAFETY: a non-zero layout, freed right away with the same layout.
+    unsafe { std::alloc::dealloc(black_box(std::alloc::alloc(layout)), layout) };
 }
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let (rounds, iters) = if quick { (5, 20_000) } else { (15, 200_000) };
 
-    let glibc = median_ns(rounds, iters, || {
-        let layout = std::alloc::Layout::from_size_align(SIZE, 16).unwrap();
-        // SAFETY: a non-zero layout, freed right away with the same layout.
-        unsafe { std::alloc::dealloc(black_box(std::alloc::alloc(layout)), layout) };
-    });
+    let glibc = median_ns(rounds, iters, || glibc_pair(SIZE));
 
     let (mut store, raw) = raw_system();
     let empty_call = median_ns(rounds, iters, || {
@@ -183,6 +187,15 @@ fn main() {
     row("empty component call (one)", empty_call);
     row("floor: raw wasmtime system (2 calls+2 imports)", floor);
     for (name, h) in &cases {
-        row(name, median_ns(rounds, iters, || pair(h)));
+        row(name, median_ns(rounds, iters, || pair(h, SIZE)));
+    }
+
+    println!("\nns per malloc({MID_SIZE})+free pair, same run");
+    let glibc_mid = median_ns(rounds, iters, || glibc_pair(MID_SIZE));
+    println!("{:<42} {:>9} {:>9}", "case", "ns/pair", "x glibc");
+    let mid_row = |name: &str, ns: f64| println!("{name:<42} {ns:>9.1} {:>9.1}", ns / glibc_mid);
+    mid_row("glibc malloc+free", glibc_mid);
+    for (name, h) in &cases {
+        mid_row(name, median_ns(rounds, iters, || pair(h, MID_SIZE)));
     }
 }

@@ -9,17 +9,38 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use parking_lot::Mutex;
 
 use crate::error::{ClientError, Error, LoadError};
+use crate::fasthash::FastMap;
 use crate::ledger::TakeBack;
 use crate::link::{Limits, Link, LinkFault, PolicyInfo, Upstream};
 use crate::runtime::{Policy, Runtime};
 use crate::system::SystemMemory;
 
-/// Requests of at most this many bytes may be served from a magazine.
-const MAGAZINE_MAX_SIZE: u64 = 1024;
-/// Blocks a magazine holds before half of them are given back in one `free-many`.
+/// Requests of at most this many bytes may be served from a magazine: NumPy's small and
+/// mid-size arrays.
+const MAGAZINE_MAX_SIZE: u64 = 64 << 10;
+/// Sizes up to this have their magazine in a table indexed by size; larger ones in a map.
+const MAGAZINE_TABLE_SIZE: u64 = 1024;
+/// Bytes one magazine may cache: its depth is this many bytes of blocks, within
+/// [`MAGAZINE_MIN_DEPTH`]..=[`MAGAZINE_DEPTH`] blocks, so a 16-byte magazine holds 64
+/// blocks and a 64 KiB one 4.
+const MAGAZINE_BYTES: u64 = 256 << 10;
+/// Blocks a magazine holds at most before half of them are given back in one `free-many`.
 const MAGAZINE_DEPTH: usize = 64;
+const MAGAZINE_MIN_DEPTH: usize = 4;
 /// The most blocks fetched with one `malloc-many` when a magazine runs empty.
 const MAGAZINE_REFILL: u32 = 16;
+/// Bytes all magazines of a handler may cache together; past it, frees go to the policy.
+const MAGAZINES_TOTAL_BYTES: u64 = 16 << 20;
+
+/// How many blocks of `size` bytes a magazine holds before it spills.
+fn magazine_depth(size: u64) -> usize {
+    ((MAGAZINE_BYTES / size) as usize).clamp(MAGAZINE_MIN_DEPTH, MAGAZINE_DEPTH)
+}
+
+/// The most blocks of `size` bytes one refill asks for: a quarter of the depth.
+fn magazine_refill(size: u64) -> u32 {
+    (magazine_depth(size) as u32 / 4).clamp(1, MAGAZINE_REFILL)
+}
 
 /// Builds a [`Handler`] from policies, top of the chain first.
 #[derive(Debug)]
@@ -178,7 +199,7 @@ impl Stats {
 struct Magazine {
     blocks: Vec<u64>,
     /// Blocks the next refill asks for. It starts at one and doubles with every refill
-    /// up to [`MAGAZINE_REFILL`] (slow start): a size asked for once costs the policy one
+    /// up to [`magazine_refill`] (slow start): a size asked for once costs the policy one
     /// block, not a batch the client never uses; a size in steady use soon gets full
     /// batches.
     next_refill: u32,
@@ -193,20 +214,44 @@ impl Default for Magazine {
     }
 }
 
-/// One magazine per exact size up to [`MAGAZINE_MAX_SIZE`].
+/// One magazine per exact size up to [`MAGAZINE_MAX_SIZE`] (the ledger records exact
+/// sizes, and a block goes back with the size it was lent with).
 #[derive(Debug, Default)]
 struct Magazines {
-    by_size: Vec<Magazine>,
+    /// Sizes up to [`MAGAZINE_TABLE_SIZE`], indexed by size: the hot path.
+    small: Vec<Magazine>,
+    mid: FastMap<u64, Magazine>,
+    /// Bytes in all magazines' blocks.
+    cached_bytes: u64,
 }
 
 impl Magazines {
     fn of_size(&mut self, size: u64) -> &mut Magazine {
-        let i = size as usize;
-        if self.by_size.len() <= i {
-            self.by_size
-                .resize_with(MAGAZINE_MAX_SIZE as usize + 1, Magazine::default);
+        if size > MAGAZINE_TABLE_SIZE {
+            return self.mid.entry(size).or_default();
         }
-        &mut self.by_size[i]
+        let i = size as usize;
+        if self.small.len() <= i {
+            self.small
+                .resize_with(MAGAZINE_TABLE_SIZE as usize + 1, Magazine::default);
+        }
+        &mut self.small[i]
+    }
+
+    /// Every non-empty magazine's blocks, emptying them, with their size.
+    fn drain(&mut self) -> Vec<(u64, Vec<u64>)> {
+        self.cached_bytes = 0;
+        let small = self
+            .small
+            .iter_mut()
+            .enumerate()
+            .map(|(s, m)| (s as u64, m));
+        let mid = self.mid.iter_mut().map(|(&s, m)| (s, m));
+        small
+            .chain(mid)
+            .filter(|(_, m)| !m.blocks.is_empty())
+            .map(|(size, m)| (size, std::mem::take(&mut m.blocks)))
+            .collect()
     }
 }
 
@@ -639,8 +684,10 @@ impl Chain {
         let Chain {
             head, magazines, ..
         } = self;
-        let magazine = magazines.as_mut().expect("checked by caller").of_size(size);
+        let magazines = magazines.as_mut().expect("checked by caller");
+        let magazine = magazines.of_size(size);
         if let Some(addr) = magazine.blocks.pop() {
+            magazines.cached_bytes -= size;
             head.lent_mut()
                 .get_mut(addr)
                 .expect("cached blocks are lent")
@@ -649,7 +696,7 @@ impl Chain {
             return Ok(addr);
         }
         let count = magazine.next_refill;
-        magazine.next_refill = (count * 2).min(MAGAZINE_REFILL);
+        magazine.next_refill = (count * 2).min(magazine_refill(size));
         let mut blocks = head.malloc_many(size, count)?;
         let Some(first) = blocks.pop() else {
             // The policy placed nothing in bulk; ask once the ordinary way.
@@ -658,7 +705,8 @@ impl Chain {
         for &addr in &blocks {
             head.lent_mut().get_mut(addr).expect("just admitted").cached = true;
         }
-        magazine.blocks.extend(blocks);
+        magazines.cached_bytes += size * blocks.len() as u64;
+        magazines.of_size(size).blocks.extend(blocks);
         Ok(first)
     }
 
@@ -666,13 +714,20 @@ impl Chain {
         let Chain {
             head, magazines, ..
         } = self;
-        let stack = &mut magazines
-            .as_mut()
-            .expect("checked by caller")
-            .of_size(size)
-            .blocks;
-        if stack.len() >= MAGAZINE_DEPTH {
-            let spill: Vec<u64> = stack.drain(MAGAZINE_DEPTH / 2..).collect();
+        let magazines = magazines.as_mut().expect("checked by caller");
+        if magazines.cached_bytes + size > MAGAZINES_TOTAL_BYTES {
+            // Every magazine is as full as the handler allows: the policy takes it.
+            return match head.free(addr, size) {
+                Ok(()) => Ok(0),
+                Err(LinkFault::Link(e)) => Err(e),
+                Err(LinkFault::Caller(_)) => unreachable!("the block was found with its size"),
+            };
+        }
+        let depth = magazine_depth(size);
+        let stack = &mut magazines.of_size(size).blocks;
+        if stack.len() >= depth {
+            let spill: Vec<u64> = stack.drain(depth / 2..).collect();
+            magazines.cached_bytes -= size * spill.len() as u64;
             match head.free_many(spill, size) {
                 Ok(()) => {}
                 Err(LinkFault::Link(e)) => {
@@ -687,7 +742,8 @@ impl Chain {
             .get_mut(addr)
             .expect("found by caller")
             .cached = true;
-        stack.push(addr);
+        magazines.of_size(size).blocks.push(addr);
+        magazines.cached_bytes += size;
         Ok(0)
     }
 
@@ -697,15 +753,27 @@ impl Chain {
             return Ok(0);
         };
         let mut first_error = None;
-        for (size, magazine) in magazines.by_size.iter_mut().enumerate() {
-            if magazine.blocks.is_empty() {
-                continue;
-            }
-            let blocks = std::mem::take(&mut magazine.blocks);
-            if let Err(LinkFault::Link(e)) = self.head.free_many(blocks, size as u64) {
+        for (size, blocks) in magazines.drain() {
+            if let Err(LinkFault::Link(e)) = self.head.free_many(blocks, size) {
                 first_error.get_or_insert(e);
             }
         }
         first_error.map_or(Ok(0), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn magazine_depth_is_bounded_by_bytes_and_refills_by_depth() {
+        assert_eq!(magazine_depth(16), MAGAZINE_DEPTH);
+        assert_eq!(magazine_depth(4096), 64);
+        assert_eq!(magazine_depth(16 << 10), 16);
+        assert_eq!(magazine_depth(64 << 10), MAGAZINE_MIN_DEPTH);
+        assert_eq!(magazine_refill(16), MAGAZINE_REFILL);
+        assert_eq!(magazine_refill(16 << 10), 4);
+        assert_eq!(magazine_refill(64 << 10), 1);
     }
 }

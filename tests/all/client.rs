@@ -87,3 +87,45 @@ fn impossible_sizes_are_none_not_errors() {
     assert_eq!(h.realloc(p, usize::MAX - 4).unwrap(), None);
     h.free(p, 16).unwrap();
 }
+
+#[test]
+fn mid_size_blocks_up_to_64_kib_are_served_from_magazines() {
+    let h = handler(&allocbox_artifacts::SYSTEM, &[]);
+    for size in [1500, 4096, 65536] {
+        let p = h.malloc(size).unwrap().unwrap();
+        fill(p, size, 0x6D);
+        h.free(Some(p), size).unwrap();
+        let before = h.stats().magazine_hits;
+        let q = h.malloc(size).unwrap().unwrap();
+        assert_eq!(h.stats().magazine_hits, before + 1, "{size} bytes");
+        h.free(Some(q), size).unwrap();
+    }
+    let p = h.malloc(65537).unwrap().unwrap();
+    h.free(Some(p), 65537).unwrap();
+    let before = h.stats().magazine_hits;
+    let q = h.malloc(65537).unwrap().unwrap();
+    assert_eq!(h.stats().magazine_hits, before, "past 64 KiB: no magazine");
+    h.free(Some(q), 65537).unwrap();
+    h.trim().unwrap();
+    assert_eq!(h.held_from_host(), (0, 0));
+}
+
+#[test]
+fn magazines_cache_a_bounded_number_of_bytes_across_all_sizes() {
+    // `system` keeps nothing itself: whatever the host still holds after the client
+    // freed everything is in the magazines.
+    let h = handler(&allocbox_artifacts::SYSTEM, &[]);
+    let blocks: Vec<_> = (0..400)
+        .map(|i| {
+            let size = 60_000 + 16 * i;
+            (h.malloc(size).unwrap().unwrap(), size)
+        })
+        .collect();
+    for (p, size) in blocks {
+        h.free(Some(p), size).unwrap();
+    }
+    let (_, cached) = h.held_from_host();
+    assert!(cached > 0 && cached <= 16 << 20, "{cached} bytes cached");
+    h.trim().unwrap();
+    assert_eq!(h.held_from_host(), (0, 0));
+}
