@@ -112,6 +112,35 @@ fn median_ns(rounds: usize, iters: usize, mut f: impl FnMut()) -> f64 {
     samples[samples.len() / 2]
 }
 
+/// Median pairs per microsecond of `threads` threads each running `iters` calls of `f`
+/// at once (they start together at a barrier), over `rounds` rounds.
+fn median_throughput(threads: usize, rounds: usize, iters: usize, f: impl Fn() + Sync) -> f64 {
+    let mut samples: Vec<f64> = (0..rounds)
+        .map(|_| {
+            let barrier = std::sync::Barrier::new(threads + 1);
+            std::thread::scope(|s| {
+                for _ in 0..threads {
+                    s.spawn(|| {
+                        barrier.wait();
+                        for _ in 0..iters {
+                            f();
+                        }
+                    });
+                }
+                barrier.wait();
+                let start = Instant::now();
+                // The scope joins every thread before it returns.
+                start
+            })
+            .elapsed()
+            .as_nanos() as f64
+        })
+        .map(|ns| (threads * iters) as f64 / ns * 1000.0)
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
 fn handler(links: &[(&allocbox_artifacts::Guest, &[(&str, &str)])], magazines: bool) -> Handler {
     let runtime = Runtime::shared();
     let mut builder = HandlerBuilder::new(runtime).magazines(magazines);
@@ -188,6 +217,23 @@ fn main() {
     row("floor: raw wasmtime system (2 calls+2 imports)", floor);
     for (name, h) in &cases {
         row(name, median_ns(rounds, iters, || pair(h, SIZE)));
+    }
+
+    // Threads: the same handler shared by 2 threads on this machine's cores, against
+    // 1 thread, in pairs per microsecond (throughput, not latency).
+    println!("\nmalloc({SIZE})+free pairs per µs, 1 and 2 threads sharing one handler, same run");
+    println!(
+        "{:<42} {:>9} {:>9} {:>9}",
+        "case", "1 thread", "2 threads", "x 1"
+    );
+    let thread_row = |name: &str, f: &(dyn Fn() + Sync)| {
+        let one = median_throughput(1, rounds, iters, f);
+        let two = median_throughput(2, rounds, iters, f);
+        println!("{name:<42} {one:>9.1} {two:>9.1} {:>9.2}", two / one);
+    };
+    thread_row("glibc malloc+free", &|| glibc_pair(SIZE));
+    for (name, h) in cases.iter().filter(|(name, _)| name.ends_with("magazines")) {
+        thread_row(name, &|| pair(h, SIZE));
     }
 
     println!("\nns per malloc({MID_SIZE})+free pair, same run");
