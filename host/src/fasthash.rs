@@ -1,31 +1,9 @@
-//! A hasher for addresses and block ids on hot paths: one multiply and a fold, where
-//! SipHash would cost more than the lookup it serves. Not for untrusted keys chosen to
-//! collide — ours come from the host's own allocator or a trace's sequential ids.
+//! The hash map of the ledger's address index and other hot lookups.
+//!
+//! A link's ledger is keyed by addresses its policy chose, so the hash must not let a
+//! policy pick keys that collide: foldhash seeds every map from a per-process random
+//! seed, and a policy cannot observe it (its clocks are frozen unless granted, so it
+//! cannot time the host's lookups). foldhash costs a folded multiply per `u64` key.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
-#[derive(Default)]
-pub(crate) struct AddrHasher(u64);
-
-impl Hasher for AddrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(self.0 ^ u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, key: u64) {
-        // Addresses are 16-aligned: folding the high half of the product down gives the
-        // table's low index bits entropy.
-        let x = key.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        self.0 = x ^ (x >> 32);
-    }
-}
-
-/// A `HashMap` keyed by addresses or ids.
-pub(crate) type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<AddrHasher>>;
+/// A `HashMap` keyed by addresses or ids, seeded per map.
+pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
