@@ -66,7 +66,8 @@ pub enum Rule {
     GaveBackLentMemory { block: u64, block_size: u64 },
     /// C3: calloc returned bytes that are not zero (checked mode).
     CallocNotZeroed { offset: u64 },
-    /// C4: realloc did not keep the old block's bytes (checked mode).
+    /// C4: realloc answered a block that does not hold the old block's bytes (checked on
+    /// every realloc: the client keeps its old block).
     ReallocLostBytes { offset: u64 },
     /// A block's bytes changed while the client held it (checked mode).
     LiveBlockChanged { offset: u64 },

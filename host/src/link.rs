@@ -1090,10 +1090,15 @@ impl Link {
             Err(e) => return Err(LinkFault::Link(e)),
         };
         // The answer is checked while the transit still holds back what the policy gave
-        // up, so an answer in that memory is refused (`owns`); the old block leaves the
-        // books only for the check, so the answer may reuse its place.
+        // up, so an answer in that memory is refused (`use-after-free`); the old block
+        // leaves the books only for the check, so the answer may reuse its place. Once
+        // it is placed, it must hold the client's bytes: the old block is intact (no one
+        // may write a lent block, and its memory is held back), so the host compares.
         let old_entry = self.lent_mut().remove(ptr).expect("checked above");
-        if let Some(rule) = self.misplaced(addr, new) {
+        let broken = self
+            .misplaced(addr, new)
+            .or_else(|| lost_byte(ptr, addr, old.min(new)));
+        if let Some(rule) = broken {
             // The client still holds its old block, intact: the upstream block under it
             // was held back. It goes back on the books before the link is stopped, so
             // the stop cannot release that memory while the client holds it.
@@ -1198,6 +1203,32 @@ impl Link {
         self.store.data_mut().upstream.trim();
         here
     }
+}
+
+/// The rule a realloc's answer at `new` breaks if it does not hold the first `len` bytes
+/// of the client's block at `old`.
+fn lost_byte(old: u64, new: u64, len: u64) -> Option<Rule> {
+    if old == new {
+        return None;
+    }
+    // SAFETY: `old` is the client's live block of at least `len` bytes, unchanged (a lent
+    // block is never writable through `bytes`, and the upstream memory under it is held
+    // back, not released); `new` was just admitted as a block of at least `len` bytes
+    // inside memory the policy holds. Both lie in live host memory and may overlap: they
+    // are only read.
+    let (kept, answer) = unsafe {
+        (
+            std::slice::from_raw_parts(old as *const u8, len as usize),
+            std::slice::from_raw_parts(new as *const u8, len as usize),
+        )
+    };
+    if kept == answer {
+        return None;
+    }
+    let offset = kept.iter().zip(answer).position(|(a, b)| a != b)?;
+    Some(Rule::ReallocLostBytes {
+        offset: offset as u64,
+    })
 }
 
 /// Turn a failed call into the error that says what happened.

@@ -4,7 +4,8 @@
 //!
 //! - the host does not panic, and no host error blames the (correct) client;
 //! - every call returns within its time limit plus a small bound;
-//! - a client's bytes change only by the client: every live block keeps its pattern;
+//! - a client's bytes change only by the client: every live block keeps its pattern, and
+//!   a block a realloc answers holds the old block's bytes;
 //! - `Handler::audit` holds: every lent block lies in memory its link holds, and no client
 //!   block lies in memory the host released (freed host memory is quarantined and
 //!   poisoned, so a use after free also shows as poisoned bytes);
@@ -137,11 +138,12 @@ fn stream(seed: u64) -> Result<String, String> {
             5..=6 if !live.is_empty() => {
                 let i = rng.below(live.len() as u64) as usize;
                 let size = rng.size();
-                // On none the old block is still live and unchanged. Whether a policy
-                // moved the bytes is checked-mode territory; the host's promise is about
-                // every other block.
+                // On none or a failure the old block is still live and unchanged.
                 if let Some(q) = answer(h.realloc(Some(live[i].ptr), size), "realloc")? {
-                    live.swap_remove(i);
+                    let old = live.swap_remove(i);
+                    if !holds(q, old.size.min(size.max(1)), old.byte) {
+                        return Err(format!("step {step}: realloc lost the client's bytes"));
+                    }
                     adopt(&mut live, Some(q), size.max(1), byte);
                 }
                 "realloc"

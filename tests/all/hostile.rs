@@ -58,6 +58,25 @@ fn a_realloc_answering_the_old_address_after_an_upstream_move_is_refused() {
 }
 
 #[test]
+fn a_realloc_answer_without_the_client_s_bytes_is_refused_on_the_production_path() {
+    // `realloc-loses` copies half the bytes. No checked mode here: the host compares the
+    // answer with the old block, which is intact while in transit.
+    let h = broken("realloc-loses");
+    let p = h.malloc(256).unwrap().unwrap();
+    fill(p, 256, 0x4B);
+    let err = h.realloc(Some(p), 1024).unwrap_err();
+    assert_eq!(
+        violation_rule(&err),
+        &Rule::ReallocLostBytes { offset: 128 },
+        "{err}"
+    );
+    assert!(holds(p, 256, 0x4B), "the client keeps its old block");
+    h.audit().unwrap();
+    h.free(Some(p), 256).unwrap();
+    assert_eq!(h.held_from_host(), (0, 0));
+}
+
+#[test]
 fn a_huge_malloc_many_from_a_policy_is_a_typed_work_limit_within_moments() {
     let h = broken("malloc-many-huge");
     let start = Instant::now();
