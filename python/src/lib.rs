@@ -572,3 +572,61 @@ fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DEFAULT_POLICY_WAT", allocbox::DEFAULT_POLICY_WAT)?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A handler whose every call panics, as a bug in the host would.
+    #[derive(Debug)]
+    struct Panicking;
+
+    impl MemHandler for Panicking {
+        fn name(&self) -> &str {
+            "panicking"
+        }
+        fn malloc(&self, _: usize) -> Result<Option<NonNull<u8>>, Error> {
+            panic!("books half-updated")
+        }
+        fn calloc(&self, _: usize, _: usize) -> Result<Option<NonNull<u8>>, Error> {
+            panic!("books half-updated")
+        }
+        fn realloc(&self, _: Option<NonNull<u8>>, _: usize) -> Result<Option<NonNull<u8>>, Error> {
+            panic!("books half-updated")
+        }
+        fn free(&self, _: Option<NonNull<u8>>, _: usize) -> Result<(), Error> {
+            panic!("books half-updated")
+        }
+        fn stats(&self) -> allocbox::Stats {
+            allocbox::Stats::default()
+        }
+    }
+
+    #[test]
+    fn a_panic_in_a_callback_stops_the_bridge_with_a_message_naming_the_handler() {
+        let bridge = Bridge {
+            handler: Arc::new(Panicking),
+            failures: Mutex::new(Vec::new()),
+            panicked: OnceLock::new(),
+        };
+        assert!(bridge.block(|| bridge.handler.malloc(16)).is_null());
+        let message = bridge.panicked.get().expect("the bridge stopped");
+        assert!(
+            message.contains("panicking") && message.contains("books half-updated"),
+            "{message}"
+        );
+        // Stopped: later calls are refused without reaching the handler (which would
+        // panic again).
+        let mut reached = false;
+        assert!(
+            bridge
+                .block(|| {
+                    reached = true;
+                    Ok(None)
+                })
+                .is_null()
+        );
+        bridge.guard((), || reached = true);
+        assert!(!reached);
+    }
+}
