@@ -113,29 +113,38 @@ fn median_ns(rounds: usize, iters: usize, mut f: impl FnMut()) -> f64 {
 }
 
 /// Median pairs per microsecond of `threads` threads each running `iters` calls of `f`
-/// at once (they start together at a barrier), over `rounds` rounds.
+/// at once, over `rounds` rounds after one warm-up round. The same threads run every
+/// round (so thread start-up and each thread's first-use set-up are not timed) and start
+/// each round together at a barrier. The workers time themselves: a round lasts from the
+/// first worker's start to the last one's end (the main thread may not get a core then).
 fn median_throughput(threads: usize, rounds: usize, iters: usize, f: impl Fn() + Sync) -> f64 {
-    let mut samples: Vec<f64> = (0..rounds)
-        .map(|_| {
-            let barrier = std::sync::Barrier::new(threads + 1);
-            std::thread::scope(|s| {
-                for _ in 0..threads {
-                    s.spawn(|| {
-                        barrier.wait();
-                        for _ in 0..iters {
-                            f();
-                        }
-                    });
-                }
-                barrier.wait();
-                let start = Instant::now();
-                // The scope joins every thread before it returns.
-                start
+    let barrier = std::sync::Barrier::new(threads);
+    let spans: Vec<Vec<(Instant, Instant)>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    (0..=rounds)
+                        .map(|_| {
+                            barrier.wait();
+                            let start = Instant::now();
+                            for _ in 0..iters {
+                                f();
+                            }
+                            (start, Instant::now())
+                        })
+                        .skip(1)
+                        .collect()
+                })
             })
-            .elapsed()
-            .as_nanos() as f64
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    let mut samples: Vec<f64> = (0..rounds)
+        .map(|round| {
+            let start = spans.iter().map(|w| w[round].0).min().unwrap();
+            let end = spans.iter().map(|w| w[round].1).max().unwrap();
+            (threads * iters) as f64 / (end - start).as_nanos() as f64 * 1000.0
         })
-        .map(|ns| (threads * iters) as f64 / ns * 1000.0)
         .collect();
     samples.sort_by(f64::total_cmp);
     samples[samples.len() / 2]
@@ -227,8 +236,9 @@ fn main() {
         "case", "1 thread", "2 threads", "x 1"
     );
     let thread_row = |name: &str, f: &(dyn Fn() + Sync)| {
-        let one = median_throughput(1, rounds, iters, f);
-        let two = median_throughput(2, rounds, iters, f);
+        // Ten times the pairs of a latency round, so one round lasts milliseconds.
+        let one = median_throughput(1, rounds, 10 * iters, f);
+        let two = median_throughput(2, rounds, 10 * iters, f);
         println!("{name:<42} {one:>9.1} {two:>9.1} {:>9.2}", two / one);
     };
     thread_row("glibc malloc+free", &|| glibc_pair(SIZE));

@@ -1,5 +1,9 @@
 //! A handler: a chain of policy instances behind one lock, checked on every boundary,
-//! with the client's side of the contract checked here.
+//! with the client's side of the contract checked here, and per-thread caches in front
+//! of it ([`cache`]) so that most small requests never take that lock.
+
+mod barrier;
+mod cache;
 
 use std::collections::HashSet;
 use std::ptr::NonNull;
@@ -8,39 +12,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::error::{ClientError, Error, LoadError};
-use crate::fasthash::FastMap;
+use crate::error::{ClientError, Error, InvariantBroken, LoadError};
 use crate::ledger::TakeBack;
 use crate::link::{Limits, Link, LinkFault, PolicyInfo, Upstream};
 use crate::runtime::{Policy, Runtime};
 use crate::system::SystemMemory;
-
-/// Requests of at most this many bytes may be served from a magazine: NumPy's small and
-/// mid-size arrays.
-const MAGAZINE_MAX_SIZE: u64 = 64 << 10;
-/// Sizes up to this have their magazine in a table indexed by size; larger ones in a map.
-const MAGAZINE_TABLE_SIZE: u64 = 1024;
-/// Bytes one magazine may cache: its depth is this many bytes of blocks, within
-/// [`MAGAZINE_MIN_DEPTH`]..=[`MAGAZINE_DEPTH`] blocks, so a 16-byte magazine holds 64
-/// blocks and a 64 KiB one 4.
-const MAGAZINE_BYTES: u64 = 256 << 10;
-/// Blocks a magazine holds at most before half of them are given back in one `free-many`.
-const MAGAZINE_DEPTH: usize = 64;
-const MAGAZINE_MIN_DEPTH: usize = 4;
-/// The most blocks fetched with one `malloc-many` when a magazine runs empty.
-const MAGAZINE_REFILL: u32 = 16;
-/// Bytes all magazines of a handler may cache together; past it, frees go to the policy.
-const MAGAZINES_TOTAL_BYTES: u64 = 16 << 20;
-
-/// How many blocks of `size` bytes a magazine holds before it spills.
-fn magazine_depth(size: u64) -> usize {
-    ((MAGAZINE_BYTES / size) as usize).clamp(MAGAZINE_MIN_DEPTH, MAGAZINE_DEPTH)
-}
-
-/// The most blocks of `size` bytes one refill asks for: a quarter of the depth.
-fn magazine_refill(size: u64) -> u32 {
-    (magazine_depth(size) as u32 / 4).clamp(1, MAGAZINE_REFILL)
-}
+use cache::{MAGAZINE_MAX_SIZE, Magazines, Mine, Slots};
 
 /// Builds a [`Handler`] from policies, top of the chain first.
 #[derive(Debug)]
@@ -105,8 +82,8 @@ impl HandlerBuilder {
         self
     }
 
-    /// Keep per-size magazines of blocks for a top policy that declares `batch`.
-    /// Default: true.
+    /// Keep per-thread, per-size magazines of blocks for a top policy that declares
+    /// `batch`. Default: true.
     pub fn magazines(mut self, on: bool) -> Self {
         self.magazines = on;
         self
@@ -140,17 +117,16 @@ impl HandlerBuilder {
         };
         names.reverse();
         let info = head.info.clone();
-        let magazines = (self.magazines && info.batch).then(Magazines::default);
         Ok(Handler {
             chain: Mutex::new(Chain {
                 head: *head,
-                magazines,
                 stats: Stats::default(),
                 failure: None,
                 poisonings_seen: 0,
                 poison_count,
                 rerouted: HashSet::new(),
             }),
+            slots: Slots::new(self.magazines && info.batch),
             info,
             names,
             fallback: self.fallback,
@@ -169,6 +145,7 @@ pub struct Stats {
     pub failed: u64,
     pub live_blocks: u64,
     pub live_bytes: u64,
+    /// The most bytes live at once; see [`Handler::stats`] for how exact it is.
     pub peak_bytes: u64,
     pub total_bytes: u64,
     /// Client frees whose size was not the block's; the policy got the right one.
@@ -180,84 +157,9 @@ pub struct Stats {
     pub budget_refusals: u64,
 }
 
-impl Stats {
-    fn lend(&mut self, size: u64) {
-        self.live_blocks += 1;
-        self.live_bytes += size;
-        self.total_bytes += size;
-        self.peak_bytes = self.peak_bytes.max(self.live_bytes);
-    }
-
-    fn take_back(&mut self, size: u64) {
-        self.live_blocks -= 1;
-        self.live_bytes -= size;
-    }
-}
-
-/// Blocks of one size the top policy placed ahead of demand.
-#[derive(Debug)]
-struct Magazine {
-    blocks: Vec<u64>,
-    /// Blocks the next refill asks for. It starts at one and doubles with every refill
-    /// up to [`magazine_refill`] (slow start): a size asked for once costs the policy one
-    /// block, not a batch the client never uses; a size in steady use soon gets full
-    /// batches.
-    next_refill: u32,
-}
-
-impl Default for Magazine {
-    fn default() -> Self {
-        Magazine {
-            blocks: Vec::new(),
-            next_refill: 1,
-        }
-    }
-}
-
-/// One magazine per exact size up to [`MAGAZINE_MAX_SIZE`] (the ledger records exact
-/// sizes, and a block goes back with the size it was lent with).
-#[derive(Debug, Default)]
-struct Magazines {
-    /// Sizes up to [`MAGAZINE_TABLE_SIZE`], indexed by size: the hot path.
-    small: Vec<Magazine>,
-    mid: FastMap<u64, Magazine>,
-    /// Bytes in all magazines' blocks.
-    cached_bytes: u64,
-}
-
-impl Magazines {
-    fn of_size(&mut self, size: u64) -> &mut Magazine {
-        if size > MAGAZINE_TABLE_SIZE {
-            return self.mid.entry(size).or_default();
-        }
-        let i = size as usize;
-        if self.small.len() <= i {
-            self.small
-                .resize_with(MAGAZINE_TABLE_SIZE as usize + 1, Magazine::default);
-        }
-        &mut self.small[i]
-    }
-
-    /// Every non-empty magazine's blocks, emptying them, with their size.
-    fn drain(&mut self) -> Vec<(u64, Vec<u64>)> {
-        self.cached_bytes = 0;
-        let small = self
-            .small
-            .iter_mut()
-            .enumerate()
-            .map(|(s, m)| (s as u64, m));
-        let mid = self.mid.iter_mut().map(|(&s, m)| (s, m));
-        small
-            .chain(mid)
-            .filter(|(_, m)| !m.blocks.is_empty())
-            .map(|(size, m)| (size, std::mem::take(&mut m.blocks)))
-            .collect()
-    }
-}
-
 struct Chain {
     head: Link,
-    magazines: Option<Magazines>,
+    /// Every thread's counters folded so far.
     stats: Stats,
     /// The first failure anywhere in the chain; from then on new requests go to the
     /// fallback or fail.
@@ -269,9 +171,12 @@ struct Chain {
 }
 
 /// A NEP 49 data-memory handler whose placement decisions are made by a chain of
-/// sandboxed policies. `Send + Sync`: many threads may call it at once.
+/// sandboxed policies. `Send + Sync`: many threads may call it at once. A malloc served
+/// from the calling thread's magazine, and a free of such a block on that thread, take
+/// only that thread's lock; everything else takes the chain's.
 pub struct Handler {
     chain: Mutex<Chain>,
+    slots: Slots,
     info: PolicyInfo,
     names: Vec<Arc<str>>,
     fallback: Option<Arc<Handler>>,
@@ -306,37 +211,66 @@ impl Handler {
     }
 
     /// A block of at least `size` bytes, `None` when out of memory.
+    #[inline]
     pub fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
-        let mut c = self.chain.lock();
-        c.stats.mallocs += 1;
         let size = (size as u64).max(1);
+        let slot = self.slots.mine();
+        let from_magazine = self.slots.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
+        if from_magazine && let Some(addr) = slot.cache().take(size) {
+            return Ok(to_ptr(addr));
+        }
+        self.malloc_from_chain(slot, size, from_magazine)
+    }
+
+    /// A malloc the calling thread's magazine could not serve.
+    #[cold]
+    #[inline(never)]
+    fn malloc_from_chain(
+        &self,
+        slot: Mine<'_>,
+        size: u64,
+        from_magazine: bool,
+    ) -> Result<Option<NonNull<u8>>, Error> {
+        let mut c = self.chain.lock();
         if c.failure.is_some() {
             drop(c);
+            count(&slot, |n| n.mallocs += 1);
             return self.reroute(|f| f.malloc(size as usize));
         }
-        let answer = match c.magazines.is_some() && size <= MAGAZINE_MAX_SIZE {
-            true => c.malloc_from_magazine(size),
+        let answer = match from_magazine {
+            true => c.refill(&slot, size),
             false => c.head.malloc(size),
         };
-        let addr = c.settle(answer)?;
-        c.count_lend(addr, size);
-        Ok(to_ptr(addr))
+        let answer = c.settle(&self.slots, answer);
+        count(&slot, |n| {
+            n.mallocs += 1;
+            if let Ok(addr) = answer {
+                n.served(addr, size);
+            }
+        });
+        Ok(to_ptr(answer?))
     }
 
     /// A zero-filled block of `nelem * elsize` bytes; `None` when out of memory or when
     /// the product overflows.
     pub fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error> {
+        let slot = self.slots.mine();
         let mut c = self.chain.lock();
-        c.stats.callocs += 1;
         if c.failure.is_some() {
             drop(c);
+            count(&slot, |n| n.callocs += 1);
             return self.reroute(|f| f.calloc(nelem, elsize));
         }
         let answer = c.head.calloc(nelem as u64, elsize as u64);
-        let addr = c.settle(answer)?;
+        let answer = c.settle(&self.slots, answer);
         let size = (nelem as u64).saturating_mul(elsize as u64).max(1);
-        c.count_lend(addr, size);
-        Ok(to_ptr(addr))
+        count(&slot, |n| {
+            n.callocs += 1;
+            if let Ok(addr) = answer {
+                n.served(addr, size);
+            }
+        });
+        Ok(to_ptr(answer?))
     }
 
     /// Resize a block; `None` for `ptr` acts as `malloc`. On `Ok(None)` and on `Err` the
@@ -351,9 +285,10 @@ impl Handler {
         };
         let addr = ptr.as_ptr() as u64;
         let new = (new_size as u64).max(1);
+        let slot = self.slots.mine();
+        count(&slot, |n| n.reallocs += 1);
         let mut c = self.chain.lock();
-        c.stats.reallocs += 1;
-        let Some(entry) = c.head.lent().get(addr).filter(|e| !e.cached) else {
+        let Some(entry) = c.head.lent().get(addr) else {
             if c.rerouted.contains(&addr) {
                 drop(c);
                 let fallback = self
@@ -372,38 +307,60 @@ impl Handler {
             }
             return Err(ClientError::UnknownRealloc { addr }.into());
         };
+        if entry.cache.is_some() {
+            // Only the policy resizes: the block leaves its thread cache, and the client
+            // holds it straight from the policy from now on.
+            if !self.take_from_cache(&mut c, &slot, addr) {
+                return Err(ClientError::UnknownRealloc { addr }.into());
+            }
+        }
         if c.failure.is_some() {
-            return self.move_to_fallback(c, addr, entry.size, new);
+            return self.move_to_fallback(c, &slot, addr, entry.size, new);
         }
         let answer = match c.head.realloc(addr, entry.size, new) {
             Ok(a) => Ok(a),
             Err(LinkFault::Link(e)) => Err(e),
             Err(LinkFault::Caller(_)) => unreachable!("the block was found with its size"),
         };
-        let moved = c.settle(answer)?;
+        let moved = c.settle(&self.slots, answer)?;
+        let mut t = slot.cache();
+        let counts = &mut t.counts;
         if moved != 0 {
-            c.stats.take_back(entry.size);
-            c.stats.lend(new);
+            counts.take_back(entry.size);
+            counts.lend(new);
         } else {
-            c.stats.failed += 1;
+            counts.failed += 1;
         }
         Ok(to_ptr(moved))
     }
 
     /// Give back a block. `size` should be what it was (re)allocated with; a wrong size
     /// is corrected from the ledger and counted, never passed on. `None` does nothing.
+    #[inline]
     pub fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error> {
         let Some(ptr) = ptr else {
             return Ok(());
         };
+        let slot = self.slots.mine();
+        // A block this thread's cache lent goes back into its magazine when there is
+        // room; otherwise it takes the chain's path, still on the books.
+        if self.slots.keeps_magazines() && slot.cache().put_back(ptr.as_ptr() as u64, size as u64) {
+            return Ok(());
+        }
+        self.free_to_chain(slot, ptr, size)
+    }
+
+    /// A free the calling thread's magazine could not take.
+    #[cold]
+    #[inline(never)]
+    fn free_to_chain(&self, slot: Mine<'_>, ptr: NonNull<u8>, size: usize) -> Result<(), Error> {
         let addr = ptr.as_ptr() as u64;
         let mut c = self.chain.lock();
-        c.stats.frees += 1;
         let entry = match c.head.lent().get(addr) {
-            Some(e) if !e.cached => e,
-            Some(_) => return Err(ClientError::DoubleFree { addr }.into()),
+            Some(e) => e,
             None if c.rerouted.remove(&addr) => {
                 drop(c);
+                count(&slot, |n| n.frees += 1);
                 let fallback = self
                     .fallback
                     .as_ref()
@@ -411,6 +368,7 @@ impl Handler {
                 return fallback.free(Some(ptr), size);
             }
             None => {
+                count(&slot, |n| n.frees += 1);
                 return Err(match c.head.lent().why_unknown(addr) {
                     TakeBack::AlreadyFreed => ClientError::DoubleFree { addr },
                     _ => ClientError::UnknownBlock { addr },
@@ -418,39 +376,48 @@ impl Handler {
                 .into());
             }
         };
+        // A block in a thread cache that the cache has not lent sits in a magazine:
+        // the client gave it back already.
+        if entry.cache.is_some() && !self.take_from_cache(&mut c, &slot, addr) {
+            count(&slot, |n| n.frees += 1);
+            return Err(ClientError::DoubleFree { addr }.into());
+        }
         if (size as u64).max(1) != entry.size {
-            c.stats.size_corrections += 1;
             log::debug!(
                 "{}: free of {addr:#x} with {size} bytes corrected to {}",
                 self.info.name,
                 entry.size
             );
         }
-        c.stats.take_back(entry.size);
-        if c.magazines.is_some() && entry.size <= MAGAZINE_MAX_SIZE && c.failure.is_none() {
-            let answer = c.free_into_magazine(addr, entry.size);
-            return c.settle(answer).map(drop);
-        }
-        let answer = match c.head.free(addr, entry.size) {
-            Ok(()) => Ok(0),
-            Err(LinkFault::Link(e)) => Err(e),
-            Err(LinkFault::Caller(_)) => unreachable!("the block was found with its size"),
+        count(&slot, |n| {
+            n.frees += 1;
+            n.freed(entry.size, size as u64);
+        });
+        let answer = match self.slots.keeps_magazines() && entry.size <= MAGAZINE_MAX_SIZE {
+            true => c.shelve(&self.slots, &slot, addr, entry.size),
+            false => c.give_back(addr, entry.size),
         };
-        c.settle(answer).map(drop)
+        c.settle(&self.slots, answer).map(drop)
     }
 
-    /// Give every cached block back: the magazines, then each policy's `trim`, top first.
+    /// Give every cached block back: every thread's magazines, then each policy's
+    /// `trim`, top first.
     pub fn trim(&self) -> Result<(), Error> {
         let mut c = self.chain.lock();
-        let flushed = c.flush_magazines();
-        c.settle(flushed)?;
+        let flushed = c.flush_magazines(&self.slots);
+        c.settle(&self.slots, flushed)?;
         let trimmed = c.head.trim().map(|()| 0);
-        c.settle(trimmed).map(drop)
+        c.settle(&self.slots, trimmed).map(drop)
     }
 
-    /// A copy of the counters.
+    /// A copy of the counters, every thread's included. Counts are exact. The peak is
+    /// exact while one thread at a time uses the handler; with several at once it is the
+    /// highest total seen when their counters are gathered (here and on each read).
     pub fn stats(&self) -> Stats {
-        let c = self.chain.lock();
+        let mut c = self.chain.lock();
+        for slot in self.slots.iter() {
+            c.stats.fold(&mut slot.claim().counts);
+        }
         let mut stats = c.stats.clone();
         stats.budget_refusals = c.links().map(|l| l.stats().budget_refusals).sum();
         stats
@@ -459,11 +426,13 @@ impl Handler {
     /// Check the host's own invariants, for tests and fuzzing: every block a link lent
     /// lies inside memory that link holds from its upstream, so every block a client
     /// holds lies in live host memory; no client block lies in memory the host released
-    /// (with [`HandlerBuilder::quarantine`]); each ledger's indexes agree.
-    pub fn audit(&self) -> Result<(), crate::error::InvariantBroken> {
+    /// (with [`HandlerBuilder::quarantine`]); each ledger's indexes agree; the thread
+    /// caches hold exactly the blocks the ledger says they hold.
+    pub fn audit(&self) -> Result<(), InvariantBroken> {
         let c = self.chain.lock();
+        self.audit_caches(&c)?;
         for link in c.links() {
-            let broken = |addr, size, what| crate::error::InvariantBroken {
+            let broken = |addr, size, what| InvariantBroken {
                 link: link.name().to_string(),
                 addr,
                 size,
@@ -498,7 +467,7 @@ impl Handler {
         c.bottom()
             .lent
             .check_consistent()
-            .map_err(|what| crate::error::InvariantBroken {
+            .map_err(|what| InvariantBroken {
                 link: "host memory".into(),
                 addr: 0,
                 size: 0,
@@ -506,22 +475,78 @@ impl Handler {
             })
     }
 
+    /// Every block a thread cache holds is the top policy's, recorded with its size and
+    /// that cache; every block the ledger gives a cache is in it.
+    fn audit_caches(&self, c: &Chain) -> Result<(), InvariantBroken> {
+        let broken = |addr, size, what| InvariantBroken {
+            link: format!("{} (thread caches)", self.info.name),
+            addr,
+            size,
+            what,
+        };
+        let mut held = 0;
+        for slot in self.slots.iter() {
+            let t = slot.claim();
+            let in_magazines = t.magazines.iter().flat_map(Magazines::blocks);
+            for (addr, size) in t.lent.iter().chain(in_magazines) {
+                let entry = c.head.lent().get(addr);
+                if entry.is_none_or(|e| e.size != size || e.cache != Some(slot.id)) {
+                    return Err(broken(
+                        addr,
+                        size,
+                        "is in a thread cache the ledger does not name",
+                    ));
+                }
+                held += 1;
+            }
+        }
+        let named: Vec<_> = c
+            .head
+            .lent()
+            .iter()
+            .filter(|(_, e)| e.cache.is_some())
+            .collect();
+        match named.len() == held {
+            true => Ok(()),
+            false => {
+                let (addr, e) = named[0];
+                Err(broken(
+                    addr,
+                    e.size,
+                    "is given to a thread cache that does not hold it",
+                ))
+            }
+        }
+    }
+
     /// The blocks the client holds, `(address, size)`, by address.
     pub fn live_blocks(&self) -> Vec<(usize, usize)> {
         let c = self.chain.lock();
-        c.head
+        let mut blocks: Vec<(usize, usize)> = c
+            .head
             .lent()
             .iter()
-            .filter(|(_, e)| !e.cached)
+            .filter(|(_, e)| e.cache.is_none())
             .map(|(a, e)| (a as usize, e.size as usize))
-            .collect()
+            .collect();
+        for slot in self.slots.iter() {
+            let t = slot.claim();
+            blocks.extend(t.lent.iter().map(|(a, s)| (a as usize, s as usize)));
+        }
+        blocks.sort_unstable();
+        blocks
     }
 
     /// The size a live block was (re)allocated with.
     pub fn block_size(&self, ptr: NonNull<u8>) -> Option<usize> {
+        let addr = ptr.as_ptr() as u64;
         let c = self.chain.lock();
-        let e = c.head.lent().get(ptr.as_ptr() as u64)?;
-        (!e.cached).then_some(e.size as usize)
+        let e = c.head.lent().get(addr)?;
+        let size = match e.cache {
+            None => e.size,
+            Some(id) => self.slots.cache_of(&self.slots.mine(), id).lent.get(addr)?,
+        };
+        Some(size as usize)
     }
 
     /// Counters of every policy in the chain, top first.
@@ -529,7 +554,7 @@ impl Handler {
         self.chain.lock().links().map(Link::stats).collect()
     }
 
-    /// Trim, then fail with a [`Rule::Leak`] violation if the chain still holds memory
+    /// Trim, then fail with a [`crate::error::Rule::Leak`] violation if the chain still holds memory
     /// from the host — to be called once the client has freed everything (a test's last
     /// assertion).
     pub fn leak_check(&self) -> Result<(), Error> {
@@ -560,6 +585,24 @@ impl Handler {
         self.chain.lock().failure.clone()
     }
 
+    /// Take a block the client holds out of the thread cache that lent it; the client
+    /// holds it straight from the policy now. False when that cache has not lent it (it
+    /// sits in a magazine).
+    fn take_from_cache(&self, c: &mut Chain, mine: &Mine<'_>, addr: u64) -> bool {
+        let entry = c
+            .head
+            .lent_mut()
+            .get_mut(addr)
+            .expect("the caller found it");
+        let holder = entry.cache.expect("the caller saw a thread cache");
+        let mut cache = self.slots.cache_of(mine, holder);
+        if cache.lent.remove(addr).is_none() {
+            return false;
+        }
+        entry.cache = None;
+        true
+    }
+
     fn reroute(
         &self,
         f: impl FnOnce(&Handler) -> Result<Option<NonNull<u8>>, Error>,
@@ -580,6 +623,7 @@ impl Handler {
     fn move_to_fallback(
         &self,
         mut c: parking_lot::MutexGuard<'_, Chain>,
+        slot: &Mine<'_>,
         addr: u64,
         old: u64,
         new: u64,
@@ -596,12 +640,17 @@ impl Handler {
         unsafe {
             std::ptr::copy_nonoverlapping(addr as *const u8, fresh.as_ptr(), old.min(new) as usize)
         };
-        c.stats.take_back(old);
+        slot.cache().counts.take_back(old);
         // The block was found with its size; a dead head only updates its books.
         let _ = c.head.free(addr, old);
         c.rerouted.insert(fresh.as_ptr() as u64);
         Ok(Some(fresh))
     }
+}
+
+/// Update the counters of the thread that owns `slot`.
+fn count(slot: &Mine<'_>, f: impl FnOnce(&mut cache::Counts)) {
+    f(&mut slot.cache().counts);
 }
 
 fn poisoned(cause: &Arc<Error>) -> Error {
@@ -630,11 +679,12 @@ impl Chain {
     }
 
     /// Finish a call into the chain: record a failure in it, including one deep down
-    /// that the head absorbed as "none".
-    fn settle(&mut self, answer: Result<u64, Error>) -> Result<u64, Error> {
+    /// that the head absorbed as "none". The caller holds no thread cache's lock: a
+    /// failure empties every cache.
+    fn settle(&mut self, slots: &Slots, answer: Result<u64, Error>) -> Result<u64, Error> {
         match answer {
             Err(e) => {
-                self.fail(Arc::new(e.clone()));
+                self.fail(slots, Arc::new(e.clone()));
                 Err(e)
             }
             Ok(addr) => {
@@ -651,7 +701,7 @@ impl Chain {
                 let Some(cause) = failures.into_iter().next() else {
                     return Ok(addr);
                 };
-                self.fail(cause.clone());
+                self.fail(slots, cause.clone());
                 // A block that was served is good; "none" caused by the failure is not
                 // an answer, the failure is.
                 if addr == 0 {
@@ -663,117 +713,119 @@ impl Chain {
         }
     }
 
-    fn fail(&mut self, cause: Arc<Error>) {
+    fn fail(&mut self, slots: &Slots, cause: Arc<Error>) {
         if self.failure.is_none() {
             self.failure = Some(cause);
-            let _ = self.flush_magazines();
+            slots.set_failed();
+            let _ = self.flush_magazines(slots);
             self.head.retire(self.failure.as_ref().expect("just set"));
             self.poisonings_seen = self.poison_count.load(Ordering::Relaxed);
         }
     }
 
-    fn count_lend(&mut self, addr: u64, size: u64) {
-        if addr == 0 {
-            self.stats.failed += 1;
-        } else {
-            self.stats.lend(size);
-        }
-    }
-
-    fn malloc_from_magazine(&mut self, size: u64) -> Result<u64, Error> {
-        let Chain {
-            head, magazines, ..
-        } = self;
-        let magazines = magazines.as_mut().expect("checked by caller");
-        let magazine = magazines.of_size(size);
-        if let Some(addr) = magazine.blocks.pop() {
-            magazines.cached_bytes -= size;
-            head.lent_mut()
-                .get_mut(addr)
-                .expect("cached blocks are lent")
-                .cached = false;
-            self.stats.magazine_hits += 1;
-            return Ok(addr);
-        }
-        let count = magazine.next_refill;
-        magazine.next_refill = (count * 2).min(magazine_refill(size));
-        let mut blocks = head.malloc_many(size, count)?;
+    /// Fill `slot`'s empty magazine of `size` from the top policy and lend the client
+    /// one block of it. No policy is called while the cache is held.
+    fn refill(&mut self, slot: &Mine<'_>, size: u64) -> Result<u64, Error> {
+        let count = {
+            let mut t = slot.cache();
+            let magazines = t.magazines.as_mut().expect("the handler keeps magazines");
+            let count = magazines.of_size(size).refill_count(size);
+            let room = cache::MAGAZINES_THREAD_BYTES.saturating_sub(magazines.cached_bytes);
+            if room < size * u64::from(count) {
+                // This thread's magazines are as full as allowed: the policy serves it.
+                return self.head.malloc(size);
+            }
+            count
+        };
+        let mut blocks = self.head.malloc_many(size, count)?;
         let Some(first) = blocks.pop() else {
             // The policy placed nothing in bulk; ask once the ordinary way.
-            return head.malloc(size);
+            return self.head.malloc(size);
         };
-        for &addr in &blocks {
-            head.lent_mut().get_mut(addr).expect("just admitted").cached = true;
+        for &addr in blocks.iter().chain([&first]) {
+            self.head
+                .lent_mut()
+                .get_mut(addr)
+                .expect("just admitted")
+                .cache = Some(slot.id());
         }
+        let mut t = slot.cache();
+        t.lent.insert(first, size);
+        let magazines = t.magazines.as_mut().expect("checked above");
         magazines.cached_bytes += size * blocks.len() as u64;
         magazines.of_size(size).blocks.extend(blocks);
         Ok(first)
     }
 
-    fn free_into_magazine(&mut self, addr: u64, size: u64) -> Result<u64, Error> {
-        let Chain {
-            head, magazines, ..
-        } = self;
-        let magazines = magazines.as_mut().expect("checked by caller");
-        if magazines.cached_bytes + size > MAGAZINES_TOTAL_BYTES {
-            // Every magazine is as full as the handler allows: the policy takes it.
-            return match head.free(addr, size) {
-                Ok(()) => Ok(0),
-                Err(LinkFault::Link(e)) => Err(e),
-                Err(LinkFault::Caller(_)) => unreachable!("the block was found with its size"),
-            };
+    /// Put a block the client gave back into `slot`'s magazine, spilling half of a full
+    /// magazine to the policy first; past the thread's byte cap the policy takes it. No
+    /// policy is called while the cache is held.
+    fn shelve(
+        &mut self,
+        slots: &Slots,
+        slot: &Mine<'_>,
+        addr: u64,
+        size: u64,
+    ) -> Result<u64, Error> {
+        if !slots.keeps_magazines() {
+            return self.give_back(addr, size);
         }
-        let depth = magazine_depth(size);
-        let stack = &mut magazines.of_size(size).blocks;
-        if stack.len() >= depth {
-            let spill: Vec<u64> = stack.drain(depth / 2..).collect();
+        let spill = {
+            let mut t = slot.cache();
+            let magazines = t.magazines.as_mut().expect("the handler keeps magazines");
+            let magazine = magazines.of_size(size);
+            let spill: Vec<u64> = match magazine.blocks.len() >= magazine.depth {
+                true => magazine.blocks.drain(magazine.depth / 2..).collect(),
+                false => Vec::new(),
+            };
             magazines.cached_bytes -= size * spill.len() as u64;
-            match head.free_many(spill, size) {
+            spill
+        };
+        if !spill.is_empty() {
+            match self.head.free_many(spill, size) {
                 Ok(()) => {}
                 Err(LinkFault::Link(e)) => {
                     // The client gave this block up; off the books of the now dead link.
-                    let _ = head.free(addr, size);
+                    let _ = self.head.free(addr, size);
                     return Err(e);
                 }
                 Err(LinkFault::Caller(_)) => unreachable!("cached blocks are lent"),
             }
         }
-        head.lent_mut()
-            .get_mut(addr)
-            .expect("found by caller")
-            .cached = true;
-        magazines.of_size(size).blocks.push(addr);
-        magazines.cached_bytes += size;
-        Ok(0)
+        if slot.cache().keep(addr, size) {
+            self.head
+                .lent_mut()
+                .get_mut(addr)
+                .expect("the caller found it")
+                .cache = Some(slot.id());
+            return Ok(0);
+        }
+        self.give_back(addr, size)
     }
 
-    /// Hand every cached block back to the top policy.
-    fn flush_magazines(&mut self) -> Result<u64, Error> {
-        let Some(magazines) = &mut self.magazines else {
-            return Ok(0);
-        };
+    /// Give a block back to the top policy.
+    fn give_back(&mut self, addr: u64, size: u64) -> Result<u64, Error> {
+        match self.head.free(addr, size) {
+            Ok(()) => Ok(0),
+            Err(LinkFault::Link(e)) => Err(e),
+            Err(LinkFault::Caller(_)) => unreachable!("the block was found with its size"),
+        }
+    }
+
+    /// Hand every thread's cached blocks back to the top policy.
+    fn flush_magazines(&mut self, slots: &Slots) -> Result<u64, Error> {
         let mut first_error = None;
-        for (size, blocks) in magazines.drain() {
-            if let Err(LinkFault::Link(e)) = self.head.free_many(blocks, size) {
-                first_error.get_or_insert(e);
+        for slot in slots.iter() {
+            let drained = match &mut slot.claim().magazines {
+                Some(magazines) => magazines.drain(),
+                None => continue,
+            };
+            for (size, blocks) in drained {
+                if let Err(LinkFault::Link(e)) = self.head.free_many(blocks, size) {
+                    first_error.get_or_insert(e);
+                }
             }
         }
         first_error.map_or(Ok(0), Err)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn magazine_depth_is_bounded_by_bytes_and_refills_by_depth() {
-        assert_eq!(magazine_depth(16), MAGAZINE_DEPTH);
-        assert_eq!(magazine_depth(4096), 64);
-        assert_eq!(magazine_depth(16 << 10), 16);
-        assert_eq!(magazine_depth(64 << 10), MAGAZINE_MIN_DEPTH);
-        assert_eq!(magazine_refill(16), MAGAZINE_REFILL);
-        assert_eq!(magazine_refill(16 << 10), 4);
-        assert_eq!(magazine_refill(64 << 10), 1);
     }
 }

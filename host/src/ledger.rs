@@ -10,12 +10,17 @@ use std::collections::BTreeMap;
 
 use crate::fasthash::FastMap;
 
+/// Names one of a handler's per-thread caches.
+pub(crate) type CacheId = std::num::NonZeroU32;
+
 /// One lent block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Entry {
     pub(crate) size: u64,
-    /// Placed by the policy and held by the host in a magazine, not by the client.
-    pub(crate) cached: bool,
+    /// For the top policy's blocks: the thread cache that holds the block, in its
+    /// magazine or lent from there to the client; `None` when the client holds it
+    /// straight from the policy. Other boundaries leave it `None`.
+    pub(crate) cache: Option<CacheId>,
 }
 
 /// Why a block cannot be taken back.
@@ -125,9 +130,9 @@ impl Ledger {
     }
 
     /// Record a newly lent block. The caller has checked that it overlaps nothing.
-    pub(crate) fn insert(&mut self, addr: u64, size: u64, cached: bool) {
+    pub(crate) fn insert(&mut self, addr: u64, size: u64) {
         debug_assert!(self.overlapping(addr, size).is_none());
-        self.blocks.insert(addr, Entry { size, cached });
+        self.blocks.insert(addr, Entry { size, cache: None });
         self.ranges.insert(addr, size);
         self.bytes += size;
         self.peak_bytes = self.peak_bytes.max(self.bytes);
@@ -201,7 +206,7 @@ mod tests {
     fn ledger(blocks: &[(u64, u64)]) -> Ledger {
         let mut l = Ledger::default();
         for &(a, s) in blocks {
-            l.insert(a, s, false);
+            l.insert(a, s);
         }
         l
     }

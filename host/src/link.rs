@@ -1022,7 +1022,7 @@ impl Link {
     fn admit(&mut self, call: Call, addr: u64, size: u64) -> Result<u64, Error> {
         match self.misplaced(addr, size) {
             None => {
-                self.lent_mut().insert(addr, size, false);
+                self.lent_mut().insert(addr, size);
                 Ok(addr)
             }
             Some(rule) => Err(self.violation(call, addr, size, rule)),
@@ -1102,7 +1102,7 @@ impl Link {
             // The client still holds its old block, intact: the upstream block under it
             // was held back. It goes back on the books before the link is stopped, so
             // the stop cannot release that memory while the client holds it.
-            self.lent_mut().insert(ptr, old_entry.size, false);
+            self.lent_mut().insert(ptr, old_entry.size);
             return Err(LinkFault::Link(self.violation(
                 Call::Realloc,
                 addr,
@@ -1110,7 +1110,7 @@ impl Link {
                 rule,
             )));
         }
-        self.lent_mut().insert(addr, new, false);
+        self.lent_mut().insert(addr, new);
         self.release_held_back();
         Ok(addr)
     }

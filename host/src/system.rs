@@ -132,7 +132,7 @@ impl SystemMemory {
             return 0;
         };
         advise_huge_pages(block, size as usize);
-        self.lent.insert(ptr as u64, size, false);
+        self.lent.insert(ptr as u64, size);
         ptr as u64
     }
 
@@ -179,7 +179,7 @@ impl SystemMemory {
         };
         advise_huge_pages(block, new as usize);
         self.lent.remove(ptr);
-        self.lent.insert(moved as u64, new, false);
+        self.lent.insert(moved as u64, new);
         Ok(moved as u64)
     }
 

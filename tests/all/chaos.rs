@@ -11,6 +11,9 @@
 //!   poisoned, so a use after free also shows as poisoned bytes);
 //! - once the client has freed everything, a stopped chain holds nothing from the host.
 //!
+//! A quarter of the mallocs and frees run on another client thread, so blocks cross
+//! thread caches both ways: taken on one thread, freed on another.
+//!
 //! CI runs `ALLOCBOX_CHAOS_STREAMS` streams (default below); a long run:
 //! `ALLOCBOX_CHAOS_STREAMS=200000 cargo test --release --test all chaos -- --nocapture`.
 //! A failing stream prints its seed; `ALLOCBOX_CHAOS_SEED=S` runs that stream alone.
@@ -125,7 +128,11 @@ fn stream(seed: u64) -> Result<String, String> {
         let what = match rng.below(10) {
             0..=3 => {
                 let size = rng.size();
-                let p = answer(h.malloc(size), "malloc")?;
+                let p = match rng.below(4) {
+                    0 => from_address(elsewhere(|| to_address(h.malloc(size)))),
+                    _ => h.malloc(size),
+                };
+                let p = answer(p, "malloc")?;
                 adopt(&mut live, p, size.max(1), byte);
                 "malloc"
             }
@@ -156,7 +163,14 @@ fn stream(seed: u64) -> Result<String, String> {
                 let i = rng.below(live.len() as u64) as usize;
                 let block = live.swap_remove(i);
                 // A policy failing inside free is its own fault; the block is given up.
-                if let Err(Error::Client(e)) = h.free(Some(block.ptr), block.size) {
+                let freed = match rng.below(4) {
+                    0 => {
+                        let addr = block.ptr.as_ptr() as usize;
+                        elsewhere(|| h.free(NonNull::new(addr as *mut u8), block.size))
+                    }
+                    _ => h.free(Some(block.ptr), block.size),
+                };
+                if let Err(Error::Client(e)) = freed {
                     return Err(format!("free blamed the client: {e}"));
                 }
                 "free"
@@ -207,6 +221,20 @@ fn kind(e: &Error) -> &'static str {
         Error::Poisoned { cause, .. } => kind(cause),
         Error::Client(_) => "client",
     }
+}
+
+/// Run `f` on a client thread of its own.
+fn elsewhere<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    std::thread::scope(|s| s.spawn(f).join().expect("the other client thread panicked"))
+}
+
+/// Pointers are not `Send`: blocks cross threads as addresses.
+fn to_address(r: Result<Option<NonNull<u8>>, Error>) -> Result<usize, Error> {
+    r.map(|p| p.map_or(0, |p| p.as_ptr() as usize))
+}
+
+fn from_address(r: Result<usize, Error>) -> Result<Option<NonNull<u8>>, Error> {
+    r.map(|a| NonNull::new(a as *mut u8))
 }
 
 /// A request's answer: a block, none, or a policy's failure (fine), never the client's.

@@ -12,6 +12,7 @@ mod limits;
 mod load;
 mod nep49;
 mod pool;
+mod threads;
 mod trace;
 
 mod smoke {

@@ -1,0 +1,186 @@
+//! One handler, many threads: each thread's magazines serve it without the chain's lock,
+//! and a block may be freed by any thread, with every client check still made.
+
+use std::ptr::NonNull;
+use std::sync::mpsc;
+
+use allocbox::{ClientError, Error, Handler};
+
+use super::support::*;
+
+fn ptr(addr: usize) -> Option<NonNull<u8>> {
+    NonNull::new(addr as *mut u8)
+}
+
+/// A block from `h`'s magazines on a thread of its own, as an address (pointers are not
+/// `Send`). The thread ends, so its cache outlives it.
+fn taken_on_another_thread(h: &Handler, size: usize) -> usize {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // Warm the magazine so that the block comes from it, not from the policy.
+            let warm = h.malloc(size).unwrap();
+            h.free(warm, size).unwrap();
+            let p = h.malloc(size).unwrap().unwrap();
+            fill(p, size, 0x3c);
+            p.as_ptr() as usize
+        })
+        .join()
+        .unwrap()
+    })
+}
+
+#[test]
+fn a_block_taken_on_one_thread_is_freed_on_another() {
+    let h = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
+    let addr = taken_on_another_thread(&h, 48);
+    assert!(holds(ptr(addr).unwrap(), 48, 0x3c));
+    assert_eq!(h.live_blocks(), [(addr, 48)]);
+    assert_eq!(h.block_size(ptr(addr).unwrap()), Some(48));
+    h.free(ptr(addr), 48).unwrap();
+    h.audit().unwrap();
+    let stats = h.stats();
+    assert_eq!((stats.live_blocks, stats.live_bytes), (0, 0));
+    assert_eq!((stats.mallocs, stats.frees), (2, 2));
+    assert!(stats.magazine_hits >= 1);
+    h.leak_check().unwrap();
+}
+
+#[test]
+fn a_block_freed_on_its_thread_and_again_on_another_is_a_double_free() {
+    let h = handler(&allocbox_artifacts::SYSTEM, &[]);
+    let addr = std::thread::scope(|s| {
+        s.spawn(|| {
+            let p = h.malloc(32).unwrap();
+            h.free(p, 32).unwrap();
+            p.unwrap().as_ptr() as usize
+        })
+        .join()
+        .unwrap()
+    });
+    // The block sits in the other thread's magazine now.
+    let err = h.free(ptr(addr), 32).unwrap_err();
+    assert!(
+        matches!(err, Error::Client(ClientError::DoubleFree { .. })),
+        "{err}"
+    );
+    let err = h.realloc(ptr(addr), 64).unwrap_err();
+    assert!(
+        matches!(err, Error::Client(ClientError::UnknownRealloc { .. })),
+        "{err}"
+    );
+    assert!(
+        h.failure().is_none(),
+        "a client mistake does not stop the policy"
+    );
+    h.audit().unwrap();
+    h.leak_check().unwrap();
+}
+
+#[test]
+fn a_wrong_size_free_on_another_thread_is_corrected() {
+    let h = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
+    let addr = taken_on_another_thread(&h, 24);
+    h.free(ptr(addr), 1000).unwrap();
+    assert_eq!(h.stats().size_corrections, 1);
+    h.leak_check().unwrap();
+}
+
+#[test]
+fn a_block_taken_on_one_thread_is_resized_on_another_with_its_bytes() {
+    let h = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
+    let addr = taken_on_another_thread(&h, 40);
+    let moved = h.realloc(ptr(addr), 4000).unwrap().unwrap();
+    assert!(holds(moved, 40, 0x3c));
+    assert_eq!(h.live_blocks(), [(moved.as_ptr() as usize, 4000)]);
+    h.free(Some(moved), 4000).unwrap();
+    h.audit().unwrap();
+    h.leak_check().unwrap();
+}
+
+/// Threads take blocks, pass some to the next thread to free, free the rest themselves,
+/// while another thread reads statistics, audits and trims. Every block keeps its bytes,
+/// the books balance, and nothing leaks.
+#[test]
+fn threads_handing_blocks_around_keep_every_block_and_the_books_balanced() {
+    const THREADS: usize = 3;
+    const ROUNDS: usize = 3000;
+    let h = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
+    let (senders, receivers): (Vec<_>, Vec<_>) = (0..THREADS)
+        .map(|_| mpsc::channel::<(usize, usize, u8)>())
+        .unzip();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = receivers
+            .into_iter()
+            .enumerate()
+            .map(|(i, inbox)| {
+                let next = senders[(i + 1) % THREADS].clone();
+                let h = &h;
+                s.spawn(move || {
+                    let mut own = Vec::new();
+                    for round in 0..ROUNDS {
+                        let size = [16, 24, 64, 100, 1000, 5000, 70_000][(round + i) % 7];
+                        let byte = (round % 251) as u8;
+                        let p = h.malloc(size).unwrap().unwrap();
+                        fill(p, size, byte);
+                        let addr = p.as_ptr() as usize;
+                        match round % 3 {
+                            0 => next.send((addr, size, byte)).unwrap(),
+                            _ => own.push((addr, size, byte)),
+                        }
+                        if own.len() > 40 {
+                            for (addr, size, byte) in own.drain(..20) {
+                                assert!(holds(ptr(addr).unwrap(), size, byte));
+                                h.free(ptr(addr), size).unwrap();
+                            }
+                        }
+                        while let Ok((addr, size, byte)) = inbox.try_recv() {
+                            assert!(holds(ptr(addr).unwrap(), size, byte));
+                            h.free(ptr(addr), size).unwrap();
+                        }
+                    }
+                    drop(next);
+                    (own, inbox)
+                })
+            })
+            .collect();
+        s.spawn(|| {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                h.audit().unwrap();
+                let _ = h.stats();
+                h.trim().unwrap();
+                std::thread::yield_now();
+            }
+        });
+        let leftovers: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        for (own, inbox) in leftovers {
+            for (addr, size, byte) in own.into_iter().chain(inbox.try_iter()) {
+                assert!(holds(ptr(addr).unwrap(), size, byte));
+                h.free(ptr(addr), size).unwrap();
+            }
+        }
+    });
+    h.audit().unwrap();
+    let stats = h.stats();
+    assert_eq!((stats.live_blocks, stats.live_bytes), (0, 0));
+    assert_eq!(stats.mallocs, (THREADS * ROUNDS) as u64);
+    assert_eq!(stats.frees, stats.mallocs);
+    assert!(stats.magazine_hits > 0);
+    assert!(h.failure().is_none());
+    h.leak_check().unwrap();
+}
+
+#[test]
+fn one_thread_s_peak_is_exact_across_its_magazine_hits() {
+    let h = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
+    let blocks: Vec<_> = (0..10).map(|_| h.malloc(64).unwrap()).collect();
+    for &p in &blocks {
+        h.free(p, 64).unwrap();
+    }
+    let p = h.malloc(64).unwrap();
+    let stats = h.stats();
+    assert_eq!(stats.peak_bytes, 640);
+    assert_eq!(stats.live_bytes, 64);
+    h.free(p, 64).unwrap();
+}
