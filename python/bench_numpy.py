@@ -85,7 +85,9 @@ def medians(work, handlers, rounds=9):
 
 
 def main():
-    handlers = [("numpy default", None)]
+    # "native, bridged": NumPy's default reimplemented natively, installed through the
+    # same capsule and callbacks as the policies: the cost of any custom handler.
+    handlers = [("numpy default", None), ("native, bridged", allocbox.native_default())]
     for label, name, config in (
         ("system", "system", None),
         ("size-classes", "size-classes", None),

@@ -23,6 +23,7 @@ from ._allocbox import (
     Policy,
     get_handler,
     load_chain,
+    native_default,
     set_handler,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
     "handler_name",
     "load",
     "load_chain",
+    "native_default",
     "set_handler",
     "use",
 ]

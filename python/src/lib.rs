@@ -527,6 +527,23 @@ fn load_chain(
     })
 }
 
+/// NumPy's own default handler (C malloc behind NumPy's small-block cache), natively,
+/// behind the same bridge as the wasm policies: what any handler installed through this
+/// module costs NumPy before a policy does anything. For benchmarks and comparisons.
+#[pyfunction]
+fn native_default() -> Policy {
+    Policy {
+        handler: None,
+        bridge: Arc::new(Bridge {
+            handler: allocbox::nep49::default_handler(),
+            failures: Mutex::new(Vec::new()),
+            panicked: OnceLock::new(),
+        }),
+        recorder: None,
+        capsule: Mutex::new(None),
+    }
+}
+
 /// Install a policy (or a capsule `set_handler` returned earlier, or `None` for NumPy's
 /// default) as NumPy's handler in the current context. Returns the previous capsule.
 #[pyfunction]
@@ -564,6 +581,7 @@ fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_chain, m)?)?;
     m.add_function(wrap_pyfunction!(set_handler, m)?)?;
     m.add_function(wrap_pyfunction!(get_handler, m)?)?;
+    m.add_function(wrap_pyfunction!(native_default, m)?)?;
     m.add("AllocboxError", py.get_type::<AllocboxError>())?;
     m.add("LoadError", py.get_type::<LoadError>())?;
     m.add("ContractViolation", py.get_type::<ContractViolation>())?;

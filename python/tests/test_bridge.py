@@ -240,3 +240,16 @@ def test_a_malloc_many_past_the_batch_bound_stops_the_policy_with_a_clear_error(
         with pytest.raises(MemoryError):
             np.ones(10)
     assert "batch bound" in bad.failure and "asked 4294967295, limit 1000" in bad.failure
+
+
+def test_the_native_default_serves_numpy_through_the_same_bridge():
+    native = allocbox.native_default()
+    with allocbox.use(native):
+        small = np.arange(50, dtype=np.int64)
+        grown = np.concatenate([small, np.ones(100_000)])
+        assert allocbox.handler_name(small) == "default_allocator"
+        assert small.sum() == 49 * 50 // 2
+        assert grown[50:].sum() == 100_000
+    del small, grown
+    gc.collect()
+    native.raise_if_failed()
