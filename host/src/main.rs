@@ -384,14 +384,20 @@ fn run_replay_trace(
     };
     let report = allocbox::trace::replay_trace(&*handler, &events);
     let stats = &report.stats;
+    let threads = events
+        .iter()
+        .map(|e| e.thread)
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
     let mut out = format!(
-        "trace      {} ({} events)\nhandler    {}\ntime       {:.2} s, {:.0} ns/event\n\
+        "trace      {} ({} events, replayed on {threads} thread{})\nhandler    {}\ntime       {:.2} s, {:.0} ns/event\n\
          peak       {} bytes live\ncalls      {} malloc, {} calloc, {} realloc, {} free\n\
          quirks     {} ids not allocated in the trace, {} free(NULL), {} wrong-size frees corrected\n\
          none       {} requests answered out-of-memory\n\
          budget     {} upstream requests refused past a policy's overhead budget\n",
         trace.display(),
         events.len(),
+        if threads == 1 { "" } else { "s" },
         handler.name(),
         report.elapsed.as_secs_f64(),
         report.ns_per_event(),

@@ -7,6 +7,7 @@ use std::fmt;
 use std::io::{BufRead, BufReader, Read, Seek, Write};
 use std::path::Path;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -27,6 +28,9 @@ pub struct Event {
     pub id: u64,
     /// Bytes: the (new) size, or for `free` what the client passed.
     pub size: u64,
+    /// The recording's number for the thread that made the call (1 when the line has
+    /// none).
+    pub thread: u32,
     /// The line it came from, for error messages.
     pub line: u32,
 }
@@ -94,10 +98,15 @@ pub fn parse_trace(mut input: impl BufRead) -> Result<Vec<Event>, TraceError> {
         };
         let id = number("id")?;
         let size = number("size")?;
+        let thread = match words.next() {
+            None => 1,
+            Some(w) => w.parse().map_err(|e| bad(format!("thread `{w}`: {e}")))?,
+        };
         events.push(Event {
             op,
             id,
             size,
+            thread,
             line: n,
         });
     }
@@ -139,60 +148,114 @@ impl ReplayReport {
     }
 }
 
-/// Replay `events` through `handler`, in one thread. Every block still live at the end
-/// is freed (outside the timing), so the handler is left empty.
+/// A block the replay holds for an id: where, and the size it was (re)allocated with.
+type Held = (NonNull<u8>, usize);
+
+impl ReplayReport {
+    /// Replay one event against the block held for its id; returns what is held for the
+    /// id afterwards.
+    fn apply(
+        &mut self,
+        handler: &dyn MemHandler,
+        event: &Event,
+        held: Option<Held>,
+    ) -> (Option<Held>, Result<(), Error>) {
+        let size = usize::try_from(event.size).unwrap_or(usize::MAX);
+        self.events += 1;
+        match event.op {
+            EventOp::Malloc | EventOp::Calloc => {
+                let got = match event.op {
+                    EventOp::Malloc => handler.malloc(size),
+                    _ => handler.calloc(size, 1),
+                };
+                match got {
+                    Ok(Some(p)) => {
+                        if let Some((old, old_size)) = held {
+                            // A reused id: the trace lost the free; give the old block back.
+                            let _ = handler.free(Some(old), old_size);
+                        }
+                        (Some((p, size)), Ok(()))
+                    }
+                    Ok(None) => {
+                        self.out_of_memory += 1;
+                        (held, Ok(()))
+                    }
+                    Err(e) => (held, Err(e)),
+                }
+            }
+            EventOp::Realloc => {
+                let old = held.map(|(p, _)| p);
+                if old.is_none() {
+                    self.unknown_ids += 1;
+                }
+                match handler.realloc(old, size) {
+                    Ok(Some(p)) => (Some((p, size)), Ok(())),
+                    Ok(None) => {
+                        self.out_of_memory += 1;
+                        (held, Ok(()))
+                    }
+                    Err(e) => (held, Err(e)),
+                }
+            }
+            EventOp::Free if event.id == 0 => {
+                self.null_frees += 1;
+                (held, handler.free(None, size))
+            }
+            // The trace's size, not the recorded one: wrong-size frees are part of what
+            // is replayed; allocbox's ledger corrects and counts them.
+            EventOp::Free => match held {
+                Some((p, _)) => (None, handler.free(Some(p), size)),
+                None => {
+                    self.unknown_ids += 1;
+                    (None, Ok(()))
+                }
+            },
+        }
+    }
+
+    /// Add what another thread of the same replay saw; the earliest failure wins.
+    fn merge(&mut self, other: ReplayReport) {
+        self.events += other.events;
+        self.unknown_ids += other.unknown_ids;
+        self.null_frees += other.null_frees;
+        self.out_of_memory += other.out_of_memory;
+        if let Some((event, e)) = other.failure
+            && self
+                .failure
+                .as_ref()
+                .is_none_or(|(f, _)| event.line < f.line)
+        {
+            self.failure = Some((event, e));
+        }
+    }
+}
+
+/// Replay `events` through `handler`. A trace recorded on one thread is replayed on
+/// this thread; a trace with several threads is replayed with one thread each, every
+/// event waiting for the event before it on the same block, so each block's life runs
+/// in the recorded order while the threads run at once. Every block still live at the
+/// end is freed (outside the timing), so the handler is left empty.
 pub fn replay_trace(handler: &dyn MemHandler, events: &[Event]) -> ReplayReport {
+    let first = events.first().map_or(1, |e| e.thread);
+    let mut report = match events.iter().all(|e| e.thread == first) {
+        true => replay_on_one_thread(handler, events),
+        false => replay_on_recorded_threads(handler, events),
+    };
+    report.stats = handler.stats();
+    report
+}
+
+fn replay_on_one_thread(handler: &dyn MemHandler, events: &[Event]) -> ReplayReport {
     // The replay's own bookkeeping should cost little next to the handler it measures.
-    let mut live: FastMap<u64, (NonNull<u8>, usize)> =
+    let mut live: FastMap<u64, Held> =
         FastMap::with_capacity_and_hasher(1 << 16, Default::default());
     let mut report = ReplayReport::default();
     let start = Instant::now();
     for event in events {
-        let size = usize::try_from(event.size).unwrap_or(usize::MAX);
-        let result = match event.op {
-            EventOp::Malloc | EventOp::Calloc => {
-                let got = if event.op == EventOp::Malloc {
-                    handler.malloc(size)
-                } else {
-                    handler.calloc(size, 1)
-                };
-                got.map(|p| match p {
-                    Some(p) => {
-                        if let Some((old, old_size)) = live.insert(event.id, (p, size)) {
-                            // A reused id: the trace lost the free; give the old block back.
-                            let _ = handler.free(Some(old), old_size);
-                        }
-                    }
-                    None => report.out_of_memory += 1,
-                })
-            }
-            EventOp::Realloc => {
-                let old = live.get(&event.id).map(|&(p, _)| p);
-                if old.is_none() {
-                    report.unknown_ids += 1;
-                }
-                handler.realloc(old, size).map(|p| match p {
-                    Some(p) => {
-                        live.insert(event.id, (p, size));
-                    }
-                    None => report.out_of_memory += 1,
-                })
-            }
-            EventOp::Free if event.id == 0 => {
-                report.null_frees += 1;
-                handler.free(None, size)
-            }
-            EventOp::Free => match live.remove(&event.id) {
-                // The trace's size, not the recorded one: wrong-size frees are part of
-                // what is replayed; allocbox's ledger corrects and counts them.
-                Some((p, _)) => handler.free(Some(p), size),
-                None => {
-                    report.unknown_ids += 1;
-                    Ok(())
-                }
-            },
-        };
-        report.events += 1;
+        let (held, result) = report.apply(handler, event, live.remove(&event.id));
+        if let Some(held) = held {
+            live.insert(event.id, held);
+        }
         if let Err(e) = result {
             report.failure = Some((*event, e));
             break;
@@ -202,7 +265,104 @@ pub fn replay_trace(handler: &dyn MemHandler, events: &[Event]) -> ReplayReport 
     for (_, (p, size)) in live.drain() {
         let _ = handler.free(Some(p), size);
     }
-    report.stats = handler.stats();
+    report
+}
+
+/// What the threads of a replay share: per block id, the block held for it; per event,
+/// the event before it on the same id and whether it is done.
+struct Schedule {
+    block_of: Vec<u32>,
+    before: Vec<Option<u32>>,
+    done: Vec<AtomicBool>,
+    /// `(address, size)`: pointers are not `Send`.
+    held: Vec<Mutex<Option<(usize, usize)>>>,
+    stop: AtomicBool,
+}
+
+fn replay_on_recorded_threads(handler: &dyn MemHandler, events: &[Event]) -> ReplayReport {
+    let mut blocks: FastMap<u64, u32> = FastMap::default();
+    let mut last_event: Vec<Option<u32>> = Vec::new();
+    let mut block_of = Vec::with_capacity(events.len());
+    let mut before = Vec::with_capacity(events.len());
+    let mut by_thread: std::collections::BTreeMap<u32, Vec<u32>> = Default::default();
+    for (i, event) in events.iter().enumerate() {
+        let next = blocks.len() as u32;
+        let block = *blocks.entry(event.id).or_insert(next);
+        if block as usize == last_event.len() {
+            last_event.push(None);
+        }
+        block_of.push(block);
+        before.push(last_event[block as usize].replace(i as u32));
+        by_thread.entry(event.thread).or_default().push(i as u32);
+    }
+    let schedule = Schedule {
+        block_of,
+        before,
+        done: events.iter().map(|_| AtomicBool::new(false)).collect(),
+        held: (0..blocks.len()).map(|_| Mutex::new(None)).collect(),
+        stop: AtomicBool::new(false),
+    };
+    let start = Instant::now();
+    let reports: Vec<ReplayReport> = std::thread::scope(|s| {
+        let workers: Vec<_> = by_thread
+            .values()
+            .map(|mine| s.spawn(|| replay_thread(handler, events, mine, &schedule)))
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("a replay thread panicked"))
+            .collect()
+    });
+    let mut report = ReplayReport {
+        elapsed: start.elapsed(),
+        ..ReplayReport::default()
+    };
+    for r in reports {
+        report.merge(r);
+    }
+    for held in schedule.held {
+        if let Some((addr, size)) = held.into_inner() {
+            let _ = handler.free(NonNull::new(addr as *mut u8), size);
+        }
+    }
+    report
+}
+
+/// One recorded thread's events, in order, each after the event before it on its block.
+fn replay_thread(
+    handler: &dyn MemHandler,
+    events: &[Event],
+    mine: &[u32],
+    schedule: &Schedule,
+) -> ReplayReport {
+    let mut report = ReplayReport::default();
+    for &i in mine {
+        let i = i as usize;
+        if let Some(before) = schedule.before[i] {
+            // Events wait only for earlier events, so the earliest unfinished one can
+            // always run: this ends unless a thread stopped at a failure.
+            while !schedule.done[before as usize].load(Ordering::Acquire) {
+                if schedule.stop.load(Ordering::Relaxed) {
+                    return report;
+                }
+                std::thread::yield_now();
+            }
+        }
+        let mut slot = schedule.held[schedule.block_of[i] as usize].lock();
+        let held = slot.and_then(|(a, size)| Some((NonNull::new(a as *mut u8)?, size)));
+        let (held, result) = report.apply(handler, &events[i], held);
+        *slot = held.map(|(p, size)| (p.as_ptr() as usize, size));
+        drop(slot);
+        schedule.done[i].store(true, Ordering::Release);
+        if let Err(e) = result {
+            report.failure = Some((events[i], e));
+            schedule.stop.store(true, Ordering::Relaxed);
+            return report;
+        }
+        if schedule.stop.load(Ordering::Relaxed) {
+            return report;
+        }
+    }
     report
 }
 

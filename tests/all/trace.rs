@@ -92,6 +92,59 @@ fn replay_names_the_event_that_failed() {
 }
 
 #[test]
+fn a_trace_of_several_threads_replays_each_block_s_life_in_order_across_threads() {
+    // Block 1 is made on thread 1, grown on thread 2, freed back on thread 1; block 2
+    // is made on thread 2 and freed on thread 1 with a wrong size.
+    let text = "m 1 16 1\nm 2 32 2\nr 1 4000 2\nf 2 8 1\nm 3 24 2\nf 1 4000 1\nf 3 24 2\n";
+    let events = parse_trace(text.as_bytes()).unwrap();
+    assert_eq!(events.iter().map(|e| e.thread).max(), Some(2));
+    let h = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
+    let report = replay_trace(&h, &events);
+    assert!(report.failure.is_none(), "{:?}", report.failure);
+    assert_eq!(report.events, 7);
+    let s = &report.stats;
+    assert_eq!((s.mallocs, s.reallocs, s.frees), (3, 1, 3));
+    assert_eq!((s.live_blocks, s.size_corrections), (0, 1));
+    h.audit().unwrap();
+    h.leak_check().unwrap();
+}
+
+#[test]
+fn a_trace_recorded_on_several_threads_replays_on_as_many() {
+    let out = Shared::default();
+    let rec = Recorder::new(
+        Arc::new(handler(&allocbox_artifacts::SYSTEM, &[])),
+        out.clone(),
+    );
+    let (send, receive) = std::sync::mpsc::channel::<usize>();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for size in 1..200 {
+                let p = rec.malloc(size).unwrap().unwrap();
+                send.send(p.as_ptr() as usize).unwrap();
+            }
+            drop(send);
+        });
+        s.spawn(|| {
+            for (size, addr) in (1..200).zip(receive) {
+                rec.free(std::ptr::NonNull::new(addr as *mut u8), size)
+                    .unwrap();
+            }
+        });
+    });
+    rec.finish().unwrap();
+    let events = parse_trace(&out.0.lock().unwrap()[..]).unwrap();
+    let threads: std::collections::BTreeSet<u32> = events.iter().map(|e| e.thread).collect();
+    assert_eq!(threads.len(), 2, "each client thread is numbered");
+    let h = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
+    let report = replay_trace(&h, &events);
+    assert!(report.failure.is_none(), "{:?}", report.failure);
+    assert_eq!((report.stats.mallocs, report.stats.frees), (199, 199));
+    assert_eq!(report.unknown_ids, 0, "every free came after its malloc");
+    h.leak_check().unwrap();
+}
+
+#[test]
 fn a_bad_trace_line_is_a_syntax_error_with_its_number() {
     let err = parse_trace("m 1 8 1\nx 1 2 3\n".as_bytes()).unwrap_err();
     assert!(err.to_string().starts_with("line 2"), "{err}");
