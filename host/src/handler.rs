@@ -3,177 +3,27 @@
 //! of it ([`cache`]) so that most small requests never take that lock.
 
 mod barrier;
+mod builder;
 mod cache;
+mod chain;
 
-use std::collections::HashSet;
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::error::{ClientError, Error, InvariantBroken, LoadError};
+use crate::error::{ClientError, Error, InvariantBroken};
 use crate::ledger::TakeBack;
-use crate::link::{Limits, Link, LinkFault, PolicyInfo, Upstream};
-use crate::runtime::{Policy, Runtime};
-use crate::system::SystemMemory;
+use crate::link::{Link, PolicyInfo};
+use crate::memhandler::{MemHandler, Stats};
+pub use builder::HandlerBuilder;
 use cache::{MAGAZINE_MAX_SIZE, Magazines, Mine, Slots};
-
-/// Builds a [`Handler`] from policies, top of the chain first.
-#[derive(Debug)]
-pub struct HandlerBuilder {
-    runtime: Runtime,
-    links: Vec<(Policy, Vec<(String, String)>)>,
-    limits: Limits,
-    host_memory_limit: u64,
-    quarantine: u64,
-    magazines: bool,
-    fallback: Option<Arc<Handler>>,
-}
-
-impl HandlerBuilder {
-    /// An empty chain on `runtime`.
-    pub fn new(runtime: &Runtime) -> Self {
-        HandlerBuilder {
-            runtime: runtime.clone(),
-            links: Vec::new(),
-            limits: Limits::default(),
-            host_memory_limit: u64::MAX,
-            quarantine: 0,
-            magazines: true,
-            fallback: None,
-        }
-    }
-
-    /// Add `policy` below the links added so far, with no configuration.
-    pub fn link(self, policy: &Policy) -> Self {
-        self.link_with(policy, &[])
-    }
-
-    /// Add `policy` below the links added so far, configured with key/value pairs.
-    pub fn link_with(mut self, policy: &Policy, config: &[(&str, &str)]) -> Self {
-        let config = config
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        self.links.push((policy.clone(), config));
-        self
-    }
-
-    /// Bounds for every policy instance in the chain. Default: [`Limits::default`].
-    pub fn limits(mut self, limits: Limits) -> Self {
-        self.limits = limits;
-        self
-    }
-
-    /// Most bytes the host lends the bottom of the chain at once; past it requests are
-    /// "none". Default: unlimited.
-    pub fn host_memory_limit(mut self, bytes: u64) -> Self {
-        self.host_memory_limit = bytes;
-        self
-    }
-
-    /// Keep up to `bytes` of host memory given back by the chain poisoned (every byte
-    /// [`crate::QUARANTINE_POISON`]) and unreleased, oldest released first, so that a use
-    /// after free shows as poisoned bytes and [`Handler::audit`] can name a client block
-    /// in released memory. For tests and fuzzing: it costs that much memory. Default: 0.
-    pub fn quarantine(mut self, bytes: u64) -> Self {
-        self.quarantine = bytes;
-        self
-    }
-
-    /// Keep per-thread, per-size magazines of blocks for a top policy that declares
-    /// `batch`. Default: true.
-    pub fn magazines(mut self, on: bool) -> Self {
-        self.magazines = on;
-        self
-    }
-
-    /// Where new requests go once this handler's chain has failed. Default: none (they
-    /// fail with [`Error::Poisoned`]).
-    pub fn fallback(mut self, handler: Arc<Handler>) -> Self {
-        self.fallback = Some(handler);
-        self
-    }
-
-    /// Start every policy, bottom first, and initialise it.
-    pub fn build(self) -> Result<Handler, LoadError> {
-        if self.links.is_empty() {
-            return Err(LoadError::EmptyChain);
-        }
-        let poison_count = Arc::new(AtomicUsize::new(0));
-        let mut upstream =
-            Upstream::System(SystemMemory::new(self.host_memory_limit, self.quarantine));
-        let mut names = Vec::new();
-        for (policy, config) in self.links.iter().rev() {
-            let link =
-                self.runtime
-                    .start(policy, config, upstream, &self.limits, poison_count.clone())?;
-            names.push(link.name().clone());
-            upstream = Upstream::Policy(Box::new(link));
-        }
-        let Upstream::Policy(head) = upstream else {
-            unreachable!("the chain has at least one link")
-        };
-        names.reverse();
-        let info = head.info.clone();
-        Ok(Handler {
-            chain: Mutex::new(Chain {
-                head: *head,
-                stats: Stats::default(),
-                failure: None,
-                poisonings_seen: 0,
-                poison_count,
-                rerouted: HashSet::new(),
-            }),
-            slots: Slots::new(self.magazines && info.batch),
-            info,
-            names,
-            fallback: self.fallback,
-        })
-    }
-}
-
-/// Counts kept by a handler for everything its clients did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Stats {
-    pub mallocs: u64,
-    pub callocs: u64,
-    pub reallocs: u64,
-    pub frees: u64,
-    /// Requests answered "none" (out of memory).
-    pub failed: u64,
-    pub live_blocks: u64,
-    pub live_bytes: u64,
-    /// The most bytes live at once; see [`Handler::stats`] for how exact it is.
-    pub peak_bytes: u64,
-    pub total_bytes: u64,
-    /// Client frees whose size was not the block's; the policy got the right one.
-    pub size_corrections: u64,
-    /// Requests served from a magazine without calling the policy.
-    pub magazine_hits: u64,
-    /// Upstream requests of the chain's policies answered "none" for passing their
-    /// overhead budget ([`Limits::overhead`]), summed over the chain.
-    pub budget_refusals: u64,
-}
-
-struct Chain {
-    head: Link,
-    /// Every thread's counters folded so far.
-    stats: Stats,
-    /// The first failure anywhere in the chain; from then on new requests go to the
-    /// fallback or fail.
-    failure: Option<Arc<Error>>,
-    poisonings_seen: usize,
-    poison_count: Arc<AtomicUsize>,
-    /// Blocks the fallback handler served on this handler's behalf.
-    rerouted: HashSet<u64>,
-}
+use chain::Chain;
 
 /// A NEP 49 data-memory handler whose placement decisions are made by a chain of
 /// sandboxed policies. `Send + Sync`: many threads may call it at once. A malloc served
-/// from the calling thread's magazine, and a free of such a block on that thread, take
-/// only that thread's lock; everything else takes the chain's.
+/// from the calling thread's magazine, and a free of such a block on that thread, touch
+/// only that thread's cache; everything else takes the chain's lock.
 pub struct Handler {
     chain: Mutex<Chain>,
     slots: Slots,
@@ -317,11 +167,7 @@ impl Handler {
         if c.failure.is_some() {
             return self.move_to_fallback(c, &slot, addr, entry.size, new);
         }
-        let answer = match c.head.realloc(addr, entry.size, new) {
-            Ok(a) => Ok(a),
-            Err(LinkFault::Link(e)) => Err(e),
-            Err(LinkFault::Caller(_)) => unreachable!("the block was found with its size"),
-        };
+        let answer = c.head.realloc(addr, entry.size, new);
         let moved = c.settle(&self.slots, answer)?;
         let mut t = slot.cache();
         let counts = &mut t.counts;
@@ -653,179 +499,46 @@ fn count(slot: &Mine<'_>, f: impl FnOnce(&mut cache::Counts)) {
     f(&mut slot.cache().counts);
 }
 
+impl MemHandler for Handler {
+    fn name(&self) -> &str {
+        Handler::name(self)
+    }
+    fn version(&self) -> u8 {
+        self.info().version
+    }
+    fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
+        Handler::malloc(self, size)
+    }
+    fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error> {
+        Handler::calloc(self, nelem, elsize)
+    }
+    fn realloc(
+        &self,
+        ptr: Option<NonNull<u8>>,
+        new_size: usize,
+    ) -> Result<Option<NonNull<u8>>, Error> {
+        Handler::realloc(self, ptr, new_size)
+    }
+    fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error> {
+        Handler::free(self, ptr, size)
+    }
+    fn stats(&self) -> Stats {
+        Handler::stats(self)
+    }
+    fn usable(&self) -> Result<(), Error> {
+        match self.failure() {
+            None => Ok(()),
+            Some(cause) => Err(Error::Poisoned {
+                policy: cause.policy().unwrap_or("?").into(),
+                cause,
+            }),
+        }
+    }
+}
+
 fn poisoned(cause: &Arc<Error>) -> Error {
     Error::Poisoned {
         policy: cause.policy().unwrap_or("?").into(),
         cause: cause.clone(),
-    }
-}
-
-impl Chain {
-    /// Every link, top first.
-    fn links(&self) -> impl Iterator<Item = &Link> {
-        std::iter::successors(Some(&self.head), |l| match l.upstream() {
-            Upstream::Policy(next) => Some(&**next),
-            Upstream::System(_) => None,
-        })
-    }
-
-    /// The host's own memory under the chain.
-    fn bottom(&self) -> &SystemMemory {
-        let last = self.links().last().expect("a chain has a link");
-        match last.upstream() {
-            Upstream::System(s) => s,
-            Upstream::Policy(_) => unreachable!("the last link's upstream is the host"),
-        }
-    }
-
-    /// Finish a call into the chain: record a failure in it, including one deep down
-    /// that the head absorbed as "none". The caller holds no thread cache's lock: a
-    /// failure empties every cache.
-    fn settle(&mut self, slots: &Slots, answer: Result<u64, Error>) -> Result<u64, Error> {
-        match answer {
-            Err(e) => {
-                self.fail(slots, Arc::new(e.clone()));
-                Err(e)
-            }
-            Ok(addr) => {
-                let count = self.poison_count.load(Ordering::Relaxed);
-                if count == self.poisonings_seen {
-                    return Ok(addr);
-                }
-                self.poisonings_seen = count;
-                let mut failures = Vec::new();
-                if let Some(own) = &self.head.poisoned {
-                    failures.push(own.clone());
-                }
-                self.head.upstream().failures(&mut failures);
-                let Some(cause) = failures.into_iter().next() else {
-                    return Ok(addr);
-                };
-                self.fail(slots, cause.clone());
-                // A block that was served is good; "none" caused by the failure is not
-                // an answer, the failure is.
-                if addr == 0 {
-                    Err((*cause).clone())
-                } else {
-                    Ok(addr)
-                }
-            }
-        }
-    }
-
-    fn fail(&mut self, slots: &Slots, cause: Arc<Error>) {
-        if self.failure.is_none() {
-            self.failure = Some(cause);
-            slots.set_failed();
-            let _ = self.flush_magazines(slots);
-            self.head.retire(self.failure.as_ref().expect("just set"));
-            self.poisonings_seen = self.poison_count.load(Ordering::Relaxed);
-        }
-    }
-
-    /// Fill `slot`'s empty magazine of `size` from the top policy and lend the client
-    /// one block of it. No policy is called while the cache is held.
-    fn refill(&mut self, slot: &Mine<'_>, size: u64) -> Result<u64, Error> {
-        let count = {
-            let mut t = slot.cache();
-            let magazines = t.magazines.as_mut().expect("the handler keeps magazines");
-            let count = magazines.of_size(size).refill_count(size);
-            let room = cache::MAGAZINES_THREAD_BYTES.saturating_sub(magazines.cached_bytes);
-            if room < size * u64::from(count) {
-                // This thread's magazines are as full as allowed: the policy serves it.
-                return self.head.malloc(size);
-            }
-            count
-        };
-        let mut blocks = self.head.malloc_many(size, count)?;
-        let Some(first) = blocks.pop() else {
-            // The policy placed nothing in bulk; ask once the ordinary way.
-            return self.head.malloc(size);
-        };
-        for &addr in blocks.iter().chain([&first]) {
-            self.head
-                .lent_mut()
-                .get_mut(addr)
-                .expect("just admitted")
-                .cache = Some(slot.id());
-        }
-        let mut t = slot.cache();
-        t.lent.insert(first, size);
-        let magazines = t.magazines.as_mut().expect("checked above");
-        magazines.cached_bytes += size * blocks.len() as u64;
-        magazines.of_size(size).blocks.extend(blocks);
-        Ok(first)
-    }
-
-    /// Put a block the client gave back into `slot`'s magazine, spilling half of a full
-    /// magazine to the policy first; past the thread's byte cap the policy takes it. No
-    /// policy is called while the cache is held.
-    fn shelve(
-        &mut self,
-        slots: &Slots,
-        slot: &Mine<'_>,
-        addr: u64,
-        size: u64,
-    ) -> Result<u64, Error> {
-        if !slots.keeps_magazines() {
-            return self.give_back(addr, size);
-        }
-        let spill = {
-            let mut t = slot.cache();
-            let magazines = t.magazines.as_mut().expect("the handler keeps magazines");
-            let magazine = magazines.of_size(size);
-            let spill: Vec<u64> = match magazine.blocks.len() >= magazine.depth {
-                true => magazine.blocks.drain(magazine.depth / 2..).collect(),
-                false => Vec::new(),
-            };
-            magazines.cached_bytes -= size * spill.len() as u64;
-            spill
-        };
-        if !spill.is_empty() {
-            match self.head.free_many(spill, size) {
-                Ok(()) => {}
-                Err(LinkFault::Link(e)) => {
-                    // The client gave this block up; off the books of the now dead link.
-                    let _ = self.head.free(addr, size);
-                    return Err(e);
-                }
-                Err(LinkFault::Caller(_)) => unreachable!("cached blocks are lent"),
-            }
-        }
-        if slot.cache().keep(addr, size) {
-            self.head
-                .lent_mut()
-                .get_mut(addr)
-                .expect("the caller found it")
-                .cache = Some(slot.id());
-            return Ok(0);
-        }
-        self.give_back(addr, size)
-    }
-
-    /// Give a block back to the top policy.
-    fn give_back(&mut self, addr: u64, size: u64) -> Result<u64, Error> {
-        match self.head.free(addr, size) {
-            Ok(()) => Ok(0),
-            Err(LinkFault::Link(e)) => Err(e),
-            Err(LinkFault::Caller(_)) => unreachable!("the block was found with its size"),
-        }
-    }
-
-    /// Hand every thread's cached blocks back to the top policy.
-    fn flush_magazines(&mut self, slots: &Slots) -> Result<u64, Error> {
-        let mut first_error = None;
-        for slot in slots.iter() {
-            let drained = match &mut slot.claim().magazines {
-                Some(magazines) => magazines.drain(),
-                None => continue,
-            };
-            for (size, blocks) in drained {
-                if let Err(LinkFault::Link(e)) = self.head.free_many(blocks, size) {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        first_error.map_or(Ok(0), Err)
     }
 }

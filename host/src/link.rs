@@ -4,18 +4,30 @@
 //! host's own memory or the next `Link`. A guest's `upstream.*` import therefore reaches
 //! the next link through plain `&mut` access, and every boundary is checked by the same
 //! code: a link's answers against its ledgers here, its calls upstream in the `Host`
-//! impls below.
+//! impls of [`imports`].
+//!
+//! - [`sandbox`]: what every guest store holds and the bounds on it ([`Limits`]);
+//! - [`transit`]: the block a policy's own `realloc` is resizing;
+//! - [`imports`]: the host side of a policy's imports, where every value it passes is
+//!   checked.
+
+mod imports;
+mod sandbox;
+mod transit;
+
+use imports::check_lent;
+pub(crate) use sandbox::Sandbox;
+pub use sandbox::{Grants, LEDGER_ENTRY_COST, Limits};
+use transit::Transit;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use wasmtime::component::ResourceTable;
-use wasmtime::{Store, Trap};
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
-use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+use wasmtime::Store;
+use wasmtime_wasi::{WasiCtxView, WasiView};
 
-use crate::error::{Bound, Call, Error, Rule, Violation};
+use crate::error::{Call, Error, Rule, Violation};
 use crate::ledger::{Ledger, TakeBack};
 use crate::system::SystemMemory;
 
@@ -45,9 +57,6 @@ pub(crate) enum Upstream {
     Policy(Box<Link>),
 }
 
-/// The link's client broke the sized-free rule or freed what it does not own.
-pub(crate) type CallerFault = TakeBack;
-
 impl Upstream {
     /// The blocks this upstream lent: what the link above it owns.
     pub(crate) fn lent(&self) -> &Ledger {
@@ -59,7 +68,9 @@ impl Upstream {
 
     // The methods below absorb a failing upstream policy into "none": the caller is a
     // healthy guest that must not be trapped for its upstream's fault. The failure is
-    // kept in the failing link and in the chain's poison log, where the handler finds it.
+    // kept as the failing link's unreported failure and travels up as the calls return
+    // (`LinkState::upstream_call`) to the handler, which stops the chain.
+    // A give-back (free, realloc) is checked by the caller before it reaches a policy.
 
     fn malloc(&mut self, size: u64) -> u64 {
         match self {
@@ -78,24 +89,20 @@ impl Upstream {
         }
     }
 
-    fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> Result<u64, CallerFault> {
+    fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> Result<u64, TakeBack> {
         match self {
             Upstream::System(s) => s.realloc(ptr, old, new),
-            Upstream::Policy(l) => match l.realloc(ptr, old, new) {
-                Ok(addr) => Ok(addr),
-                Err(LinkFault::Caller(fault)) => Err(fault),
-                Err(LinkFault::Link(_)) => Ok(0),
-            },
+            Upstream::Policy(l) => Ok(l.realloc(ptr, old, new).unwrap_or(0)),
         }
     }
 
-    pub(crate) fn free(&mut self, ptr: u64, size: u64) -> Result<(), CallerFault> {
+    pub(crate) fn free(&mut self, ptr: u64, size: u64) -> Result<(), TakeBack> {
         match self {
             Upstream::System(s) => s.free(ptr, size),
-            Upstream::Policy(l) => match l.free(ptr, size) {
-                Ok(()) | Err(LinkFault::Link(_)) => Ok(()),
-                Err(LinkFault::Caller(fault)) => Err(fault),
-            },
+            Upstream::Policy(l) => {
+                let _ = l.free(ptr, size);
+                Ok(())
+            }
         }
     }
 
@@ -114,171 +121,6 @@ impl Upstream {
             let _ = l.trim();
         }
     }
-
-    /// Every poisoned link from here down, with its cause.
-    pub(crate) fn failures(&self, out: &mut Vec<Arc<Error>>) {
-        if let Upstream::Policy(l) = self {
-            if let Some(cause) = &l.poisoned {
-                out.push(cause.clone());
-            }
-            l.store.data().upstream.failures(out);
-        }
-    }
-}
-
-/// Bounds on one policy instance: every unit of host work and host memory a policy can
-/// cause is bounded by one of these. See SECURITY.md for what each one covers.
-#[derive(Debug, Clone)]
-pub struct Limits {
-    /// Most bytes of linear memory (and tables) the guest may grow to; also the longest
-    /// `bytes.read` (an answer that could never fit in the guest). Default 64 MiB.
-    pub memory: u64,
-    /// Longest a single call into the guest may run, time spent in its imports
-    /// included. A chain's call is bounded by the sum of its links' limits. Passing it
-    /// stops the policy with [`Error::Timeout`]. Default 1 s.
-    pub call_time: Duration,
-    /// Most blocks one `malloc-many` or `free-many` may ask of the host. Passing it stops
-    /// the policy with [`Error::WorkLimit`]. Default 4096.
-    pub batch: u32,
-    /// Most bytes a policy may hold from its upstream beyond what its client holds and
-    /// is asking for in the current call (its overhead: caches, headers, free lists),
-    /// each upstream block counting [`LEDGER_ENTRY_COST`] bytes more for the host's own
-    /// record of it. An upstream request past it is answered "none", as out of memory,
-    /// and counted in [`LinkStats::budget_refusals`]. It bounds overhead, not size: a
-    /// client may still get a single block of many GiB. Default 256 MiB.
-    pub overhead: u64,
-    /// Guest stdout/stderr kept for error messages and the log. Default 16 KiB.
-    pub output: usize,
-    /// What WASI grants the guest beyond nothing. Default: nothing.
-    pub grants: Grants,
-}
-
-/// Host memory one upstream block costs beyond its bytes (the ledger's entry for it),
-/// counted against [`Limits::overhead`] so that a policy cannot grow the host's books
-/// without bound by taking many tiny blocks.
-pub const LEDGER_ENTRY_COST: u64 = 64;
-
-/// What the sandbox grants a guest. WASI is deny-by-default: no files, no network, no
-/// environment, and clocks that always read zero (a policy cannot time anything or leak
-/// timing into its placements) — unless granted here. Files and sockets are never
-/// granted: a placement policy has no use for them.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Grants {
-    /// Real wall and monotonic clocks.
-    pub clocks: bool,
-    /// Environment variables the guest may read.
-    pub env: Vec<(String, String)>,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            memory: 64 << 20,
-            call_time: Duration::from_secs(1),
-            batch: 4096,
-            overhead: 256 << 20,
-            output: 16 << 10,
-            grants: Grants::default(),
-        }
-    }
-}
-
-/// What every guest store holds, policy or hook: the deny-by-default WASI context, the
-/// memory cap, the bounded output, and a rule the guest broke inside an import.
-pub(crate) struct Sandbox {
-    pub(crate) name: Arc<str>,
-    /// What the guest did wrong inside one of its imports (a broken rule, a passed
-    /// bound); the trap it causes is reported as this error.
-    fault: Option<Error>,
-    limiter: MemoryLimiter,
-    output: MemoryOutputPipe,
-    wasi: WasiCtx,
-    table: ResourceTable,
-}
-
-impl Sandbox {
-    pub(crate) fn new(
-        name: Arc<str>,
-        limits: &Limits,
-        wasi: WasiCtx,
-        output: MemoryOutputPipe,
-    ) -> Self {
-        Sandbox {
-            name,
-            fault: None,
-            limiter: MemoryLimiter {
-                limit: limits.memory,
-                hit: false,
-            },
-            output,
-            wasi,
-            table: ResourceTable::new(),
-        }
-    }
-
-    pub(crate) fn limiter(&mut self) -> &mut dyn wasmtime::ResourceLimiter {
-        &mut self.limiter
-    }
-
-    /// Turn a failed call into the error that says what happened.
-    pub(crate) fn classify(&mut self, limits: &Limits, call: Call, err: wasmtime::Error) -> Error {
-        let policy = self.name.clone();
-        if let Some(fault) = self.fault.take() {
-            return fault;
-        }
-        if std::mem::take(&mut self.limiter.hit) {
-            return Error::MemoryLimit {
-                policy,
-                call,
-                limit: limits.memory,
-            };
-        }
-        if err.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
-            return Error::Timeout {
-                policy,
-                call,
-                limit: limits.call_time,
-            };
-        }
-        let mut message = match err.downcast_ref::<Trap>() {
-            Some(trap) => trap.to_string(),
-            None => format!("{err:#}"),
-        };
-        let said = self.output.contents();
-        if !said.is_empty() {
-            let said = String::from_utf8_lossy(&said);
-            let tail: Vec<&str> = said.trim_end().lines().rev().take(3).collect();
-            message.push_str(&format!(" (guest output: {})", tail.join(" | ")));
-        }
-        Error::Trap {
-            policy,
-            call,
-            message,
-        }
-    }
-}
-
-impl WasiView for Sandbox {
-    fn ctx(&mut self) -> WasiCtxView<'_> {
-        WasiCtxView {
-            ctx: &mut self.wasi,
-            table: &mut self.table,
-        }
-    }
-}
-
-impl Drop for Sandbox {
-    /// What the guest printed goes to the host's log.
-    fn drop(&mut self) {
-        let said = self.output.contents();
-        if !said.is_empty() {
-            log::info!(
-                "guest `{}` said: {}",
-                self.name,
-                String::from_utf8_lossy(&said).trim_end()
-            );
-        }
-    }
 }
 
 /// The store data of one policy instance.
@@ -289,9 +131,10 @@ pub(crate) struct LinkState {
     pub(crate) upstream: Upstream,
     /// The block this policy's own `realloc` is resizing, and what it gave back meanwhile.
     transit: Transit,
-    /// Counts poisonings anywhere in the chain, so the handler notices a failure deep
-    /// down with one atomic load per call.
-    poison_count: Arc<AtomicUsize>,
+    /// A failure of this link, or of one below it, that the caller of the current call
+    /// has not been told of: an upstream failure is "none" to this link's guest, so it
+    /// travels up beside the answer ([`Link::take_unreported`]).
+    unreported: Option<Arc<Error>>,
     /// The runtime's tick count, advanced with the engine's epoch.
     clock: Arc<AtomicU64>,
     /// The tick past which the current call has run too long, its imports included.
@@ -306,53 +149,6 @@ pub(crate) struct LinkState {
     budget_refusals: u64,
 }
 
-/// The block a policy's own `realloc` is resizing, and the upstream memory the policy
-/// gave back during that call.
-///
-/// The invariant it keeps: while a block is in transit the client's bytes stay where
-/// they are — upstream memory under the block is held back, not released — and no
-/// answer may lie in memory the policy gave back. Once the answer is admitted the
-/// held-back memory is released; if the call fails, the policy is stopped and the
-/// memory stays on its books until its client lets go of the old block.
-#[derive(Debug, Default)]
-struct Transit {
-    block: Option<(u64, u64)>,
-    held_back: Vec<(u64, u64)>,
-}
-
-impl Transit {
-    fn begin(&mut self, ptr: u64, size: u64) {
-        debug_assert!(self.block.is_none() && self.held_back.is_empty());
-        self.block = Some((ptr, size));
-    }
-
-    /// End the transit, returning what was held back.
-    fn end(&mut self) -> Vec<(u64, u64)> {
-        self.block = None;
-        std::mem::take(&mut self.held_back)
-    }
-
-    /// Does `[at, at+len)` lie wholly inside the block in transit?
-    fn within_block(&self, at: u64, len: u64) -> bool {
-        self.block
-            .is_some_and(|(p, s)| at >= p && at.checked_add(len).is_some_and(|e| e <= p + s))
-    }
-
-    /// Does the upstream block `[ptr, ptr+size)` hold (part of) the block in transit?
-    fn under_block(&self, ptr: u64, size: u64) -> bool {
-        self.block
-            .is_some_and(|(p, s)| p < ptr.saturating_add(size) && ptr < p + s)
-    }
-
-    /// A held-back upstream block that `[at, at+len)` overlaps.
-    fn held_back_overlapping(&self, at: u64, len: u64) -> Option<(u64, u64)> {
-        let end = at.saturating_add(len);
-        self.held_back
-            .iter()
-            .copied()
-            .find(|&(p, s)| p < end && at < p + s)
-    }
-}
 impl std::fmt::Debug for LinkState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LinkState")
@@ -367,444 +163,6 @@ impl WasiView for LinkState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         self.sandbox.ctx()
     }
-}
-
-/// Caps the guest's own memory; remembers that it tried to pass the cap so that the
-/// resulting trap is reported as a memory-limit error, not a generic trap.
-#[derive(Debug)]
-struct MemoryLimiter {
-    limit: u64,
-    hit: bool,
-}
-
-impl wasmtime::ResourceLimiter for MemoryLimiter {
-    fn memory_growing(
-        &mut self,
-        _current: usize,
-        desired: usize,
-        _maximum: Option<usize>,
-    ) -> wasmtime::Result<bool> {
-        if desired as u64 > self.limit {
-            self.hit = true;
-            wasmtime::bail!("guest memory limit of {} bytes reached", self.limit);
-        }
-        Ok(true)
-    }
-
-    fn table_growing(
-        &mut self,
-        _current: usize,
-        desired: usize,
-        _maximum: Option<usize>,
-    ) -> wasmtime::Result<bool> {
-        Ok(desired <= 1 << 20)
-    }
-}
-
-impl LinkState {
-    pub(crate) fn new(
-        sandbox: Sandbox,
-        upstream: Upstream,
-        limits: &Limits,
-        poison_count: Arc<AtomicUsize>,
-        clock: Arc<AtomicU64>,
-    ) -> Self {
-        LinkState {
-            sandbox,
-            lent: Ledger::default(),
-            upstream,
-            transit: Transit::default(),
-            poison_count,
-            clock,
-            deadline: u64::MAX,
-            demand: 0,
-            call_time: limits.call_time,
-            batch_limit: limits.batch,
-            read_limit: limits.memory,
-            overhead_limit: limits.overhead,
-            budget_refusals: 0,
-        }
-    }
-
-    /// Record that this policy did `fault` inside an import and produce the error that
-    /// traps it.
-    fn fail(&mut self, fault: Error) -> wasmtime::Error {
-        let err = wasmtime::Error::new(fault.clone());
-        self.sandbox.fault = Some(fault);
-        err
-    }
-
-    /// Record that this policy broke `rule` and produce the error that traps it.
-    fn violate(&mut self, call: Call, addr: u64, size: u64, rule: Rule) -> wasmtime::Error {
-        self.fail(Error::Violation(Violation {
-            policy: self.sandbox.name.clone(),
-            call,
-            addr,
-            size,
-            rule,
-        }))
-    }
-
-    /// Refuse work past a bound of [`Limits`].
-    fn bounded(
-        &mut self,
-        call: Call,
-        bound: Bound,
-        asked: u64,
-        limit: u64,
-    ) -> wasmtime::Result<()> {
-        if asked <= limit {
-            return Ok(());
-        }
-        let policy = self.sandbox.name.clone();
-        Err(self.fail(Error::WorkLimit {
-            policy,
-            call,
-            bound,
-            asked,
-            limit,
-        }))
-    }
-
-    /// Stop an import of a call that has run past its time: wasm code is interrupted by
-    /// the epoch, host code checks here, at every import and between chunks of long ones.
-    fn on_time(&mut self, call: Call) -> wasmtime::Result<()> {
-        if self.clock.load(Ordering::Relaxed) <= self.deadline {
-            return Ok(());
-        }
-        let policy = self.sandbox.name.clone();
-        let limit = self.call_time;
-        Err(self.fail(Error::Timeout {
-            policy,
-            call,
-            limit,
-        }))
-    }
-
-    /// Bytes (and ledger entries, at [`LEDGER_ENTRY_COST`] each) the policy may still
-    /// take from upstream within its overhead budget.
-    fn budget_left(&self) -> u64 {
-        let allowed = self
-            .lent
-            .bytes()
-            .saturating_add(self.demand)
-            .saturating_add(self.overhead_limit);
-        allowed.saturating_sub(holding(self.upstream.lent()))
-    }
-
-    /// May the policy take `bytes` more in `blocks` more blocks from upstream? A
-    /// refusal is counted.
-    fn within_budget(&mut self, bytes: u64, blocks: u64) -> bool {
-        let cost = bytes.saturating_add(blocks.saturating_mul(LEDGER_ENTRY_COST));
-        let ok = cost <= self.budget_left();
-        if !ok {
-            self.budget_refusals += 1;
-        }
-        ok
-    }
-
-    fn caller_fault(
-        &mut self,
-        call: Call,
-        addr: u64,
-        size: u64,
-        f: CallerFault,
-    ) -> wasmtime::Error {
-        let rule = match f {
-            TakeBack::Unknown => Rule::UnknownFree,
-            TakeBack::AlreadyFreed => Rule::DoubleFree,
-            TakeBack::WrongSize { recorded } => Rule::WrongSizeFree { recorded },
-        };
-        self.violate(call, addr, size, rule)
-    }
-
-    /// Does `[at, at+len)` lie inside memory this policy holds from upstream and has not
-    /// given back (held-back memory is on its way out)?
-    fn owns(&self, at: u64, len: u64) -> bool {
-        self.upstream.lent().containing(at, len).is_some()
-            && self.transit.held_back_overlapping(at, len).is_none()
-    }
-
-    /// Is `ptr` an upstream block this policy holds with exactly `size` bytes? A block
-    /// it already gave back during the current realloc is a double free.
-    fn check_held(&mut self, call: Call, ptr: u64, size: u64) -> wasmtime::Result<()> {
-        let fault = if self.transit.held_back.iter().any(|&(p, _)| p == ptr) {
-            Err(TakeBack::AlreadyFreed)
-        } else {
-            check_lent(self.upstream.lent(), ptr, size)
-        };
-        fault.map_err(|f| self.caller_fault(call, ptr, size, f))
-    }
-
-    /// Is `[at, at+len)` inside memory this policy owns and has not lent out? The block
-    /// in transit may also be read.
-    fn check_bytes(
-        &mut self,
-        call: Call,
-        at: u64,
-        len: u64,
-        read_only: bool,
-    ) -> wasmtime::Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        let allowed = (read_only && self.transit.within_block(at, len))
-            || (self.owns(at, len) && self.lent.overlapping(at, len).is_none());
-        if allowed {
-            Ok(())
-        } else {
-            Err(self.violate(call, at, len, Rule::BytesOutOfBounds))
-        }
-    }
-
-    /// Refuse to give back (or move) upstream memory that holds a block this policy has
-    /// lent, other than the block in transit during its own realloc (whose upstream memory
-    /// is held back instead): the client would lose its data, and the host would free
-    /// memory a client still writes to.
-    fn check_nothing_lent_inside(
-        &mut self,
-        call: Call,
-        ptr: u64,
-        size: u64,
-    ) -> wasmtime::Result<()> {
-        let in_transit = self.transit.block.map(|(p, _)| p);
-        let inside = self
-            .lent
-            .overlapping_all(ptr, size)
-            .find(|&(block, _)| Some(block) != in_transit);
-        match inside {
-            None => Ok(()),
-            Some((block, block_size)) => Err(self.violate(
-                call,
-                ptr,
-                size,
-                Rule::GaveBackLentMemory { block, block_size },
-            )),
-        }
-    }
-
-    /// The checks every give-back upstream (free, or the old block of a realloc) passes
-    /// before the host acts on it. Returns whether the memory must be held back.
-    fn check_give_back(&mut self, call: Call, ptr: u64, size: u64) -> wasmtime::Result<bool> {
-        self.check_held(call, ptr, size)?;
-        self.check_nothing_lent_inside(call, ptr, size)?;
-        Ok(self.transit.under_block(ptr, size))
-    }
-}
-
-/// Host memory an upstream ledger stands for: its bytes and the cost of its entries.
-fn holding(ledger: &Ledger) -> u64 {
-    ledger
-        .bytes()
-        .saturating_add(ledger.len() as u64 * LEDGER_ENTRY_COST)
-}
-
-impl bindings::allocbox::policy::allocator::Host for LinkState {
-    fn malloc(&mut self, size: u64) -> wasmtime::Result<u64> {
-        self.on_time(Call::Malloc)?;
-        if size == 0 || !self.within_budget(size, 1) {
-            return Ok(0);
-        }
-        Ok(self.upstream.malloc(size))
-    }
-
-    fn calloc(&mut self, nelem: u64, elsize: u64) -> wasmtime::Result<u64> {
-        self.on_time(Call::Calloc)?;
-        let Some(size) = nelem.checked_mul(elsize) else {
-            return Ok(0);
-        };
-        if !self.within_budget(size.max(1), 1) {
-            return Ok(0);
-        }
-        Ok(self.upstream.calloc(nelem, elsize))
-    }
-
-    fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> wasmtime::Result<u64> {
-        if ptr == 0 {
-            return self.malloc(new);
-        }
-        self.on_time(Call::Realloc)?;
-        let hold_back = self.check_give_back(Call::Realloc, ptr, old)?;
-        if new == 0 {
-            // Like malloc(0) upstream: none, and the old block stays.
-            return Ok(0);
-        }
-        if hold_back {
-            // Resizing the block that holds the client's data in transit: move it by
-            // copy so the original stays intact until this policy's answer is checked.
-            if !self.within_budget(new, 1) {
-                return Ok(0);
-            }
-            let fresh = self.upstream.malloc(new);
-            if fresh != 0 {
-                // SAFETY: `ptr` is a live upstream block of `old` bytes (check_held found
-                // it in the upstream ledger with that size, not given back) and `fresh` a
-                // new one of `new` bytes; both lie in host memory lent by the upstream,
-                // and a new block cannot overlap a live one.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        ptr as *const u8,
-                        fresh as *mut u8,
-                        old.min(new) as usize,
-                    )
-                };
-                self.transit.held_back.push((ptr, old));
-            }
-            return Ok(fresh);
-        }
-        if !self.within_budget(new.saturating_sub(old), 0) {
-            return Ok(0);
-        }
-        match self.upstream.realloc(ptr, old, new) {
-            Ok(addr) => Ok(addr),
-            Err(f) => Err(self.caller_fault(Call::Realloc, ptr, old, f)),
-        }
-    }
-
-    fn free(&mut self, ptr: u64, size: u64) -> wasmtime::Result<()> {
-        self.on_time(Call::Free)?;
-        if self.check_give_back(Call::Free, ptr, size)? {
-            self.transit.held_back.push((ptr, size));
-            return Ok(());
-        }
-        self.upstream
-            .free(ptr, size)
-            .map_err(|f| self.caller_fault(Call::Free, ptr, size, f))
-    }
-
-    fn malloc_many(&mut self, size: u64, count: u32) -> wasmtime::Result<Vec<u64>> {
-        self.on_time(Call::MallocMany)?;
-        let limit = self.batch_limit;
-        self.bounded(Call::MallocMany, Bound::Batch, count.into(), limit.into())?;
-        if size == 0 {
-            return Ok(Vec::new());
-        }
-        // As many as the budget allows: fewer blocks is a valid answer.
-        let per_block = size.saturating_add(LEDGER_ENTRY_COST);
-        let granted = (self.budget_left() / per_block).min(count.into()) as u32;
-        if granted < count {
-            self.budget_refusals += 1;
-        }
-        Ok(self.upstream.malloc_many(size, granted))
-    }
-
-    fn free_many(&mut self, ptrs: Vec<u64>, size: u64) -> wasmtime::Result<()> {
-        let limit = self.batch_limit;
-        self.bounded(
-            Call::FreeMany,
-            Bound::Batch,
-            ptrs.len() as u64,
-            limit.into(),
-        )?;
-        for ptr in ptrs {
-            self.free(ptr, size)?;
-        }
-        Ok(())
-    }
-}
-
-/// Is `ptr` lent with exactly `size` bytes?
-fn check_lent(ledger: &Ledger, ptr: u64, size: u64) -> Result<(), CallerFault> {
-    match ledger.get(ptr) {
-        Some(e) if e.size == size => Ok(()),
-        Some(e) => Err(TakeBack::WrongSize { recorded: e.size }),
-        None => Err(ledger.why_unknown(ptr)),
-    }
-}
-
-/// Bytes one step of a long `fill` or `copy` touches before the time is checked again.
-const BYTES_CHUNK: u64 = 16 << 20;
-
-impl bindings::allocbox::policy::bytes::Host for LinkState {
-    fn read(&mut self, at: u64, len: u32) -> wasmtime::Result<Vec<u8>> {
-        self.on_time(Call::BytesRead)?;
-        let limit = self.read_limit;
-        self.bounded(Call::BytesRead, Bound::ReadLength, len.into(), limit)?;
-        self.check_bytes(Call::BytesRead, at, len.into(), true)?;
-        let mut out = vec![0; len as usize];
-        // SAFETY: check_bytes proved `[at, at+len)` lies inside one live upstream block
-        // (or the block in transit, which lies inside one), and every block in a ledger
-        // lies inside host memory allocated by SystemMemory and not yet released.
-        unsafe { std::ptr::copy_nonoverlapping(at as *const u8, out.as_mut_ptr(), out.len()) };
-        Ok(out)
-    }
-
-    fn write(&mut self, at: u64, data: Vec<u8>) -> wasmtime::Result<()> {
-        self.on_time(Call::BytesWrite)?;
-        self.check_bytes(Call::BytesWrite, at, data.len() as u64, false)?;
-        // SAFETY: as in `read`; the range is also not lent out, so no client holds it.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at as *mut u8, data.len()) };
-        Ok(())
-    }
-
-    fn fill(&mut self, at: u64, len: u64, byte: u8) -> wasmtime::Result<()> {
-        self.check_bytes(Call::BytesFill, at, len, false)?;
-        let mut done = 0;
-        while done < len {
-            self.on_time(Call::BytesFill)?;
-            let step = (len - done).min(BYTES_CHUNK);
-            // SAFETY: as in `write`; `[at+done, at+done+step)` lies inside the checked range.
-            unsafe { std::ptr::write_bytes((at + done) as *mut u8, byte, step as usize) };
-            done += step;
-        }
-        Ok(())
-    }
-
-    fn copy(&mut self, dst: u64, src: u64, len: u64) -> wasmtime::Result<()> {
-        self.check_bytes(Call::BytesCopy, src, len, true)?;
-        self.check_bytes(Call::BytesCopy, dst, len, false)?;
-        if dst > src && dst < src + len {
-            // Overlapping with the destination above: chunks would overwrite source bytes
-            // not yet copied, so one move (bounded by the checked ranges' size).
-            self.on_time(Call::BytesCopy)?;
-            // SAFETY: both ranges were checked as in `read`/`write`; `copy` allows overlap.
-            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
-            return Ok(());
-        }
-        let mut done = 0;
-        while done < len {
-            self.on_time(Call::BytesCopy)?;
-            let step = (len - done).min(BYTES_CHUNK);
-            // SAFETY: both ranges were checked as in `read`/`write`; ascending chunks are
-            // correct when `dst` is not above an overlapping `src`, and `copy` allows
-            // the overlap inside one chunk.
-            unsafe {
-                std::ptr::copy(
-                    (src + done) as *const u8,
-                    (dst + done) as *mut u8,
-                    step as usize,
-                )
-            };
-            done += step;
-        }
-        Ok(())
-    }
-
-    fn read_u64(&mut self, at: u64) -> wasmtime::Result<u64> {
-        self.on_time(Call::BytesRead)?;
-        self.check_bytes(Call::BytesRead, at, 8, true)?;
-        // SAFETY: as in `read`; an unaligned read is used because headers may sit anywhere.
-        Ok(u64::from_le(unsafe {
-            std::ptr::read_unaligned(at as *const u64)
-        }))
-    }
-
-    fn write_u64(&mut self, at: u64, value: u64) -> wasmtime::Result<()> {
-        self.on_time(Call::BytesWrite)?;
-        self.check_bytes(Call::BytesWrite, at, 8, false)?;
-        // SAFETY: as in `write`.
-        unsafe { std::ptr::write_unaligned(at as *mut u64, value.to_le()) };
-        Ok(())
-    }
-}
-
-/// Why a link could not serve a free or realloc.
-#[derive(Debug)]
-pub(crate) enum LinkFault {
-    /// The caller broke the rule; nothing happened.
-    Caller(CallerFault),
-    /// The link failed and is now poisoned.
-    Link(Error),
 }
 
 /// Calls the host made into one policy of a chain, and what it has lent.
@@ -941,27 +299,43 @@ impl Link {
             next.retire(cause);
         }
         if self.poisoned.is_none() {
-            self.poison(Error::Poisoned {
+            // The chain knows why: nothing to report.
+            self.stop(Arc::new(Error::Poisoned {
                 policy: cause.policy().unwrap_or("?").into(),
                 cause: cause.clone(),
-            });
+            }));
         }
+        self.store.data_mut().unreported = None;
     }
 
-    /// Stop the link for good. Its upstream blocks are given back once its client has
-    /// given back everything it holds.
+    /// Stop the link for its own failure, which its caller is told of.
     pub(crate) fn poison(&mut self, cause: Error) {
         if self.poisoned.is_some() {
             return;
         }
         log::warn!("{cause}");
-        self.poisoned = Some(Arc::new(cause));
-        let state = self.store.data_mut();
-        state.poison_count.fetch_add(1, Ordering::Relaxed);
+        let cause = Arc::new(cause);
+        self.store
+            .data_mut()
+            .unreported
+            .get_or_insert(cause.clone());
+        self.stop(cause);
+    }
+
+    /// Stop the link for good. Its upstream blocks are given back once its client has
+    /// given back everything it holds.
+    fn stop(&mut self, cause: Arc<Error>) {
+        self.poisoned = Some(cause);
         // Held-back memory may lie under the client's old block: it stays on the dead
         // link's books and is released with the rest once the client lets go.
-        state.transit.end();
+        self.store.data_mut().transit.end();
         self.release_if_done();
+    }
+
+    /// The failure of this link, or of one below it, that happened since the last time
+    /// this was asked: the caller of this link acts on it.
+    pub(crate) fn take_unreported(&mut self) -> Option<Arc<Error>> {
+        self.store.data_mut().unreported.take()
     }
 
     /// A dead link whose client holds nothing returns all its upstream memory.
@@ -978,7 +352,7 @@ impl Link {
             .collect();
         for (addr, size) in held {
             // These are exactly the recorded sizes, so the upstream cannot refuse them.
-            let _ = state.upstream.free(addr, size);
+            let _ = state.upstream_call(|u| u.free(addr, size));
         }
     }
 
@@ -1053,13 +427,17 @@ impl Link {
         self.admit(Call::Calloc, addr, size.max(1))
     }
 
-    /// Resize a block the caller holds with `old` bytes; 0 leaves it live and unchanged.
-    pub(crate) fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> Result<u64, LinkFault> {
+    /// Resize a block the caller holds with `old` bytes, as this link's ledger records
+    /// it (the caller checked); 0 leaves it live and unchanged.
+    pub(crate) fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> Result<u64, Error> {
         let new = new.max(1);
         if ptr == 0 {
-            return self.malloc(new).map_err(LinkFault::Link);
+            return self.malloc(new);
         }
-        check_lent(self.lent(), ptr, old).map_err(LinkFault::Caller)?;
+        debug_assert!(
+            check_lent(self.lent(), ptr, old).is_ok(),
+            "checked by the caller"
+        );
         if self.poisoned.is_some() {
             return Ok(0);
         }
@@ -1077,17 +455,12 @@ impl Link {
                         block: ptr,
                         block_size: old,
                     };
-                    return Err(LinkFault::Link(self.violation(
-                        Call::Realloc,
-                        addr,
-                        size,
-                        rule,
-                    )));
+                    return Err(self.violation(Call::Realloc, addr, size, rule));
                 }
                 return Ok(0);
             }
             Ok(addr) => addr,
-            Err(e) => return Err(LinkFault::Link(e)),
+            Err(e) => return Err(e),
         };
         // The answer is checked while the transit still holds back what the policy gave
         // up, so an answer in that memory is refused (`use-after-free`); the old block
@@ -1103,12 +476,7 @@ impl Link {
             // was held back. It goes back on the books before the link is stopped, so
             // the stop cannot release that memory while the client holds it.
             self.lent_mut().insert(ptr, old_entry.size);
-            return Err(LinkFault::Link(self.violation(
-                Call::Realloc,
-                addr,
-                new,
-                rule,
-            )));
+            return Err(self.violation(Call::Realloc, addr, new, rule));
         }
         self.lent_mut().insert(addr, new);
         self.release_held_back();
@@ -1121,21 +489,21 @@ impl Link {
         let state = self.store.data_mut();
         for (addr, size) in state.transit.end() {
             // Sizes were checked when the policy asked, and each block once.
-            let _ = state.upstream.free(addr, size);
+            let _ = state.upstream_call(|u| u.free(addr, size));
         }
     }
 
-    pub(crate) fn free(&mut self, ptr: u64, size: u64) -> Result<(), LinkFault> {
-        self.lent_mut()
-            .take_back(ptr, size)
-            .map_err(LinkFault::Caller)?;
+    /// Give back a block the caller holds with `size` bytes, as this link's ledger
+    /// records it (the caller checked).
+    pub(crate) fn free(&mut self, ptr: u64, size: u64) -> Result<(), Error> {
+        let entry = self.lent_mut().remove(ptr);
+        debug_assert_eq!(entry.map(|e| e.size), Some(size), "checked by the caller");
         if self.poisoned.is_some() {
             self.release_if_done();
             return Ok(());
         }
         self.calls.frees += 1;
         self.enter(Call::Free, 0, |g, s| g.call_free(s, ptr, size))
-            .map_err(LinkFault::Link)
     }
 
     pub(crate) fn malloc_many(&mut self, size: u64, count: u32) -> Result<Vec<u64>, Error> {
@@ -1166,14 +534,12 @@ impl Link {
         Ok(blocks)
     }
 
-    /// Give back several blocks of `size` bytes the caller holds. Every address is
-    /// checked before any is given back, so a refused batch changes nothing.
-    pub(crate) fn free_many(&mut self, ptrs: Vec<u64>, size: u64) -> Result<(), LinkFault> {
+    /// Give back several blocks the caller holds with `size` bytes each, as this link's
+    /// ledger records them (the caller checked).
+    pub(crate) fn free_many(&mut self, ptrs: Vec<u64>, size: u64) -> Result<(), Error> {
         for &ptr in &ptrs {
-            check_lent(self.lent(), ptr, size).map_err(LinkFault::Caller)?;
-        }
-        for &ptr in &ptrs {
-            self.lent_mut().remove(ptr);
+            let entry = self.lent_mut().remove(ptr);
+            debug_assert_eq!(entry.map(|e| e.size), Some(size), "checked by the caller");
         }
         if self.poisoned.is_some() {
             self.release_if_done();
@@ -1181,7 +547,6 @@ impl Link {
         }
         self.calls.free_many += 1;
         self.enter(Call::FreeMany, 0, |g, s| g.call_free_many(s, &ptrs, size))
-            .map_err(LinkFault::Link)
     }
 
     /// Ask this link, then every link below it, to give back what it caches.
@@ -1200,7 +565,7 @@ impl Link {
                 }
             }
         };
-        self.store.data_mut().upstream.trim();
+        self.store.data_mut().upstream_call(Upstream::trim);
         here
     }
 }

@@ -6,14 +6,16 @@
 //! 4 MiB and more get the transparent-huge-page hint. Unlike NumPy, the cache is
 //! thread-safe on its own (NumPy leans on the GIL, yet calls realloc without it), and a
 //! block freed with a size larger than it really has is never cached under that size.
+//! It also keeps the size of each live block, so that its live counters stay exact
+//! through reallocs and wrong-size frees (NumPy's own handler keeps no counters).
 
 use std::ptr::NonNull;
 
 use parking_lot::Mutex;
 
 use crate::error::Error;
-use crate::handler::Stats;
-use crate::nep49::MemHandler;
+use crate::fasthash::FastMap;
+use crate::memhandler::{MemHandler, Stats};
 use crate::system::advise_huge_pages;
 
 /// Sizes below this are cached.
@@ -32,6 +34,8 @@ pub struct NumpyDefault {
 struct Inner {
     /// `cache[size]`: freed blocks of exactly `size` usable bytes or more.
     cache: Vec<Vec<usize>>,
+    /// Every live block and the size it was (re)allocated with.
+    live: FastMap<usize, u64>,
     stats: Stats,
 }
 
@@ -46,6 +50,7 @@ impl NumpyDefault {
         NumpyDefault {
             inner: Mutex::new(Inner {
                 cache: (0..NBUCKETS).map(|_| Vec::with_capacity(NCACHE)).collect(),
+                live: FastMap::default(),
                 stats: Stats::default(),
             }),
         }
@@ -69,12 +74,9 @@ impl NumpyDefault {
             inner.stats.mallocs += 1;
         }
         match got {
-            Some(_) => {
-                let stats = &mut inner.stats;
-                stats.live_blocks += 1;
-                stats.live_bytes += size as u64;
-                stats.total_bytes += size as u64;
-                stats.peak_bytes = stats.peak_bytes.max(stats.live_bytes);
+            Some(p) => {
+                inner.live.insert(p.as_ptr() as usize, size as u64);
+                inner.stats.lend(size as u64);
             }
             None => inner.stats.failed += 1,
         }
@@ -129,9 +131,15 @@ impl MemHandler for NumpyDefault {
         let got = NonNull::new(unsafe { libc::realloc(old, new_size.max(1)) }.cast::<u8>());
         let mut inner = self.inner.lock();
         inner.stats.reallocs += 1;
-        if got.is_none() {
+        let Some(moved) = got else {
             inner.stats.failed += 1;
+            return Ok(None);
+        };
+        if let Some(old_size) = inner.live.remove(&(old as usize)) {
+            inner.stats.take_back(old_size);
         }
+        inner.live.insert(moved.as_ptr() as usize, new_size as u64);
+        inner.stats.lend(new_size as u64);
         Ok(got)
     }
 
@@ -141,8 +149,12 @@ impl MemHandler for NumpyDefault {
         };
         let mut inner = self.inner.lock();
         inner.stats.frees += 1;
-        inner.stats.live_blocks = inner.stats.live_blocks.saturating_sub(1);
-        inner.stats.live_bytes = inner.stats.live_bytes.saturating_sub(size as u64);
+        if let Some(recorded) = inner.live.remove(&(ptr.as_ptr() as usize)) {
+            if recorded != size as u64 {
+                inner.stats.size_corrections += 1;
+            }
+            inner.stats.take_back(recorded);
+        }
         // NumPy sometimes frees with a size larger than the block (it reallocs and
         // frees with the original size); caching such a block under that size would
         // hand out too few bytes later, so the C library's own record decides.
@@ -213,5 +225,23 @@ mod tests {
         assert!(bytes.iter().all(|&x| x == 0));
         h.free(Some(b), 64).unwrap();
         assert_eq!(h.calloc(usize::MAX, 2).unwrap(), None);
+    }
+
+    #[test]
+    fn live_counters_stay_exact_through_realloc_and_wrong_size_frees() {
+        let h = NumpyDefault::new();
+        let a = h.malloc(100).unwrap();
+        let b = h.realloc(a, 5000).unwrap();
+        let s = h.stats();
+        assert_eq!((s.live_blocks, s.live_bytes, s.peak_bytes), (1, 5000, 5000));
+        let c = h.calloc(10, 10).unwrap();
+        h.free(b, 1).unwrap();
+        let s = h.stats();
+        assert_eq!(
+            (s.live_blocks, s.live_bytes, s.size_corrections),
+            (1, 100, 1)
+        );
+        h.free(c, 100).unwrap();
+        assert_eq!((h.stats().live_blocks, h.stats().live_bytes), (0, 0));
     }
 }

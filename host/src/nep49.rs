@@ -30,70 +30,8 @@ use std::task::{Context, Poll};
 use parking_lot::RwLock;
 
 use crate::error::Error;
-use crate::handler::{Handler, Stats};
+pub use crate::memhandler::MemHandler;
 use crate::native::NumpyDefault;
-
-/// A data-memory handler: NumPy's `PyDataMem_Handler` (name, version, and the four
-/// routines), implemented by wasm policy chains ([`Handler`]) and natively
-/// ([`NumpyDefault`]).
-pub trait MemHandler: Send + Sync + fmt::Debug {
-    /// 1..=127 bytes, shown by `handler_name`.
-    fn name(&self) -> &str;
-    /// The handler contract version.
-    fn version(&self) -> u8 {
-        1
-    }
-    fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error>;
-    fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error>;
-    fn realloc(
-        &self,
-        ptr: Option<NonNull<u8>>,
-        new_size: usize,
-    ) -> Result<Option<NonNull<u8>>, Error>;
-    fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error>;
-    fn stats(&self) -> Stats;
-    /// Can this handler take new requests? A chain stopped by a violation cannot.
-    fn usable(&self) -> Result<(), Error> {
-        Ok(())
-    }
-}
-
-impl MemHandler for Handler {
-    fn name(&self) -> &str {
-        Handler::name(self)
-    }
-    fn version(&self) -> u8 {
-        self.info().version
-    }
-    fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
-        Handler::malloc(self, size)
-    }
-    fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error> {
-        Handler::calloc(self, nelem, elsize)
-    }
-    fn realloc(
-        &self,
-        ptr: Option<NonNull<u8>>,
-        new_size: usize,
-    ) -> Result<Option<NonNull<u8>>, Error> {
-        Handler::realloc(self, ptr, new_size)
-    }
-    fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error> {
-        Handler::free(self, ptr, size)
-    }
-    fn stats(&self) -> Stats {
-        Handler::stats(self)
-    }
-    fn usable(&self) -> Result<(), Error> {
-        match self.failure() {
-            None => Ok(()),
-            Some(cause) => Err(Error::Poisoned {
-                policy: cause.policy().unwrap_or("?").into(),
-                cause,
-            }),
-        }
-    }
-}
 
 /// A shared handler.
 pub type SharedHandler = Arc<dyn MemHandler>;

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -33,6 +33,15 @@ pub const DEFAULT_POLICY_WAT: &str =
 /// How often the epoch advances; a call's time limit is rounded up to this.
 const EPOCH_TICK: Duration = Duration::from_millis(5);
 
+/// SHA-256 of a policy's bytes.
+type PolicyDigest = [u8; 32];
+
+/// A policy in the runtime's cache and the bytes it was loaded from.
+struct Compiled {
+    loaded_from: Arc<[u8]>,
+    policy: Policy,
+}
+
 /// Compiles and caches policy components, and starts policy instances.
 ///
 /// Cheap to clone. Compiling a component is the costly step, so a runtime keeps every
@@ -46,7 +55,9 @@ struct RuntimeInner {
     engine: Engine,
     linker: Linker<LinkState>,
     hook_linker: Linker<Sandbox>,
-    compiled: Mutex<HashMap<u64, Policy>>,
+    /// Keyed by the SHA-256 of the bytes a policy was loaded from; a hit is taken only
+    /// when those bytes are equal too.
+    compiled: Mutex<HashMap<PolicyDigest, Compiled>>,
     /// Epoch ticks since the runtime started: host code inside imports reads it to
     /// keep the same time limits as wasm code.
     clock: Arc<AtomicU64>,
@@ -164,19 +175,23 @@ impl Runtime {
     }
 
     fn load_named(&self, bytes: &[u8], source: &str) -> Result<Policy, LoadError> {
-        let key = {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            bytes.hash(&mut h);
-            h.finish()
-        };
-        if let Some(p) = self.inner.compiled.lock().get(&key) {
-            return Ok(p.clone());
+        use sha2::Digest;
+        let key: PolicyDigest = sha2::Sha256::digest(bytes).into();
+        if let Some(hit) = self.inner.compiled.lock().get(&key)
+            && *hit.loaded_from == *bytes
+        {
+            return Ok(hit.policy.clone());
         }
         let binary = to_component_binary(bytes, "policy")?;
         let component = self.compile(&binary)?;
         let policy = self.check_world(component, binary.into(), source)?;
-        self.inner.compiled.lock().insert(key, policy.clone());
+        self.inner.compiled.lock().insert(
+            key,
+            Compiled {
+                loaded_from: bytes.into(),
+                policy: policy.clone(),
+            },
+        );
         Ok(policy)
     }
 
@@ -303,20 +318,11 @@ impl Runtime {
         config: &[(String, String)],
         upstream: Upstream,
         limits: &Limits,
-        poison_count: Arc<AtomicUsize>,
     ) -> Result<Link, LoadError> {
         let (mut store, ticks) = self.guest_store(
             &policy.meta.source,
             limits,
-            |sandbox| {
-                LinkState::new(
-                    sandbox,
-                    upstream,
-                    limits,
-                    poison_count,
-                    self.inner.clock.clone(),
-                )
-            },
+            |sandbox| LinkState::new(sandbox, upstream, limits, self.inner.clock.clone()),
             |s: &mut LinkState| &mut s.sandbox,
         );
         let start_err = |store: &mut Store<LinkState>, e| {

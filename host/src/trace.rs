@@ -14,8 +14,9 @@ use parking_lot::Mutex;
 
 use crate::error::Error;
 use crate::fasthash::FastMap;
-use crate::handler::Stats;
-use crate::nep49::{MemHandler, SharedHandler};
+use crate::memhandler::MemHandler;
+use crate::memhandler::Stats;
+use crate::nep49::SharedHandler;
 
 /// The id NumPy's recorder writes for a pointer it never saw allocated.
 pub const UNKNOWN_ID: u64 = u64::MAX;

@@ -26,8 +26,8 @@ use parking_lot::{Mutex, MutexGuard};
 use thread_local::ThreadLocal;
 
 use crate::fasthash::FastMap;
-use crate::handler::Stats;
 use crate::ledger::CacheId;
+use crate::memhandler::Stats;
 
 /// Requests of at most this many bytes may be served from a magazine: NumPy's small and
 /// mid-size arrays.

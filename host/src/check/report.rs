@@ -1,0 +1,128 @@
+//! What a check is asked to do and what it found.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::{Error, Rule};
+use crate::link::Limits;
+
+use super::script::Script;
+
+/// A broken rule, found by running a script.
+#[derive(Debug, Clone)]
+pub struct Finding {
+    /// A short stable name: a [`Rule::name`], a [`crate::Bound::name`], or `trap`,
+    /// `timeout`, `memory-limit`, `client`.
+    pub rule: &'static str,
+    pub message: String,
+}
+
+impl Finding {
+    pub(super) fn from_error(e: &Error) -> Finding {
+        let rule = match e {
+            Error::Violation(v) => v.rule.name(),
+            Error::Trap { .. } => "trap",
+            Error::Timeout { .. } => "timeout",
+            Error::MemoryLimit { .. } => "memory-limit",
+            Error::WorkLimit { bound, .. } => bound.name(),
+            Error::Poisoned { cause, .. } => return Finding::from_error(cause),
+            Error::Client(_) => "client",
+        };
+        Finding {
+            rule,
+            message: e.to_string(),
+        }
+    }
+
+    pub(super) fn checked(policy: &str, call: &str, addr: usize, size: u64, rule: Rule) -> Finding {
+        Finding {
+            rule: rule.name(),
+            message: format!(
+                "policy `{policy}` broke the contract in `{call}` at {addr:#x} ({size} bytes): {rule}"
+            ),
+        }
+    }
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[{}] {}", self.rule, self.message)
+    }
+}
+
+/// How hard to check.
+#[derive(Clone)]
+pub struct CheckOptions {
+    /// Random sequences to run. Default 64.
+    pub cases: u32,
+    /// Most operations in one sequence (per thread). Default 128.
+    pub max_ops: usize,
+    /// Seed for a reproducible run; default a fixed seed (runs are deterministic unless
+    /// a seed is given).
+    pub seed: Option<u64>,
+    /// Client threads calling one handler at once. Default 1.
+    pub threads: usize,
+    /// Bounds on the policy; default [`Limits::default`] with a 250 ms call limit.
+    pub limits: Limits,
+    /// Where failing seeds persist (`proptest-regressions/<policy>.txt`). Default none.
+    pub regressions: Option<PathBuf>,
+    /// Called after every finished case with (cases done, cases wanted).
+    pub progress: Option<Arc<dyn Fn(u32, u32) + Send + Sync>>,
+}
+
+impl fmt::Debug for CheckOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CheckOptions")
+            .field("cases", &self.cases)
+            .field("max_ops", &self.max_ops)
+            .field("seed", &self.seed)
+            .field("threads", &self.threads)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for CheckOptions {
+    fn default() -> Self {
+        CheckOptions {
+            cases: 64,
+            max_ops: 128,
+            seed: None,
+            threads: 1,
+            limits: Limits {
+                call_time: Duration::from_millis(250),
+                ..Limits::default()
+            },
+            regressions: None,
+            progress: None,
+        }
+    }
+}
+
+/// What a check run found.
+#[derive(Debug, Clone)]
+pub struct CheckReport {
+    pub policy: String,
+    /// Cases run, shrinking runs included.
+    pub cases: u32,
+    /// Operations run, shrinking runs included.
+    pub ops: u64,
+    pub elapsed: Duration,
+    /// Upstream requests answered "none" for passing the policy's overhead budget
+    /// ([`Limits::overhead`]), over every case.
+    pub budget_refusals: u64,
+    /// The first broken rule, with the shrunk script that shows it.
+    pub failure: Option<(Finding, Script)>,
+}
+
+impl CheckReport {
+    pub fn passed(&self) -> bool {
+        self.failure.is_none()
+    }
+
+    /// Operations per second, shrinking included.
+    pub fn ops_per_second(&self) -> f64 {
+        self.ops as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}

@@ -1,0 +1,286 @@
+//! Running a script against a fresh handler: the client that drives it, checks every
+//! answer against the model, and reports the first broken rule.
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::{Error, LoadError, Rule};
+use crate::handler::{Handler, HandlerBuilder};
+use crate::link::Limits;
+use crate::runtime::{Policy, Runtime};
+
+use super::model::Live;
+use super::pattern::PERIOD;
+use super::report::Finding;
+use super::script::{Op, Script};
+
+/// Runs one client's operations against a handler and checks every answer.
+pub(super) struct Client<'h> {
+    pub(super) handler: &'h Handler,
+    pub(super) live: Vec<Live>,
+    pub(super) next_phase: usize,
+    /// Where the rotating look at live blocks goes on from.
+    pub(super) next_look: usize,
+    pub(super) ran: Vec<Op>,
+}
+
+// SAFETY: the raw block pointers are owned by this client alone (each thread has its own
+// `Client` and its own blocks); the handler is Sync.
+unsafe impl Send for Client<'_> {}
+
+impl<'h> Client<'h> {
+    pub(super) fn new(handler: &'h Handler, thread: usize) -> Self {
+        Client {
+            handler,
+            live: Vec::new(),
+            next_phase: thread * 67,
+            next_look: 0,
+            ran: Vec::new(),
+        }
+    }
+
+    /// A new phase for the next block, so neighbouring blocks hold different bytes.
+    pub(super) fn phase(&mut self) -> usize {
+        self.next_phase = (self.next_phase + 37) % PERIOD;
+        self.next_phase
+    }
+
+    pub(super) fn policy(&self) -> &str {
+        self.handler.name()
+    }
+
+    pub(super) fn lost(
+        &self,
+        call: &str,
+        live: &Live,
+        offset: usize,
+        rule: fn(u64) -> Rule,
+    ) -> Finding {
+        Finding::checked(
+            self.policy(),
+            call,
+            live.ptr.as_ptr() as usize,
+            live.size as u64,
+            rule(offset as u64),
+        )
+    }
+
+    /// Track a block the handler just lent, filled with a pattern of its own.
+    pub(super) fn adopt(&mut self, ptr: NonNull<u8>, size: usize) {
+        let mut block = Live {
+            ptr,
+            size,
+            phase: 0,
+        };
+        let phase = self.phase();
+        block.fill(phase);
+        self.live.push(block);
+    }
+
+    pub(super) fn run(&mut self, op: &Op) -> Result<(), Finding> {
+        let h = self.handler;
+        let err = |e: Error| Finding::from_error(&e);
+        match *op {
+            Op::Malloc(size) => {
+                self.ran.push(op.clone());
+                if let Some(ptr) = h.malloc(size as usize).map_err(err)? {
+                    self.adopt(ptr, size as usize);
+                }
+            }
+            Op::Calloc(n, e) => {
+                self.ran.push(op.clone());
+                if let Some(ptr) = h.calloc(n as usize, e as usize).map_err(err)? {
+                    let size = n.checked_mul(e).expect("an overflowing calloc is none") as usize;
+                    let block = Live {
+                        ptr,
+                        size,
+                        phase: 0,
+                    };
+                    if let Some(at) = block.bytes().iter().position(|&b| b != 0) {
+                        return Err(self.lost("calloc", &block, at, |offset| {
+                            Rule::CallocNotZeroed { offset }
+                        }));
+                    }
+                    self.adopt(ptr, size);
+                }
+            }
+            Op::Realloc(slot, size) => {
+                let Some(slot) = slot.filter(|_| !self.live.is_empty()) else {
+                    self.ran.push(Op::Realloc(None, size));
+                    if let Some(ptr) = h.realloc(None, size as usize).map_err(err)? {
+                        self.adopt(ptr, size as usize);
+                    }
+                    return self.look_around();
+                };
+                let slot = slot % self.live.len();
+                self.ran.push(Op::Realloc(Some(slot), size));
+                let old = &self.live[slot];
+                let (old_ptr, old_size) = (old.ptr, old.size);
+                match h.realloc(Some(old_ptr), size as usize).map_err(err)? {
+                    None => {
+                        if let Some(at) = old.first_changed(old_size) {
+                            return Err(self.lost("realloc", old, at, |offset| {
+                                Rule::LiveBlockChanged { offset }
+                            }));
+                        }
+                    }
+                    Some(ptr) => {
+                        let moved = Live {
+                            ptr,
+                            size: size as usize,
+                            phase: old.phase,
+                        };
+                        if let Some(at) = moved.first_changed_as(old_size, old_size) {
+                            return Err(self.lost("realloc", &moved, at, |offset| {
+                                Rule::ReallocLostBytes { offset }
+                            }));
+                        }
+                        self.live[slot] = moved;
+                        let phase = self.phase();
+                        self.live[slot].fill(phase);
+                    }
+                }
+            }
+            Op::Free(slot) => {
+                if self.live.is_empty() {
+                    return Ok(());
+                }
+                let slot = slot % self.live.len();
+                self.ran.push(Op::Free(slot));
+                self.free_slot(slot)?;
+            }
+        }
+        self.look_around()
+    }
+
+    pub(super) fn free_slot(&mut self, slot: usize) -> Result<(), Finding> {
+        let block = &self.live[slot];
+        if let Some(at) = block.first_changed(block.size) {
+            return Err(
+                self.lost("free", block, at, |offset| Rule::LiveBlockChanged {
+                    offset,
+                }),
+            );
+        }
+        let block = self.live.remove(slot);
+        self.handler
+            .free(Some(block.ptr), block.size)
+            .map_err(|e| Finding::from_error(&e))
+    }
+
+    /// After every call, a sparse look at a few live blocks in turn, so the cost per
+    /// call stays flat however many blocks are live; every block is compared in full
+    /// when it is freed or reallocated, and at the end of the sequence.
+    pub(super) fn look_around(&mut self) -> Result<(), Finding> {
+        const BLOCKS_PER_CALL: usize = 4;
+        for _ in 0..BLOCKS_PER_CALL.min(self.live.len()) {
+            self.next_look = (self.next_look + 1) % self.live.len();
+            let block = &self.live[self.next_look];
+            if let Some(at) = block.first_changed_sparse() {
+                return Err(
+                    self.lost("(any call)", block, at, |offset| Rule::LiveBlockChanged {
+                        offset,
+                    }),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Free every live block, oldest first.
+    pub(super) fn free_all(&mut self) -> Result<(), Finding> {
+        while !self.live.is_empty() {
+            self.free_slot(0)?;
+        }
+        Ok(())
+    }
+}
+
+/// Everything needed to start a fresh handler for one case.
+pub(super) struct Subject<'a> {
+    pub(super) runtime: &'a Runtime,
+    pub(super) policy: &'a Policy,
+    pub(super) config: &'a [(&'a str, &'a str)],
+    pub(super) limits: &'a Limits,
+    /// Summed over the cases run.
+    pub(super) budget_refusals: AtomicU64,
+}
+
+impl Subject<'_> {
+    pub(super) fn start(&self) -> Result<Handler, LoadError> {
+        HandlerBuilder::new(self.runtime)
+            .link_with(self.policy, self.config)
+            .limits(self.limits.clone())
+            .build()
+    }
+
+    /// Run `threads` (one op list per client thread), then free everything, trim, and
+    /// look for leaks. Returns the resolved script and the first finding.
+    pub(super) fn run(&self, threads: &[Vec<Op>]) -> (Script, Option<Finding>) {
+        let handler = match self.start() {
+            Ok(h) => h,
+            Err(e) => {
+                let finding = Finding {
+                    rule: "start",
+                    message: e.to_string(),
+                };
+                return (Script::default(), Some(finding));
+            }
+        };
+        let results: Vec<(Vec<Op>, Option<Finding>)> = if threads.len() == 1 {
+            vec![run_client(&handler, 0, &threads[0])]
+        } else {
+            std::thread::scope(|s| {
+                let running: Vec<_> = threads
+                    .iter()
+                    .enumerate()
+                    .map(|(t, ops)| {
+                        let handler = &handler;
+                        s.spawn(move || run_client(handler, t, ops))
+                    })
+                    .collect();
+                running
+                    .into_iter()
+                    .map(|t| t.join().expect("client thread"))
+                    .collect()
+            })
+        };
+        let mut script = Script::default();
+        let mut finding = None;
+        for (ops, found) in results {
+            script.threads.push(ops);
+            finding = finding.or(found);
+        }
+        if finding.is_none() {
+            finding = leak_check(&handler);
+        }
+        self.budget_refusals
+            .fetch_add(handler.stats().budget_refusals, Ordering::Relaxed);
+        (script, finding)
+    }
+}
+
+pub(super) fn run_client(
+    handler: &Handler,
+    thread: usize,
+    ops: &[Op],
+) -> (Vec<Op>, Option<Finding>) {
+    let mut client = Client::new(handler, thread);
+    let mut finding = None;
+    for op in ops {
+        if let Err(f) = client.run(op) {
+            finding = Some(f);
+            break;
+        }
+    }
+    if finding.is_none() {
+        finding = client.free_all().err();
+    }
+    // After a failure the rest are released host-side, so nothing leaks here either.
+    let _ = client.free_all();
+    (client.ran, finding)
+}
+
+pub(super) fn leak_check(handler: &Handler) -> Option<Finding> {
+    handler.leak_check().err().map(|e| Finding::from_error(&e))
+}

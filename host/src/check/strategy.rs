@@ -1,0 +1,275 @@
+//! Drawing random scripts and shrinking a failing one: a proptest strategy whose
+//! value tree deletes operations (operations name blocks by slot, so every deletion
+//! leaves a valid script).
+
+use proptest::test_runner::{TestRng, TestRunner};
+
+use proptest::prelude::{RngExt, Strategy};
+
+use super::script::Op;
+
+/// The size mix, in percent: NumPy's common small sizes dominate (72% of its mallocs
+/// are 8-15 bytes); edges, pages, large blocks and sizes that must fail all appear in
+/// most sequences.
+pub(super) fn draw_size(rng: &mut TestRng) -> u64 {
+    const EDGES: [u64; 6] = [15, 16, 17, 63, 64, 65];
+    const PAGES: [u64; 4] = [4095, 4096, 4097, 65536];
+    const IMPOSSIBLE: [u64; 4] = [u64::MAX, u64::MAX - 15, 1 << 63, (1 << 62) + 3];
+    match rng.random_range(0..100u32) {
+        0..40 => rng.random_range(8..=15),
+        40..65 => rng.random_range(1..=256),
+        65..80 => rng.random_range(257..=4096),
+        80..84 => 0,
+        84..89 => EDGES[rng.random_range(0..EDGES.len())],
+        89..94 => PAGES[rng.random_range(0..PAGES.len())],
+        94..96 => rng.random_range(65537..=(2 << 20)),
+        _ => IMPOSSIBLE[rng.random_range(0..IMPOSSIBLE.len())],
+    }
+}
+
+/// `calloc` arguments: mostly small products, some zero counts, some that overflow.
+pub(super) fn draw_calloc(rng: &mut TestRng) -> Op {
+    const ZERO: [(u64, u64); 3] = [(0, 8), (8, 0), (0, 0)];
+    const OVERFLOW: [(u64, u64); 3] = [
+        (u64::MAX / 2 + 1, 2),
+        (1 << 32, 1 << 32),
+        (u64::MAX, u64::MAX),
+    ];
+    let (n, e) = match rng.random_range(0..8u32) {
+        0..6 => (rng.random_range(1..=64), rng.random_range(1..=64)),
+        6 => ZERO[rng.random_range(0..ZERO.len())],
+        _ => OVERFLOW[rng.random_range(0..OVERFLOW.len())],
+    };
+    Op::Calloc(n, e)
+}
+
+/// One operation: malloc 4, calloc 2, realloc 3 (a tenth of them from none), free 4.
+pub(super) fn draw_op(rng: &mut TestRng) -> Op {
+    const SLOTS: usize = 64;
+    match rng.random_range(0..13u32) {
+        0..4 => Op::Malloc(draw_size(rng)),
+        4..6 => draw_calloc(rng),
+        6..9 => {
+            let slot = rng.random_bool(0.9).then(|| rng.random_range(0..SLOTS));
+            Op::Realloc(slot, draw_size(rng))
+        }
+        _ => Op::Free(rng.random_range(0..SLOTS)),
+    }
+}
+
+/// Sequences of operations, one per client thread, drawn straight from the RNG.
+///
+/// proptest's `vec(prop_oneof![..])` builds a value tree per operation, and building
+/// those cost more than running the operations; this strategy keeps plain operations
+/// and shrinks them with [`ScriptTree`].
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Scripts {
+    pub(super) threads: usize,
+    pub(super) max_ops: usize,
+}
+
+impl Strategy for Scripts {
+    type Tree = ScriptTree;
+    type Value = Vec<Vec<Op>>;
+
+    fn new_tree(&self, runner: &mut TestRunner) -> proptest::strategy::NewTree<Self> {
+        let rng = runner.rng();
+        let threads = (0..self.threads)
+            .map(|_| {
+                let len = rng.random_range(1..=self.max_ops);
+                (0..len).map(|_| draw_op(rng)).collect()
+            })
+            .collect();
+        Ok(ScriptTree::new(threads))
+    }
+}
+
+/// Where shrinking has got to.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Step {
+    /// Delete `run` operations of `thread` at `at`; the run halves after each pass.
+    Delete {
+        thread: usize,
+        run: usize,
+        at: usize,
+    },
+    /// Binary search for the smallest value of one number of one operation that still
+    /// fails: the answer lies in `lo..=hi`, and `hi` fails.
+    Narrow {
+        thread: usize,
+        index: usize,
+        field: usize,
+        bounds: Option<(u64, u64)>,
+    },
+    Done,
+}
+
+/// The candidate on trial, and how to take it back if it passes.
+#[derive(Debug, Clone)]
+pub(super) enum Trial {
+    Deleted {
+        thread: usize,
+        at: usize,
+        ops: Vec<Op>,
+    },
+    Narrowed {
+        thread: usize,
+        index: usize,
+        was: Op,
+    },
+}
+
+/// Shrinks a failing script: deletes runs of operations (delta debugging, so a long
+/// sequence with two guilty operations takes tens of runs, not hundreds), then lowers
+/// each number (size, count, slot) of the operations left by binary search.
+///
+/// Every `complicate` both takes back the trial that passed and puts up the next one, so
+/// no run is spent on re-running a case already known to fail.
+#[derive(Debug, Clone)]
+pub(super) struct ScriptTree {
+    pub(super) threads: Vec<Vec<Op>>,
+    pub(super) step: Step,
+    pub(super) trial: Option<Trial>,
+}
+
+impl ScriptTree {
+    pub(super) fn new(threads: Vec<Vec<Op>>) -> Self {
+        let run = Self::first_run(&threads, 0);
+        ScriptTree {
+            threads,
+            step: Step::Delete {
+                thread: 0,
+                run,
+                at: 0,
+            },
+            trial: None,
+        }
+    }
+
+    pub(super) fn first_run(threads: &[Vec<Op>], thread: usize) -> usize {
+        threads
+            .get(thread)
+            .map_or(1, |ops| ops.len().div_ceil(2).max(1))
+    }
+
+    /// Put up the next candidate; false when there is none left (the current script is
+    /// then the smallest failing one found).
+    pub(super) fn next_trial(&mut self) -> bool {
+        loop {
+            match &mut self.step {
+                Step::Delete { thread, run, at } => {
+                    let Some(ops) = self.threads.get_mut(*thread) else {
+                        self.step = Step::Narrow {
+                            thread: 0,
+                            index: 0,
+                            field: 0,
+                            bounds: None,
+                        };
+                        continue;
+                    };
+                    if *at < ops.len() {
+                        let end = (*at + *run).min(ops.len());
+                        let removed = ops.drain(*at..end).collect();
+                        self.trial = Some(Trial::Deleted {
+                            thread: *thread,
+                            at: *at,
+                            ops: removed,
+                        });
+                        return true;
+                    }
+                    if *run > 1 {
+                        *run /= 2;
+                        *at = 0;
+                    } else {
+                        *thread += 1;
+                        *run = Self::first_run(&self.threads, *thread);
+                        *at = 0;
+                    }
+                }
+                Step::Narrow {
+                    thread,
+                    index,
+                    field,
+                    bounds,
+                } => {
+                    let Some(ops) = self.threads.get_mut(*thread) else {
+                        self.step = Step::Done;
+                        continue;
+                    };
+                    let Some(op) = ops.get_mut(*index) else {
+                        (*thread, *index, *field, *bounds) = (*thread + 1, 0, 0, None);
+                        continue;
+                    };
+                    let Some(value) = op.number(*field) else {
+                        (*index, *field, *bounds) = (*index + 1, 0, None);
+                        continue;
+                    };
+                    let (lo, hi) = *bounds.get_or_insert((0, value));
+                    if lo >= hi {
+                        (*field, *bounds) = (*field + 1, None);
+                        continue;
+                    }
+                    let was = op.clone();
+                    op.set_number(*field, lo + (hi - lo) / 2);
+                    self.trial = Some(Trial::Narrowed {
+                        thread: *thread,
+                        index: *index,
+                        was,
+                    });
+                    return true;
+                }
+                Step::Done => return false,
+            }
+        }
+    }
+}
+
+impl proptest::strategy::ValueTree for ScriptTree {
+    type Value = Vec<Vec<Op>>;
+
+    fn current(&self) -> Vec<Vec<Op>> {
+        self.threads.clone()
+    }
+
+    /// The current script failed: keep it and try a smaller one.
+    fn simplify(&mut self) -> bool {
+        if let (Some(Trial::Narrowed { thread, index, .. }), Step::Narrow { field, bounds, .. }) =
+            (self.trial.take(), &mut self.step)
+        {
+            let value = self.threads[thread][index]
+                .number(*field)
+                .expect("narrowed");
+            if let Some((_, hi)) = bounds {
+                *hi = value;
+            }
+        }
+        self.next_trial()
+    }
+
+    /// The current script passed: take the trial back and put up the next one.
+    fn complicate(&mut self) -> bool {
+        match self.trial.take() {
+            None => return false,
+            Some(Trial::Deleted { thread, at, ops }) => {
+                let run = ops.len();
+                self.threads[thread].splice(at..at, ops);
+                if let Step::Delete { at: next, .. } = &mut self.step {
+                    *next = at + run;
+                }
+            }
+            Some(Trial::Narrowed { thread, index, was }) => {
+                let op = &mut self.threads[thread][index];
+                if let Step::Narrow {
+                    field,
+                    bounds: Some((lo, _)),
+                    ..
+                } = &mut self.step
+                {
+                    *lo = op.number(*field).expect("narrowed") + 1;
+                }
+                *op = was;
+            }
+        }
+        self.next_trial()
+    }
+}

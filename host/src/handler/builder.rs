@@ -1,0 +1,125 @@
+//! Building a handler: the chain of policies, its limits, and what it falls back to.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::cache::Slots;
+use super::{Chain, Handler};
+use crate::error::LoadError;
+use crate::link::{Limits, Upstream};
+use crate::memhandler::Stats;
+use crate::runtime::{Policy, Runtime};
+use crate::system::SystemMemory;
+
+/// Builds a [`Handler`] from policies, top of the chain first.
+#[derive(Debug)]
+pub struct HandlerBuilder {
+    runtime: Runtime,
+    links: Vec<(Policy, Vec<(String, String)>)>,
+    limits: Limits,
+    host_memory_limit: u64,
+    quarantine: u64,
+    magazines: bool,
+    fallback: Option<Arc<Handler>>,
+}
+
+impl HandlerBuilder {
+    /// An empty chain on `runtime`.
+    pub fn new(runtime: &Runtime) -> Self {
+        HandlerBuilder {
+            runtime: runtime.clone(),
+            links: Vec::new(),
+            limits: Limits::default(),
+            host_memory_limit: u64::MAX,
+            quarantine: 0,
+            magazines: true,
+            fallback: None,
+        }
+    }
+
+    /// Add `policy` below the links added so far, with no configuration.
+    pub fn link(self, policy: &Policy) -> Self {
+        self.link_with(policy, &[])
+    }
+
+    /// Add `policy` below the links added so far, configured with key/value pairs.
+    pub fn link_with(mut self, policy: &Policy, config: &[(&str, &str)]) -> Self {
+        let config = config
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        self.links.push((policy.clone(), config));
+        self
+    }
+
+    /// Bounds for every policy instance in the chain. Default: [`Limits::default`].
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Most bytes the host lends the bottom of the chain at once; past it requests are
+    /// "none". Default: unlimited.
+    pub fn host_memory_limit(mut self, bytes: u64) -> Self {
+        self.host_memory_limit = bytes;
+        self
+    }
+
+    /// Keep up to `bytes` of host memory given back by the chain poisoned (every byte
+    /// [`crate::QUARANTINE_POISON`]) and unreleased, oldest released first, so that a use
+    /// after free shows as poisoned bytes and [`Handler::audit`] can name a client block
+    /// in released memory. For tests and fuzzing: it costs that much memory. Default: 0.
+    pub fn quarantine(mut self, bytes: u64) -> Self {
+        self.quarantine = bytes;
+        self
+    }
+
+    /// Keep per-thread, per-size magazines of blocks for a top policy that declares
+    /// `batch`. Default: true.
+    pub fn magazines(mut self, on: bool) -> Self {
+        self.magazines = on;
+        self
+    }
+
+    /// Where new requests go once this handler's chain has failed. Default: none (they
+    /// fail with [`crate::Error::Poisoned`]).
+    pub fn fallback(mut self, handler: Arc<Handler>) -> Self {
+        self.fallback = Some(handler);
+        self
+    }
+
+    /// Start every policy, bottom first, and initialise it.
+    pub fn build(self) -> Result<Handler, LoadError> {
+        let Some(((top, top_config), below)) = self.links.split_first() else {
+            return Err(LoadError::EmptyChain);
+        };
+        let mut upstream =
+            Upstream::System(SystemMemory::new(self.host_memory_limit, self.quarantine));
+        let mut names = Vec::new();
+        for (policy, config) in below.iter().rev() {
+            let link = self.runtime.start(policy, config, upstream, &self.limits)?;
+            names.push(link.name().clone());
+            upstream = Upstream::Policy(Box::new(link));
+        }
+        let head = self
+            .runtime
+            .start(top, top_config, upstream, &self.limits)?;
+        names.push(head.name().clone());
+        names.reverse();
+        let info = head.info.clone();
+        Ok(Handler {
+            chain: Mutex::new(Chain {
+                head,
+                stats: Stats::default(),
+                failure: None,
+                rerouted: HashSet::new(),
+            }),
+            slots: Slots::new(self.magazines && info.batch),
+            info,
+            names,
+            fallback: self.fallback,
+        })
+    }
+}

@@ -1,0 +1,413 @@
+//! The host side of a policy's imports (`upstream` and `bytes`): every address, size,
+//! count and length a guest passes is checked here before the host acts on it, every
+//! loop is bounded, and every byte the host takes on the guest's behalf counts against
+//! its budget.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::bindings;
+use super::{LEDGER_ENTRY_COST, Limits, LinkState, Sandbox, Transit, Upstream};
+use crate::error::{Bound, Call, Error, Rule, Violation};
+use crate::ledger::{Ledger, TakeBack};
+
+impl LinkState {
+    pub(crate) fn new(
+        sandbox: Sandbox,
+        upstream: Upstream,
+        limits: &Limits,
+        clock: Arc<AtomicU64>,
+    ) -> Self {
+        LinkState {
+            sandbox,
+            lent: Ledger::default(),
+            upstream,
+            transit: Transit::default(),
+            unreported: None,
+            clock,
+            deadline: u64::MAX,
+            demand: 0,
+            call_time: limits.call_time,
+            batch_limit: limits.batch,
+            read_limit: limits.memory,
+            overhead_limit: limits.overhead,
+            budget_refusals: 0,
+        }
+    }
+
+    /// Call the upstream. An upstream policy that fails meanwhile answers this link's
+    /// guest "none"; its failure is kept here, to travel up when this link's call ends.
+    pub(super) fn upstream_call<R>(&mut self, f: impl FnOnce(&mut Upstream) -> R) -> R {
+        let answer = f(&mut self.upstream);
+        if let Upstream::Policy(l) = &mut self.upstream
+            && let Some(cause) = l.take_unreported()
+        {
+            self.unreported.get_or_insert(cause);
+        }
+        answer
+    }
+
+    /// Record that this policy did `fault` inside an import and produce the error that
+    /// traps it.
+    fn fail(&mut self, fault: Error) -> wasmtime::Error {
+        let err = wasmtime::Error::new(fault.clone());
+        self.sandbox.fault = Some(fault);
+        err
+    }
+
+    /// Record that this policy broke `rule` and produce the error that traps it.
+    fn violate(&mut self, call: Call, addr: u64, size: u64, rule: Rule) -> wasmtime::Error {
+        self.fail(Error::Violation(Violation {
+            policy: self.sandbox.name.clone(),
+            call,
+            addr,
+            size,
+            rule,
+        }))
+    }
+
+    /// Refuse work past a bound of [`Limits`].
+    fn bounded(
+        &mut self,
+        call: Call,
+        bound: Bound,
+        asked: u64,
+        limit: u64,
+    ) -> wasmtime::Result<()> {
+        if asked <= limit {
+            return Ok(());
+        }
+        let policy = self.sandbox.name.clone();
+        Err(self.fail(Error::WorkLimit {
+            policy,
+            call,
+            bound,
+            asked,
+            limit,
+        }))
+    }
+
+    /// Stop an import of a call that has run past its time: wasm code is interrupted by
+    /// the epoch, host code checks here, at every import and between chunks of long ones.
+    fn on_time(&mut self, call: Call) -> wasmtime::Result<()> {
+        if self.clock.load(Ordering::Relaxed) <= self.deadline {
+            return Ok(());
+        }
+        let policy = self.sandbox.name.clone();
+        let limit = self.call_time;
+        Err(self.fail(Error::Timeout {
+            policy,
+            call,
+            limit,
+        }))
+    }
+
+    /// Bytes (and ledger entries, at [`LEDGER_ENTRY_COST`] each) the policy may still
+    /// take from upstream within its overhead budget.
+    fn budget_left(&self) -> u64 {
+        let allowed = self
+            .lent
+            .bytes()
+            .saturating_add(self.demand)
+            .saturating_add(self.overhead_limit);
+        allowed.saturating_sub(holding(self.upstream.lent()))
+    }
+
+    /// May the policy take `bytes` more in `blocks` more blocks from upstream? A
+    /// refusal is counted.
+    fn within_budget(&mut self, bytes: u64, blocks: u64) -> bool {
+        let cost = bytes.saturating_add(blocks.saturating_mul(LEDGER_ENTRY_COST));
+        let ok = cost <= self.budget_left();
+        if !ok {
+            self.budget_refusals += 1;
+        }
+        ok
+    }
+
+    fn caller_fault(&mut self, call: Call, addr: u64, size: u64, f: TakeBack) -> wasmtime::Error {
+        let rule = match f {
+            TakeBack::Unknown => Rule::UnknownFree,
+            TakeBack::AlreadyFreed => Rule::DoubleFree,
+            TakeBack::WrongSize { recorded } => Rule::WrongSizeFree { recorded },
+        };
+        self.violate(call, addr, size, rule)
+    }
+
+    /// Does `[at, at+len)` lie inside memory this policy holds from upstream and has not
+    /// given back (held-back memory is on its way out)?
+    fn owns(&self, at: u64, len: u64) -> bool {
+        self.upstream.lent().containing(at, len).is_some()
+            && self.transit.held_back_overlapping(at, len).is_none()
+    }
+
+    /// Is `ptr` an upstream block this policy holds with exactly `size` bytes? A block
+    /// it already gave back during the current realloc is a double free.
+    fn check_held(&mut self, call: Call, ptr: u64, size: u64) -> wasmtime::Result<()> {
+        let fault = if self.transit.is_held_back(ptr) {
+            Err(TakeBack::AlreadyFreed)
+        } else {
+            check_lent(self.upstream.lent(), ptr, size)
+        };
+        fault.map_err(|f| self.caller_fault(call, ptr, size, f))
+    }
+
+    /// Is `[at, at+len)` inside memory this policy owns and has not lent out? The block
+    /// in transit may also be read.
+    fn check_bytes(
+        &mut self,
+        call: Call,
+        at: u64,
+        len: u64,
+        read_only: bool,
+    ) -> wasmtime::Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let allowed = (read_only && self.transit.within_block(at, len))
+            || (self.owns(at, len) && self.lent.overlapping(at, len).is_none());
+        if allowed {
+            Ok(())
+        } else {
+            Err(self.violate(call, at, len, Rule::BytesOutOfBounds))
+        }
+    }
+
+    /// Refuse to give back (or move) upstream memory that holds a block this policy has
+    /// lent, other than the block in transit during its own realloc (whose upstream memory
+    /// is held back instead): the client would lose its data, and the host would free
+    /// memory a client still writes to.
+    fn check_nothing_lent_inside(
+        &mut self,
+        call: Call,
+        ptr: u64,
+        size: u64,
+    ) -> wasmtime::Result<()> {
+        let in_transit = self.transit.block_addr();
+        let inside = self
+            .lent
+            .overlapping_all(ptr, size)
+            .find(|&(block, _)| Some(block) != in_transit);
+        match inside {
+            None => Ok(()),
+            Some((block, block_size)) => Err(self.violate(
+                call,
+                ptr,
+                size,
+                Rule::GaveBackLentMemory { block, block_size },
+            )),
+        }
+    }
+
+    /// The checks every give-back upstream (free, or the old block of a realloc) passes
+    /// before the host acts on it. Returns whether the memory must be held back.
+    fn check_give_back(&mut self, call: Call, ptr: u64, size: u64) -> wasmtime::Result<bool> {
+        self.check_held(call, ptr, size)?;
+        self.check_nothing_lent_inside(call, ptr, size)?;
+        Ok(self.transit.under_block(ptr, size))
+    }
+}
+
+/// Host memory an upstream ledger stands for: its bytes and the cost of its entries.
+fn holding(ledger: &Ledger) -> u64 {
+    ledger
+        .bytes()
+        .saturating_add(ledger.len() as u64 * LEDGER_ENTRY_COST)
+}
+
+impl bindings::allocbox::policy::allocator::Host for LinkState {
+    fn malloc(&mut self, size: u64) -> wasmtime::Result<u64> {
+        self.on_time(Call::Malloc)?;
+        if size == 0 || !self.within_budget(size, 1) {
+            return Ok(0);
+        }
+        Ok(self.upstream_call(|u| u.malloc(size)))
+    }
+
+    fn calloc(&mut self, nelem: u64, elsize: u64) -> wasmtime::Result<u64> {
+        self.on_time(Call::Calloc)?;
+        let Some(size) = nelem.checked_mul(elsize) else {
+            return Ok(0);
+        };
+        if !self.within_budget(size.max(1), 1) {
+            return Ok(0);
+        }
+        Ok(self.upstream_call(|u| u.calloc(nelem, elsize)))
+    }
+
+    fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> wasmtime::Result<u64> {
+        if ptr == 0 {
+            return self.malloc(new);
+        }
+        self.on_time(Call::Realloc)?;
+        let hold_back = self.check_give_back(Call::Realloc, ptr, old)?;
+        if new == 0 {
+            // Like malloc(0) upstream: none, and the old block stays.
+            return Ok(0);
+        }
+        if hold_back {
+            // Resizing the block that holds the client's data in transit: move it by
+            // copy so the original stays intact until this policy's answer is checked.
+            if !self.within_budget(new, 1) {
+                return Ok(0);
+            }
+            let fresh = self.upstream_call(|u| u.malloc(new));
+            if fresh != 0 {
+                // SAFETY: `ptr` is a live upstream block of `old` bytes (check_held found
+                // it in the upstream ledger with that size, not given back) and `fresh` a
+                // new one of `new` bytes; both lie in host memory lent by the upstream,
+                // and a new block cannot overlap a live one.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        ptr as *const u8,
+                        fresh as *mut u8,
+                        old.min(new) as usize,
+                    )
+                };
+                self.transit.hold_back(ptr, old);
+            }
+            return Ok(fresh);
+        }
+        if !self.within_budget(new.saturating_sub(old), 0) {
+            return Ok(0);
+        }
+        match self.upstream_call(|u| u.realloc(ptr, old, new)) {
+            Ok(addr) => Ok(addr),
+            Err(f) => Err(self.caller_fault(Call::Realloc, ptr, old, f)),
+        }
+    }
+
+    fn free(&mut self, ptr: u64, size: u64) -> wasmtime::Result<()> {
+        self.on_time(Call::Free)?;
+        if self.check_give_back(Call::Free, ptr, size)? {
+            self.transit.hold_back(ptr, size);
+            return Ok(());
+        }
+        self.upstream_call(|u| u.free(ptr, size))
+            .map_err(|f| self.caller_fault(Call::Free, ptr, size, f))
+    }
+
+    fn malloc_many(&mut self, size: u64, count: u32) -> wasmtime::Result<Vec<u64>> {
+        self.on_time(Call::MallocMany)?;
+        let limit = self.batch_limit;
+        self.bounded(Call::MallocMany, Bound::Batch, count.into(), limit.into())?;
+        if size == 0 {
+            return Ok(Vec::new());
+        }
+        // As many as the budget allows: fewer blocks is a valid answer.
+        let per_block = size.saturating_add(LEDGER_ENTRY_COST);
+        let granted = (self.budget_left() / per_block).min(count.into()) as u32;
+        if granted < count {
+            self.budget_refusals += 1;
+        }
+        Ok(self.upstream_call(|u| u.malloc_many(size, granted)))
+    }
+
+    fn free_many(&mut self, ptrs: Vec<u64>, size: u64) -> wasmtime::Result<()> {
+        let limit = self.batch_limit;
+        self.bounded(
+            Call::FreeMany,
+            Bound::Batch,
+            ptrs.len() as u64,
+            limit.into(),
+        )?;
+        for ptr in ptrs {
+            self.free(ptr, size)?;
+        }
+        Ok(())
+    }
+}
+
+/// Is `ptr` lent with exactly `size` bytes?
+pub(super) fn check_lent(ledger: &Ledger, ptr: u64, size: u64) -> Result<(), TakeBack> {
+    match ledger.get(ptr) {
+        Some(e) if e.size == size => Ok(()),
+        Some(e) => Err(TakeBack::WrongSize { recorded: e.size }),
+        None => Err(ledger.why_unknown(ptr)),
+    }
+}
+
+/// Bytes one step of a long `fill` or `copy` touches before the time is checked again.
+const BYTES_CHUNK: u64 = 16 << 20;
+
+impl bindings::allocbox::policy::bytes::Host for LinkState {
+    fn read(&mut self, at: u64, len: u32) -> wasmtime::Result<Vec<u8>> {
+        self.on_time(Call::BytesRead)?;
+        let limit = self.read_limit;
+        self.bounded(Call::BytesRead, Bound::ReadLength, len.into(), limit)?;
+        self.check_bytes(Call::BytesRead, at, len.into(), true)?;
+        let mut out = vec![0; len as usize];
+        // SAFETY: check_bytes proved `[at, at+len)` lies inside one live upstream block
+        // (or the block in transit, which lies inside one), and every block in a ledger
+        // lies inside host memory allocated by SystemMemory and not yet released.
+        unsafe { std::ptr::copy_nonoverlapping(at as *const u8, out.as_mut_ptr(), out.len()) };
+        Ok(out)
+    }
+
+    fn write(&mut self, at: u64, data: Vec<u8>) -> wasmtime::Result<()> {
+        self.on_time(Call::BytesWrite)?;
+        self.check_bytes(Call::BytesWrite, at, data.len() as u64, false)?;
+        // SAFETY: as in `read`; the range is also not lent out, so no client holds it.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at as *mut u8, data.len()) };
+        Ok(())
+    }
+
+    fn fill(&mut self, at: u64, len: u64, byte: u8) -> wasmtime::Result<()> {
+        self.check_bytes(Call::BytesFill, at, len, false)?;
+        let mut done = 0;
+        while done < len {
+            self.on_time(Call::BytesFill)?;
+            let step = (len - done).min(BYTES_CHUNK);
+            // SAFETY: as in `write`; `[at+done, at+done+step)` lies inside the checked range.
+            unsafe { std::ptr::write_bytes((at + done) as *mut u8, byte, step as usize) };
+            done += step;
+        }
+        Ok(())
+    }
+
+    fn copy(&mut self, dst: u64, src: u64, len: u64) -> wasmtime::Result<()> {
+        self.check_bytes(Call::BytesCopy, src, len, true)?;
+        self.check_bytes(Call::BytesCopy, dst, len, false)?;
+        if dst > src && dst < src + len {
+            // Overlapping with the destination above: chunks would overwrite source bytes
+            // not yet copied, so one move (bounded by the checked ranges' size).
+            self.on_time(Call::BytesCopy)?;
+            // SAFETY: both ranges were checked as in `read`/`write`; `copy` allows overlap.
+            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
+            return Ok(());
+        }
+        let mut done = 0;
+        while done < len {
+            self.on_time(Call::BytesCopy)?;
+            let step = (len - done).min(BYTES_CHUNK);
+            // SAFETY: both ranges were checked as in `read`/`write`; ascending chunks are
+            // correct when `dst` is not above an overlapping `src`, and `copy` allows
+            // the overlap inside one chunk.
+            unsafe {
+                std::ptr::copy(
+                    (src + done) as *const u8,
+                    (dst + done) as *mut u8,
+                    step as usize,
+                )
+            };
+            done += step;
+        }
+        Ok(())
+    }
+
+    fn read_u64(&mut self, at: u64) -> wasmtime::Result<u64> {
+        self.on_time(Call::BytesRead)?;
+        self.check_bytes(Call::BytesRead, at, 8, true)?;
+        // SAFETY: as in `read`; an unaligned read is used because headers may sit anywhere.
+        Ok(u64::from_le(unsafe {
+            std::ptr::read_unaligned(at as *const u64)
+        }))
+    }
+
+    fn write_u64(&mut self, at: u64, value: u64) -> wasmtime::Result<()> {
+        self.on_time(Call::BytesWrite)?;
+        self.check_bytes(Call::BytesWrite, at, 8, false)?;
+        // SAFETY: as in `write`.
+        unsafe { std::ptr::write_unaligned(at as *mut u64, value.to_le()) };
+        Ok(())
+    }
+}

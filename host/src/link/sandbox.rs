@@ -1,0 +1,198 @@
+//! What every guest store holds, policy or hook, and the bounds on a guest.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use wasmtime::Trap;
+use wasmtime::component::ResourceTable;
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use crate::error::{Call, Error};
+
+/// Bounds on one policy instance: every unit of host work and host memory a policy can
+/// cause is bounded by one of these. See SECURITY.md for what each one covers.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Most bytes of linear memory (and tables) the guest may grow to; also the longest
+    /// `bytes.read` (an answer that could never fit in the guest). Default 64 MiB.
+    pub memory: u64,
+    /// Longest a single call into the guest may run, time spent in its imports
+    /// included. A chain's call is bounded by the sum of its links' limits. Passing it
+    /// stops the policy with [`Error::Timeout`]. Default 1 s.
+    pub call_time: Duration,
+    /// Most blocks one `malloc-many` or `free-many` may ask of the host. Passing it stops
+    /// the policy with [`Error::WorkLimit`]. Default 4096.
+    pub batch: u32,
+    /// Most bytes a policy may hold from its upstream beyond what its client holds and
+    /// is asking for in the current call (its overhead: caches, headers, free lists),
+    /// each upstream block counting [`LEDGER_ENTRY_COST`] bytes more for the host's own
+    /// record of it. An upstream request past it is answered "none", as out of memory,
+    /// and counted in [`crate::LinkStats::budget_refusals`]. It bounds overhead, not size: a
+    /// client may still get a single block of many GiB. Default 256 MiB.
+    pub overhead: u64,
+    /// Guest stdout/stderr kept for error messages and the log. Default 16 KiB.
+    pub output: usize,
+    /// What WASI grants the guest beyond nothing. Default: nothing.
+    pub grants: Grants,
+}
+
+/// Host memory one upstream block costs beyond its bytes (the ledger's entry for it),
+/// counted against [`Limits::overhead`] so that a policy cannot grow the host's books
+/// without bound by taking many tiny blocks.
+pub const LEDGER_ENTRY_COST: u64 = 64;
+
+/// What the sandbox grants a guest. WASI is deny-by-default: no files, no network, no
+/// environment, and clocks that always read zero (a policy cannot time anything or leak
+/// timing into its placements) — unless granted here. Files and sockets are never
+/// granted: a placement policy has no use for them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Grants {
+    /// Real wall and monotonic clocks.
+    pub clocks: bool,
+    /// Environment variables the guest may read.
+    pub env: Vec<(String, String)>,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            memory: 64 << 20,
+            call_time: Duration::from_secs(1),
+            batch: 4096,
+            overhead: 256 << 20,
+            output: 16 << 10,
+            grants: Grants::default(),
+        }
+    }
+}
+
+/// What every guest store holds, policy or hook: the deny-by-default WASI context, the
+/// memory cap, the bounded output, and a rule the guest broke inside an import.
+pub(crate) struct Sandbox {
+    pub(crate) name: Arc<str>,
+    /// What the guest did wrong inside one of its imports (a broken rule, a passed
+    /// bound); the trap it causes is reported as this error.
+    pub(super) fault: Option<Error>,
+    pub(super) limiter: MemoryLimiter,
+    pub(super) output: MemoryOutputPipe,
+    pub(super) wasi: WasiCtx,
+    pub(super) table: ResourceTable,
+}
+
+impl Sandbox {
+    pub(crate) fn new(
+        name: Arc<str>,
+        limits: &Limits,
+        wasi: WasiCtx,
+        output: MemoryOutputPipe,
+    ) -> Self {
+        Sandbox {
+            name,
+            fault: None,
+            limiter: MemoryLimiter {
+                limit: limits.memory,
+                hit: false,
+            },
+            output,
+            wasi,
+            table: ResourceTable::new(),
+        }
+    }
+
+    pub(crate) fn limiter(&mut self) -> &mut dyn wasmtime::ResourceLimiter {
+        &mut self.limiter
+    }
+
+    /// Turn a failed call into the error that says what happened.
+    pub(crate) fn classify(&mut self, limits: &Limits, call: Call, err: wasmtime::Error) -> Error {
+        let policy = self.name.clone();
+        if let Some(fault) = self.fault.take() {
+            return fault;
+        }
+        if std::mem::take(&mut self.limiter.hit) {
+            return Error::MemoryLimit {
+                policy,
+                call,
+                limit: limits.memory,
+            };
+        }
+        if err.downcast_ref::<Trap>() == Some(&Trap::Interrupt) {
+            return Error::Timeout {
+                policy,
+                call,
+                limit: limits.call_time,
+            };
+        }
+        let mut message = match err.downcast_ref::<Trap>() {
+            Some(trap) => trap.to_string(),
+            None => format!("{err:#}"),
+        };
+        let said = self.output.contents();
+        if !said.is_empty() {
+            let said = String::from_utf8_lossy(&said);
+            let tail: Vec<&str> = said.trim_end().lines().rev().take(3).collect();
+            message.push_str(&format!(" (guest output: {})", tail.join(" | ")));
+        }
+        Error::Trap {
+            policy,
+            call,
+            message,
+        }
+    }
+}
+
+impl WasiView for Sandbox {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+impl Drop for Sandbox {
+    /// What the guest printed goes to the host's log.
+    fn drop(&mut self) {
+        let said = self.output.contents();
+        if !said.is_empty() {
+            log::info!(
+                "guest `{}` said: {}",
+                self.name,
+                String::from_utf8_lossy(&said).trim_end()
+            );
+        }
+    }
+}
+
+/// Caps the guest's own memory; remembers that it tried to pass the cap so that the
+/// resulting trap is reported as a memory-limit error, not a generic trap.
+#[derive(Debug)]
+pub(super) struct MemoryLimiter {
+    pub(super) limit: u64,
+    pub(super) hit: bool,
+}
+
+impl wasmtime::ResourceLimiter for MemoryLimiter {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired as u64 > self.limit {
+            self.hit = true;
+            wasmtime::bail!("guest memory limit of {} bytes reached", self.limit);
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(desired <= 1 << 20)
+    }
+}

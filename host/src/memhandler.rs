@@ -1,0 +1,75 @@
+//! The NEP 49 vocabulary: what a data-memory handler is ([`MemHandler`]) and the
+//! statistics every handler reports ([`Stats`]), shared by the wasm handler
+//! ([`crate::Handler`]), the native default ([`crate::NumpyDefault`]) and everything
+//! that drives either (`nep49`, `trace`, the Python bridge).
+
+use std::fmt;
+use std::ptr::NonNull;
+
+use crate::error::Error;
+
+/// A data-memory handler: NumPy's `PyDataMem_Handler` (name, version, and the four
+/// routines), implemented by wasm policy chains ([`crate::Handler`]) and natively
+/// ([`crate::NumpyDefault`]).
+pub trait MemHandler: Send + Sync + fmt::Debug {
+    /// 1..=127 bytes, shown by `handler_name`.
+    fn name(&self) -> &str;
+    /// The handler contract version.
+    fn version(&self) -> u8 {
+        1
+    }
+    fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error>;
+    fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error>;
+    fn realloc(
+        &self,
+        ptr: Option<NonNull<u8>>,
+        new_size: usize,
+    ) -> Result<Option<NonNull<u8>>, Error>;
+    fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error>;
+    fn stats(&self) -> Stats;
+    /// Can this handler take new requests? A chain stopped by a violation cannot.
+    fn usable(&self) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+/// Counts kept by a handler for everything its clients did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub mallocs: u64,
+    pub callocs: u64,
+    pub reallocs: u64,
+    pub frees: u64,
+    /// Requests answered "none" (out of memory).
+    pub failed: u64,
+    pub live_blocks: u64,
+    pub live_bytes: u64,
+    /// The most bytes live at once; see [`crate::Handler::stats`] for how exact it is with several threads.
+    pub peak_bytes: u64,
+    pub total_bytes: u64,
+    /// Client frees whose size was not the block's; the policy got the right one.
+    pub size_corrections: u64,
+    /// Requests served from a cache of freed blocks without calling the allocator
+    /// behind it: allocbox's magazines, or NumPy's small-block cache in the native
+    /// default.
+    pub magazine_hits: u64,
+    /// Upstream requests of the chain's policies answered "none" for passing their
+    /// overhead budget ([`crate::Limits::overhead`]), summed over the chain.
+    pub budget_refusals: u64,
+}
+
+impl Stats {
+    /// Count a block of `size` bytes given to the client.
+    pub(crate) fn lend(&mut self, size: u64) {
+        self.live_blocks += 1;
+        self.live_bytes += size;
+        self.total_bytes += size;
+        self.peak_bytes = self.peak_bytes.max(self.live_bytes);
+    }
+
+    /// Count a block of `size` bytes the client gave back.
+    pub(crate) fn take_back(&mut self, size: u64) {
+        self.live_blocks -= 1;
+        self.live_bytes -= size;
+    }
+}
