@@ -3,6 +3,7 @@
 //! through any handler, naming the event that fails.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::fmt;
 use std::io::{BufRead, BufReader, Read, Seek, Write};
 use std::path::Path;
@@ -154,8 +155,23 @@ type Held = (NonNull<u8>, usize);
 
 impl ReplayReport {
     /// Replay one event against the block held for its id; returns what is held for the
-    /// id afterwards.
+    /// id afterwards. A failure is kept in `self.failure` (the error is large: returning
+    /// it by value on every event cost the replay loop more than some handlers).
     fn apply(
+        &mut self,
+        handler: &dyn MemHandler,
+        event: &Event,
+        held: Option<Held>,
+    ) -> Option<Held> {
+        let (after, result) = self.call(handler, event, held);
+        if let Err(e) = result {
+            self.failure = Some((*event, e));
+        }
+        after
+    }
+
+    #[inline(always)]
+    fn call(
         &mut self,
         handler: &dyn MemHandler,
         event: &Event,
@@ -253,12 +269,19 @@ fn replay_on_one_thread(handler: &dyn MemHandler, events: &[Event]) -> ReplayRep
     let mut report = ReplayReport::default();
     let start = Instant::now();
     for event in events {
-        let (held, result) = report.apply(handler, event, live.remove(&event.id));
-        if let Some(held) = held {
-            live.insert(event.id, held);
+        // One lookup per event: the entry stays open across the call.
+        match live.entry(event.id) {
+            Entry::Occupied(mut place) => match report.apply(handler, event, Some(*place.get())) {
+                Some(held) => *place.get_mut() = held,
+                None => drop(place.remove()),
+            },
+            Entry::Vacant(place) => {
+                if let Some(held) = report.apply(handler, event, None) {
+                    place.insert(held);
+                }
+            }
         }
-        if let Err(e) = result {
-            report.failure = Some((*event, e));
+        if report.failure.is_some() {
             break;
         }
     }
@@ -351,12 +374,11 @@ fn replay_thread(
         }
         let mut slot = schedule.held[schedule.block_of[i] as usize].lock();
         let held = slot.and_then(|(a, size)| Some((NonNull::new(a as *mut u8)?, size)));
-        let (held, result) = report.apply(handler, &events[i], held);
+        let held = report.apply(handler, &events[i], held);
         *slot = held.map(|(p, size)| (p.as_ptr() as usize, size));
         drop(slot);
         schedule.done[i].store(true, Ordering::Release);
-        if let Err(e) = result {
-            report.failure = Some((events[i], e));
+        if report.failure.is_some() {
             schedule.stop.store(true, Ordering::Relaxed);
             return report;
         }
