@@ -71,6 +71,10 @@ enum Fault {
     MallocManyHuge,
     /// `malloc` takes another 64 MiB upstream and keeps it for ever.
     Hoard,
+    /// Freed blocks go on a free list that `malloc` of the same size reuses; `trim`
+    /// gives the listed blocks back upstream but leaves them on the list, so the next
+    /// such `malloc` answers memory the policy no longer holds (a stale free list).
+    StaleAfterTrim,
     /// `init` answers a 200-byte name, an empty name, version 2, alignment 24, an `err`.
     BadName,
     EmptyName,
@@ -111,6 +115,7 @@ const FAULTS: &[(&str, Fault)] = &[
     ),
     ("malloc-many-huge", Fault::MallocManyHuge),
     ("hoard", Fault::Hoard),
+    ("stale-after-trim", Fault::StaleAfterTrim),
     ("bad-name", Fault::BadName),
     ("empty-name", Fault::EmptyName),
     ("bad-version", Fault::BadVersion),
@@ -134,6 +139,8 @@ thread_local! {
     static LENT: RefCell<Vec<(u64, u64)>> = const { RefCell::new(Vec::new()) };
     /// `grow-memory`: keeps every hoarded buffer reachable.
     static HOARD: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
+    /// `stale-after-trim`'s free list: `(address, size)`.
+    static FREE_LIST: RefCell<Vec<(u64, u64)>> = const { RefCell::new(Vec::new()) };
 }
 
 fn fault() -> Fault {
@@ -210,6 +217,14 @@ impl Allocator for Broken {
                 black_box(hoarded);
                 upstream::malloc(size)
             }
+            Fault::StaleAfterTrim => {
+                let listed = FREE_LIST.with(|l| {
+                    let mut l = l.borrow_mut();
+                    let at = l.iter().position(|&(_, s)| s == size)?;
+                    Some(l.swap_remove(at).0)
+                });
+                listed.unwrap_or_else(|| upstream::malloc(size))
+            }
             _ => upstream::malloc(size),
         }
     }
@@ -284,6 +299,7 @@ impl Allocator for Broken {
             }
             Fault::ForeignFree => upstream::free(ptr + 4096, size),
             Fault::Leak if size >= 64 => {}
+            Fault::StaleAfterTrim => FREE_LIST.with(|l| l.borrow_mut().push((ptr, size))),
             Fault::FreeOther => {
                 let other = LENT.with(|l| {
                     let mut l = l.borrow_mut();
@@ -408,6 +424,12 @@ impl Lifecycle for Broken {
     fn trim() {
         match fault() {
             Fault::TrapTrim => trap("trim"),
+            Fault::StaleAfterTrim => {
+                // The bug: the blocks go back upstream and stay on the list.
+                for (ptr, size) in FREE_LIST.with(|l| l.borrow().clone()) {
+                    upstream::free(ptr, size);
+                }
+            }
             Fault::Overlap => {
                 let shared = SHARED.with(|s| s.replace(0));
                 if shared != 0 {

@@ -149,6 +149,18 @@ impl<'h> Client<'h> {
                 self.ran.push(Op::Free(slot));
                 self.free_slot(slot)?;
             }
+            Op::Trim => {
+                self.ran.push(Op::Trim);
+                h.trim().map_err(err)?;
+                // What a policy gives back must not be under a live block.
+                for block in &self.live {
+                    if let Some(at) = block.first_changed(block.size) {
+                        return Err(self.lost("trim", block, at, |offset| {
+                            Rule::LiveBlockChanged { offset }
+                        }));
+                    }
+                }
+            }
         }
         self.look_around()
     }

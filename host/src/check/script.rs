@@ -12,6 +12,9 @@ pub enum Op {
     Realloc(Option<usize>, u64),
     /// Free the block in the slot (nothing when no block is live).
     Free(usize),
+    /// Ask every policy of the chain to give back what it caches; a policy must stay
+    /// correct across it at any point of its life, not only once everything is freed.
+    Trim,
 }
 
 impl fmt::Display for Op {
@@ -22,6 +25,7 @@ impl fmt::Display for Op {
             Op::Realloc(None, size) => write!(f, "realloc - {size}"),
             Op::Realloc(Some(slot), size) => write!(f, "realloc #{slot} {size}"),
             Op::Free(slot) => write!(f, "free #{slot}"),
+            Op::Trim => write!(f, "trim"),
         }
     }
 }
@@ -44,6 +48,7 @@ impl std::str::FromStr for Op {
             ["realloc", "-", size] => Ok(Op::Realloc(None, num(size)?)),
             ["realloc", s, size] => Ok(Op::Realloc(Some(slot(s)?), num(size)?)),
             ["free", s] => Ok(Op::Free(slot(s)?)),
+            ["trim"] => Ok(Op::Trim),
             _ => Err(format!("not an operation: `{line}`")),
         }
     }

@@ -43,17 +43,20 @@ pub(super) fn draw_calloc(rng: &mut TestRng) -> Op {
     Op::Calloc(n, e)
 }
 
-/// One operation: malloc 4, calloc 2, realloc 3 (a tenth of them from none), free 4.
+/// One operation, in 100ths: malloc 30, calloc 15, realloc 23 (a tenth of them from
+/// none), free 30, trim 2 (so most sequences of a hundred operations trim once or
+/// twice while blocks are live).
 pub(super) fn draw_op(rng: &mut TestRng) -> Op {
     const SLOTS: usize = 64;
-    match rng.random_range(0..13u32) {
-        0..4 => Op::Malloc(draw_size(rng)),
-        4..6 => draw_calloc(rng),
-        6..9 => {
+    match rng.random_range(0..100u32) {
+        0..30 => Op::Malloc(draw_size(rng)),
+        30..45 => draw_calloc(rng),
+        45..68 => {
             let slot = rng.random_bool(0.9).then(|| rng.random_range(0..SLOTS));
             Op::Realloc(slot, draw_size(rng))
         }
-        _ => Op::Free(rng.random_range(0..SLOTS)),
+        68..98 => Op::Free(rng.random_range(0..SLOTS)),
+        _ => Op::Trim,
     }
 }
 
