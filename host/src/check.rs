@@ -36,10 +36,39 @@ mod runner;
 mod script;
 mod strategy;
 
-pub use report::{CheckOptions, CheckReport, Finding};
+pub use report::{CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS, Progress, ProgressFn};
 use runner::Subject;
 pub use script::{Op, Script};
 use strategy::Scripts;
+
+/// Longest a failure is shrunk, in milliseconds.
+const MAX_SHRINK_TIME_MS: u32 = 10_000;
+
+/// A proptest runner for one round of `cases` sequences from `seed`, persisting failing
+/// seeds where the options say.
+fn round_runner(options: &CheckOptions, policy: &str, cases: u32, seed: u64) -> TestRunner {
+    let mut config = Config {
+        cases,
+        max_shrink_iters: 2048,
+        // A long-lived instance's failure replays thousands of operations per trial:
+        // past this, the smallest script found so far is reported.
+        max_shrink_time: MAX_SHRINK_TIME_MS,
+        failure_persistence: None,
+        ..Config::default()
+    };
+    if let Some(dir) = &options.regressions {
+        let file = dir.join(format!("{policy}.txt"));
+        // proptest wants a 'static path; one small string per distinct path is kept.
+        let file: &'static str = Box::leak(file.display().to_string().into_boxed_str());
+        config.failure_persistence = Some(Box::new(FileFailurePersistence::Direct(file)));
+    }
+    let mut seed_bytes = [0u8; 32];
+    seed_bytes[..8].copy_from_slice(&seed.to_le_bytes());
+    TestRunner::new_with_rng(
+        config,
+        TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes),
+    )
+}
 
 /// Slots in a check's instance pool. Cases run one handler (one instance) at a time;
 /// the rest is headroom.
@@ -74,63 +103,66 @@ pub fn check(
     };
     let name = subject.start()?.name().to_string();
 
-    let mut proptest_config = Config {
-        cases: options.cases,
-        max_shrink_iters: 2048,
-        failure_persistence: None,
-        ..Config::default()
-    };
-    if let Some(dir) = &options.regressions {
-        let file = dir.join(format!("{name}.txt"));
-        // proptest wants a 'static path; one small string per distinct path is kept.
-        let file: &'static str = Box::leak(file.display().to_string().into_boxed_str());
-        proptest_config.failure_persistence = Some(Box::new(FileFailurePersistence::Direct(file)));
-    }
-    let seed = options.seed.unwrap_or(0x5EED_A110_CB0C);
-    let mut seed_bytes = [0u8; 32];
-    seed_bytes[..8].copy_from_slice(&seed.to_le_bytes());
-    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes);
-    let mut runner = TestRunner::new_with_rng(proptest_config, rng);
-
-    let threads = options.threads.max(1);
-    let strategy = Scripts {
-        threads,
-        max_ops: options.max_ops.max(1),
-    };
     let cases = AtomicU64::new(0);
     let ops = AtomicU64::new(0);
     let start = Instant::now();
-    let outcome = runner.run(&strategy, |threads| {
-        let (script, finding) = subject.run(&threads);
-        ops.fetch_add(script.len() as u64, Ordering::Relaxed);
-        let done = cases.fetch_add(1, Ordering::Relaxed) + 1;
-        if let Some(progress) = &options.progress {
-            progress(done.min(u64::from(options.cases)) as u32, options.cases);
+    let base_seed = options.seed.unwrap_or(0x5EED_A110_CB0C);
+    let mut failure = None;
+    for round in 0u64.. {
+        // Every fourth round (from the fourth on): a few long-lived instances.
+        let long = options.time.is_some() && round % 4 == 3;
+        let (round_cases, max_ops) = match long {
+            true => (LONG_CASES, LONG_OPS),
+            false => (options.cases, options.max_ops.max(1)),
+        };
+        let seed = base_seed.wrapping_add(round.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut runner = round_runner(options, &name, round_cases, seed);
+        let strategy = Scripts {
+            threads: options.threads.max(1),
+            max_ops,
+        };
+        let outcome = runner.run(&strategy, |threads| {
+            let (script, finding) = subject.run(&threads);
+            let ops = ops.fetch_add(script.len() as u64, Ordering::Relaxed) + script.len() as u64;
+            let cases = cases.fetch_add(1, Ordering::Relaxed) + 1;
+            if let Some(progress) = &options.progress {
+                progress(&Progress {
+                    cases,
+                    ops,
+                    elapsed: start.elapsed(),
+                    time: options.time,
+                    cases_wanted: options.time.is_none().then_some(options.cases),
+                });
+            }
+            match finding {
+                None => Ok(()),
+                Some(f) => Err(TestCaseError::fail(f.to_string())),
+            }
+        });
+        failure = match outcome {
+            Ok(()) => None,
+            Err(TestError::Fail(_, minimal)) => {
+                // Run the minimal case once more for its resolved script and finding.
+                let (script, finding) = subject.run(&minimal);
+                let finding = finding.unwrap_or_else(|| Finding {
+                    rule: "flaky",
+                    message: "the shrunk case passed when run again (threads?)".into(),
+                });
+                Some((finding, script))
+            }
+            Err(TestError::Abort(reason)) => Some((
+                Finding {
+                    rule: "aborted",
+                    message: reason.to_string(),
+                },
+                Script::default(),
+            )),
+        };
+        let time_left = options.time.is_some_and(|t| start.elapsed() < t);
+        if failure.is_some() || !time_left {
+            break;
         }
-        match finding {
-            None => Ok(()),
-            Some(f) => Err(TestCaseError::fail(f.to_string())),
-        }
-    });
-    let failure = match outcome {
-        Ok(()) => None,
-        Err(TestError::Fail(_, minimal)) => {
-            // Run the minimal case once more for its resolved script and finding.
-            let (script, finding) = subject.run(&minimal);
-            let finding = finding.unwrap_or_else(|| Finding {
-                rule: "flaky",
-                message: "the shrunk case passed when run again (threads?)".into(),
-            });
-            Some((finding, script))
-        }
-        Err(TestError::Abort(reason)) => Some((
-            Finding {
-                rule: "aborted",
-                message: reason.to_string(),
-            },
-            Script::default(),
-        )),
-    };
+    }
     Ok(CheckReport {
         policy: name,
         cases: cases.into_inner() as u32,

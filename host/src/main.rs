@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use std::io::IsTerminal;
 use std::sync::Arc;
@@ -29,9 +30,14 @@ enum Command {
     Check {
         /// Policy components (.wasm) or WAT sources (.wat).
         policies: Vec<PathBuf>,
-        /// Random sequences per policy.
-        #[arg(long, default_value_t = 64)]
-        cases: u32,
+        /// Seconds to spend on each policy, in rounds of `--cases` sequences (every
+        /// fourth round long-lived instances of thousands of operations). Default 3,
+        /// unless `--cases` is given alone.
+        #[arg(long)]
+        time: Option<f64>,
+        /// Random sequences per round. Given without `--time`: run exactly this many.
+        #[arg(long)]
+        cases: Option<u32>,
         /// Seed, for a run that repeats exactly.
         #[arg(long)]
         seed: Option<u64>,
@@ -110,12 +116,10 @@ struct LimitArgs {
 }
 
 impl LimitArgs {
-    fn limits(&self, call_time: std::time::Duration) -> Limits {
+    fn limits(&self, call_time: Duration) -> Limits {
         let defaults = Limits::default();
         Limits {
-            call_time: self
-                .call_time_ms
-                .map_or(call_time, std::time::Duration::from_millis),
+            call_time: self.call_time_ms.map_or(call_time, Duration::from_millis),
             memory: self.guest_memory.unwrap_or(defaults.memory),
             batch: self.batch_limit.unwrap_or(defaults.batch),
             overhead: self.overhead.unwrap_or(defaults.overhead),
@@ -125,7 +129,9 @@ impl LimitArgs {
 }
 
 /// The call limit of checking runs: short, so a looping policy is found quickly.
-const CHECK_CALL_TIME: std::time::Duration = std::time::Duration::from_millis(250);
+const CHECK_CALL_TIME: Duration = Duration::from_millis(250);
+/// How long `allocbox check` spends on a policy unless told otherwise.
+const DEFAULT_CHECK_TIME: Duration = Duration::from_secs(3);
 
 fn parse_key_value(s: &str) -> Result<(String, String)> {
     match s.split_once('=') {
@@ -209,8 +215,19 @@ fn run_check(args: CheckArgs) -> Result<Outcome> {
         let label = target.map_or("built-in default".to_string(), |p| p.display().to_string());
         if std::io::stderr().is_terminal() && !args.json {
             let label = label.clone();
-            options.progress = Some(Arc::new(move |done, total| {
-                eprint!("\r{label}: case {done}/{total}   ");
+            options.progress = Some(Arc::new(move |p: &check::Progress| {
+                let rate = p.ops as f64 / p.elapsed.as_secs_f64().max(1e-9);
+                let of = match (p.time, p.cases_wanted) {
+                    (Some(t), _) => {
+                        format!("{:.1}/{:.1} s", p.elapsed.as_secs_f64(), t.as_secs_f64())
+                    }
+                    (None, Some(n)) => format!("case {}/{n}", p.cases),
+                    (None, None) => String::new(),
+                };
+                eprint!(
+                    "\r{label}: {} cases, {} ops, {rate:.0} ops/s, {of}   ",
+                    p.cases, p.ops
+                );
             }));
         }
         let report = check::check(runtime, &policy, &config, &options)?;
@@ -438,6 +455,7 @@ fn main() -> ExitCode {
         Command::Inspect { policy, config } => inspect(policy, config).map(|()| Outcome::Held),
         Command::Check {
             policies,
+            time,
             cases,
             seed,
             max_ops,
@@ -449,7 +467,12 @@ fn main() -> ExitCode {
         } => run_check(CheckArgs {
             policies,
             options: CheckOptions {
-                cases,
+                cases: cases.unwrap_or(64),
+                time: match (time, cases) {
+                    (Some(secs), _) => Some(Duration::from_secs_f64(secs.max(0.0))),
+                    (None, Some(_)) => None,
+                    (None, None) => Some(DEFAULT_CHECK_TIME),
+                },
                 seed,
                 max_ops,
                 threads,

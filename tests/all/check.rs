@@ -110,6 +110,50 @@ fn check_catches_every_broken_policy_names_the_rule_and_shrinks_it() {
 }
 
 #[test]
+fn a_bug_that_needs_hundreds_of_operations_in_one_instance_is_found_by_a_timed_check() {
+    let policy = load(&allocbox_artifacts::BROKEN);
+    let config = [("fault", "misaligned-after-300")];
+    let short = check::check(Runtime::shared(), &policy, &config, &options()).unwrap();
+    assert!(
+        short.passed(),
+        "48 sequences of 128 operations cannot reach it"
+    );
+    let timed = CheckOptions {
+        time: Some(Duration::from_secs(1)),
+        ..options()
+    };
+    let report = check::check(Runtime::shared(), &policy, &config, &timed).unwrap();
+    let (finding, script) = report.failure.expect("a long-lived round reaches it");
+    assert_eq!(finding.rule, "misaligned", "{finding}");
+    let mallocs = script.threads[0]
+        .iter()
+        .filter(|op| !matches!(op, check::Op::Free(_) | check::Op::Trim))
+        .count();
+    assert!(mallocs >= 301, "{mallocs} allocations cannot show it");
+    let again = check::replay(Runtime::shared(), &policy, &config, &script, &timed.limits)
+        .unwrap()
+        .expect("the script replays to the same failure");
+    assert_eq!(again.rule, "misaligned");
+}
+
+#[test]
+fn a_timed_check_runs_rounds_until_its_time_is_spent() {
+    let policy = load(&allocbox_artifacts::SYSTEM);
+    let timed = CheckOptions {
+        time: Some(Duration::from_millis(400)),
+        ..options()
+    };
+    let report = check::check(Runtime::shared(), &policy, &[], &timed).unwrap();
+    assert!(report.passed(), "{:?}", report.failure);
+    assert!(report.elapsed >= Duration::from_millis(400));
+    assert!(
+        report.cases > timed.cases + check::LONG_CASES,
+        "only {} cases: one round",
+        report.cases
+    );
+}
+
+#[test]
 fn several_client_threads_share_one_handler_under_check() {
     let policy = load(&allocbox_artifacts::SIZE_CLASSES);
     let opts = CheckOptions {
@@ -123,10 +167,11 @@ fn several_client_threads_share_one_handler_under_check() {
 
 #[test]
 fn scripts_parse_and_print_one_operation_a_line() {
-    let text = "# a comment\nmalloc 16\ncalloc 4 8\nrealloc #0 100\nrealloc - 7\nfree #1\nthread\nmalloc 1\n";
+    let text = "# a comment\nmalloc 16\ncalloc 4 8\nrealloc #0 100\nrealloc - 7\nfree #1\ntrim\nthread\nmalloc 1\n";
     let script = Script::parse(text).unwrap();
     assert_eq!(script.threads.len(), 2);
-    assert_eq!(script.len(), 6);
+    assert_eq!(script.len(), 7);
+    assert_eq!(script.threads[0][5], check::Op::Trim);
     assert_eq!(Script::parse(&script.to_string()).unwrap(), script);
     let err = Script::parse("malloc sixteen").unwrap_err();
     assert!(err.contains("line 1"), "{err}");
@@ -143,6 +188,12 @@ fn the_cli_exits_0_when_rules_hold_1_when_broken_2_on_bad_input() {
         out.contains("passthrough") && out.contains("every rule held"),
         "{out}"
     );
+
+    // A time budget runs round after round: more cases than one round's 64.
+    let (code, out) = allocbox_cli(&["check", "--time", "0.3", "--json"], &dir);
+    assert_eq!(code, 0, "{out}");
+    let report: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert!(report["cases"].as_u64().unwrap() > 64, "{out}");
 
     let broken = allocbox_artifacts::BROKEN.path();
     let (code, out) = allocbox_cli(

@@ -75,6 +75,9 @@ enum Fault {
     /// gives the listed blocks back upstream but leaves them on the list, so the next
     /// such `malloc` answers memory the policy no longer holds (a stale free list).
     StaleAfterTrim,
+    /// Like `misaligned`, but only from the 301st `malloc` of an instance on: a bug
+    /// that short sequences never reach.
+    MisalignedAfter300,
     /// `init` answers a 200-byte name, an empty name, version 2, alignment 24, an `err`.
     BadName,
     EmptyName,
@@ -116,6 +119,7 @@ const FAULTS: &[(&str, Fault)] = &[
     ("malloc-many-huge", Fault::MallocManyHuge),
     ("hoard", Fault::Hoard),
     ("stale-after-trim", Fault::StaleAfterTrim),
+    ("misaligned-after-300", Fault::MisalignedAfter300),
     ("bad-name", Fault::BadName),
     ("empty-name", Fault::EmptyName),
     ("bad-version", Fault::BadVersion),
@@ -139,6 +143,8 @@ thread_local! {
     static LENT: RefCell<Vec<(u64, u64)>> = const { RefCell::new(Vec::new()) };
     /// `grow-memory`: keeps every hoarded buffer reachable.
     static HOARD: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
+    /// `malloc` calls so far, for `misaligned-after-300`.
+    static MALLOCS: Cell<u64> = const { Cell::new(0) };
     /// `stale-after-trim`'s free list: `(address, size)`.
     static FREE_LIST: RefCell<Vec<(u64, u64)>> = const { RefCell::new(Vec::new()) };
 }
@@ -187,6 +193,12 @@ impl Allocator for Broken {
                 None | Some(0) => 0,
                 Some(p) => moved(p + 8, p, size + 16),
             },
+            Fault::MisalignedAfter300 if MALLOCS.with(|m| m.replace(m.get() + 1)) >= 300 => {
+                match size.checked_add(16).map(upstream::malloc) {
+                    None | Some(0) => 0,
+                    Some(p) => moved(p + 8, p, size + 16),
+                }
+            }
             Fault::OffByOne if size > 1 => match upstream::malloc(size - 1) {
                 0 => 0,
                 p => moved(p, p, size - 1),

@@ -55,8 +55,13 @@ impl fmt::Display for Finding {
 /// How hard to check.
 #[derive(Clone)]
 pub struct CheckOptions {
-    /// Random sequences to run. Default 64.
+    /// Random sequences to run, per round. Default 64.
     pub cases: u32,
+    /// Keep running rounds, each with a seed of its own, until this much time has
+    /// passed (at least one round). Every fourth round runs long-lived instances
+    /// instead ([`LONG_CASES`] sequences of up to [`LONG_OPS`] operations), where bugs
+    /// that need thousands of operations in one instance show. Default none: one round.
+    pub time: Option<Duration>,
     /// Most operations in one sequence (per thread). Default 128.
     pub max_ops: usize,
     /// Seed for a reproducible run; default a fixed seed (runs are deterministic unless
@@ -68,14 +73,35 @@ pub struct CheckOptions {
     pub limits: Limits,
     /// Where failing seeds persist (`proptest-regressions/<policy>.txt`). Default none.
     pub regressions: Option<PathBuf>,
-    /// Called after every finished case with (cases done, cases wanted).
-    pub progress: Option<Arc<dyn Fn(u32, u32) + Send + Sync>>,
+    /// Called after every finished case.
+    pub progress: Option<Arc<ProgressFn>>,
+}
+
+/// What [`CheckOptions::progress`] calls.
+pub type ProgressFn = dyn Fn(&Progress) + Send + Sync;
+
+/// Sequences in a round of long-lived instances.
+pub const LONG_CASES: u32 = 4;
+/// Most operations per sequence in a round of long-lived instances.
+pub const LONG_OPS: usize = 16_384;
+
+/// How far a check has got, for a progress display.
+#[derive(Debug, Clone)]
+pub struct Progress {
+    pub cases: u64,
+    pub ops: u64,
+    pub elapsed: Duration,
+    /// The time budget, when the check runs for one.
+    pub time: Option<Duration>,
+    /// The cases wanted, when the check runs a fixed number.
+    pub cases_wanted: Option<u32>,
 }
 
 impl fmt::Debug for CheckOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CheckOptions")
             .field("cases", &self.cases)
+            .field("time", &self.time)
             .field("max_ops", &self.max_ops)
             .field("seed", &self.seed)
             .field("threads", &self.threads)
@@ -87,6 +113,7 @@ impl Default for CheckOptions {
     fn default() -> Self {
         CheckOptions {
             cases: 64,
+            time: None,
             max_ops: 128,
             seed: None,
             threads: 1,
