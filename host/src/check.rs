@@ -36,13 +36,12 @@ mod runner;
 mod script;
 mod strategy;
 
-pub use report::{CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS, Progress, ProgressFn};
+pub use report::{
+    CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS, MAX_SHRINK_TIME, Progress, ProgressFn,
+};
 use runner::Subject;
 pub use script::{Op, Script};
 use strategy::Scripts;
-
-/// Longest a failure is shrunk, in milliseconds.
-const MAX_SHRINK_TIME_MS: u32 = 10_000;
 
 /// A proptest runner for one round of `cases` sequences from `seed`, persisting failing
 /// seeds where the options say.
@@ -52,7 +51,7 @@ fn round_runner(options: &CheckOptions, policy: &str, cases: u32, seed: u64) -> 
         max_shrink_iters: 2048,
         // A long-lived instance's failure replays thousands of operations per trial:
         // past this, the smallest script found so far is reported.
-        max_shrink_time: MAX_SHRINK_TIME_MS,
+        max_shrink_time: MAX_SHRINK_TIME.as_millis() as u32,
         failure_persistence: None,
         ..Config::default()
     };
@@ -108,6 +107,7 @@ pub fn check(
     let start = Instant::now();
     let base_seed = options.seed.unwrap_or(0x5EED_A110_CB0C);
     let mut failure = None;
+    let mut shrink_stopped_early = false;
     for round in 0u64.. {
         // Every fourth round (from the fourth on): a few long-lived instances.
         let long = options.time.is_some() && round % 4 == 3;
@@ -121,6 +121,7 @@ pub fn check(
             threads: options.threads.max(1),
             max_ops,
         };
+        let first_failure = std::sync::OnceLock::new();
         let outcome = runner.run(&strategy, |threads| {
             let (script, finding) = subject.run(&threads);
             let ops = ops.fetch_add(script.len() as u64, Ordering::Relaxed) + script.len() as u64;
@@ -136,9 +137,15 @@ pub fn check(
             }
             match finding {
                 None => Ok(()),
-                Some(f) => Err(TestCaseError::fail(f.to_string())),
+                Some(f) => {
+                    first_failure.get_or_init(Instant::now);
+                    Err(TestCaseError::fail(f.to_string()))
+                }
             }
         });
+        shrink_stopped_early = first_failure
+            .get()
+            .is_some_and(|at| at.elapsed() >= MAX_SHRINK_TIME);
         failure = match outcome {
             Ok(()) => None,
             Err(TestError::Fail(_, minimal)) => {
@@ -170,6 +177,7 @@ pub fn check(
         elapsed: start.elapsed(),
         budget_refusals: subject.budget_refusals.into_inner(),
         failure,
+        shrink_stopped_early,
     })
 }
 

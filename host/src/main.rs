@@ -292,7 +292,14 @@ fn text_report(
         return format!("{} ({label}): every rule held — {totals}\n", report.policy);
     };
     let mut out = format!("{} ({label}): BROKEN {finding}\n", report.policy);
-    out += &format!("  shrunk to {} operations:\n", script.len());
+    out += &format!("  shrunk to {} operations", script.len());
+    if report.shrink_stopped_early {
+        out += &format!(
+            " (shrinking stopped after {} s: a shorter script may exist)",
+            check::MAX_SHRINK_TIME.as_secs()
+        );
+    }
+    out += ":\n";
     for line in script.to_string().lines() {
         out += &format!("    {line}\n");
     }
@@ -330,6 +337,7 @@ fn json_report(report: &CheckReport, label: &str) -> serde_json::Value {
         "rule": rule,
         "message": message,
         "script": script,
+        "shrink_stopped_early": report.shrink_stopped_early,
     })
 }
 

@@ -80,6 +80,9 @@ pub struct CheckOptions {
 /// What [`CheckOptions::progress`] calls.
 pub type ProgressFn = dyn Fn(&Progress) + Send + Sync;
 
+/// Longest a failure is shrunk; past it the smallest script found so far is reported.
+pub const MAX_SHRINK_TIME: Duration = Duration::from_secs(10);
+
 /// Sequences in a round of long-lived instances.
 pub const LONG_CASES: u32 = 4;
 /// Most operations per sequence in a round of long-lived instances.
@@ -141,6 +144,9 @@ pub struct CheckReport {
     pub budget_refusals: u64,
     /// The first broken rule, with the shrunk script that shows it.
     pub failure: Option<(Finding, Script)>,
+    /// Shrinking the failure ran out of time ([`MAX_SHRINK_TIME`]): the script shows the
+    /// broken rule but may not be the shortest that does.
+    pub shrink_stopped_early: bool,
 }
 
 impl CheckReport {
