@@ -3,9 +3,10 @@
 //! shrinks a failure to a short, replayable script.
 //!
 //! The reference model is the list of live blocks and the bytes each must hold; the
-//! system under test is a fresh [`crate::Handler`] per case. Operations name blocks by *slot*
-//! (index into the live blocks, oldest first, modulo their number), so every sequence is
-//! valid and proptest can shrink by dropping operations without preconditions.
+//! system under test is a fresh [`crate::Handler`] per case. A block is named by the
+//! operation that made it (`b3 = malloc 64`, then `free b3`), and an operation on a block
+//! that is not live is skipped: every sequence is valid, and deleting an operation while
+//! shrinking never changes which block another one means.
 //!
 //! Where each part lives: `script` (the text form `allocbox replay` reads), `strategy`
 //! (drawing and shrinking scripts), `pattern` (the bytes every block holds), `model`
@@ -151,6 +152,7 @@ pub fn check(
             Err(TestError::Fail(_, minimal)) => {
                 // Run the minimal case once more for its resolved script and finding.
                 let (script, finding) = subject.run(&minimal);
+                let script = script.with_names_in_order();
                 let finding = finding.unwrap_or_else(|| Finding {
                     rule: "flaky",
                     message: "the shrunk case passed when run again (threads?)".into(),
@@ -262,32 +264,69 @@ mod tests {
 
     #[test]
     fn shrinking_keeps_only_the_guilty_operations_at_their_smallest_numbers() {
-        // Fails when a malloc of at least 100 bytes is followed by any free.
+        // Fails when a malloc of at least 100 bytes is later freed.
         let found = minimal(1, |t| {
             let ops = &t[0];
-            ops.iter().enumerate().any(|(i, op)| {
-                matches!(op, Op::Malloc(s) if *s >= 100)
-                    && ops[i + 1..].iter().any(|o| matches!(o, Op::Free(_)))
+            ops.iter().enumerate().any(|(i, op)| match *op {
+                Op::Malloc { block, size } if size >= 100 => {
+                    ops[i + 1..].contains(&Op::Free { block })
+                }
+                _ => false,
             })
         });
-        assert_eq!(found, vec![vec![Op::Malloc(100), Op::Free(0)]]);
+        match found.as_slice() {
+            [ops] => match ops.as_slice() {
+                [Op::Malloc { block, size: 100 }, Op::Free { block: freed }] => {
+                    assert_eq!(block, freed)
+                }
+                other => panic!("not minimal: {other:?}"),
+            },
+            other => panic!("not minimal: {other:?}"),
+        }
     }
 
     #[test]
     fn shrinking_empties_the_threads_that_do_not_matter() {
         let found = minimal(2, |t| {
             t[1].iter()
-                .any(|op| matches!(op, Op::Calloc(n, _) if *n >= 3))
+                .any(|op| matches!(op, Op::Calloc { nelem, .. } if *nelem >= 3))
         });
-        assert_eq!(found, vec![vec![], vec![Op::Calloc(3, 0)]]);
+        assert_eq!(found.len(), 2);
+        assert!(found[0].is_empty(), "{found:?}");
+        assert!(
+            matches!(
+                found[1].as_slice(),
+                [Op::Calloc {
+                    nelem: 3,
+                    elsize: 0,
+                    ..
+                }]
+            ),
+            "{found:?}"
+        );
     }
 
     #[test]
     fn a_script_survives_its_text_form() {
         let script = Script {
             threads: vec![
-                vec![Op::Malloc(8), Op::Realloc(Some(0), 4096), Op::Free(0)],
-                vec![Op::Calloc(u64::MAX, 2), Op::Realloc(None, 0)],
+                vec![
+                    Op::Malloc { block: 0, size: 8 },
+                    Op::Realloc {
+                        block: 0,
+                        size: 4096,
+                    },
+                    Op::Trim,
+                    Op::Free { block: 0 },
+                ],
+                vec![
+                    Op::Calloc {
+                        block: 0,
+                        nelem: u64::MAX,
+                        elsize: 2,
+                    },
+                    Op::ReallocNew { block: 1, size: 0 },
+                ],
             ],
         };
         assert_eq!(Script::parse(&script.to_string()).unwrap(), script);

@@ -3,8 +3,11 @@
 use std::ptr::NonNull;
 
 use super::pattern::{CHUNK, PERIOD, expected_at, template};
+use super::script::BlockId;
 
 pub(super) struct Live {
+    /// The script's name for the block.
+    pub(super) block: BlockId,
     pub(super) ptr: NonNull<u8>,
     pub(super) size: usize,
     /// Where in the pattern this block starts (0..PERIOD), distinct from block to block.

@@ -12,12 +12,15 @@ use crate::runtime::{Policy, Runtime};
 use super::model::Live;
 use super::pattern::PERIOD;
 use super::report::Finding;
-use super::script::{Op, Script};
+use super::script::{BlockId, Op, Script};
+use crate::fasthash::FastMap;
 
 /// Runs one client's operations against a handler and checks every answer.
 pub(super) struct Client<'h> {
     pub(super) handler: &'h Handler,
     pub(super) live: Vec<Live>,
+    /// Where each named block is in `live`.
+    pub(super) named: FastMap<BlockId, usize>,
     pub(super) next_phase: usize,
     /// Where the rotating look at live blocks goes on from.
     pub(super) next_look: usize,
@@ -33,6 +36,7 @@ impl<'h> Client<'h> {
         Client {
             handler,
             live: Vec::new(),
+            named: FastMap::default(),
             next_phase: thread * 67,
             next_look: 0,
             ran: Vec::new(),
@@ -65,55 +69,74 @@ impl<'h> Client<'h> {
         )
     }
 
-    /// Track a block the handler just lent, filled with a pattern of its own.
-    pub(super) fn adopt(&mut self, ptr: NonNull<u8>, size: usize) {
+    /// Track a block the handler just lent under its name, filled with a pattern of its
+    /// own. A name used again names the new block; the old one stays live until the end.
+    pub(super) fn adopt(&mut self, name: BlockId, ptr: NonNull<u8>, size: usize) {
         let mut block = Live {
+            block: name,
             ptr,
             size,
             phase: 0,
         };
         let phase = self.phase();
         block.fill(phase);
+        self.named.insert(name, self.live.len());
         self.live.push(block);
     }
 
+    /// Where the block named `name` is in `live`, if it is live.
+    fn slot(&self, name: BlockId) -> Option<usize> {
+        self.named.get(&name).copied()
+    }
+
+    /// Run one operation; an operation on a block that is not live is skipped (and not
+    /// recorded).
     pub(super) fn run(&mut self, op: &Op) -> Result<(), Finding> {
         let h = self.handler;
         let err = |e: Error| Finding::from_error(&e);
         match *op {
-            Op::Malloc(size) => {
-                self.ran.push(op.clone());
+            Op::Malloc { block, size } => {
+                self.ran.push(*op);
                 if let Some(ptr) = h.malloc(size as usize).map_err(err)? {
-                    self.adopt(ptr, size as usize);
+                    self.adopt(block, ptr, size as usize);
                 }
             }
-            Op::Calloc(n, e) => {
-                self.ran.push(op.clone());
-                if let Some(ptr) = h.calloc(n as usize, e as usize).map_err(err)? {
-                    let size = n.checked_mul(e).expect("an overflowing calloc is none") as usize;
-                    let block = Live {
+            Op::Calloc {
+                block,
+                nelem,
+                elsize,
+            } => {
+                self.ran.push(*op);
+                if let Some(ptr) = h.calloc(nelem as usize, elsize as usize).map_err(err)? {
+                    let size = nelem
+                        .checked_mul(elsize)
+                        .expect("an overflowing calloc is none")
+                        as usize;
+                    let zeroed = Live {
+                        block,
                         ptr,
                         size,
                         phase: 0,
                     };
-                    if let Some(at) = block.bytes().iter().position(|&b| b != 0) {
-                        return Err(self.lost("calloc", &block, at, |offset| {
+                    if let Some(at) = zeroed.bytes().iter().position(|&b| b != 0) {
+                        return Err(self.lost("calloc", &zeroed, at, |offset| {
                             Rule::CallocNotZeroed { offset }
                         }));
                     }
-                    self.adopt(ptr, size);
+                    self.adopt(block, ptr, size);
                 }
             }
-            Op::Realloc(slot, size) => {
-                let Some(slot) = slot.filter(|_| !self.live.is_empty()) else {
-                    self.ran.push(Op::Realloc(None, size));
-                    if let Some(ptr) = h.realloc(None, size as usize).map_err(err)? {
-                        self.adopt(ptr, size as usize);
-                    }
-                    return self.look_around();
+            Op::ReallocNew { block, size } => {
+                self.ran.push(*op);
+                if let Some(ptr) = h.realloc(None, size as usize).map_err(err)? {
+                    self.adopt(block, ptr, size as usize);
+                }
+            }
+            Op::Realloc { block, size } => {
+                let Some(slot) = self.slot(block) else {
+                    return Ok(());
                 };
-                let slot = slot % self.live.len();
-                self.ran.push(Op::Realloc(Some(slot), size));
+                self.ran.push(*op);
                 let old = &self.live[slot];
                 let (old_ptr, old_size) = (old.ptr, old.size);
                 match h.realloc(Some(old_ptr), size as usize).map_err(err)? {
@@ -126,6 +149,7 @@ impl<'h> Client<'h> {
                     }
                     Some(ptr) => {
                         let moved = Live {
+                            block,
                             ptr,
                             size: size as usize,
                             phase: old.phase,
@@ -141,12 +165,11 @@ impl<'h> Client<'h> {
                     }
                 }
             }
-            Op::Free(slot) => {
-                if self.live.is_empty() {
+            Op::Free { block } => {
+                let Some(slot) = self.slot(block) else {
                     return Ok(());
-                }
-                let slot = slot % self.live.len();
-                self.ran.push(Op::Free(slot));
+                };
+                self.ran.push(*op);
                 self.free_slot(slot)?;
             }
             Op::Trim => {
@@ -174,7 +197,19 @@ impl<'h> Client<'h> {
                 }),
             );
         }
-        let block = self.live.remove(slot);
+        // The last block moves into the freed place. A name points at one block only (a
+        // name made again points at the newer block), so each is updated only where it
+        // pointed at the place that changed.
+        let last = self.live.len() - 1;
+        let block = self.live.swap_remove(slot);
+        if self.named.get(&block.block) == Some(&slot) {
+            self.named.remove(&block.block);
+        }
+        if let Some(moved) = self.live.get(slot)
+            && self.named.get(&moved.block) == Some(&last)
+        {
+            self.named.insert(moved.block, slot);
+        }
         self.handler
             .free(Some(block.ptr), block.size)
             .map_err(|e| Finding::from_error(&e))
@@ -199,10 +234,10 @@ impl<'h> Client<'h> {
         Ok(())
     }
 
-    /// Free every live block, oldest first.
+    /// Free every live block, newest first.
     pub(super) fn free_all(&mut self) -> Result<(), Finding> {
-        while !self.live.is_empty() {
-            self.free_slot(0)?;
+        while let Some(last) = self.live.len().checked_sub(1) {
+            self.free_slot(last)?;
         }
         Ok(())
     }

@@ -3,28 +3,47 @@
 
 use std::fmt;
 
+/// Names a block in a script. The operation that makes a block names it (`b3 = malloc
+/// 64`); later operations use the name (`free b3`). Deleting an operation therefore
+/// never changes which block another one means: an operation on a block that was never
+/// made (or is already gone) is skipped, so every sequence is valid.
+pub type BlockId = u32;
+
 /// One client operation.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
-    Malloc(u64),
-    Calloc(u64, u64),
-    /// Resize the block in the slot; `None` (or no live block) is realloc from null.
-    Realloc(Option<usize>, u64),
-    /// Free the block in the slot (nothing when no block is live).
-    Free(usize),
-    /// Ask every policy of the chain to give back what it caches; a policy must stay
-    /// correct across it at any point of its life, not only once everything is freed.
+    /// `bN = malloc SIZE`
+    Malloc { block: BlockId, size: u64 },
+    /// `bN = calloc NELEM ELSIZE`
+    Calloc {
+        block: BlockId,
+        nelem: u64,
+        elsize: u64,
+    },
+    /// `bN = realloc - SIZE`: realloc from none, which makes a block.
+    ReallocNew { block: BlockId, size: u64 },
+    /// `realloc bN SIZE`: resize a live block, which keeps its name.
+    Realloc { block: BlockId, size: u64 },
+    /// `free bN`
+    Free { block: BlockId },
+    /// `trim`: ask every policy of the chain to give back what it caches; a policy must
+    /// stay correct across it at any point of its life, not only once everything is
+    /// freed.
     Trim,
 }
 
 impl fmt::Display for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Op::Malloc(size) => write!(f, "malloc {size}"),
-            Op::Calloc(n, e) => write!(f, "calloc {n} {e}"),
-            Op::Realloc(None, size) => write!(f, "realloc - {size}"),
-            Op::Realloc(Some(slot), size) => write!(f, "realloc #{slot} {size}"),
-            Op::Free(slot) => write!(f, "free #{slot}"),
+        match *self {
+            Op::Malloc { block, size } => write!(f, "b{block} = malloc {size}"),
+            Op::Calloc {
+                block,
+                nelem,
+                elsize,
+            } => write!(f, "b{block} = calloc {nelem} {elsize}"),
+            Op::ReallocNew { block, size } => write!(f, "b{block} = realloc - {size}"),
+            Op::Realloc { block, size } => write!(f, "realloc b{block} {size}"),
+            Op::Free { block } => write!(f, "free b{block}"),
             Op::Trim => write!(f, "trim"),
         }
     }
@@ -36,18 +55,31 @@ impl std::str::FromStr for Op {
     fn from_str(line: &str) -> Result<Op, String> {
         let words: Vec<&str> = line.split_whitespace().collect();
         let num = |w: &str| w.parse::<u64>().map_err(|e| format!("`{w}`: {e}"));
-        let slot = |w: &str| {
-            w.strip_prefix('#')
-                .ok_or_else(|| format!("`{w}`: a block is written #N"))?
-                .parse::<usize>()
+        let name = |w: &str| {
+            w.strip_prefix('b')
+                .ok_or_else(|| format!("`{w}`: a block is written bN"))?
+                .parse::<BlockId>()
                 .map_err(|e| format!("`{w}`: {e}"))
         };
         match words.as_slice() {
-            ["malloc", size] => Ok(Op::Malloc(num(size)?)),
-            ["calloc", n, e] => Ok(Op::Calloc(num(n)?, num(e)?)),
-            ["realloc", "-", size] => Ok(Op::Realloc(None, num(size)?)),
-            ["realloc", s, size] => Ok(Op::Realloc(Some(slot(s)?), num(size)?)),
-            ["free", s] => Ok(Op::Free(slot(s)?)),
+            [b, "=", "malloc", size] => Ok(Op::Malloc {
+                block: name(b)?,
+                size: num(size)?,
+            }),
+            [b, "=", "calloc", n, e] => Ok(Op::Calloc {
+                block: name(b)?,
+                nelem: num(n)?,
+                elsize: num(e)?,
+            }),
+            [b, "=", "realloc", "-", size] => Ok(Op::ReallocNew {
+                block: name(b)?,
+                size: num(size)?,
+            }),
+            ["realloc", b, size] => Ok(Op::Realloc {
+                block: name(b)?,
+                size: num(size)?,
+            }),
+            ["free", b] => Ok(Op::Free { block: name(b)? }),
             ["trim"] => Ok(Op::Trim),
             _ => Err(format!("not an operation: `{line}`")),
         }
@@ -55,31 +87,46 @@ impl std::str::FromStr for Op {
 }
 
 impl Op {
-    /// The `field`th number of the operation (sizes, counts, slots), for shrinking.
+    /// The `field`th number of the operation (sizes and counts, never block names), for
+    /// shrinking.
     pub(super) fn number(&self, field: usize) -> Option<u64> {
-        match (self, field) {
-            (Op::Malloc(size), 0) | (Op::Realloc(None, size), 0) => Some(*size),
-            (Op::Calloc(n, _), 0) => Some(*n),
-            (Op::Calloc(_, e), 1) => Some(*e),
-            (Op::Realloc(Some(slot), _), 0) | (Op::Free(slot), 0) => Some(*slot as u64),
-            (Op::Realloc(Some(_), size), 1) => Some(*size),
+        match (*self, field) {
+            (Op::Malloc { size, .. }, 0)
+            | (Op::ReallocNew { size, .. }, 0)
+            | (Op::Realloc { size, .. }, 0) => Some(size),
+            (Op::Calloc { nelem, .. }, 0) => Some(nelem),
+            (Op::Calloc { elsize, .. }, 1) => Some(elsize),
             _ => None,
         }
     }
 
+    /// The block the operation makes or names, if any.
+    pub(super) fn block_mut(&mut self) -> Option<&mut BlockId> {
+        match self {
+            Op::Malloc { block, .. }
+            | Op::Calloc { block, .. }
+            | Op::ReallocNew { block, .. }
+            | Op::Realloc { block, .. }
+            | Op::Free { block } => Some(block),
+            Op::Trim => None,
+        }
+    }
+
+    /// Set the `field`th number; a field the operation does not have is left alone.
     pub(super) fn set_number(&mut self, field: usize, value: u64) {
         match (self, field) {
-            (Op::Malloc(size), 0) | (Op::Realloc(None, size), 0) => *size = value,
-            (Op::Calloc(n, _), 0) => *n = value,
-            (Op::Calloc(_, e), 1) => *e = value,
-            (Op::Realloc(Some(slot), _), 0) | (Op::Free(slot), 0) => *slot = value as usize,
-            (Op::Realloc(Some(_), size), 1) => *size = value,
-            _ => unreachable!("no number {field} in this operation"),
+            (Op::Malloc { size, .. }, 0)
+            | (Op::ReallocNew { size, .. }, 0)
+            | (Op::Realloc { size, .. }, 0) => *size = value,
+            (Op::Calloc { nelem, .. }, 0) => *nelem = value,
+            (Op::Calloc { elsize, .. }, 1) => *elsize = value,
+            _ => {}
         }
     }
 }
 
-/// A replayable sequence: one list of operations per client thread, slots resolved.
+/// A replayable sequence: one list of operations per client thread (each thread names
+/// its own blocks).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Script {
     pub threads: Vec<Vec<Op>>,
@@ -93,6 +140,19 @@ impl Script {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The same script with each thread's blocks named b0, b1, ... in the order they
+    /// first appear: what a shrunk script prints.
+    pub fn with_names_in_order(mut self) -> Script {
+        for ops in &mut self.threads {
+            let mut names = std::collections::HashMap::new();
+            for block in ops.iter_mut().filter_map(Op::block_mut) {
+                let next = names.len() as BlockId;
+                *block = *names.entry(*block).or_insert(next);
+            }
+        }
+        self
     }
 
     /// Parse the text form: one operation a line, `# ` comments, `thread` lines between

@@ -1,12 +1,12 @@
 //! Drawing random scripts and shrinking a failing one: a proptest strategy whose
-//! value tree deletes operations (operations name blocks by slot, so every deletion
-//! leaves a valid script).
+//! value tree deletes operations (blocks are named by the operation that made them, so
+//! a deletion never changes which block another operation means).
 
 use proptest::test_runner::{TestRng, TestRunner};
 
 use proptest::prelude::{RngExt, Strategy};
 
-use super::script::Op;
+use super::script::{BlockId, Op};
 
 /// The size mix, in percent: NumPy's common small sizes dominate (72% of its mallocs
 /// are 8-15 bytes); edges, pages, large blocks and sizes that must fail all appear in
@@ -28,7 +28,7 @@ pub(super) fn draw_size(rng: &mut TestRng) -> u64 {
 }
 
 /// `calloc` arguments: mostly small products, some zero counts, some that overflow.
-pub(super) fn draw_calloc(rng: &mut TestRng) -> Op {
+pub(super) fn draw_calloc(rng: &mut TestRng, block: BlockId) -> Op {
     const ZERO: [(u64, u64); 3] = [(0, 8), (8, 0), (0, 0)];
     const OVERFLOW: [(u64, u64); 3] = [
         (u64::MAX / 2 + 1, 2),
@@ -40,23 +40,62 @@ pub(super) fn draw_calloc(rng: &mut TestRng) -> Op {
         6 => ZERO[rng.random_range(0..ZERO.len())],
         _ => OVERFLOW[rng.random_range(0..OVERFLOW.len())],
     };
-    Op::Calloc(n, e)
+    Op::Calloc {
+        block,
+        nelem: n,
+        elsize: e,
+    }
+}
+
+/// The blocks a thread's operations have made so far, as the drawing sees them (a
+/// block whose malloc answers none is skipped when the script runs).
+#[derive(Debug, Default)]
+pub(super) struct Drawing {
+    next: BlockId,
+    live: Vec<BlockId>,
+}
+
+impl Drawing {
+    fn make(&mut self) -> BlockId {
+        let block = self.next;
+        self.next += 1;
+        self.live.push(block);
+        block
+    }
+
+    /// A random block made and not freed, as its place in `live`.
+    fn pick(&mut self, rng: &mut TestRng) -> Option<usize> {
+        (!self.live.is_empty()).then(|| rng.random_range(0..self.live.len()))
+    }
 }
 
 /// One operation, in 100ths: malloc 30, calloc 15, realloc 23 (a tenth of them from
 /// none), free 30, trim 2 (so most sequences of a hundred operations trim once or
-/// twice while blocks are live).
-pub(super) fn draw_op(rng: &mut TestRng) -> Op {
-    const SLOTS: usize = 64;
-    match rng.random_range(0..100u32) {
-        0..30 => Op::Malloc(draw_size(rng)),
-        30..45 => draw_calloc(rng),
-        45..68 => {
-            let slot = rng.random_bool(0.9).then(|| rng.random_range(0..SLOTS));
-            Op::Realloc(slot, draw_size(rng))
-        }
-        68..98 => Op::Free(rng.random_range(0..SLOTS)),
-        _ => Op::Trim,
+/// twice while blocks are live). A realloc or free with no block made yet is a malloc.
+pub(super) fn draw_op(rng: &mut TestRng, drawing: &mut Drawing) -> Op {
+    let roll = rng.random_range(0..100u32);
+    let picked = match roll {
+        45..98 if !rng.random_bool(0.1) || roll >= 68 => drawing.pick(rng),
+        _ => None,
+    };
+    match (roll, picked) {
+        (30..45, _) => draw_calloc(rng, drawing.make()),
+        (45..68, Some(at)) => Op::Realloc {
+            block: drawing.live[at],
+            size: draw_size(rng),
+        },
+        (45..68, None) => Op::ReallocNew {
+            size: draw_size(rng),
+            block: drawing.make(),
+        },
+        (68..98, Some(at)) => Op::Free {
+            block: drawing.live.swap_remove(at),
+        },
+        (98.., _) => Op::Trim,
+        _ => Op::Malloc {
+            size: draw_size(rng),
+            block: drawing.make(),
+        },
     }
 }
 
@@ -80,7 +119,8 @@ impl Strategy for Scripts {
         let threads = (0..self.threads)
             .map(|_| {
                 let len = rng.random_range(1..=self.max_ops);
-                (0..len).map(|_| draw_op(rng)).collect()
+                let mut drawing = Drawing::default();
+                (0..len).map(|_| draw_op(rng, &mut drawing)).collect()
             })
             .collect();
         Ok(ScriptTree::new(threads))
@@ -124,7 +164,7 @@ pub(super) enum Trial {
 
 /// Shrinks a failing script: deletes runs of operations (delta debugging, so a long
 /// sequence with two guilty operations takes tens of runs, not hundreds), then lowers
-/// each number (size, count, slot) of the operations left by binary search.
+/// each number (size, count) of the operations left by binary search.
 ///
 /// Every `complicate` both takes back the trial that passed and puts up the next one, so
 /// no run is spent on re-running a case already known to fail.
@@ -212,7 +252,7 @@ impl ScriptTree {
                         (*field, *bounds) = (*field + 1, None);
                         continue;
                     }
-                    let was = op.clone();
+                    let was = *op;
                     op.set_number(*field, lo + (hi - lo) / 2);
                     self.trial = Some(Trial::Narrowed {
                         thread: *thread,
