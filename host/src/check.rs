@@ -198,17 +198,22 @@ pub fn replay(
         limits,
         budget_refusals: AtomicU64::new(0),
     };
-    subject.start()?;
-    // Threads run one after the other so that a replay is exact.
-    let mut finding = None;
-    for ops in &script.threads {
-        let (_, found) = subject.run(std::slice::from_ref(ops));
-        if found.is_some() {
-            finding = found;
-            break;
+    let handler = subject.start()?;
+    // Operations reach the handler in the recorded order; a script without one runs its
+    // threads one after the other.
+    let sections: Vec<usize>;
+    let threads = script.threads.len();
+    let recorded = !script.order.is_empty() && script.order.iter().all(|&t| t < threads);
+    let order = match recorded {
+        true => &script.order,
+        false => {
+            sections = (0..script.threads.len())
+                .flat_map(|t| std::iter::repeat_n(t, script.threads[t].len()))
+                .collect();
+            &sections
         }
-    }
-    Ok(finding)
+    };
+    Ok(runner::run_in_order(&handler, script, order))
 }
 
 /// For a policy author's `#[test]`: check the component at `path` with the default
@@ -328,7 +333,18 @@ mod tests {
                     Op::ReallocNew { block: 1, size: 0 },
                 ],
             ],
+            order: Vec::new(),
         };
         assert_eq!(Script::parse(&script.to_string()).unwrap(), script);
+        let interleaved = Script {
+            order: vec![0, 1, 1, 0, 0, 0],
+            ..script
+        };
+        let text = interleaved.to_string();
+        assert!(
+            text.starts_with("t0 b0 = malloc 8\nt1 b0 = calloc"),
+            "{text}"
+        );
+        assert_eq!(Script::parse(&text).unwrap(), interleaved);
     }
 }

@@ -186,6 +186,41 @@ fn several_client_threads_share_one_handler_under_check() {
 }
 
 #[test]
+fn a_failure_found_with_several_threads_replays_on_one_handler_in_the_recorded_order() {
+    let policy = load(&allocbox_artifacts::BROKEN);
+    let config = [("fault", "double-free")];
+    let opts = CheckOptions {
+        threads: 3,
+        ..options()
+    };
+    let report = check::check(Runtime::shared(), &policy, &config, &opts).unwrap();
+    let (finding, script) = report.failure.expect("double-free is found");
+    let text = script.to_string();
+    if script.threads.len() > 1 {
+        assert!(text.lines().all(|l| l.starts_with('t')), "{text}");
+    }
+    let replayed = Script::parse(&text).unwrap();
+    assert_eq!(replayed, script);
+    let again = check::replay(Runtime::shared(), &policy, &config, &replayed, &opts.limits)
+        .unwrap()
+        .expect("the replay fails the same way");
+    assert_eq!(again.rule, finding.rule);
+}
+
+#[test]
+fn interleaved_and_sectioned_thread_forms_do_not_mix() {
+    let err = Script::parse("t0 b0 = malloc 8\nfree b0\n").unwrap_err();
+    assert!(err.contains("line 2") && err.contains("mix"), "{err}");
+    let err = Script::parse("b0 = malloc 8\nt1 free b0\n").unwrap_err();
+    assert!(err.contains("line 2") && err.contains("mix"), "{err}");
+    let err = Script::parse("t9999 trim\n").unwrap_err();
+    assert!(err.contains("at most"), "{err}");
+    let two = Script::parse("t1 b0 = malloc 8\nt0 trim\nt1 free b0\n").unwrap();
+    assert_eq!(two.order, [1, 0, 1]);
+    assert_eq!(two.threads[1].len(), 2);
+}
+
+#[test]
 fn scripts_parse_and_print_one_operation_a_line() {
     let text = "# a comment\nb0 = malloc 16\nb1 = calloc 4 8\nrealloc b0 100\nb2 = realloc - 7\nfree b1\ntrim\nthread\nb0 = malloc 1\n";
     let script = Script::parse(text).unwrap();

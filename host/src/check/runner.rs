@@ -274,16 +274,19 @@ impl Subject<'_> {
                 return (Script::default(), Some(finding));
             }
         };
-        let results: Vec<(Vec<Op>, Option<Finding>)> = if threads.len() == 1 {
-            vec![run_client(&handler, 0, &threads[0])]
+        // Each operation takes a ticket as it starts, so the order the handler saw them
+        // in can be written down and replayed.
+        let clock = AtomicU64::new(0);
+        let results: Vec<Ran> = if threads.len() == 1 {
+            vec![run_client(&handler, 0, &threads[0], &clock)]
         } else {
             std::thread::scope(|s| {
                 let running: Vec<_> = threads
                     .iter()
                     .enumerate()
                     .map(|(t, ops)| {
-                        let handler = &handler;
-                        s.spawn(move || run_client(handler, t, ops))
+                        let (handler, clock) = (&handler, &clock);
+                        s.spawn(move || run_client(handler, t, ops, clock))
                     })
                     .collect();
                 running
@@ -294,9 +297,15 @@ impl Subject<'_> {
         };
         let mut script = Script::default();
         let mut finding = None;
-        for (ops, found) in results {
-            script.threads.push(ops);
-            finding = finding.or(found);
+        let mut turns = Vec::new();
+        for (thread, ran) in results.into_iter().enumerate() {
+            turns.extend(ran.tickets.iter().map(|&ticket| (ticket, thread)));
+            script.threads.push(ran.ops);
+            finding = finding.or(ran.finding);
+        }
+        if script.threads.len() > 1 {
+            turns.sort_unstable();
+            script.order = turns.into_iter().map(|(_, thread)| thread).collect();
         }
         if finding.is_none() {
             finding = leak_check(&handler);
@@ -307,15 +316,26 @@ impl Subject<'_> {
     }
 }
 
-pub(super) fn run_client(
-    handler: &Handler,
-    thread: usize,
-    ops: &[Op],
-) -> (Vec<Op>, Option<Finding>) {
+/// What one client thread ran: the operations that reached the handler, the ticket
+/// each took as it started, and the first finding.
+pub(super) struct Ran {
+    ops: Vec<Op>,
+    tickets: Vec<u64>,
+    finding: Option<Finding>,
+}
+
+pub(super) fn run_client(handler: &Handler, thread: usize, ops: &[Op], clock: &AtomicU64) -> Ran {
     let mut client = Client::new(handler, thread);
+    let mut tickets = Vec::new();
     let mut finding = None;
     for op in ops {
-        if let Err(f) = client.run(op) {
+        let ticket = clock.fetch_add(1, Ordering::Relaxed);
+        let before = client.ran.len();
+        let result = client.run(op);
+        if client.ran.len() > before {
+            tickets.push(ticket);
+        }
+        if let Err(f) = result {
             finding = Some(f);
             break;
         }
@@ -325,7 +345,74 @@ pub(super) fn run_client(
     }
     // After a failure the rest are released host-side, so nothing leaks here either.
     let _ = client.free_all();
-    (client.ran, finding)
+    Ran {
+        ops: client.ran,
+        tickets,
+        finding,
+    }
+}
+
+/// Run a script's threads on one handler, each on a thread of its own, taking turns in
+/// `order` (the thread of each operation in turn), so the handler sees exactly the
+/// recorded sequence; then each thread frees what it holds, in thread order.
+pub(super) fn run_in_order(handler: &Handler, script: &Script, order: &[usize]) -> Option<Finding> {
+    use std::sync::{Condvar, Mutex};
+    const STOPPED: usize = usize::MAX;
+    let turn = Mutex::new(0usize);
+    let moved = Condvar::new();
+    let found: Mutex<Option<Finding>> = Mutex::new(None);
+    let threads = script.threads.len();
+    // After the recorded operations, one more turn per thread to free what it holds.
+    let turns: Vec<usize> = order.iter().copied().chain(0..threads).collect();
+    let steps_of = |me: usize| turns.iter().enumerate().filter(move |&(_, &t)| t == me);
+    std::thread::scope(|s| {
+        for (me, ops) in script.threads.iter().enumerate() {
+            let (turn, moved, found, turns) = (&turn, &moved, &found, &turns);
+            let steps: Vec<usize> = steps_of(me).map(|(step, _)| step).collect();
+            s.spawn(move || {
+                // A thread that panics stops the others rather than leave them waiting
+                // for its turn for ever.
+                struct StopOnPanic<'a>(&'a Mutex<usize>, &'a Condvar);
+                impl Drop for StopOnPanic<'_> {
+                    fn drop(&mut self) {
+                        if std::thread::panicking() {
+                            *self.0.lock().unwrap_or_else(|p| p.into_inner()) = STOPPED;
+                            self.1.notify_all();
+                        }
+                    }
+                }
+                let _stop = StopOnPanic(turn, moved);
+                let mut client = Client::new(handler, me);
+                let mut ops = ops.iter();
+                for step in steps {
+                    let mut now = turn.lock().unwrap_or_else(|p| p.into_inner());
+                    while *now != step && *now != STOPPED {
+                        now = moved.wait(now).unwrap_or_else(|p| p.into_inner());
+                    }
+                    if *now == STOPPED {
+                        break;
+                    }
+                    let result = match ops.next() {
+                        Some(op) if step < turns.len() - threads => client.run(op),
+                        _ => client.free_all(),
+                    };
+                    *now = match result {
+                        Ok(()) => step + 1,
+                        Err(f) => {
+                            let mut found = found.lock().unwrap_or_else(|p| p.into_inner());
+                            found.get_or_insert(f);
+                            STOPPED
+                        }
+                    };
+                    moved.notify_all();
+                }
+                // After a failure the rest are released host-side, so nothing leaks.
+                let _ = client.free_all();
+            });
+        }
+    });
+    let finding = found.into_inner().unwrap_or_else(|p| p.into_inner());
+    finding.or_else(|| leak_check(handler))
 }
 
 pub(super) fn leak_check(handler: &Handler) -> Option<Finding> {

@@ -130,6 +130,10 @@ impl Op {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Script {
     pub threads: Vec<Vec<Op>>,
+    /// The order the operations of several threads reached the handler in: the thread
+    /// of each operation, in turn. Empty when no order was recorded (one thread, or a
+    /// script written with `thread` sections).
+    pub order: Vec<usize>,
 }
 
 impl Script {
@@ -155,30 +159,91 @@ impl Script {
         self
     }
 
-    /// Parse the text form: one operation a line, `# ` comments, `thread` lines between
-    /// the operations of different client threads.
+    /// Parse the text form: one operation a line, `# ` comments. Several client threads
+    /// are written either interleaved, each line led by its thread (`t1 free b0`, in the
+    /// order the handler saw them), or in sections separated by `thread` lines.
     pub fn parse(text: &str) -> Result<Script, String> {
-        let mut threads = vec![Vec::new()];
+        let mut script = Script {
+            threads: vec![Vec::new()],
+            order: Vec::new(),
+        };
+        let mut sections = false;
         for (n, line) in text.lines().enumerate() {
             let line = line.trim();
+            let at = |e: String| format!("line {}: {e}", n + 1);
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
             if line == "thread" {
-                if !threads.last().is_some_and(Vec::is_empty) {
-                    threads.push(Vec::new());
+                sections = true;
+                if !script.threads.last().is_some_and(Vec::is_empty) {
+                    script.threads.push(Vec::new());
                 }
                 continue;
             }
-            let op = line.parse().map_err(|e| format!("line {}: {e}", n + 1))?;
-            threads.last_mut().expect("one thread at least").push(op);
+            let thread = line
+                .split_once(' ')
+                .and_then(|(t, _)| t.strip_prefix('t')?.parse::<usize>().ok());
+            let Some(thread) = thread else {
+                if !script.order.is_empty() {
+                    return Err(at(
+                        "interleaved lines (`tN ...`) cannot mix with others".into()
+                    ));
+                }
+                let op = line.parse().map_err(at)?;
+                script
+                    .threads
+                    .last_mut()
+                    .expect("one thread at least")
+                    .push(op);
+                continue;
+            };
+            if sections || (script.order.is_empty() && !script.threads[0].is_empty()) {
+                return Err(at(
+                    "interleaved lines (`tN ...`) cannot mix with others".into()
+                ));
+            }
+            if thread >= MAX_THREADS {
+                return Err(at(format!(
+                    "thread {thread}: at most {MAX_THREADS} threads"
+                )));
+            }
+            let op = line
+                .split_once(' ')
+                .expect("checked above")
+                .1
+                .parse()
+                .map_err(at)?;
+            if script.threads.len() <= thread {
+                script.threads.resize_with(thread + 1, Vec::new);
+            }
+            script.threads[thread].push(op);
+            script.order.push(thread);
         }
-        Ok(Script { threads })
+        Ok(script)
     }
 }
 
+/// The most client threads a script may name.
+const MAX_THREADS: usize = 256;
+
 impl fmt::Display for Script {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if !self.order.is_empty() {
+            let mut next = vec![0; self.threads.len()];
+            for &thread in &self.order {
+                let Some(op) = self
+                    .threads
+                    .get(thread)
+                    .and_then(|ops| ops.get(next[thread]))
+                else {
+                    continue;
+                };
+                writeln!(f, "t{thread} {op}")?;
+                next[thread] += 1;
+            }
+            return Ok(());
+        }
         for (i, ops) in self.threads.iter().enumerate() {
             if i > 0 {
                 writeln!(f, "thread")?;
