@@ -109,6 +109,7 @@ pub fn check(
     let base_seed = options.seed.unwrap_or(0x5EED_A110_CB0C);
     let mut failure = None;
     let mut shrink_stopped_early = false;
+    let mut time_to_failure = None;
     for round in 0u64.. {
         // Every fourth round (from the fourth on): a few long-lived instances.
         let long = options.time.is_some() && round % 4 == 3;
@@ -121,6 +122,7 @@ pub fn check(
         let strategy = Scripts {
             threads: options.threads.max(1),
             max_ops,
+            shapes: !long,
         };
         let first_failure = std::sync::OnceLock::new();
         let outcome = runner.run(&strategy, |threads| {
@@ -147,6 +149,7 @@ pub fn check(
         shrink_stopped_early = first_failure
             .get()
             .is_some_and(|at| at.elapsed() >= MAX_SHRINK_TIME);
+        time_to_failure = first_failure.get().map(|at| at.duration_since(start));
         failure = match outcome {
             Ok(()) => None,
             Err(TestError::Fail(_, minimal)) => {
@@ -180,6 +183,7 @@ pub fn check(
         budget_refusals: subject.budget_refusals.into_inner(),
         failure,
         shrink_stopped_early,
+        time_to_failure,
     })
 }
 
@@ -254,6 +258,7 @@ mod tests {
         let strategy = Scripts {
             threads,
             max_ops: 128,
+            shapes: true,
         };
         match runner.run(&strategy, |script| {
             if fails(&script) {

@@ -76,6 +76,12 @@ const CORPUS: &[(&str, &str)] = &[
     // it back, and the next trim (or malloc) uses it again. The checker's own trim
     // after free-all comes too late to see it.
     ("stale-after-trim", "double-free"),
+    ("class-rounding", "outside-owned"),
+    ("page-off-by-one", "outside-owned"),
+    ("grow-into-slack", "outside-owned"),
+    ("shrink-wrong-size", "wrong-size-free"),
+    ("recycled-calloc-dirty", "calloc-not-zeroed"),
+    ("duplicate-slot", "double-free"),
 ];
 
 #[test]

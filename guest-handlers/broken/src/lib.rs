@@ -78,6 +78,29 @@ enum Fault {
     /// Like `misaligned`, but only from the 301st `malloc` of an instance on: a bug
     /// that short sequences never reach.
     MisalignedAfter300,
+    /// `malloc` of 17..=24 bytes takes a 16-byte block: rounding down at a class
+    /// boundary.
+    ClassRounding,
+    /// Freed blocks go on a free list; `calloc` reuses one of the same size without
+    /// zeroing it (fresh memory is zero, recycled memory is not).
+    RecycledCallocDirty,
+    /// `realloc` that shrinks stays in place, and the block's later `free` gives back
+    /// the new size upstream, not the size of the upstream block.
+    ShrinkWrongSize,
+    /// From the 201st `free` of an instance on, `free` keeps the block: a leak that
+    /// short sequences never reach.
+    LeakAfter200,
+    /// `free` of a block whose size is a multiple of 16 puts it on the free list twice,
+    /// so two later mallocs of that size get the same block.
+    DuplicateSlot,
+    /// From the 201st `malloc` of an instance on, `malloc` answers the previous
+    /// `malloc`'s block again.
+    OverlapAfter200,
+    /// `realloc` that grows by at most 16 bytes stays in place, as if the block had
+    /// slack after it.
+    GrowIntoSlack,
+    /// `malloc(4096)` takes a 4095-byte block: an off-by-one at the page size.
+    PageOffByOne,
     /// `init` answers a 200-byte name, an empty name, version 2, alignment 24, an `err`.
     BadName,
     EmptyName,
@@ -120,6 +143,14 @@ const FAULTS: &[(&str, Fault)] = &[
     ("hoard", Fault::Hoard),
     ("stale-after-trim", Fault::StaleAfterTrim),
     ("misaligned-after-300", Fault::MisalignedAfter300),
+    ("class-rounding", Fault::ClassRounding),
+    ("recycled-calloc-dirty", Fault::RecycledCallocDirty),
+    ("shrink-wrong-size", Fault::ShrinkWrongSize),
+    ("leak-after-200", Fault::LeakAfter200),
+    ("duplicate-slot", Fault::DuplicateSlot),
+    ("overlap-after-200", Fault::OverlapAfter200),
+    ("grow-into-slack", Fault::GrowIntoSlack),
+    ("page-off-by-one", Fault::PageOffByOne),
     ("bad-name", Fault::BadName),
     ("empty-name", Fault::EmptyName),
     ("bad-version", Fault::BadVersion),
@@ -143,8 +174,12 @@ thread_local! {
     static LENT: RefCell<Vec<(u64, u64)>> = const { RefCell::new(Vec::new()) };
     /// `grow-memory`: keeps every hoarded buffer reachable.
     static HOARD: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
-    /// `malloc` calls so far, for `misaligned-after-300`.
+    /// `malloc` calls so far, for the faults that start after a count.
     static MALLOCS: Cell<u64> = const { Cell::new(0) };
+    /// `free` calls so far, for `leak-after-200`.
+    static FREES: Cell<u64> = const { Cell::new(0) };
+    /// The last block `malloc` answered, for `overlap-after-200`.
+    static PREVIOUS: Cell<u64> = const { Cell::new(0) };
     /// `stale-after-trim`'s free list: `(address, size)`.
     static FREE_LIST: RefCell<Vec<(u64, u64)>> = const { RefCell::new(Vec::new()) };
 }
@@ -155,6 +190,15 @@ fn fault() -> Fault {
 
 fn trap(what: &str) -> ! {
     panic!("broken: fault `trap-{what}`: trapping on purpose")
+}
+
+/// A block of `size` bytes from the free list of the faults that keep one.
+fn listed(size: u64) -> Option<u64> {
+    FREE_LIST.with(|l| {
+        let mut l = l.borrow_mut();
+        let at = l.iter().position(|&(_, s)| s == size)?;
+        Some(l.swap_remove(at).0)
+    })
 }
 
 fn moved(ptr: u64, upstream_ptr: u64, upstream_size: u64) -> u64 {
@@ -229,13 +273,20 @@ impl Allocator for Broken {
                 black_box(hoarded);
                 upstream::malloc(size)
             }
-            Fault::StaleAfterTrim => {
-                let listed = FREE_LIST.with(|l| {
-                    let mut l = l.borrow_mut();
-                    let at = l.iter().position(|&(_, s)| s == size)?;
-                    Some(l.swap_remove(at).0)
-                });
-                listed.unwrap_or_else(|| upstream::malloc(size))
+            Fault::StaleAfterTrim | Fault::RecycledCallocDirty | Fault::DuplicateSlot => {
+                listed(size).unwrap_or_else(|| upstream::malloc(size))
+            }
+            Fault::ClassRounding if (17..=24).contains(&size) => upstream::malloc(16),
+            Fault::PageOffByOne if size == 4096 => upstream::malloc(4095),
+            Fault::OverlapAfter200 => {
+                let count = MALLOCS.with(|m| m.replace(m.get() + 1));
+                let previous = PREVIOUS.with(Cell::get);
+                if count >= 200 && previous != 0 {
+                    return previous;
+                }
+                let ptr = upstream::malloc(size);
+                PREVIOUS.with(|p| p.set(ptr));
+                ptr
             }
             _ => upstream::malloc(size),
         }
@@ -244,6 +295,10 @@ impl Allocator for Broken {
     fn calloc(nelem: u64, elsize: u64) -> u64 {
         match fault() {
             Fault::TrapCalloc => trap("calloc"),
+            Fault::RecycledCallocDirty => match nelem.checked_mul(elsize) {
+                None => 0,
+                Some(size) => listed(size).unwrap_or_else(|| upstream::calloc(nelem, elsize)),
+            },
             Fault::CallocDirty => {
                 let Some(size) = nelem.checked_mul(elsize) else {
                     return 0;
@@ -283,6 +338,12 @@ impl Allocator for Broken {
                 upstream::free(ptr, old_size);
                 ptr
             }
+            Fault::ShrinkWrongSize if ptr != 0 && new_size < old_size => ptr,
+            Fault::GrowIntoSlack
+                if ptr != 0 && new_size > old_size && new_size - old_size <= 16 =>
+            {
+                ptr
+            }
             Fault::ReallocUpstreamAnswerOld if ptr != 0 => {
                 upstream::realloc(ptr, old_size, new_size);
                 ptr
@@ -311,7 +372,17 @@ impl Allocator for Broken {
             }
             Fault::ForeignFree => upstream::free(ptr + 4096, size),
             Fault::Leak if size >= 64 => {}
-            Fault::StaleAfterTrim => FREE_LIST.with(|l| l.borrow_mut().push((ptr, size))),
+            Fault::StaleAfterTrim | Fault::RecycledCallocDirty => {
+                FREE_LIST.with(|l| l.borrow_mut().push((ptr, size)));
+            }
+            Fault::DuplicateSlot => FREE_LIST.with(|l| {
+                let mut l = l.borrow_mut();
+                l.push((ptr, size));
+                if size.is_multiple_of(16) {
+                    l.push((ptr, size));
+                }
+            }),
+            Fault::LeakAfter200 if FREES.with(|f| f.replace(f.get() + 1)) >= 200 => {}
             Fault::FreeOther => {
                 let other = LENT.with(|l| {
                     let mut l = l.borrow_mut();
@@ -439,6 +510,11 @@ impl Lifecycle for Broken {
             Fault::StaleAfterTrim => {
                 // The bug: the blocks go back upstream and stay on the list.
                 for (ptr, size) in FREE_LIST.with(|l| l.borrow().clone()) {
+                    upstream::free(ptr, size);
+                }
+            }
+            Fault::RecycledCallocDirty | Fault::DuplicateSlot => {
+                for (ptr, size) in FREE_LIST.with(|l| std::mem::take(&mut *l.borrow_mut())) {
                     upstream::free(ptr, size);
                 }
             }

@@ -147,6 +147,8 @@ pub struct CheckReport {
     /// Shrinking the failure ran out of time ([`MAX_SHRINK_TIME`]): the script shows the
     /// broken rule but may not be the shortest that does.
     pub shrink_stopped_early: bool,
+    /// How long the check ran before the first failing case, shrinking not included.
+    pub time_to_failure: Option<Duration>,
 }
 
 impl CheckReport {

@@ -23,7 +23,48 @@ pub(super) fn draw_size(rng: &mut TestRng) -> u64 {
         84..89 => EDGES[rng.random_range(0..EDGES.len())],
         89..94 => PAGES[rng.random_range(0..PAGES.len())],
         94..96 => rng.random_range(65537..=(2 << 20)),
+        96..98 => boundary_size(rng, 20),
         _ => IMPOSSIBLE[rng.random_range(0..IMPOSSIBLE.len())],
+    }
+}
+
+/// A power of two from 8 bytes to `2^max_power`, or one of its neighbours: where size
+/// classes, pages and alignment multiples begin and end.
+pub(super) fn boundary_size(rng: &mut TestRng, max_power: u32) -> u64 {
+    let power = 1u64 << rng.random_range(3..=max_power);
+    match rng.random_range(0..3u32) {
+        0 => power - 1,
+        1 => power,
+        _ => power + 1,
+    }
+}
+
+/// What a sequence looks like. Most are the general mix; the rest are shapes that real
+/// workloads have and a random mix rarely reaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Shape {
+    Mixed,
+    /// Many blocks of one size made and freed in runs: a pool filling and draining.
+    Burst(u64),
+    /// Two sizes in turn: a class boundary crossed back and forth.
+    Alternating(u64, u64),
+    /// The newest block resized again and again: a growing buffer.
+    ReallocChain,
+    /// A few large blocks (16 KiB to 256 KiB) grown and shrunk, past the page and the
+    /// 64 KiB class limits where policies switch to their large-block paths.
+    GrowShrink,
+}
+
+/// Thirteen sequences in twenty are the general mix; the shapes share the rest, large
+/// blocks least (each of their operations moves or fills hundreds of kilobytes). Bursts
+/// and alternations stay at or below 64 KiB so a sequence holds a few megabytes at most.
+pub(super) fn draw_shape(rng: &mut TestRng) -> Shape {
+    match rng.random_range(0..20u32) {
+        0..13 => Shape::Mixed,
+        13..15 => Shape::Burst(boundary_size(rng, 16)),
+        15..17 => Shape::Alternating(boundary_size(rng, 16), boundary_size(rng, 16)),
+        17..19 => Shape::ReallocChain,
+        _ => Shape::GrowShrink,
     }
 }
 
@@ -69,10 +110,77 @@ impl Drawing {
     }
 }
 
-/// One operation, in 100ths: malloc 30, calloc 15, realloc 23 (a tenth of them from
-/// none), free 30, trim 2 (so most sequences of a hundred operations trim once or
-/// twice while blocks are live). A realloc or free with no block made yet is a malloc.
-pub(super) fn draw_op(rng: &mut TestRng, drawing: &mut Drawing) -> Op {
+/// One operation of a sequence of `shape`.
+pub(super) fn draw_op(rng: &mut TestRng, drawing: &mut Drawing, shape: Shape) -> Op {
+    let roll = rng.random_range(0..100u32);
+    let free = |drawing: &mut Drawing, rng: &mut TestRng| match drawing.pick(rng) {
+        Some(at) => Op::Free {
+            block: drawing.live.swap_remove(at),
+        },
+        None => Op::Trim,
+    };
+    match shape {
+        Shape::Mixed => draw_mixed_op(rng, drawing),
+        Shape::Burst(size) => match roll {
+            0..55 => Op::Malloc {
+                size,
+                block: drawing.make(),
+            },
+            55..97 => free(drawing, rng),
+            _ => Op::Trim,
+        },
+        Shape::Alternating(a, b) => {
+            let size = if drawing.next.is_multiple_of(2) { a } else { b };
+            match (roll, drawing.pick(rng)) {
+                (0..50, _) | (80..98, None) => Op::Malloc {
+                    size,
+                    block: drawing.make(),
+                },
+                (50..80, _) => free(drawing, rng),
+                (80..98, Some(at)) => Op::Realloc {
+                    block: drawing.live[at],
+                    size,
+                },
+                _ => Op::Trim,
+            }
+        }
+        Shape::ReallocChain => match (roll, drawing.live.last()) {
+            (0..70, Some(&block)) => Op::Realloc {
+                block,
+                size: draw_size(rng),
+            },
+            (0..85, _) => Op::Malloc {
+                size: draw_size(rng),
+                block: drawing.make(),
+            },
+            (85..98, _) => free(drawing, rng),
+            _ => Op::Trim,
+        },
+        Shape::GrowShrink => {
+            let size = rng.random_range((16 << 10)..=(256 << 10));
+            match (roll, drawing.pick(rng)) {
+                // A few blocks at a time: large ones add up fast.
+                (_, Some(_)) if drawing.live.len() >= 8 => free(drawing, rng),
+                (0..30, _) | (30..75, None) => Op::Malloc {
+                    size,
+                    block: drawing.make(),
+                },
+                (30..75, Some(at)) => Op::Realloc {
+                    block: drawing.live[at],
+                    size,
+                },
+                (75..98, _) => free(drawing, rng),
+                _ => Op::Trim,
+            }
+        }
+    }
+}
+
+/// One operation of the general mix, in 100ths: malloc 30, calloc 15, realloc 23 (a
+/// tenth of them from none), free 30, trim 2 (so most sequences of a hundred operations
+/// trim once or twice while blocks are live). A realloc or free with no block made yet
+/// is a malloc.
+fn draw_mixed_op(rng: &mut TestRng, drawing: &mut Drawing) -> Op {
     let roll = rng.random_range(0..100u32);
     let picked = match roll {
         45..98 if !rng.random_bool(0.1) || roll >= 68 => drawing.pick(rng),
@@ -108,6 +216,9 @@ pub(super) fn draw_op(rng: &mut TestRng, drawing: &mut Drawing) -> Op {
 pub(super) struct Scripts {
     pub(super) threads: usize,
     pub(super) max_ops: usize,
+    /// Draw a [`Shape`] per sequence; otherwise every sequence is the general mix (long
+    /// instances are a shape of their own).
+    pub(super) shapes: bool,
 }
 
 impl Strategy for Scripts {
@@ -120,7 +231,13 @@ impl Strategy for Scripts {
             .map(|_| {
                 let len = rng.random_range(1..=self.max_ops);
                 let mut drawing = Drawing::default();
-                (0..len).map(|_| draw_op(rng, &mut drawing)).collect()
+                let shape = match self.shapes {
+                    true => draw_shape(rng),
+                    false => Shape::Mixed,
+                };
+                (0..len)
+                    .map(|_| draw_op(rng, &mut drawing, shape))
+                    .collect()
             })
             .collect();
         Ok(ScriptTree::new(threads))
