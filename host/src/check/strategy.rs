@@ -28,14 +28,16 @@ pub(super) fn draw_size(rng: &mut TestRng) -> u64 {
     }
 }
 
-/// A power of two from 8 bytes to `2^max_power`, or one of its neighbours: where size
-/// classes, pages and alignment multiples begin and end.
+/// A power of two from 8 bytes to `2^max_power`, one of its neighbours, or three times
+/// it: where size classes, pages and alignment multiples begin and end (an alignment
+/// is a power of two, and its odd multiples are where a rounding bug shows).
 pub(super) fn boundary_size(rng: &mut TestRng, max_power: u32) -> u64 {
     let power = 1u64 << rng.random_range(3..=max_power);
-    match rng.random_range(0..3u32) {
+    match rng.random_range(0..4u32) {
         0 => power - 1,
         1 => power,
-        _ => power + 1,
+        2 => power + 1,
+        _ => power * 3,
     }
 }
 
