@@ -211,14 +211,12 @@ pub enum LoadError {
     Io { path: String, error: std::io::Error },
     #[error("not a WebAssembly file (neither the wasm binary magic nor WAT text): {detail}")]
     NotWasm { detail: String },
-    #[error(
-        "this is a core wasm module, not a component; make it a component of the \
-         `allocbox:policy/policy` world (e.g. `wasm-tools component new`)"
-    )]
-    CoreModule,
     #[error("invalid component: {detail}")]
     Invalid { detail: String },
-    #[error("WAT core module could not be made a component of the policy world: {detail}")]
+    #[error(
+        "this core module could not be made a component of the policy world (it must import \
+         and export the world's functions under their canonical-ABI names): {detail}"
+    )]
     Componentize { detail: String },
     #[error("the component targets another world: {detail}")]
     WrongWorld { detail: String },

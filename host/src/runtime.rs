@@ -436,10 +436,12 @@ fn start_epoch_ticker(engine: &Engine, clock: Arc<AtomicU64>) {
 fn to_component_binary(bytes: &[u8], world: &str) -> Result<Vec<u8>, LoadError> {
     const MAGIC: &[u8] = b"\0asm";
     if bytes.starts_with(MAGIC) {
-        // Bytes 6..8 are the layer: 0 for a core module, 1 for a component.
+        // Bytes 6..8 are the layer: 0 for a core module, 1 for a component. A core module
+        // written to the world's canonical ABI (what C, Zig, AssemblyScript or Go
+        // toolchains emit) is made a component here, as WAT is: no outside tool needed.
         return match bytes.get(6..8) {
             Some([1, 0]) => Ok(bytes.to_vec()),
-            Some([0, 0]) => Err(LoadError::CoreModule),
+            Some([0, 0]) => componentize(bytes.to_vec(), world),
             _ => Err(LoadError::Invalid {
                 detail: "unknown wasm binary layer".into(),
             }),
@@ -472,8 +474,10 @@ fn to_component_binary(bytes: &[u8], world: &str) -> Result<Vec<u8>, LoadError> 
     }
 }
 
-/// Make a WAT core module a component of `world` (`policy` or `hook`), as `wasm-tools
-/// component new` would: embed the world's type information, then encode.
+/// Make a core module (binary, or from WAT) a component of `world` (`policy` or
+/// `hook`), as `wasm-tools component new` would: embed the world's type information,
+/// then encode. The module must import and export the world's functions under their
+/// canonical-ABI names (`allocbox:policy/allocator@0.1.0#malloc`, ...).
 fn componentize(mut module: Vec<u8>, world: &str) -> Result<Vec<u8>, LoadError> {
     let err = |e: anyhow::Error| LoadError::Componentize {
         detail: format!("{e:#}"),

@@ -26,11 +26,24 @@ fn a_file_that_is_not_wasm_is_refused() {
 }
 
 #[test]
-fn a_core_module_is_refused_with_the_fix() {
+fn a_binary_core_module_of_the_world_becomes_a_policy_as_wat_does() {
+    // What a C, Zig or AssemblyScript toolchain emits: a core module, in binary.
+    let core = wat::parse_str(allocbox::DEFAULT_POLICY_WAT).unwrap();
+    assert_eq!(&core[6..8], &[0, 0], "a core module, not a component");
+    let h = start(&core).unwrap();
+    let p = h.malloc(100).unwrap().unwrap();
+    fill(p, 100, 0x42);
+    assert!(holds(p, 100, 0x42));
+    h.free(Some(p), 100).unwrap();
+    h.leak_check().unwrap();
+}
+
+#[test]
+fn a_binary_core_module_of_another_shape_is_refused_with_the_names_it_needs() {
     let core = wat::parse_str("(module (func (export \"f\")))").unwrap();
     let err = start(&core).unwrap_err();
-    assert!(matches!(err, LoadError::CoreModule), "{err}");
-    assert!(err.to_string().contains("wasm-tools component new"));
+    assert!(matches!(err, LoadError::Componentize { .. }), "{err}");
+    assert!(err.to_string().contains("canonical-ABI names"), "{err}");
 }
 
 #[test]
