@@ -4,7 +4,7 @@ default handler and again with an allocbox policy installed for the whole run (t
 
     python python/numpy_acceptance.py                      # CI's representative part
     python python/numpy_acceptance.py --full               # all of numpy._core (minutes)
-    python python/numpy_acceptance.py --policy path.wasm   # another policy
+    python python/numpy_acceptance.py --policy arena       # another shipped policy, or a path
 
 Exit 0: same results; 1: a test's outcome changed or the policy broke the contract.
 """
@@ -17,8 +17,6 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ET
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-GUESTS = ROOT / "target" / "guests" / "wasm32-wasip2" / "release"
 # Quick, and between them they cover array creation, ufuncs, indexing, item selection
 # and NumPy's own handler-API tests.
 REPRESENTATIVE = ["test_numeric", "test_indexing", "test_item_selection", "test_umath", "test_mem_policy"]
@@ -47,7 +45,7 @@ def run(targets, policy, config, report):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policy", default=str(GUESTS / "policy_size_classes.wasm"))
+    parser.add_argument("--policy", default="size-classes")
     parser.add_argument("--config", default="")
     parser.add_argument("--full", action="store_true", help="all of numpy._core")
     args = parser.parse_args()

@@ -1,9 +1,9 @@
 """A pytest plugin that makes an allocbox policy NumPy's handler for a whole run.
 
-    ALLOCBOX_POLICY=path/to/policy.wasm pytest -p allocbox.pytest_plugin --pyargs numpy._core
+    ALLOCBOX_POLICY=size-classes pytest -p allocbox.pytest_plugin --pyargs numpy._core
 
-`ALLOCBOX_POLICY` is a component or WAT path, or `builtin`; `ALLOCBOX_CONFIG` is
-`key=value,key=value`. At the end the plugin reports the policy's counters and fails the
+`ALLOCBOX_POLICY` is a shipped policy's name (`allocbox.policies()`), a component or
+WAT path, or `builtin`; `ALLOCBOX_CONFIG` is `key=value,key=value`. At the end the plugin reports the policy's counters and fails the
 run if the policy broke the contract.
 """
 

@@ -3,6 +3,7 @@ test_mem_policy.py) with wasm policies, and what a broken policy does inside Num
 
 import asyncio
 import gc
+import os
 import threading
 
 import numpy as np
@@ -11,12 +12,44 @@ import pytest
 import allocbox
 from conftest import guest
 
-SHIPPED = ["system", "size-classes", "arena", "aligned", "template"]
+# What the wheel carries, by name; and the good policies only the repository has (paths).
+SHIPPED = ["aligned", "arena", "size-classes", "system"]
+GOOD = [*SHIPPED, "template"]
 
 
 @pytest.fixture
 def size_classes():
-    return allocbox.load(guest("size-classes"))
+    return allocbox.load("size-classes")
+
+
+def test_the_package_ships_its_policies_each_with_a_description():
+    shipped = allocbox.policies()
+    assert sorted(shipped) == SHIPPED
+    for name, description in shipped.items():
+        assert isinstance(description, str) and len(description) > 20, name
+
+
+@pytest.mark.skipif(not os.environ.get("ALLOCBOX_TEST_INSTALLED"), reason="develop build")
+def test_the_package_under_test_is_the_installed_wheel():
+    # CI installs the built wheel into a fresh venv: a file missing from it fails here.
+    assert "site-packages" in allocbox.__file__
+    assert "site-packages" in allocbox._allocbox.__file__
+
+
+def test_an_unknown_policy_name_is_a_load_error_naming_the_shipped_ones():
+    with pytest.raises(allocbox.LoadError, match="no shipped policy or file named 'size-clases'.*size-classes"):
+        allocbox.load("size-clases")
+    with pytest.raises(allocbox.LoadError, match="cannot read"):
+        allocbox.load("no/such/policy.wasm")
+
+
+def test_shipped_policies_chain_by_name():
+    chain = allocbox.load_chain(("aligned", {"alignment": "128"}), "size-classes")
+    with allocbox.use(chain):
+        a = np.arange(1000.0)
+    assert allocbox.handler_name(a) == chain.name
+    assert a.ctypes.data % 128 == 0
+    assert a.sum() == 499500.0
 
 
 def test_new_arrays_views_and_bases_report_their_handler(size_classes):
@@ -60,7 +93,7 @@ def test_a_new_thread_starts_at_numpy_s_default(size_classes):
 
 
 def test_asyncio_tasks_inherit_and_keep_their_own_handler(size_classes):
-    arena = allocbox.load(guest("arena"))
+    arena = allocbox.load("arena")
 
     async def task(mine, started):
         inherited = allocbox.handler_name()
@@ -88,7 +121,7 @@ def test_arrays_outliving_a_switch_are_freed_by_their_own_handler(size_classes):
         kept = [np.full(n, n, dtype=np.int64) for n in (1, 10, 1000, 100_000)]
     live = size_classes.stats()["live_blocks"]
     assert live == 4
-    arena = allocbox.load(guest("arena"))
+    arena = allocbox.load("arena")
     with allocbox.use(arena):
         del kept
         gc.collect()
@@ -96,9 +129,9 @@ def test_arrays_outliving_a_switch_are_freed_by_their_own_handler(size_classes):
     assert arena.stats()["frees"] == 0
 
 
-@pytest.mark.parametrize("name", SHIPPED)
-def test_every_shipped_policy_places_arrays_numpy_computes_with_correctly(name):
-    policy = allocbox.load(guest(name))
+@pytest.mark.parametrize("name", GOOD)
+def test_every_good_policy_places_arrays_numpy_computes_with_correctly(name):
+    policy = allocbox.load(name if name in SHIPPED else guest(name))
     rng = np.random.default_rng(7)
     sizes = [0, 1, 7, 100, 4096, 100_000, 2_000_000]
     expected = [rng.standard_normal(n) for n in sizes]
@@ -168,7 +201,7 @@ def test_errors_are_distinct_exception_classes():
     with pytest.raises(allocbox.LoadError, match="not a WebAssembly file"):
         allocbox.load(b"definitely not wasm")
     with pytest.raises(allocbox.LoadError, match="refused its configuration"):
-        allocbox.load(guest("aligned"), {"alignment": "3"})
+        allocbox.load("aligned", {"alignment": "3"})
 
 
 def test_realloc_without_the_gil_from_many_threads(size_classes):
@@ -198,7 +231,7 @@ def test_realloc_without_the_gil_from_many_threads(size_classes):
 
 def test_recording_writes_numpy_s_calls_as_a_trace(tmp_path, size_classes):
     path = tmp_path / "numpy.trace"
-    policy = allocbox.load(guest("system"), record=str(path))
+    policy = allocbox.load("system", record=str(path))
     with allocbox.use(policy):
         a = np.arange(50)
         del a
@@ -231,7 +264,7 @@ def test_bounds_are_knobs_and_hoarding_past_the_overhead_budget_is_refused_and_c
     assert hoarder.stats()["budget_refusals"] >= 6
     assert hoarder.link_stats()[0]["budget_refusals"] == hoarder.stats()["budget_refusals"]
     with pytest.raises(ValueError, match="call_time"):
-        allocbox.load(guest("system"), call_time=0)
+        allocbox.load("system", call_time=0)
 
 
 def test_a_malloc_many_past_the_batch_bound_stops_the_policy_with_a_clear_error():

@@ -1,0 +1,81 @@
+"""Build the allocbox wheel with the shipped policies inside.
+
+    .venv/bin/python python/build_wheel.py      # prints target/wheels/allocbox-*.whl
+
+The guest crates that say `[package.metadata.allocbox] ship = true` in their Cargo.toml
+are built (for wasm32-wasip2, by the `allocbox-artifacts` build script) and copied into
+the package as `allocbox/policies/<name>.wasm`, with `index.json` mapping each name to
+its crate's `description`. The wheel is then built by maturin, in release mode.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GUESTS = ROOT / "guest-handlers"
+BUILT = ROOT / "target" / "guests" / "wasm32-wasip2" / "release"
+STAGE = ROOT / "python" / "allocbox" / "policies"
+WHEELS = ROOT / "target" / "wheels"
+
+
+def run(*command, **kwargs):
+    print("+", " ".join(str(c) for c in command), file=sys.stderr, flush=True)
+    subprocess.run(command, check=True, **kwargs)
+
+
+def shipped_guests():
+    """(policy name, crate name, description) of each guest crate marked for shipping."""
+    metadata = subprocess.run(
+        ["cargo", "metadata", "--format-version", "1", "--no-deps"],
+        cwd=GUESTS,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    for package in json.loads(metadata)["packages"]:
+        allocbox = (package.get("metadata") or {}).get("allocbox") or {}
+        if allocbox.get("ship"):
+            if not package.get("description"):
+                sys.exit(f"{package['name']} is shipped but its Cargo.toml has no description")
+            policy = package["name"].removeprefix("policy-")
+            yield policy, package["name"], package["description"]
+
+
+def stage_policies():
+    # The artifacts build script builds every guest; a failure there names the fix.
+    run("cargo", "build", "--quiet", "-p", "allocbox-artifacts", cwd=ROOT)
+    if STAGE.exists():
+        shutil.rmtree(STAGE)
+    STAGE.mkdir(parents=True)
+    index = {}
+    for policy, crate, description in shipped_guests():
+        component = BUILT / f"{crate.replace('-', '_')}.wasm"
+        if not component.exists():
+            sys.exit(f"{component} was not built: see `cargo build -p allocbox-artifacts -vv`")
+        shutil.copyfile(component, STAGE / f"{policy}.wasm")
+        index[policy] = description
+    if not index:
+        sys.exit("no guest crate is marked `[package.metadata.allocbox] ship = true`")
+    (STAGE / "index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return index
+
+
+def main():
+    index = stage_policies()
+    print(f"shipping {', '.join(sorted(index))}", file=sys.stderr)
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    for old in WHEELS.glob("allocbox-*.whl"):
+        old.unlink()
+    maturin = pathlib.Path(sys.executable).parent / "maturin"
+    env = dict(os.environ, VIRTUAL_ENV=str(pathlib.Path(sys.executable).parents[1]))
+    run(maturin, "build", "--release", "--quiet", "--out", WHEELS, cwd=ROOT / "python", env=env)
+    (wheel,) = WHEELS.glob("allocbox-*.whl")
+    print(wheel)
+
+
+if __name__ == "__main__":
+    main()
