@@ -1,0 +1,177 @@
+//! The embedder's `init` settings, read as typed values.
+
+use std::fmt::Display;
+use std::ops::RangeInclusive;
+use std::str::FromStr;
+
+/// The key/value pairs given to `init`. Each `get*` call takes its key out and remembers
+/// it as known; keys left over when [`Policy::init`](crate::Policy::init) returns are
+/// rejected with an error that names them and lists the known ones.
+///
+/// Errors are plain messages (`bad value `x` for `depth`: ...`); the SDK prefixes the
+/// policy's name.
+#[derive(Debug, Clone, Default)]
+pub struct Config {
+    pairs: Vec<(String, String)>,
+    known: Vec<String>,
+}
+
+impl Config {
+    /// The configuration `pairs`, in the order the embedder gave them.
+    pub fn new(pairs: Vec<(String, String)>) -> Config {
+        Config {
+            pairs,
+            known: Vec::new(),
+        }
+    }
+
+    /// The value of `key` as it was given, if it was; a key given twice is an error.
+    pub fn get_str(&mut self, key: &str) -> Result<Option<String>, String> {
+        if !self.known.iter().any(|k| k == key) {
+            self.known.push(key.to_string());
+        }
+        let mut found = None;
+        let mut error = None;
+        self.pairs.retain(|(k, v)| {
+            if k != key {
+                return true;
+            }
+            if found.is_some() {
+                error = Some(format!("`{key}` given more than once"));
+            }
+            found = Some(v.clone());
+            false
+        });
+        match error {
+            Some(e) => Err(e),
+            None => Ok(found),
+        }
+    }
+
+    /// The value of `key` parsed as a `T`, if it was given.
+    pub fn get<T>(&mut self, key: &str) -> Result<Option<T>, String>
+    where
+        T: FromStr,
+        T::Err: Display,
+    {
+        match self.get_str(key)? {
+            None => Ok(None),
+            Some(value) => value
+                .trim()
+                .parse()
+                .map(Some)
+                .map_err(|e| format!("bad value `{value}` for `{key}`: {e}")),
+        }
+    }
+
+    /// The value of `key` parsed as a `T`, or `default` when it was not given.
+    pub fn get_or<T>(&mut self, key: &str, default: T) -> Result<T, String>
+    where
+        T: FromStr,
+        T::Err: Display,
+    {
+        Ok(self.get(key)?.unwrap_or(default))
+    }
+
+    /// As [`get_or`](Config::get_or), and the value (given or default) must lie in `range`.
+    pub fn get_in<T>(
+        &mut self,
+        key: &str,
+        range: RangeInclusive<T>,
+        default: T,
+    ) -> Result<T, String>
+    where
+        T: FromStr + PartialOrd + Display,
+        T::Err: Display,
+    {
+        let value = self.get_or(key, default)?;
+        if range.contains(&value) {
+            Ok(value)
+        } else {
+            Err(format!(
+                "bad value `{value}` for `{key}`: want {}..={}",
+                range.start(),
+                range.end()
+            ))
+        }
+    }
+
+    /// Every pair not taken yet, for a policy that accepts keys it cannot list in advance.
+    pub fn take_rest(&mut self) -> Vec<(String, String)> {
+        std::mem::take(&mut self.pairs)
+    }
+
+    /// `Err` naming the first key nobody took, and the keys that are known.
+    pub(crate) fn finish(self) -> Result<(), String> {
+        let Some((key, value)) = self.pairs.first() else {
+            return Ok(());
+        };
+        let known = if self.known.is_empty() {
+            "this policy takes no configuration".to_string()
+        } else {
+            format!("known: {}", self.known.join(", "))
+        };
+        Err(format!(
+            "unknown config key `{key}` (value `{value}`); {known}"
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(pairs: &[(&str, &str)]) -> Config {
+        Config::new(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn typed_values_defaults_and_ranges() {
+        let mut c = config(&[("depth", " 7 "), ("batch", "false")]);
+        assert_eq!(c.get_in("depth", 0..=64, 3), Ok(7u32));
+        assert_eq!(c.get::<bool>("batch"), Ok(Some(false)));
+        assert_eq!(c.get_or("missing", 5u8), Ok(5));
+        assert_eq!(c.finish(), Ok(()));
+    }
+
+    #[test]
+    fn errors_say_which_key_and_why() {
+        let mut c = config(&[("depth", "x")]);
+        let e = c.get::<u32>("depth").unwrap_err();
+        assert!(e.starts_with("bad value `x` for `depth`"), "{e}");
+
+        let mut c = config(&[("depth", "99")]);
+        let e = c.get_in("depth", 0..=64u32, 3).unwrap_err();
+        assert_eq!(e, "bad value `99` for `depth`: want 0..=64");
+
+        let mut c = config(&[("depth", "1"), ("depth", "2")]);
+        assert_eq!(
+            c.get::<u32>("depth"),
+            Err("`depth` given more than once".into())
+        );
+    }
+
+    #[test]
+    fn unread_keys_are_rejected_with_the_known_ones() {
+        let c = config(&[("colour", "red")]);
+        assert_eq!(
+            c.finish(),
+            Err(
+                "unknown config key `colour` (value `red`); this policy takes no configuration"
+                    .into()
+            )
+        );
+        let mut c = config(&[("colour", "red")]);
+        c.get::<u32>("depth").unwrap();
+        c.get::<u32>("large-cache").unwrap();
+        assert_eq!(
+            c.finish(),
+            Err("unknown config key `colour` (value `red`); known: depth, large-cache".into())
+        );
+    }
+}

@@ -1,0 +1,308 @@
+//! `allocbox-policy`: write an allocbox allocation policy as one [`Policy`]
+//! implementation and one [`export_policy!`] line.
+//!
+//! ```
+//! use allocbox_policy::{Config, Policy, export_policy, upstream};
+//!
+//! struct Passthrough;
+//!
+//! impl Policy for Passthrough {
+//!     fn init(_config: &mut Config) -> Result<Self, String> {
+//!         Ok(Passthrough)
+//!     }
+//!     fn malloc(&self, size: u64) -> u64 {
+//!         upstream::malloc(size)
+//!     }
+//!     fn free(&self, ptr: u64, size: u64) {
+//!         upstream::free(ptr, size)
+//!     }
+//! }
+//!
+//! export_policy!(Passthrough);
+//! ```
+//!
+//! The crate runs `wit_bindgen::generate!` for the `allocbox:policy/policy` world once
+//! (in [`bindings`]); a policy crate needs no bindings and no `unsafe` of its own.
+//!
+//! - [`Policy`] is what a policy implements. The host calls a policy on one thread, so its
+//!   methods take `&self` and keep mutable state in `Cell`/`RefCell` fields; the one
+//!   instance is made by [`Policy::init`] and kept by the code [`export_policy!`] writes.
+//! - [`Config`] reads typed `init` settings; keys the policy did not read are rejected
+//!   for it, with an error naming them.
+//! - [`upstream`] is the allocator below this policy; [`bytes`] reads and writes the bytes
+//!   of blocks the policy holds and has not lent (headers, free lists).
+//! - [`Info`] is what the policy promises: alignment and whether the host may batch.
+//!   Its name is the policy crate's package name unless `export_policy!` is given one.
+
+pub mod bytes;
+mod config;
+pub mod upstream;
+
+pub use config::Config;
+
+/// The raw wit-bindgen bindings of the `policy` world, for what this crate does not wrap.
+/// Generated with a public export macro so that [`export_policy!`] can export from the
+/// policy's own crate.
+pub mod bindings {
+    wit_bindgen::generate!({
+        path: "wit",
+        world: "policy",
+        pub_export_macro: true,
+    });
+}
+
+/// What a policy promises the host, besides its name (see [`export_policy!`]).
+///
+/// `Info::new()` is the promise of a policy that hands out whole upstream blocks:
+/// 16-byte alignment (the host's own upstream aligns every block to 16) and batching
+/// allowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Info {
+    /// Every block the policy returns is aligned to this power of two. Default 16.
+    pub alignment: u64,
+    /// The host may fetch blocks ahead with `malloc_many` and return frees late with
+    /// `free_many`. A policy that must see every call one by one says false. Default true.
+    pub batch: bool,
+}
+
+impl Info {
+    /// 16-byte alignment, batching allowed.
+    pub const fn new() -> Info {
+        Info {
+            alignment: 16,
+            batch: true,
+        }
+    }
+
+    /// Promise that every block is aligned to `alignment` (a power of two).
+    pub const fn alignment(self, alignment: u64) -> Info {
+        Info { alignment, ..self }
+    }
+
+    /// Allow (true) or forbid (false) the host's batching.
+    pub const fn batch(self, batch: bool) -> Info {
+        Info { batch, ..self }
+    }
+}
+
+impl Default for Info {
+    fn default() -> Info {
+        Info::new()
+    }
+}
+
+/// An allocation policy: NumPy's `PyDataMem_Handler` (NEP 49) for the allocbox host.
+///
+/// Addresses are opaque `u64`s; 0 means "none" (out of memory). Sizes are never 0. The
+/// host checks every answer against the rules of `wit/policy.wit` and stops the policy at
+/// the first break:
+/// - a returned block lies inside a block got from [`upstream`] and not freed, overlaps
+///   no other lent block, and is aligned to [`Info::alignment`];
+/// - `free`/`realloc` get exactly the size the block was last (re)allocated with, and a
+///   policy gives blocks back upstream with exactly the size it got them with;
+/// - bytes are touched only through [`bytes`], only in blocks held and not lent.
+///
+/// Only `init`, `malloc` and `free` are required; the other methods have correct
+/// defaults built on them.
+pub trait Policy: Sized + 'static {
+    /// Make the policy from the embedder's configuration. Read settings with
+    /// [`Config::get`] and friends; keys not read are rejected after `init` returns. An
+    /// `Err` is shown to the embedder prefixed with the policy's name.
+    fn init(config: &mut Config) -> Result<Self, String>;
+
+    /// What the policy promises; called once, right after `init`. Default [`Info::new`].
+    fn info(&self) -> Info {
+        Info::new()
+    }
+
+    /// A block of at least `size` bytes, or 0.
+    fn malloc(&self, size: u64) -> u64;
+
+    /// A zero-filled block of `nelem * elsize` bytes, or 0 (also when the product
+    /// overflows). Default: `malloc` then [`bytes::fill`] with 0; forward to
+    /// [`upstream::calloc`] instead where you can, fresh pages are zero already.
+    fn calloc(&self, nelem: u64, elsize: u64) -> u64 {
+        let Some(size) = nelem.checked_mul(elsize) else {
+            return 0;
+        };
+        let ptr = self.malloc(size);
+        if ptr != 0 {
+            bytes::fill(ptr, size, 0);
+        }
+        ptr
+    }
+
+    /// Resize the block at `ptr` (of `old_size` bytes) to `new_size`, keeping its first
+    /// `min(old_size, new_size)` bytes; `ptr` 0 is `malloc(new_size)`. On 0 the old block
+    /// must still be live and unchanged. Default: `malloc`, [`bytes::copy`], `free`.
+    fn realloc(&self, ptr: u64, old_size: u64, new_size: u64) -> u64 {
+        if ptr == 0 {
+            return self.malloc(new_size);
+        }
+        let new = self.malloc(new_size);
+        if new != 0 {
+            bytes::copy(new, ptr, old_size.min(new_size));
+            self.free(ptr, old_size);
+        }
+        new
+    }
+
+    /// Give back the block at `ptr`; `size` is exactly its (re)allocated size.
+    fn free(&self, ptr: u64, size: u64);
+
+    /// Up to `count` blocks of `size` bytes. Fewer (even none) is allowed when memory
+    /// runs out. Default: `malloc` in a loop, stopping at the first 0.
+    fn malloc_many(&self, size: u64, count: u32) -> Vec<u64> {
+        let mut ptrs = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            match self.malloc(size) {
+                0 => break,
+                ptr => ptrs.push(ptr),
+            }
+        }
+        ptrs
+    }
+
+    /// Give back several blocks of the same `size`. Default: `free` each.
+    fn free_many(&self, ptrs: Vec<u64>, size: u64) {
+        for ptr in ptrs {
+            self.free(ptr, size);
+        }
+    }
+
+    /// Give back upstream everything cached and not lent out. The contract checker calls
+    /// it after the client freed everything and counts what is still held upstream as a
+    /// leak. Default: nothing (right for a policy that caches nothing).
+    fn trim(&self) {}
+}
+
+/// Export a [`Policy`] type as this crate's component: `export_policy!(MyPolicy);` once,
+/// at the crate root of a `cdylib`.
+///
+/// The policy is named after the crate's package (`CARGO_PKG_NAME`);
+/// `export_policy!(MyPolicy, name = "my-name")` names it otherwise (1..=127 bytes):
+///
+/// ```standalone_crate
+/// use allocbox_policy::{Config, Policy, export_policy, upstream};
+///
+/// struct Counted;
+///
+/// impl Policy for Counted {
+///     fn init(_config: &mut Config) -> Result<Self, String> {
+///         Ok(Counted)
+///     }
+///     fn malloc(&self, size: u64) -> u64 {
+///         upstream::malloc(size)
+///     }
+///     fn free(&self, ptr: u64, size: u64) {
+///         upstream::free(ptr, size)
+///     }
+/// }
+///
+/// export_policy!(Counted, name = "counted");
+/// ```
+#[macro_export]
+macro_rules! export_policy {
+    ($policy:ty) => {
+        $crate::export_policy!($policy, name = ::core::env!("CARGO_PKG_NAME"));
+    };
+    ($policy:ty, name = $name:expr $(,)?) => {
+        const _: () = {
+            struct AllocboxPolicyInstance;
+
+            impl $crate::__private::Instance for AllocboxPolicyInstance {
+                type Policy = $policy;
+                const NAME: &'static str = $name;
+
+                fn with<R>(f: impl FnOnce(&$crate::__private::Slot<$policy>) -> R) -> R {
+                    ::std::thread_local! {
+                        static POLICY: $crate::__private::Slot<$policy> =
+                            const { $crate::__private::Slot::new() };
+                    }
+                    POLICY.with(f)
+                }
+            }
+
+            type AllocboxPolicyExport = $crate::__private::Export<AllocboxPolicyInstance>;
+    $crate::bindings::export!(AllocboxPolicyExport with_types_in $crate::bindings);
+        };
+    };
+}
+
+/// What [`export_policy!`] expands to; not part of the API.
+#[doc(hidden)]
+pub mod __private {
+    use std::marker::PhantomData;
+
+    use crate::bindings::exports::allocbox::policy::{allocator, lifecycle};
+    use crate::{Config, Policy};
+
+    /// Holds the one instance, from `init` on.
+    pub type Slot<P> = std::cell::OnceCell<P>;
+
+    /// Where a policy crate keeps its instance: a thread-local made by the macro (the
+    /// host calls a policy on one thread, so it is a plain static without `unsafe`).
+    pub trait Instance: 'static {
+        type Policy: Policy;
+        const NAME: &'static str;
+        fn with<R>(f: impl FnOnce(&Slot<Self::Policy>) -> R) -> R;
+    }
+
+    /// Implements the generated export traits by delegating to the instance.
+    pub struct Export<I>(PhantomData<I>);
+
+    fn policy<I: Instance, R>(f: impl FnOnce(&I::Policy) -> R) -> R {
+        I::with(|slot| match slot.get() {
+            Some(policy) => f(policy),
+            // The host always calls `init` first; anything else is a host bug.
+            None => panic!("{}: called before init", I::NAME),
+        })
+    }
+
+    impl<I: Instance> allocator::Guest for Export<I> {
+        fn malloc(size: u64) -> u64 {
+            policy::<I, _>(|p| p.malloc(size))
+        }
+
+        fn calloc(nelem: u64, elsize: u64) -> u64 {
+            policy::<I, _>(|p| p.calloc(nelem, elsize))
+        }
+
+        fn realloc(ptr: u64, old_size: u64, new_size: u64) -> u64 {
+            policy::<I, _>(|p| p.realloc(ptr, old_size, new_size))
+        }
+
+        fn free(ptr: u64, size: u64) {
+            policy::<I, _>(|p| p.free(ptr, size))
+        }
+
+        fn malloc_many(size: u64, count: u32) -> Vec<u64> {
+            policy::<I, _>(|p| p.malloc_many(size, count))
+        }
+
+        fn free_many(ptrs: Vec<u64>, size: u64) {
+            policy::<I, _>(|p| p.free_many(ptrs, size))
+        }
+    }
+
+    impl<I: Instance> lifecycle::Guest for Export<I> {
+        fn init(config: Vec<(String, String)>) -> Result<lifecycle::Info, String> {
+            let name = I::NAME;
+            let mut config = Config::new(config);
+            let made = I::Policy::init(&mut config).and_then(|p| config.finish().map(|()| p));
+            let policy = made.map_err(|e| format!("{name}: {e}"))?;
+            let info = policy.info();
+            I::with(|slot| slot.set(policy)).map_err(|_| format!("{name}: init called twice"))?;
+            Ok(lifecycle::Info {
+                name: name.into(),
+                version: 1,
+                alignment: info.alignment,
+                batch: info.batch,
+            })
+        }
+
+        fn trim() {
+            policy::<I, _>(|p| p.trim())
+        }
+    }
+}
