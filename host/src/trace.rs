@@ -8,7 +8,7 @@ use std::fmt;
 use std::io::{BufRead, BufReader, Read, Seek, Write};
 use std::path::Path;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -151,13 +151,13 @@ impl ReplayReport {
 }
 
 /// A block the replay holds for an id: where, and the size it was (re)allocated with.
-type Held = (NonNull<u8>, usize);
+pub(crate) type Held = (NonNull<u8>, usize);
 
 impl ReplayReport {
     /// Replay one event against the block held for its id; returns what is held for the
     /// id afterwards. A failure is kept in `self.failure` (the error is large: returning
     /// it by value on every event cost the replay loop more than some handlers).
-    fn apply(
+    pub(crate) fn apply(
         &mut self,
         handler: &dyn MemHandler,
         event: &Event,
@@ -253,22 +253,43 @@ impl ReplayReport {
 /// in the recorded order while the threads run at once. Every block still live at the
 /// end is freed (outside the timing), so the handler is left empty.
 pub fn replay_trace(handler: &dyn MemHandler, events: &[Event]) -> ReplayReport {
+    replay_trace_counted(handler, events, &AtomicU64::new(0))
+}
+
+/// Events between two additions to a replay's progress counter: rare enough to cost
+/// nothing next to the events, often enough for a progress bar.
+const PROGRESS_STRIDE: u64 = 1 << 14;
+
+/// [`replay_trace`], adding the events replayed so far to `done` as it goes (in steps of
+/// a few thousand), so another thread can show progress.
+pub fn replay_trace_counted(
+    handler: &dyn MemHandler,
+    events: &[Event],
+    done: &AtomicU64,
+) -> ReplayReport {
     let first = events.first().map_or(1, |e| e.thread);
     let mut report = match events.iter().all(|e| e.thread == first) {
-        true => replay_on_one_thread(handler, events),
-        false => replay_on_recorded_threads(handler, events),
+        true => replay_on_one_thread(handler, events, done),
+        false => replay_on_recorded_threads(handler, events, done),
     };
     report.stats = handler.stats();
     report
 }
 
-fn replay_on_one_thread(handler: &dyn MemHandler, events: &[Event]) -> ReplayReport {
+fn replay_on_one_thread(
+    handler: &dyn MemHandler,
+    events: &[Event],
+    done: &AtomicU64,
+) -> ReplayReport {
     // The replay's own bookkeeping should cost little next to the handler it measures.
     let mut live: FastMap<u64, Held> =
         FastMap::with_capacity_and_hasher(1 << 16, Default::default());
     let mut report = ReplayReport::default();
     let start = Instant::now();
-    for event in events {
+    for (i, event) in events.iter().enumerate() {
+        if i as u64 % PROGRESS_STRIDE == PROGRESS_STRIDE - 1 {
+            done.fetch_add(PROGRESS_STRIDE, Ordering::Relaxed);
+        }
         // One lookup per event: the entry stays open across the call.
         match live.entry(event.id) {
             Entry::Occupied(mut place) => match report.apply(handler, event, Some(*place.get())) {
@@ -303,7 +324,11 @@ struct Schedule {
     stop: AtomicBool,
 }
 
-fn replay_on_recorded_threads(handler: &dyn MemHandler, events: &[Event]) -> ReplayReport {
+fn replay_on_recorded_threads(
+    handler: &dyn MemHandler,
+    events: &[Event],
+    done: &AtomicU64,
+) -> ReplayReport {
     let mut blocks: FastMap<u64, u32> = FastMap::default();
     let mut last_event: Vec<Option<u32>> = Vec::new();
     let mut block_of = Vec::with_capacity(events.len());
@@ -330,7 +355,7 @@ fn replay_on_recorded_threads(handler: &dyn MemHandler, events: &[Event]) -> Rep
     let reports: Vec<ReplayReport> = std::thread::scope(|s| {
         let workers: Vec<_> = by_thread
             .values()
-            .map(|mine| s.spawn(|| replay_thread(handler, events, mine, &schedule)))
+            .map(|mine| s.spawn(|| replay_thread(handler, events, mine, &schedule, done)))
             .collect();
         workers
             .into_iter()
@@ -358,9 +383,13 @@ fn replay_thread(
     events: &[Event],
     mine: &[u32],
     schedule: &Schedule,
+    done: &AtomicU64,
 ) -> ReplayReport {
     let mut report = ReplayReport::default();
-    for &i in mine {
+    for (n, &i) in mine.iter().enumerate() {
+        if n as u64 % PROGRESS_STRIDE == PROGRESS_STRIDE - 1 {
+            done.fetch_add(PROGRESS_STRIDE, Ordering::Relaxed);
+        }
         let i = i as usize;
         if let Some(before) = schedule.before[i] {
             // Events wait only for earlier events, so the earliest unfinished one can

@@ -1,0 +1,480 @@
+//! `allocbox report`: the timelines it collects, the page it writes, the CLI.
+
+use allocbox::report::{
+    MAX_POINTS, Timeline, chain_held, native_held, render_html, size_bucket, timeline,
+};
+use allocbox::trace::parse_trace;
+use allocbox::{HandlerBuilder, Runtime};
+use allocbox::{MemHandler, NumpyDefault};
+
+use super::support::*;
+
+/// Live bytes after each event: 100, 1100, 6000, 5000, 5010, 10, 0.
+const SMALL: &str = "m 1 100\nm 2 1000\nr 1 5000\nf 2 1000\nc 3 10\nf 1 5000\nf 3 10\n";
+
+fn small_timelines() -> Vec<Timeline> {
+    let events = parse_trace(SMALL.as_bytes()).unwrap();
+    let native = NumpyDefault::new();
+    let chain = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
+    vec![
+        timeline("default", &native, native_held(&native), &events),
+        timeline("size-classes.wasm", &chain, chain_held(&chain), &events),
+    ]
+}
+
+#[test]
+fn a_report_follows_live_bytes_sizes_and_held_memory_event_by_event() {
+    for t in small_timelines() {
+        let label = &t.label;
+        assert!(
+            t.replay.failure.is_none(),
+            "{label}: {:?}",
+            t.replay.failure
+        );
+        assert_eq!((t.replay.events, t.every), (7, 1), "{label}");
+        let live: Vec<u64> = t.samples.iter().map(|s| s.live).collect();
+        assert_eq!(live, [100, 1100, 6000, 5000, 5010, 10, 0], "{label}");
+        assert_eq!((t.peak_live, t.final_live), (6000, 0), "{label}");
+        assert_eq!(t.final_ratio(), None, "{label}: nothing live at the end");
+        for s in &t.samples {
+            assert!(
+                s.held >= s.live,
+                "{label}: held {} < live {}",
+                s.held,
+                s.live
+            );
+        }
+        assert!(
+            t.peak_held >= 6000 && t.held_at_peak_live >= 6000,
+            "{label}"
+        );
+        assert!(t.peak_ratio.unwrap() >= 1.0, "{label}");
+        let mut sizes = [0u64; allocbox::report::SIZE_BUCKETS];
+        for size in [100, 1000, 5000, 10] {
+            sizes[size_bucket(size)] += 1;
+        }
+        assert_eq!(t.sizes, sizes, "{label}: frees are not requests");
+        assert_eq!((size_bucket(0), size_bucket(1), size_bucket(64)), (0, 1, 7));
+        assert!(t.ns_median <= t.ns_p99 && t.ns_p99 <= t.ns_max, "{label}");
+        for s in &t.samples {
+            // One event per window: its mean is its median.
+            assert!(s.ns_per_event > 0.0, "{label}");
+            assert_eq!(s.ns_per_event, f64::from(s.ns_median), "{label}");
+        }
+    }
+    let page = render_html("small.txt", &small_timelines());
+    assert_eq!(page.matches("<svg").count(), 8, "four charts per handler");
+    assert!(page.contains("size-classes.wasm") && page.contains("default_allocator"));
+}
+
+#[test]
+fn a_long_trace_is_sampled_without_losing_its_peak() {
+    // 6000 blocks of 8 bytes, then all freed: the peak (48000) lies inside a window.
+    let mut text = String::new();
+    for id in 1..=6000 {
+        text += &format!("m {id} 8\n");
+    }
+    for id in 1..=6000 {
+        text += &format!("f {id} 8\n");
+    }
+    let events = parse_trace(text.as_bytes()).unwrap();
+    let native = NumpyDefault::new();
+    let t = timeline("default", &native, native_held(&native), &events);
+    assert_eq!(t.every, 6);
+    assert!(t.samples.len() <= MAX_POINTS);
+    assert_eq!(t.samples.last().unwrap().end, 12_000);
+    assert_eq!(t.peak_live, 48_000);
+    assert_eq!(t.samples.iter().map(|s| s.live).max(), Some(48_000));
+    assert_eq!(
+        t.samples.last().unwrap().live,
+        40,
+        "the last window's most: 5 blocks"
+    );
+    assert_eq!(t.final_live, 0);
+    assert_eq!(t.sizes[size_bucket(8)], 6000);
+    assert_eq!(native.stats().live_blocks, 0, "the handler is left empty");
+}
+
+#[test]
+fn a_failing_handler_s_first_failing_event_is_named_in_the_report() {
+    let events = parse_trace("m 1 8\nm 2 8\nf 2 8\nm 3 8\n".as_bytes()).unwrap();
+    let h = broken("double-free");
+    let t = timeline("broken.wasm", &h, chain_held(&h), &events);
+    let (event, error) = t.replay.failure.as_ref().expect("the free breaks a rule");
+    assert_eq!(event.line, 3);
+    assert_eq!(error.rule().map(|r| r.name()), Some("double-free"));
+    let error = error.to_string();
+    assert_eq!(t.replay.events, 3, "the replay stops at the failure");
+    assert_eq!(t.samples.last().unwrap().end, 3);
+    let page = render_html("t.txt", &[t]);
+    assert!(
+        page.contains("line 3: `f 2 8`"),
+        "the event, by its Display"
+    );
+    assert!(page.contains(&allocbox::report::escape_html(&error)));
+    assert!(page.contains("double free"));
+    assert_eq!(
+        page.matches("failed at event 3<").count(),
+        4,
+        "each chart's caption"
+    );
+}
+
+#[test]
+fn the_report_command_writes_the_page_and_exits_1_when_a_handler_fails() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("report-cli");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("t.txt"), "m 1 8\nm 2 8\nf 2 8\nf 1 8\n").unwrap();
+    let page = dir.join("out.html");
+    let _ = std::fs::remove_file(&page);
+    let broken = allocbox_artifacts::BROKEN.path();
+    let (code, out) = allocbox_cli(
+        &[
+            "report",
+            "t.txt",
+            "-p",
+            "default",
+            "-p",
+            broken,
+            "-c",
+            "fault=double-free",
+            "-o",
+            "out.html",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("line 3: `f 2 8`") && out.contains("none"),
+        "{out}"
+    );
+    let html = std::fs::read_to_string(&page).expect("the page is written anyway");
+    assert!(html.contains("line 3: `f 2 8`"));
+
+    let (code, out) = allocbox_cli(
+        &[
+            "report", "t.txt", "-p", "builtin", "-o", "out.html", "--json",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json[0]["label"], "builtin");
+    assert_eq!(json[0]["events"], 4);
+    assert_eq!(json[0]["peak_live_bytes"], 16);
+    assert!(json[0]["failure"].is_null());
+
+    let (code, out) = allocbox_cli(&["report", "missing.txt", "-p", "default", "-o", "x"], &dir);
+    assert_eq!(code, 2, "{out}");
+    let (code, out) = allocbox_cli(&["report", "t.txt", "-o", "x"], &dir);
+    assert_eq!(code, 2, "at least one -p: {out}");
+}
+
+/// A policy that calls itself `<script>…` and breaks the contract on its first malloc,
+/// so its name reaches the page both as a name and inside an error message.
+fn hostile_policy() -> allocbox::Handler {
+    const NAME: &str = "<script>alert(1)</script>";
+    let wat = allocbox::DEFAULT_POLICY_WAT
+        .replace(
+            "(data (i32.const 64) \"passthrough\")",
+            &format!("(data (i32.const 64) \"{NAME}\")"),
+        )
+        .replace(
+            "(i32.store (i32.const 12) (i32.const 11))",
+            &format!("(i32.store (i32.const 12) (i32.const {}))", NAME.len()),
+        )
+        .replace(
+            // No batches: every malloc reaches the policy.
+            "(i32.store8 (i32.const 32) (i32.const 1))",
+            "(i32.store8 (i32.const 32) (i32.const 0))",
+        )
+        .replace(
+            "#malloc\") (param $size i64) (result i64)\n    (call $count (call $up_malloc (local.get $size))))",
+            "#malloc\") (param $size i64) (result i64)\n    (i64.const 4096))",
+        );
+    assert_eq!(wat.matches(NAME).count(), 1);
+    assert!(wat.contains("(i64.const 4096))"));
+    let policy = Runtime::shared().load(wat.as_bytes()).unwrap();
+    HandlerBuilder::new(Runtime::shared())
+        .link_with(&policy, &[])
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn names_and_errors_from_policies_are_escaped_on_the_page() {
+    let h = hostile_policy();
+    assert_eq!(h.name(), "<script>alert(1)</script>");
+    let events = parse_trace("m 1 8\n".as_bytes()).unwrap();
+    let label = "<script>alert('label')</script>\"&";
+    let t = timeline(label, &h, chain_held(&h), &events);
+    let error = t
+        .replay
+        .failure
+        .as_ref()
+        .expect("malloc answers 4096")
+        .1
+        .to_string();
+    assert!(
+        error.contains("<script>"),
+        "the message names the policy: {error}"
+    );
+    let page = render_html("<script>trace</script>", &[t]);
+    assert!(!page.contains("<script"), "raw <script> in the page");
+    assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
+    assert!(page.contains("&lt;script&gt;alert(&#39;label&#39;)&lt;/script&gt;&quot;&amp;"));
+    assert!(page.contains("&lt;script&gt;trace&lt;/script&gt;"));
+}
+
+/// The page for NumPy's trace through three handlers, looked at in headless Chromium:
+/// every chart is laid out with a non-zero size and shows its series, no text of a chart
+/// overlaps another or leaves its chart, and the page logs no error. Leaves
+/// `report.html` and a screenshot, `report.png`, in `target/tmp/report-page/`.
+#[test]
+fn the_report_page_renders_in_chromium() {
+    let Some(chromium) = find_chromium() else {
+        let fix = "chromium is not installed: `apt-get install chromium` (Debian) so that \
+                   the report page can be checked in a browser";
+        if std::env::var_os("CI").is_some() {
+            panic!("{fix}");
+        }
+        eprintln!("skipped: {fix}");
+        return;
+    };
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/traces/numpy-core-sample.txt.gz"
+    );
+    let events = allocbox::trace::read_trace(path).unwrap_or_else(|e| {
+        panic!("{path}: {e}: the NumPy trace lives in shared/ beside the repository")
+    });
+    // A prefix: the test binary is not optimised; the page looks the same with more.
+    let events = &events[..events.len().min(1_000_000)];
+    let native = NumpyDefault::new();
+    let size_classes = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
+    let system = handler(&allocbox_artifacts::SYSTEM, &[]);
+    let timelines = [
+        timeline("default", &native, native_held(&native), events),
+        timeline(
+            allocbox_artifacts::SIZE_CLASSES.path(),
+            &size_classes,
+            chain_held(&size_classes),
+            events,
+        ),
+        timeline(
+            allocbox_artifacts::SYSTEM.path(),
+            &system,
+            chain_held(&system),
+            events,
+        ),
+    ];
+    for t in &timelines {
+        assert!(
+            t.replay.failure.is_none(),
+            "{}: {:?}",
+            t.label,
+            t.replay.failure
+        );
+    }
+    let page = render_html("numpy-core-sample.txt.gz", &timelines);
+
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("report-page");
+    std::fs::create_dir_all(&dir).unwrap();
+    let report = dir.join("report.html");
+    std::fs::write(&report, &page).unwrap();
+    // The probe: a copy of the page with a script that measures what Chromium laid out.
+    let probe = dir.join("probe.html");
+    std::fs::write(
+        &probe,
+        page.replacen("<head>", &format!("<head>{PROBE}"), 1),
+    )
+    .unwrap();
+
+    let profile = dir.join("profile");
+    let common = |extra: &[String]| {
+        let mut args = vec![
+            "--headless".to_string(),
+            "--no-sandbox".to_string(),
+            "--disable-gpu".to_string(),
+            "--no-first-run".to_string(),
+            format!("--user-data-dir={}", profile.display()),
+        ];
+        args.extend_from_slice(extra);
+        args
+    };
+    let (stdout, stderr) = run_browser(
+        &chromium,
+        &common(&[
+            "--enable-logging=stderr".to_string(),
+            "--v=0".to_string(),
+            "--virtual-time-budget=5000".to_string(),
+            "--window-size=1400,2000".to_string(),
+            "--dump-dom".to_string(),
+            format!("file://{}", probe.display()),
+        ]),
+    );
+    // The page has no script and the probe logs nothing: any console line (Chromium
+    // writes them as `INFO:CONSOLE(..)] "message", source: ...`) is an error.
+    for line in stderr.lines() {
+        let page_error = line.contains("Uncaught") || line.contains(":CONSOLE");
+        assert!(!page_error, "the page logged: {line}");
+    }
+    let verdict = stdout
+        .split_once("<pre id=\"verdict\">")
+        .and_then(|(_, rest)| rest.split_once("</pre>"))
+        .map(|(json, _)| unescape(json))
+        .unwrap_or_else(|| panic!("no verdict in the DOM:\n{stdout}\n{stderr}"));
+    let verdict: serde_json::Value = serde_json::from_str(&verdict).unwrap();
+    assert_eq!(verdict["errors"], serde_json::json!([]), "script errors");
+    let charts = verdict["charts"].as_array().unwrap();
+    assert_eq!(charts.len(), 4 * timelines.len(), "{verdict}");
+    for chart in charts {
+        let name = &chart["caption"];
+        assert!(
+            chart["width"].as_f64().unwrap() > 200.0 && chart["height"].as_f64().unwrap() > 100.0,
+            "{name}: laid out at {}x{}",
+            chart["width"],
+            chart["height"]
+        );
+        for drawn in chart["drawn"].as_array().unwrap() {
+            assert!(
+                drawn.as_u64().unwrap() > 0,
+                "{name}: a series not drawn: {chart}"
+            );
+        }
+        assert!(
+            chart["texts"].as_u64().unwrap() >= 5,
+            "{name}: axis labels: {chart}"
+        );
+        assert_eq!(
+            chart["overlaps"],
+            serde_json::json!([]),
+            "{name}: text overlaps"
+        );
+        assert_eq!(
+            chart["outside"],
+            serde_json::json!([]),
+            "{name}: text clipped"
+        );
+    }
+    assert!(verdict["tableRows"].as_u64().unwrap() == timelines.len() as u64);
+
+    let shot = dir.join("report.png");
+    let _ = std::fs::remove_file(&shot);
+    run_browser(
+        &chromium,
+        &common(&[
+            format!("--screenshot={}", shot.display()),
+            "--window-size=1400,2000".to_string(),
+            "--hide-scrollbars".to_string(),
+            format!("file://{}", report.display()),
+        ]),
+    );
+    let png = std::fs::read(&shot).expect("chromium wrote the screenshot");
+    assert!(
+        png.starts_with(b"\x89PNG") && png.len() > 50_000,
+        "{} bytes",
+        png.len()
+    );
+}
+
+/// Measures every chart on load and writes a JSON verdict into the DOM: each chart's
+/// size, per expected series (the colors in `data-series`) how many drawn elements have
+/// that color and a non-zero extent, texts that overlap or stick out of their chart,
+/// and every error the page raised.
+const PROBE: &str = r#"<script>
+window.__errors = [];
+window.addEventListener("error", (e) => window.__errors.push(String(e.message)));
+const consoleError = console.error;
+console.error = (...args) => { window.__errors.push(args.join(" ")); consoleError(...args); };
+window.addEventListener("load", () => {
+  const sized = (b) => b.width > 0 || b.height > 0;
+  const charts = [...document.querySelectorAll("figure")].map((figure) => {
+    const svg = figure.querySelector("svg");
+    const box = svg ? svg.getBoundingClientRect() : { width: 0, height: 0 };
+    const shapes = svg ? [...svg.querySelectorAll("polyline, rect, path")] : [];
+    const drawn = (figure.dataset.series || "").split(" ").filter(Boolean).map((color) =>
+      shapes.filter((s) => (s.getAttribute("stroke") === color || s.getAttribute("fill") === color)
+        && sized(s.getBoundingClientRect())).length);
+    const texts = svg ? [...svg.querySelectorAll("text")].filter((t) => t.textContent.trim()) : [];
+    const boxes = texts.map((t) => [t.textContent, t.getBoundingClientRect()]);
+    const overlaps = [];
+    for (let i = 0; i < boxes.length; i++) {
+      for (let j = i + 1; j < boxes.length; j++) {
+        const [a, p] = boxes[i], [b, q] = boxes[j];
+        const w = Math.min(p.right, q.right) - Math.max(p.left, q.left);
+        const h = Math.min(p.bottom, q.bottom) - Math.max(p.top, q.top);
+        if (w > 0.5 && h > 0.5) overlaps.push(a + " / " + b);
+      }
+    }
+    const outside = boxes.filter(([_, b]) => b.left < box.left - 0.5 || b.right > box.right + 0.5
+      || b.top < box.top - 0.5 || b.bottom > box.bottom + 0.5).map(([t]) => t);
+    return { caption: figure.querySelector("figcaption").textContent, width: box.width,
+             height: box.height, drawn, texts: texts.length, overlaps, outside };
+  });
+  const verdict = document.createElement("pre");
+  verdict.id = "verdict";
+  verdict.textContent = JSON.stringify({ charts, errors: window.__errors,
+    tableRows: document.querySelectorAll("table.summary tbody tr").length });
+  document.body.appendChild(verdict);
+});
+</script>"#;
+
+fn find_chromium() -> Option<std::path::PathBuf> {
+    let names = [
+        "chromium",
+        "chromium-browser",
+        "google-chrome",
+        "google-chrome-stable",
+    ];
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .flat_map(|dir| names.iter().map(move |n| dir.join(n)))
+        .find(|p| p.is_file())
+}
+
+/// Run the browser to its end (30 s at most); its stdout and stderr.
+fn run_browser(chromium: &std::path::Path, args: &[String]) -> (String, String) {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(chromium)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {}: {e}", chromium.display()));
+    let mut out = child.stdout.take().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let (send, receive) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        let _ = send.send(s);
+    });
+    let stdout = match receive.recv_timeout(std::time::Duration::from_secs(30)) {
+        Ok(s) => s,
+        Err(_) => {
+            let _ = child.kill();
+            panic!("chromium did not finish in 30 s");
+        }
+    };
+    let status = child.wait().unwrap();
+    let stderr = reader.join().unwrap();
+    assert!(status.success(), "chromium failed ({status}):\n{stderr}");
+    (stdout, stderr)
+}
+
+/// Undo the escaping of a text node in serialized HTML.
+fn unescape(text: &str) -> String {
+    text.replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&nbsp;", "\u{a0}")
+        .replace("&amp;", "&")
+}
