@@ -1,0 +1,137 @@
+//! `allocbox new`: every project it writes builds with the command its README gives and
+//! passes `allocbox check` as it stands; bad names and occupied directories are refused.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use super::support::allocbox_cli;
+
+/// A fresh directory under the system temp dir, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(test: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("allocbox-new-{}-{test}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs `allocbox` in `dir` and insists on exit 0.
+fn allocbox_ok(args: &[&str], dir: &Path) -> String {
+    let (code, out) = allocbox_cli(args, dir);
+    assert_eq!(code, 0, "allocbox {}:\n{out}", args.join(" "));
+    out
+}
+
+#[test]
+fn new_wat_policy_passes_check_under_its_own_name() {
+    let tmp = TempDir::new("wat");
+    allocbox_ok(&["new", "demo", "--lang", "wat"], &tmp.0);
+    let readme = std::fs::read_to_string(tmp.0.join("demo/README.md")).unwrap();
+    assert!(readme.contains("allocbox check demo.wat"), "{readme}");
+
+    let out = allocbox_ok(&["check", "demo/demo.wat", "--cases", "64"], &tmp.0);
+    assert!(out.contains("every rule held"), "{out}");
+    let out = allocbox_ok(&["inspect", "demo/demo.wat"], &tmp.0);
+    assert!(out.starts_with("policy     demo\n"), "{out}");
+    // Its init error names it too.
+    let (code, out) = allocbox_cli(&["inspect", "demo/demo.wat", "-c", "k=v"], &tmp.0);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("demo takes no configuration"), "{out}");
+}
+
+#[test]
+fn new_rust_policy_builds_with_its_readme_command_and_passes_check() {
+    let tmp = TempDir::new("rust");
+    allocbox_ok(&["new", "demo", "--lang", "rust"], &tmp.0);
+    let project = tmp.0.join("demo");
+    let readme = std::fs::read_to_string(project.join("README.md")).unwrap();
+    let wasm = "target/wasm32-wasip2/release/demo.wasm";
+    for command in [
+        "cargo build --release --target wasm32-wasip2".to_string(),
+        format!("allocbox check {wasm}"),
+    ] {
+        assert!(
+            readme.contains(&command),
+            "README lacks `{command}`:\n{readme}"
+        );
+    }
+
+    // One target directory for every run, so that only the project itself is rebuilt.
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/new-policy");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["build", "--release", "--target", "wasm32-wasip2"])
+        .current_dir(&project)
+        .env("CARGO_TARGET_DIR", &target)
+        // Flags and wrappers meant for the host build are not for the policy.
+        .env_remove("RUSTFLAGS")
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .env_remove("CARGO_BUILD_RUSTFLAGS")
+        .env_remove("CARGO_BUILD_TARGET")
+        .env_remove("RUSTC_WRAPPER")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "building the new project failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let wasm = target.join("wasm32-wasip2/release/demo.wasm");
+    let wasm = wasm.to_str().unwrap();
+    let out = allocbox_ok(&["check", wasm, "--cases", "64"], &project);
+    assert!(out.contains("every rule held"), "{out}");
+    let out = allocbox_ok(&["inspect", wasm], &project);
+    assert!(out.starts_with("policy     demo\n"), "{out}");
+    // Unknown configuration is refused by the SDK, naming the policy and the key.
+    let (code, out) = allocbox_cli(&["inspect", wasm, "-c", "colour=red"], &project);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("demo: unknown config key `colour`"), "{out}");
+}
+
+#[test]
+fn new_refuses_bad_names_and_occupied_directories() {
+    let tmp = TempDir::new("refusals");
+    for (name, says) in [
+        ("1demo", "starts with '1'"),
+        ("my.policy", "contains '.'"),
+        ("fn", "reserves"),
+        (&"p".repeat(65), "at most 64"),
+    ] {
+        let (code, out) = allocbox_cli(&["new", name, "--lang", "wat"], &tmp.0);
+        assert_eq!(code, 2, "{name}: {out}");
+        assert!(out.contains(says), "{name}: {out}");
+        assert!(!tmp.0.join(name).exists(), "{name} was created");
+    }
+
+    std::fs::create_dir(tmp.0.join("taken")).unwrap();
+    std::fs::write(tmp.0.join("taken/keep.txt"), "mine").unwrap();
+    let (code, out) = allocbox_cli(&["new", "taken", "--lang", "rust"], &tmp.0);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("already exists"), "{out}");
+    assert_eq!(std::fs::read_dir(tmp.0.join("taken")).unwrap().count(), 1);
+    // An empty directory is fine, and `--path` picks it.
+    std::fs::create_dir(tmp.0.join("empty")).unwrap();
+    allocbox_ok(
+        &["new", "other", "--lang", "wat", "--path", "empty"],
+        &tmp.0,
+    );
+    assert!(tmp.0.join("empty/other.wat").exists());
+
+    let (code, out) = allocbox_cli(&["new", "demo", "--lang", "zig"], &tmp.0);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("not shipped yet") && out.contains("rust, wat"),
+        "{out}"
+    );
+}
