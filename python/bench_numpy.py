@@ -1,6 +1,7 @@
 """NumPy's default handler against allocbox policies as NumPy handlers, in one run.
 
     python python/bench_numpy.py            # prints a table of medians and ratios
+    python python/bench_numpy.py --workload small --policy binning --policy limit
 
 Workloads: small-array arithmetic (1-100 elements, in a loop), mid-size (64 KiB), and
 large temporaries (`a + b + c` over 8-32 MiB and 64 MiB operands). Each cell is the median of 9 rounds,
@@ -10,6 +11,7 @@ Build the extension with `maturin develop --release` first: a debug build measur
 unoptimised host code.
 """
 
+import argparse
 import pathlib
 import statistics
 import sys
@@ -84,22 +86,32 @@ def medians(work, handlers, rounds=9):
     return [statistics.median(t) for t in times]
 
 
+DEFAULT_POLICIES = (
+    ("system", "system", None),
+    ("size-classes", "size-classes", None),
+    ("arena", "arena", None),
+    ("+large-cache", "size-classes", {"large-cache": "4"}),
+)
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policy", action="append", help="a built guest by name (repeatable); default: system, size-classes, arena, +large-cache")
+    parser.add_argument("--workload", action="append", choices=["small", "mid", "large", "64mib"], help="repeatable; default: all")
+    args = parser.parse_args()
+    policies = [(n, n, None) for n in args.policy] if args.policy else DEFAULT_POLICIES
+    keys = ["small", "mid", "large", "64mib"]
+    workloads = [w for k, w in zip(keys, WORKLOADS) if not args.workload or k in args.workload]
     # "native, bridged": NumPy's default reimplemented natively, installed through the
     # same capsule and callbacks as the policies: the cost of any custom handler.
     handlers = [("numpy default", None), ("native, bridged", allocbox.native_default())]
-    for label, name, config in (
-        ("system", "system", None),
-        ("size-classes", "size-classes", None),
-        ("arena", "arena", None),
-        ("+large-cache", "size-classes", {"large-cache": "4"}),
-    ):
+    for label, name, config in policies:
         path = GUESTS / f"policy_{name.replace('-', '_')}.wasm"
         if not path.exists():
             sys.exit(f"{path} is missing: build the guests first (cargo test)")
         handlers.append((label, allocbox.load(path, config)))
     print(f"{'workload':<32}" + "".join(f"{name:>16}" for name, _ in handlers))
-    for label, work in WORKLOADS:
+    for label, work in workloads:
         work()  # warm up caches and page tables
         results = medians(work, handlers)
         base = results[0]

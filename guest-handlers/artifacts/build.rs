@@ -22,6 +22,17 @@ const RUST_GUESTS: &[(&str, bool)] = &[
 /// Hand-written WAT policies: loaded from source at run time, no toolchain needed.
 const WAT_GUESTS: &[&str] = &["passthrough"];
 
+/// Policies in other languages: `(folder, language)`. Each folder has `setup.sh` (installs
+/// its toolchain; `.ci/setup` runs them all) and `build.sh OUT`, which exits 3 with the
+/// install command when the toolchain is missing. All are good policies.
+const FOREIGN_GUESTS: &[(&str, &str)] = &[
+    ("binning", "C"),
+    ("buddy", "Zig"),
+    ("slab", "AssemblyScript"),
+    ("limit", "Python"),
+    ("bump", "Go"),
+];
+
 fn main() {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let guests = manifest_dir.parent().unwrap().to_path_buf();
@@ -41,9 +52,19 @@ fn main() {
     for (name, _) in RUST_GUESTS {
         println!("cargo:rerun-if-changed={}", guests.join(name).display());
     }
+    // The policy SDK (a library, not a policy) that guests such as `template` build on.
+    println!("cargo:rerun-if-changed={}", guests.join("sdk").display());
 
     let built = build_guests(&guests, &target_dir);
     let out_dir = target_dir.join("wasm32-wasip2").join("release");
+    // Built after the Rust guests, into the same directory: cargo creates it.
+    let foreign: Vec<(&str, Option<String>)> = FOREIGN_GUESTS
+        .iter()
+        .map(|(name, _)| {
+            let file = out_dir.join(format!("policy_{name}.wasm"));
+            (*name, build_foreign(&guests.join(name), &file).err())
+        })
+        .collect();
 
     let mut code = String::new();
     let error = built.err();
@@ -59,7 +80,18 @@ fn main() {
         writeln!(code, "/// The `{name}` policy component.").unwrap();
         writeln!(
             code,
-            "pub const {ident}: Guest = Guest {{ name: {name:?}, path: {:?} }};",
+            "pub const {ident}: Guest = Guest {{ name: {name:?}, language: \"Rust\", path: {:?}, error: BUILD_ERROR }};",
+            file.display().to_string()
+        )
+        .unwrap();
+    }
+    for ((name, language), (_, error)) in FOREIGN_GUESTS.iter().zip(&foreign) {
+        let file = out_dir.join(format!("policy_{name}.wasm"));
+        let ident = name.to_uppercase();
+        writeln!(code, "/// The `{name}` policy, written in {language}.").unwrap();
+        writeln!(
+            code,
+            "pub const {ident}: Guest = Guest {{ name: {name:?}, language: {language:?}, path: {:?}, error: {error:?} }};",
             file.display().to_string()
         )
         .unwrap();
@@ -74,7 +106,7 @@ fn main() {
         .unwrap();
         writeln!(
             code,
-            "pub const {ident}: Guest = Guest {{ name: {name:?}, path: {:?} }};",
+            "pub const {ident}: Guest = Guest {{ name: {name:?}, language: \"WAT\", path: {:?}, error: None }};",
             file.display().to_string()
         )
         .unwrap();
@@ -88,6 +120,7 @@ fn main() {
                 .iter()
                 .map(|n| format!("WAT_{}", n.to_uppercase())),
         )
+        .chain(FOREIGN_GUESTS.iter().map(|(n, _)| n.to_uppercase()))
         .collect();
     writeln!(code, "/// Every good policy, in every language.").unwrap();
     writeln!(code, "pub const GOOD: &[Guest] = &[{}];", good.join(", ")).unwrap();
@@ -150,4 +183,69 @@ fn build_guests(guests: &Path, target_dir: &Path) -> Result<(), String> {
     let tail: Vec<&str> = tail.into_iter().rev().collect();
     println!("cargo:warning=guest policies failed to build; tests that need them will fail");
     Err(format!("guest build failed:\n{}", tail.join("\n")))
+}
+
+/// Build one foreign-language guest with its `build.sh` into `out`, unless `out` is newer
+/// than every source file (the toolchains are slow to start; some take seconds per build).
+fn build_foreign(dir: &Path, out: &Path) -> Result<(), String> {
+    let mut sources = source_files(dir);
+    // Every build.sh records its language with this.
+    sources.push(dir.parent().unwrap().join("stamp_language.py"));
+    for file in &sources {
+        println!("cargo:rerun-if-changed={}", file.display());
+    }
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let newest_source = sources.iter().filter_map(|f| modified(f)).max();
+    if let (Some(built), Some(source)) = (modified(out), newest_source)
+        && built >= source
+    {
+        return Ok(());
+    }
+    let output = Command::new("bash")
+        .arg(dir.join("build.sh"))
+        .arg(out)
+        .output()
+        .map_err(|e| format!("could not run bash: {e}"))?;
+    if output.status.success() {
+        return Ok(());
+    }
+    let _ = std::fs::remove_file(out);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let name = dir.file_name().unwrap().to_string_lossy();
+    println!("cargo:warning=the `{name}` guest was not built; tests that need it will fail");
+    // Exit 3: the toolchain is missing, and the one line says how to install it.
+    if output.status.code() == Some(3) {
+        return Err(stderr.trim().to_string());
+    }
+    let tail: Vec<&str> = stderr.lines().rev().take(30).collect();
+    let tail: Vec<&str> = tail.into_iter().rev().collect();
+    Err(format!("`{name}` failed to build:\n{}", tail.join("\n")))
+}
+
+/// The files a foreign guest is built from: everything in its folder but the build
+/// outputs and installed toolchains its `.gitignore` names.
+fn source_files(dir: &Path) -> Vec<PathBuf> {
+    const NOT_SOURCES: &[&str] = &[
+        "build",
+        "node_modules",
+        "__pycache__",
+        "proptest-regressions",
+    ];
+    let mut found = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if path.is_dir() {
+                if !NOT_SOURCES.contains(&name.as_str()) {
+                    todo.push(path);
+                }
+            } else if !name.ends_with(".wasm") {
+                found.push(path);
+            }
+        }
+    }
+    found.sort();
+    found
 }

@@ -215,7 +215,8 @@ pub enum LoadError {
     Invalid { detail: String },
     #[error(
         "this core module could not be made a component of the policy world (it must import \
-         and export the world's functions under their canonical-ABI names): {detail}"
+         and export the world's functions under their canonical-ABI names, and may import \
+         only the `wasi_snapshot_preview1` functions the host's stub provides): {detail}"
     )]
     Componentize { detail: String },
     #[error("the component targets another world: {detail}")]

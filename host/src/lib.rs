@@ -10,6 +10,7 @@ mod link;
 mod memhandler;
 mod native;
 pub mod nep49;
+pub mod report;
 mod runtime;
 mod system;
 pub mod trace;
@@ -21,5 +22,8 @@ pub use link::{Grants, LEDGER_ENTRY_COST, Limits, LinkStats, PolicyInfo};
 pub use memhandler::{MemHandler, Stats};
 pub use native::NumpyDefault;
 pub use nep49::Buffer;
-pub use runtime::{DEFAULT_POLICY_WAT, POLICY_WIT, Policy, Runtime, WORLD_PACKAGE, WORLD_VERSION};
+pub use runtime::{
+    COMPILE_CACHE_ENV, DEFAULT_POLICY_WAT, POLICY_WIT, Policy, Runtime, WORLD_PACKAGE,
+    WORLD_VERSION, compile_cache_dir,
+};
 pub use system::{QUARANTINE_POISON, SYSTEM_ALIGNMENT};

@@ -3,17 +3,21 @@
 //! Exit status: 0 every rule held (or the command succeeded), 1 a rule was broken,
 //! 2 unusable input (a file that is not a policy, a bad configuration, a bad script).
 
-use std::path::PathBuf;
+mod new_policy;
+
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use std::io::IsTerminal;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 
 use allocbox::check::{self, CheckOptions, CheckReport, Script};
 use allocbox::{HandlerBuilder, Limits, Policy, Runtime};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
+
+mod progress;
 
 #[derive(Parser)]
 #[command(version, about = "Sandboxed, checkable NEP 49 allocation policies")]
@@ -74,6 +78,32 @@ enum Command {
         #[command(flatten)]
         limits: LimitArgs,
     },
+    /// Replay an allocation trace through each handler, one event after another on one
+    /// thread, and write one self-contained HTML page comparing them: live and held bytes
+    /// over time, held/live, time per event, request sizes, the first failing event.
+    /// Prints a summary table (or JSON). Exit 1 if an event fails in any handler (the
+    /// page is still written).
+    Report {
+        /// The trace: `op id size thread` lines, plain or gzip.
+        trace: PathBuf,
+        /// A handler (repeatable, at least one): `default` (NumPy's default handler,
+        /// natively), `builtin` (the built-in default policy) or a policy file, each on
+        /// its own over the host's memory.
+        #[arg(long = "policy", short = 'p', required = true)]
+        policies: Vec<String>,
+        /// Where the HTML page is written.
+        #[arg(long, short = 'o')]
+        output: PathBuf,
+        /// Print the summary as JSON (an array, one object per handler).
+        #[arg(long)]
+        json: bool,
+        /// Configuration for every policy's `init`, as KEY=VALUE (repeatable; `default`
+        /// takes none).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
     /// Run a script (one operation a line, as `check` prints it) through a policy with
     /// every check on.
     Replay {
@@ -93,6 +123,19 @@ enum Command {
         /// Configuration passed to the policy's `init`, as KEY=VALUE (repeatable).
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
+    },
+    /// Start a policy project in `./NAME` that builds with one command and passes `check`
+    /// as it stands; its README.md says how to build, check and test it.
+    New {
+        /// The policy's name: a crate name (letters, digits, `-`, `_`; 1..=64 bytes).
+        name: String,
+        /// `rust` (a cargo project over the allocbox-policy SDK) or `wat` (WebAssembly
+        /// text, nothing to build).
+        #[arg(long, value_parser = new_policy::parse_lang)]
+        lang: new_policy::Lang,
+        /// The project's directory, instead of `./NAME`; it must not exist or be empty.
+        #[arg(long)]
+        path: Option<PathBuf>,
     },
 }
 
@@ -167,10 +210,11 @@ fn inspect(policy: Option<PathBuf>, config: Vec<(String, String)>) -> Result<()>
         "no"
     };
     let report = format!(
-        "policy     {name}\nsource     {source}\nversion    {version}\nalignment  {alignment}\n\
-         batch      {batch}\nworld      {package}/policy@{world_version}\nsize       {size} bytes\n\
-         imports    {imports}\nexports    {exports}\n",
+        "policy     {name}\nsource     {source}\nlanguage   {language}\nversion    {version}\n\
+         alignment  {alignment}\nbatch      {batch}\nworld      {package}/policy@{world_version}\n\
+         size       {size} bytes\nimports    {imports}\nexports    {exports}\n",
         name = info.name,
+        language = loaded.language().unwrap_or("not stated by its toolchain"),
         version = info.version,
         alignment = info.alignment,
         package = allocbox::WORLD_PACKAGE,
@@ -213,27 +257,13 @@ fn run_check(args: CheckArgs) -> Result<Outcome> {
         let policy = load(runtime, target)?;
         let mut options = args.options.clone();
         let label = target.map_or("built-in default".to_string(), |p| p.display().to_string());
-        if std::io::stderr().is_terminal() && !args.json {
-            let label = label.clone();
-            options.progress = Some(Arc::new(move |p: &check::Progress| {
-                let rate = p.ops as f64 / p.elapsed.as_secs_f64().max(1e-9);
-                let of = match (p.time, p.cases_wanted) {
-                    (Some(t), _) => {
-                        format!("{:.1}/{:.1} s", p.elapsed.as_secs_f64(), t.as_secs_f64())
-                    }
-                    (None, Some(n)) => format!("case {}/{n}", p.cases),
-                    (None, None) => String::new(),
-                };
-                eprint!(
-                    "\r{label}: {} cases, {} ops, {rate:.0} ops/s, {of}   ",
-                    p.cases, p.ops
-                );
-            }));
+        let bar = progress::check_progress(&label, &options);
+        options.progress = bar.as_ref().map(progress::CheckBar::callback);
+        let report = check::check(runtime, &policy, &config, &options);
+        if let Some(bar) = bar {
+            bar.finish();
         }
-        let report = check::check(runtime, &policy, &config, &options)?;
-        if options.progress.is_some() {
-            eprint!("\r\x1b[K");
-        }
+        let report = report?;
         let script_file = match &report.failure {
             Some((_, script)) => save_script(&args.options, &report, script),
             None => None,
@@ -273,7 +303,7 @@ fn text_report(
     report: &CheckReport,
     label: &str,
     target: Option<&PathBuf>,
-    saved: Option<&std::path::Path>,
+    saved: Option<&Path>,
 ) -> String {
     let mut totals = format!(
         "{} cases, {} operations in {:.2} s ({:.0} ops/s)",
@@ -371,18 +401,33 @@ fn run_replay(
     }
 }
 
-fn run_replay_trace(
-    trace: PathBuf,
-    policies: Vec<String>,
-    config: Vec<(String, String)>,
+/// A handler named on the command line: NumPy's default natively, or a chain of policies.
+enum BuiltHandler {
+    Native(Arc<dyn allocbox::MemHandler>),
+    Chain(Arc<allocbox::Handler>),
+}
+
+impl BuiltHandler {
+    fn handler(&self) -> &dyn allocbox::MemHandler {
+        match self {
+            BuiltHandler::Native(h) => &**h,
+            BuiltHandler::Chain(h) => &**h,
+        }
+    }
+}
+
+/// The handler for `--policy` names, top first: none or `default` is NumPy's default
+/// handler (natively, a new one), else a chain of `builtin` and policy files; `config`
+/// goes to the top policy's `init`.
+fn build_handler(
+    policies: &[String],
+    config: &[(String, String)],
     limits: Limits,
-) -> Result<Outcome> {
-    use allocbox::nep49::{MemHandler, default_handler};
-    let events =
-        allocbox::trace::read_trace(&trace).with_context(|| trace.display().to_string())?;
-    let handler: Arc<dyn MemHandler> = match policies.as_slice() {
-        [] => default_handler(),
-        [only] if only == "default" => default_handler(),
+) -> Result<BuiltHandler> {
+    let native = || BuiltHandler::Native(Arc::new(allocbox::NumpyDefault::new()));
+    Ok(match policies {
+        [] => native(),
+        [only] if only == "default" => native(),
         chain => {
             let runtime = Runtime::shared();
             let mut builder = HandlerBuilder::new(runtime).limits(limits);
@@ -404,10 +449,27 @@ fn run_replay_trace(
                 };
                 builder = builder.link_with(&policy, &link_config);
             }
-            Arc::new(builder.build()?)
+            BuiltHandler::Chain(Arc::new(builder.build()?))
         }
-    };
-    let report = allocbox::trace::replay_trace(&*handler, &events);
+    })
+}
+
+fn run_replay_trace(
+    trace: PathBuf,
+    policies: Vec<String>,
+    config: Vec<(String, String)>,
+    limits: Limits,
+) -> Result<Outcome> {
+    let events = progress::spinning(&format!("reading {}", trace.display()), || {
+        allocbox::trace::read_trace(&trace)
+    })
+    .with_context(|| trace.display().to_string())?;
+    let built = build_handler(&policies, &config, limits)?;
+    let handler = built.handler();
+    let done = AtomicU64::new(0);
+    let report = progress::counting_events("replay", events.len() as u64, &done, || {
+        allocbox::trace::replay_trace_counted(handler, &events, &done)
+    });
     let stats = &report.stats;
     let threads = events
         .iter()
@@ -451,6 +513,62 @@ fn run_replay_trace(
     Ok(outcome)
 }
 
+struct ReportArgs {
+    trace: PathBuf,
+    policies: Vec<String>,
+    output: PathBuf,
+    json: bool,
+    config: Vec<(String, String)>,
+    limits: Limits,
+}
+
+fn run_report(args: ReportArgs) -> Result<Outcome> {
+    use allocbox::report;
+    let events = progress::spinning(&format!("reading {}", args.trace.display()), || {
+        allocbox::trace::read_trace(&args.trace)
+    })
+    .with_context(|| args.trace.display().to_string())?;
+    let mut timelines = Vec::new();
+    for name in &args.policies {
+        let built = build_handler(
+            std::slice::from_ref(name),
+            &args.config,
+            args.limits.clone(),
+        )?;
+        let done = AtomicU64::new(0);
+        let len = events.len() as u64;
+        let short = Path::new(name)
+            .file_name()
+            .map_or(name.into(), |f| f.to_string_lossy());
+        timelines.push(progress::counting_events(
+            &short,
+            len,
+            &done,
+            || match &built {
+                BuiltHandler::Native(h) => {
+                    report::timeline_counted(name, &**h, report::native_held(&**h), &events, &done)
+                }
+                BuiltHandler::Chain(h) => {
+                    report::timeline_counted(name, &**h, report::chain_held(h), &events, &done)
+                }
+            },
+        ));
+    }
+    let page = report::render_html(&args.trace.display().to_string(), &timelines);
+    std::fs::write(&args.output, page)
+        .with_context(|| format!("writing {}", args.output.display()))?;
+    if args.json {
+        let all: Vec<_> = timelines.iter().map(report::Timeline::to_json).collect();
+        print_report(&format!("{}\n", serde_json::Value::Array(all)));
+    } else {
+        print_report(&report::summary_table(&timelines));
+    }
+    Ok(match timelines.iter().any(|t| t.replay.failure.is_some()) {
+        true => Outcome::Broken,
+        false => Outcome::Held,
+    })
+}
+
 /// Print to stdout; a reader that went away (`| head`) is not an error.
 fn print_report(text: &str) {
     use std::io::Write;
@@ -461,6 +579,14 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect { policy, config } => inspect(policy, config).map(|()| Outcome::Held),
+        Command::New { name, lang, path } => new_policy::create(&name, lang, path).map(|made| {
+            print_report(&format!(
+                "created `{name}` in {}\nnext: {}\n",
+                made.dir.display(),
+                made.next
+            ));
+            Outcome::Held
+        }),
         Command::Check {
             policies,
             time,
@@ -497,6 +623,21 @@ fn main() -> ExitCode {
             config,
             limits,
         } => run_replay(script, policy, config, limits.limits(CHECK_CALL_TIME)),
+        Command::Report {
+            trace,
+            policies,
+            output,
+            json,
+            config,
+            limits,
+        } => run_report(ReportArgs {
+            trace,
+            policies,
+            output,
+            json,
+            config,
+            limits: limits.limits(Limits::default().call_time),
+        }),
         Command::ReplayTrace {
             trace,
             policies,

@@ -2,7 +2,7 @@
 //! filled once, one `Store` per policy instance.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -121,6 +121,7 @@ impl Runtime {
         // are synchronous.
         config.concurrency_support(false);
         config.epoch_interruption(true);
+        config.cache(compile_cache());
         let engine = Engine::new(&config)?;
         let mut linker = Linker::new(&engine);
         // A std wasm32-wasip2 guest imports wasi:io and wasi:cli even if it never prints;
@@ -304,6 +305,7 @@ impl Runtime {
             pre,
             meta: Arc::new(PolicyMeta {
                 source: source.to_string(),
+                language: source_language(&binary),
                 binary,
                 imports,
                 exports,
@@ -393,6 +395,45 @@ fn check_info(
     })
 }
 
+/// The environment variable that says where compiled policies are kept between
+/// processes: a directory, or `off`.
+pub const COMPILE_CACHE_ENV: &str = "ALLOCBOX_COMPILE_CACHE";
+
+/// Where compiled policies are kept between processes: `$ALLOCBOX_COMPILE_CACHE`
+/// (`off` for nowhere), else `$XDG_CACHE_HOME/allocbox`, else `~/.cache/allocbox`.
+///
+/// Compiling a large policy (an interpreter inside, as Python and JavaScript policies
+/// have) takes seconds; wasmtime's own cache keeps the machine code keyed by the
+/// component's bytes and the engine's configuration, so a later process loads it in
+/// milliseconds. The directory holds native code the host will run: it must be as
+/// trusted as the program itself (a per-user cache directory is).
+pub fn compile_cache_dir() -> Option<PathBuf> {
+    let from_env = |key| {
+        std::env::var_os(key)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    match from_env(COMPILE_CACHE_ENV) {
+        Some(dir) if dir.as_os_str() == "off" => None,
+        Some(dir) => Some(dir),
+        None => from_env("XDG_CACHE_HOME")
+            .or_else(|| from_env("HOME").map(|home| home.join(".cache")))
+            .map(|base| base.join("allocbox")),
+    }
+}
+
+/// wasmtime's compile cache in [`compile_cache_dir`]; none when there is no such
+/// directory or it cannot be used (loading then compiles every time, as without a cache).
+fn compile_cache() -> Option<wasmtime::Cache> {
+    let dir = compile_cache_dir()?;
+    let dir = std::path::absolute(&dir).unwrap_or(dir);
+    let mut config = wasmtime::CacheConfig::new();
+    config.with_directory(&dir);
+    wasmtime::Cache::new(config)
+        .inspect_err(|e| log::warn!("no compile cache in {}: {e:#}", dir.display()))
+        .ok()
+}
+
 /// Clocks a policy sees unless the embedder grants real ones: always zero, so that a
 /// policy cannot time anything or leak timing into its placement decisions.
 struct FrozenClock;
@@ -474,10 +515,26 @@ fn to_component_binary(bytes: &[u8], world: &str) -> Result<Vec<u8>, LoadError> 
     }
 }
 
+/// The `wasi_snapshot_preview1` that core modules get: a sandbox with nothing in it,
+/// see the file for what each call answers.
+const WASI_STUB_WAT: &str = include_str!("wasi_stub.wat");
+
+/// [`WASI_STUB_WAT`] in binary, parsed once per process.
+fn wasi_stub() -> &'static [u8] {
+    static STUB: OnceLock<Vec<u8>> = OnceLock::new();
+    STUB.get_or_init(|| wat::parse_str(WASI_STUB_WAT).expect("the WASI stub is valid WAT"))
+}
+
 /// Make a core module (binary, or from WAT) a component of `world` (`policy` or
 /// `hook`), as `wasm-tools component new` would: embed the world's type information,
 /// then encode. The module must import and export the world's functions under their
 /// canonical-ABI names (`allocbox:policy/allocator@0.1.0#malloc`, ...).
+///
+/// It may also import `wasi_snapshot_preview1` (language runtimes such as Go's do even
+/// when they never print): those imports are served by allocbox's own stub adapter,
+/// which imports nothing but the module's memory and so grants nothing: clocks that
+/// carry no real time, a fixed random sequence, output dropped, no descriptors. A
+/// module that imports no WASI gets no adapter (wit-component skips an unused one).
 fn componentize(mut module: Vec<u8>, world: &str) -> Result<Vec<u8>, LoadError> {
     let err = |e: anyhow::Error| LoadError::Componentize {
         detail: format!("{e:#}"),
@@ -495,6 +552,8 @@ fn componentize(mut module: Vec<u8>, world: &str) -> Result<Vec<u8>, LoadError> 
     .map_err(err)?;
     wit_component::ComponentEncoder::default()
         .module(&module)
+        .map_err(err)?
+        .adapter("wasi_snapshot_preview1", wasi_stub())
         .map_err(err)?
         .validate(true)
         .encode()
@@ -515,6 +574,50 @@ struct PolicyMeta {
     binary: Arc<[u8]>,
     imports: Vec<String>,
     exports: Vec<String>,
+    language: Option<String>,
+}
+
+/// The source language a policy's `producers` sections name, e.g. `Rust`, `C`: the
+/// first its own top-level section names (a core module or component that says what it
+/// was written in), else the first a core module inside names (a Rust component's main
+/// module says `Rust`, then `C11` for the libc linked into it); none when the toolchain
+/// says nothing.
+fn source_language(binary: &[u8]) -> Option<String> {
+    use wasmparser::{KnownCustom, Parser, Payload};
+    let (mut top, mut inner) = (Vec::new(), Vec::new());
+    let mut depth = 0usize;
+    for payload in Parser::new(0).parse_all(binary) {
+        let section = match payload {
+            Ok(Payload::Version { .. }) => {
+                depth += 1;
+                continue;
+            }
+            Ok(Payload::End(_)) => {
+                depth = depth.saturating_sub(1);
+                continue;
+            }
+            Ok(Payload::CustomSection(section)) => section,
+            Ok(_) => continue,
+            Err(_) => break,
+        };
+        let KnownCustom::Producers(fields) = section.as_known() else {
+            continue;
+        };
+        let found = if depth <= 1 { &mut top } else { &mut inner };
+        for field in fields.into_iter().flatten() {
+            if field.name != "language" {
+                continue;
+            }
+            found.extend(
+                field
+                    .values
+                    .into_iter()
+                    .flatten()
+                    .map(|v| v.name.to_string()),
+            );
+        }
+    }
+    top.into_iter().chain(inner).next()
 }
 
 impl std::fmt::Debug for Policy {
@@ -544,5 +647,10 @@ impl Policy {
     /// The names the component exports.
     pub fn exports(&self) -> &[String] {
         &self.meta.exports
+    }
+    /// The source language the component's toolchain recorded (`producers` sections),
+    /// e.g. `Rust`; none when it recorded none.
+    pub fn language(&self) -> Option<&str> {
+        self.meta.language.as_deref()
     }
 }

@@ -12,9 +12,10 @@ import pytest
 import allocbox
 from conftest import guest
 
-# What the wheel carries, by name; and the good policies only the repository has (paths).
+# What the wheel carries, by name; and the good policies only the repository has (paths),
+# in every language.
 SHIPPED = ["aligned", "arena", "size-classes", "system"]
-GOOD = [*SHIPPED, "template"]
+GOOD = [*SHIPPED, "template", "binning", "buddy", "slab", "limit", "bump"]
 
 
 @pytest.fixture

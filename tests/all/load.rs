@@ -153,3 +153,56 @@ fn a_missing_file_names_the_path() {
         .unwrap_err();
     assert!(err.to_string().contains("/no/such/policy.wasm"), "{err}");
 }
+
+#[test]
+fn a_core_module_importing_wasi_preview1_gets_a_stub_that_grants_nothing() {
+    // What Go's runtime (and wasi-libc's) needs at start-up: a clock that moves and never
+    // reads 0, and writes that succeed. The passthrough, with `init` first checking what
+    // the stub answers: any wrong answer is a trap, so a start-up error.
+    let passthrough_with = |imports: &str, funcs: &str| {
+        let wat = allocbox::DEFAULT_POLICY_WAT
+            .replacen("(module", &format!("(module {imports}"), 1)
+            .replacen(
+                "(func (export \"allocbox:policy/lifecycle@0.1.0#init\")",
+                "(func $passthrough_init",
+                1,
+            );
+        let end = wat.rfind(')').unwrap();
+        wat::parse_str(format!("{}{funcs}\n)", &wat[..end])).unwrap()
+    };
+    let imports = r#"
+      (import "wasi_snapshot_preview1" "clock_time_get" (func $clock (param i32 i64 i32) (result i32)))
+      (import "wasi_snapshot_preview1" "fd_write" (func $write (param i32 i32 i32 i32) (result i32)))
+      (import "wasi_snapshot_preview1" "fd_prestat_get" (func $prestat (param i32 i32) (result i32)))"#;
+    let init = r#"
+      (func (export "allocbox:policy/lifecycle@0.1.0#init") (param i32 i32) (result i32)
+        ;; two reads of the monotonic clock, at 2048 and 2056
+        (if (call $clock (i32.const 1) (i64.const 0) (i32.const 2048)) (then unreachable))
+        (if (call $clock (i32.const 1) (i64.const 0) (i32.const 2056)) (then unreachable))
+        (if (i64.eqz (i64.load (i32.const 2048))) (then unreachable))
+        (if (i64.le_u (i64.load (i32.const 2056)) (i64.load (i32.const 2048))) (then unreachable))
+        ;; no real time: far below a second since the epoch, let alone today
+        (if (i64.gt_u (i64.load (i32.const 2056)) (i64.const 1000000)) (then unreachable))
+        ;; 11 bytes to stderr: all written (and dropped)
+        (i32.store (i32.const 2064) (i32.const 64))
+        (i32.store (i32.const 2068) (i32.const 11))
+        (if (call $write (i32.const 2) (i32.const 2064) (i32.const 1) (i32.const 2072)) (then unreachable))
+        (if (i32.ne (i32.load (i32.const 2072)) (i32.const 11)) (then unreachable))
+        ;; no descriptors: BADF, which ends wasi-libc's scan for preopened directories
+        (if (i32.ne (call $prestat (i32.const 3) (i32.const 2080)) (i32.const 8)) (then unreachable))
+        (call $passthrough_init (local.get 0) (local.get 1)))"#;
+    let h = start(&passthrough_with(imports, init)).unwrap();
+    let p = h.malloc(64).unwrap().unwrap();
+    h.free(Some(p), 64).unwrap();
+    h.leak_check().unwrap();
+
+    // A preview-1 name that does not exist is refused when the module is loaded.
+    let imports =
+        r#"(import "wasi_snapshot_preview1" "sock_open" (func (param i32) (result i32)))"#;
+    let init = r#"
+      (func (export "allocbox:policy/lifecycle@0.1.0#init") (param i32 i32) (result i32)
+        (call $passthrough_init (local.get 0) (local.get 1)))"#;
+    let err = start(&passthrough_with(imports, init)).unwrap_err();
+    assert!(matches!(err, LoadError::Componentize { .. }), "{err}");
+    assert!(err.to_string().contains("sock_open"), "{err}");
+}

@@ -6,12 +6,16 @@ mod chain;
 mod chaos;
 mod check;
 mod client;
+mod compile_cache;
 mod contract;
 mod hostile;
+mod languages;
 mod limits;
 mod load;
 mod nep49;
+mod new_policy;
 mod pool;
+mod report;
 mod threads;
 mod trace;
 

@@ -7,14 +7,19 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Guest {
     pub name: &'static str,
+    /// The language it is written in.
+    pub language: &'static str,
     path: &'static str,
+    /// Why it could not be built, naming the fix (e.g. a toolchain's install command).
+    error: Option<&'static str>,
 }
 
 impl Guest {
-    /// The component (or WAT source) file. Panics, naming the fix, when the guests could
-    /// not be built (e.g. the wasm32-wasip2 target is missing).
+    /// The component, core module or WAT source. Panics, naming the fix, when the guest
+    /// could not be built (e.g. the wasm32-wasip2 target or its language's toolchain is
+    /// missing).
     pub fn path(&self) -> &'static str {
-        if let (Some(err), false) = (BUILD_ERROR, self.path.ends_with(".wat")) {
+        if let Some(err) = self.error {
             panic!("the `{}` guest is not available: {err}", self.name);
         }
         self.path

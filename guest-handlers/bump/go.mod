@@ -1,0 +1,3 @@
+module allocbox.local/bump
+
+go 1.27
