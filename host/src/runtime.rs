@@ -95,12 +95,14 @@ impl Runtime {
         /// `allocbox check`: 4 MiB beat 0, 1 and 2 MiB for `size-classes`.
         const KEEP_RESIDENT: usize = 4 << 20;
         let mut pool = PoolingAllocationConfig::new();
-        // A wasm32-wasip2 component has a few core instances, each with a table or two;
-        // one memory between them.
+        // A Rust wasm32-wasip2 component has a few core instances, each with a table or
+        // two, and one memory between them; a componentize-py one has 14 core instances
+        // (CPython and its runtime). Room for the larger kind in every slot: unused slots
+        // of the pool cost address space only.
         pool.total_component_instances(instances)
-            .total_core_instances(instances.saturating_mul(8))
-            .total_memories(instances.saturating_mul(2))
-            .total_tables(instances.saturating_mul(8))
+            .total_core_instances(instances.saturating_mul(16))
+            .total_memories(instances.saturating_mul(4))
+            .total_tables(instances.saturating_mul(16))
             .max_memory_size(usize::try_from(
                 memory
                     .div_ceil(WASM_PAGE)

@@ -60,3 +60,19 @@ fn a_pooled_guest_still_meets_its_memory_limit() {
         "got {err}"
     );
 }
+
+/// A componentize-py policy is 14 core instances (CPython and its runtime): every slot
+/// of the pool has room for one, not only for a Rust policy's few.
+#[test]
+fn every_pool_slot_holds_a_policy_with_an_interpreter_inside() {
+    let pool = Runtime::pooled(2, 64 << 20).unwrap();
+    let policy = pool.adopt(&load(&allocbox_artifacts::LIMIT)).unwrap();
+    let start = || HandlerBuilder::new(&pool).link(&policy).build().unwrap();
+    let (first, second) = (start(), start());
+    for h in [&first, &second] {
+        let p = h.malloc(100).unwrap().unwrap();
+        fill(p, 100, 7);
+        assert!(holds(p, 100, 7));
+        h.free(Some(p), 100).unwrap();
+    }
+}
