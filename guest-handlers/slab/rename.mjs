@@ -1,5 +1,6 @@
 // Renames the exports of the compiled module to the canonical-ABI names of the
-// `allocbox:policy` world. AssemblyScript can only export identifiers, so `slab.ts`
+// `allocbox:policy` world. AssemblyScript can only export identifiers, so the policy
+// (`slab.ts`; `allocbox new --lang assemblyscript` copies this script into its projects)
 // exports `malloc`, `malloc_many`, `init` ... and this script maps them to
 // `allocbox:policy/allocator@0.1.0#malloc` ... (imports already carry their names,
 // through `@external`). Usage: node rename.mjs IN.wasm OUT.wasm

@@ -3,8 +3,19 @@
 //!
 //! Nothing here is a second copy of a policy: the Rust project is the `template` guest's
 //! source over a vendored copy of the `allocbox-policy` SDK crate, the WAT project is the
-//! built-in `passthrough` policy renamed, all embedded from `guest-handlers/` when
-//! allocbox is built.
+//! built-in `passthrough` policy renamed, and the projects in other languages are the
+//! template folders `guest-handlers/new/<lang>/`, all embedded from `guest-handlers/`
+//! when allocbox is built.
+//!
+//! A template folder is a project named `policy_name` ([`PLACEHOLDER`]): `new` writes
+//! each of its files with every occurrence of that word replaced by the policy's name
+//! (which [`validate_name`] keeps to letters, digits, `-` and `_`, so it is safe inside
+//! any string literal and file name). `*.sh` files are made executable. A few files come
+//! from elsewhere, unchanged, so that they have one source: `stamp_language.py`, the
+//! WIT world, and the `slab` policy's `rename.mjs` and `package-lock.json`.
+//!
+//! Adding a language (JavaScript is next): a template folder, a [`Lang`] variant, a row
+//! in [`LANGS`] and an arm in [`foreign_files`], and a test in `tests/all/new_policy.rs`.
 
 use std::path::{Path, PathBuf};
 
@@ -17,43 +28,73 @@ pub enum Lang {
     Rust,
     /// A hand-written core module in WebAssembly text: no toolchain, no build.
     Wat,
+    /// Freestanding C (clang 14): a core module.
+    C,
+    /// Zig 0.17: a core module.
+    Zig,
+    /// AssemblyScript 0.28: a core module.
+    AssemblyScript,
+    /// Python through componentize-py: a component.
+    Python,
+    /// Go 1.27 (`wasip1`): a core module.
+    Go,
 }
 
-impl Lang {
-    const AVAILABLE: &str = "rust, wat";
-}
+/// Every language `new` writes, with the names `--lang` takes for it (the first is the
+/// one messages show).
+const LANGS: &[(Lang, &[&str])] = &[
+    (Lang::Rust, &["rust", "rs"]),
+    (Lang::Wat, &["wat", "wasm"]),
+    (Lang::C, &["c"]),
+    (Lang::Zig, &["zig"]),
+    (Lang::AssemblyScript, &["assemblyscript", "as"]),
+    (Lang::Python, &["python", "py"]),
+    (Lang::Go, &["go"]),
+];
 
 /// Guest languages the policy world suits that have no project template yet.
 const PLANNED: &[&str] = &[
-    "c",
     "cpp",
     "c++",
-    "zig",
-    "go",
     "tinygo",
-    "python",
-    "py",
     "js",
     "javascript",
     "ts",
     "typescript",
-    "assemblyscript",
 ];
+
+/// The `--lang` names, for messages: `rust, wat, c, zig, assemblyscript (as), ...`.
+fn available() -> String {
+    LANGS
+        .iter()
+        .map(|(lang, names)| match *lang {
+            // Other aliases (`rs`, `wasm`, `py`) are file extensions and go unmentioned.
+            Lang::AssemblyScript => format!("{} ({})", names[0], names[1]),
+            _ => names[0].to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
 
 /// `--lang`'s parser: the shipped languages, and a plain answer for the others.
 pub fn parse_lang(s: &str) -> Result<Lang, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "rust" | "rs" => Ok(Lang::Rust),
-        "wat" | "wasm" => Ok(Lang::Wat),
-        other if PLANNED.contains(&other) => Err(format!(
-            "`{s}` policy projects are not shipped yet; available: {}",
-            Lang::AVAILABLE
-        )),
-        _ => Err(format!(
-            "unknown language `{s}`; available: {}",
-            Lang::AVAILABLE
-        )),
+    let wanted = s.to_ascii_lowercase();
+    if let Some((lang, _)) = LANGS
+        .iter()
+        .find(|(_, names)| names.contains(&wanted.as_str()))
+    {
+        return Ok(*lang);
     }
+    if PLANNED.contains(&wanted.as_str()) {
+        return Err(format!(
+            "`{s}` policy projects are not shipped yet; available: {}",
+            available()
+        ));
+    }
+    Err(format!(
+        "unknown language `{s}`; available: {}",
+        available()
+    ))
 }
 
 /// Package names cargo refuses or that would clash with the project's own dependency.
@@ -141,6 +182,7 @@ pub fn create(name: &str, lang: Lang, path: Option<PathBuf>) -> Result<Created> 
     let files = match lang {
         Lang::Rust => rust_project(name),
         Lang::Wat => wat_project(name),
+        foreign => foreign_project(name, foreign),
     };
     for (file, text) in &files {
         write(&dir.join(file), text)?;
@@ -155,6 +197,10 @@ pub fn create(name: &str, lang: Lang, path: Option<PathBuf>) -> Result<Created> 
             "allocbox check {}",
             dir.join(format!("{name}.wat")).display()
         ),
+        _ => format!(
+            "cd {} && ./setup.sh && ./build.sh && allocbox check {name}.wasm",
+            dir.display()
+        ),
     };
     Ok(Created { dir, next })
 }
@@ -164,7 +210,15 @@ fn write(file: &Path, text: &str) -> Result<()> {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("creating {}", parent.display()))?;
     }
-    std::fs::write(file, text).with_context(|| format!("writing {}", file.display()))
+    std::fs::write(file, text).with_context(|| format!("writing {}", file.display()))?;
+    // The build and setup scripts run as `./build.sh`.
+    #[cfg(unix)]
+    if file.extension().is_some_and(|e| e == "sh") {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o755))
+            .with_context(|| format!("making {} executable", file.display()))?;
+    }
+    Ok(())
 }
 
 /// Where `cargo build --release --target wasm32-wasip2` puts the policy.
@@ -403,6 +457,106 @@ failure to a short script that `allocbox replay` repeats.
     ]
 }
 
+/// The word the template folders `guest-handlers/new/<lang>/` use for the policy's name.
+pub const PLACEHOLDER: &str = "policy_name";
+
+/// `(path in the project, text)` of each named file of `guest-handlers/new/$lang/`.
+macro_rules! template {
+    ($lang:literal: $($file:literal),+ $(,)?) => {
+        &[$(($file, include_str!(concat!("../../guest-handlers/new/", $lang, "/", $file)))),+]
+    };
+}
+
+/// Records the language in the module's `producers` section; every `build.sh` but Go's
+/// runs it (the Go toolchain records the language itself).
+const STAMP_LANGUAGE: &str = include_str!("../../guest-handlers/stamp_language.py");
+
+/// The `slab` policy's export renamer and npm lockfile: the AssemblyScript project pins
+/// the same packages.
+const SLAB_RENAME: &str = include_str!("../../guest-handlers/slab/rename.mjs");
+const SLAB_LOCK: &str = include_str!("../../guest-handlers/slab/package-lock.json");
+
+/// A template folder's files, the placeholder unreplaced: `(path, text)`.
+type TemplateFiles = &'static [(&'static str, &'static str)];
+
+/// The template files of a language other than Rust and WAT, and the files from
+/// elsewhere in the repository that its project carries unchanged.
+fn foreign_files(lang: Lang) -> (TemplateFiles, Vec<(&'static str, String)>) {
+    let stamp = ("stamp_language.py", STAMP_LANGUAGE.to_string());
+    match lang {
+        Lang::C => (
+            template!("c": "policy.c", "build.sh", "setup.sh", "README.md", ".gitignore"),
+            vec![stamp],
+        ),
+        Lang::Zig => (
+            template!("zig": "policy.zig", "build.sh", "setup.sh", "README.md", ".gitignore"),
+            vec![stamp],
+        ),
+        Lang::AssemblyScript => (
+            template!("assemblyscript": "assembly/policy.ts", "package.json", "build.sh",
+                "setup.sh", "README.md", ".gitignore"),
+            vec![
+                stamp,
+                ("rename.mjs", SLAB_RENAME.to_string()),
+                ("package-lock.json", assemblyscript_lock()),
+            ],
+        ),
+        Lang::Python => (
+            template!("python": "app.py", "build.sh", "setup.sh", "README.md", ".gitignore"),
+            vec![stamp, ("wit/policy.wit", allocbox::POLICY_WIT.to_string())],
+        ),
+        Lang::Go => (
+            template!("go": "policy.go", "go.mod", "build.sh", "setup.sh", "README.md",
+                ".gitignore"),
+            vec![],
+        ),
+        Lang::Rust | Lang::Wat => unreachable!("{lang:?} projects are not template folders"),
+    }
+}
+
+/// `slab`'s `package-lock.json` for the template's `package.json`, which names the same
+/// packages: only the root package's name differs, and its license is the user's to
+/// choose. `npm ci` installs exactly what it lists. Each edit must match as often as
+/// said, so a lockfile these edits no longer fit fails the tests instead of being
+/// written half-edited.
+fn assemblyscript_lock() -> String {
+    let edits = [
+        (
+            "\"name\": \"allocbox-policy-slab\"",
+            "\"name\": \"allocbox-policy\"",
+            2,
+        ),
+        (
+            "\n      \"license\": \"Apache-2.0 WITH LLVM-exception\",",
+            "",
+            1,
+        ),
+    ];
+    let mut lock = SLAB_LOCK.to_string();
+    for (from, to, times) in edits {
+        let n = lock.matches(from).count();
+        assert_eq!(
+            n, times,
+            "guest-handlers/slab/package-lock.json changed: `{from}` occurs {n} times; update host/src/new_policy.rs"
+        );
+        lock = lock.replace(from, to);
+    }
+    lock
+}
+
+fn foreign_project(name: &str, lang: Lang) -> Vec<(String, String)> {
+    let (templates, verbatim) = foreign_files(lang);
+    templates
+        .iter()
+        .map(|(file, text)| (file.to_string(), text.replace(PLACEHOLDER, name)))
+        .chain(
+            verbatim
+                .into_iter()
+                .map(|(file, text)| (file.to_string(), text)),
+        )
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -429,19 +583,143 @@ mod tests {
     }
 
     #[test]
-    fn other_languages_are_named_as_not_shipped() {
-        assert_eq!(parse_lang("Rust"), Ok(Lang::Rust));
-        assert_eq!(parse_lang("wat"), Ok(Lang::Wat));
-        let e = parse_lang("zig").unwrap_err();
-        assert!(
-            e.contains("not shipped yet") && e.contains("rust, wat"),
-            "{e}"
-        );
+    fn shipped_languages_parse_and_the_others_are_named() {
+        for (name, lang) in [
+            ("Rust", Lang::Rust),
+            ("wat", Lang::Wat),
+            ("c", Lang::C),
+            ("Zig", Lang::Zig),
+            ("assemblyscript", Lang::AssemblyScript),
+            ("AS", Lang::AssemblyScript),
+            ("python", Lang::Python),
+            ("py", Lang::Python),
+            ("go", Lang::Go),
+        ] {
+            assert_eq!(parse_lang(name), Ok(lang), "{name}");
+        }
+        let shipped = "rust, wat, c, zig, assemblyscript (as), python, go";
+        let e = parse_lang("javascript").unwrap_err();
+        assert!(e.contains("not shipped yet") && e.contains(shipped), "{e}");
         let e = parse_lang("cobol").unwrap_err();
-        assert!(
-            e.contains("unknown language") && e.contains("rust, wat"),
-            "{e}"
-        );
+        assert!(e.contains("unknown language") && e.contains(shipped), "{e}");
+    }
+
+    const FOREIGN: [Lang; 5] = [
+        Lang::C,
+        Lang::Zig,
+        Lang::AssemblyScript,
+        Lang::Python,
+        Lang::Go,
+    ];
+
+    #[test]
+    fn template_projects_carry_the_name_everywhere_the_placeholder_was() {
+        let name = format!("My-Policy_{}", "n".repeat(54));
+        for lang in FOREIGN {
+            let files = foreign_project(&name, lang);
+            for (file, text) in &files {
+                assert!(!text.contains(PLACEHOLDER), "{lang:?} {file}");
+            }
+            let has = |file: &str, text: &str| {
+                files
+                    .iter()
+                    .any(|(f, t)| f.as_str() == file && t.contains(text))
+            };
+            // The policy says its name, build.sh writes NAME.wasm, and the README says so.
+            assert!(
+                files
+                    .iter()
+                    .any(|(f, t)| !f.ends_with(".md") && !f.ends_with(".sh") && t.contains(&name)),
+                "{lang:?}: no source names the policy"
+            );
+            assert!(has("build.sh", &format!("{name}.wasm")), "{lang:?}");
+            assert!(has("setup.sh", ""), "{lang:?}");
+            for command in [
+                "./setup.sh",
+                "./build.sh",
+                &format!("allocbox check {name}.wasm"),
+            ] {
+                assert!(
+                    has("README.md", command),
+                    "{lang:?}: README lacks `{command}`"
+                );
+            }
+            // Each build.sh stamps the language, except Go's, whose toolchain records it.
+            let stamps = has("build.sh", "stamp_language.py");
+            assert_eq!(stamps, lang != Lang::Go, "{lang:?}");
+            assert_eq!(stamps, has("stamp_language.py", ""), "{lang:?}");
+        }
+    }
+
+    /// The value of `VAR=value` on a line of a shell script.
+    fn pin<'a>(script: &'a str, var: &str) -> &'a str {
+        script
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{var}=")))
+            .unwrap_or_else(|| panic!("no {var}= in\n{script}"))
+    }
+
+    #[test]
+    fn templates_pin_the_toolchains_of_the_repositorys_policies() {
+        let repo = [
+            (
+                Lang::Zig,
+                include_str!("../../guest-handlers/buddy/setup.sh"),
+                "ZIG_VERSION",
+            ),
+            (
+                Lang::Python,
+                include_str!("../../guest-handlers/limit/setup.sh"),
+                "VERSION",
+            ),
+            (
+                Lang::Go,
+                include_str!("../../guest-handlers/bump/setup.sh"),
+                "VERSION",
+            ),
+            (
+                Lang::AssemblyScript,
+                include_str!("../../guest-handlers/slab/setup.sh"),
+                "ASC_VERSION",
+            ),
+        ];
+        for (lang, repo_setup, var) in repo {
+            let (files, _) = foreign_files(lang);
+            let script = |name: &str| files.iter().find(|(f, _)| *f == name).unwrap().1;
+            let version = pin(repo_setup, var).trim_matches('"');
+            assert_eq!(
+                pin(script("setup.sh"), "VERSION"),
+                version,
+                "{lang:?} setup.sh"
+            );
+            assert_eq!(
+                pin(script("build.sh"), "VERSION"),
+                version,
+                "{lang:?} build.sh"
+            );
+        }
+        // C: the Debian packages the binning policy's setup.sh installs.
+        let binning = include_str!("../../guest-handlers/binning/setup.sh");
+        let (c, _) = foreign_files(Lang::C);
+        for package in [pin(binning, "CLANG_PKG"), pin(binning, "LLD_PKG")] {
+            let package = package.trim_matches('"');
+            assert!(
+                c.iter()
+                    .any(|(f, t)| *f == "setup.sh" && t.contains(package))
+            );
+        }
+        // AssemblyScript: the same dependency as slab, and slab's lockfile for it.
+        let slab = include_str!("../../guest-handlers/slab/package.json");
+        let (files, _) = foreign_files(Lang::AssemblyScript);
+        let package = files.iter().find(|(f, _)| *f == "package.json").unwrap().1;
+        let dependencies = |json: &str| {
+            serde_json::from_str::<serde_json::Value>(json).unwrap()["devDependencies"].clone()
+        };
+        assert_eq!(dependencies(package), dependencies(slab));
+        let lock: serde_json::Value = serde_json::from_str(&assemblyscript_lock()).unwrap();
+        assert_eq!(lock["packages"][""]["devDependencies"], dependencies(slab));
+        assert_eq!(lock["name"], "allocbox-policy");
+        assert_eq!(lock["packages"][""].get("license"), None);
     }
 
     #[test]

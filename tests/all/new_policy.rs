@@ -128,10 +128,90 @@ fn new_refuses_bad_names_and_occupied_directories() {
     );
     assert!(tmp.0.join("empty/other.wat").exists());
 
-    let (code, out) = allocbox_cli(&["new", "demo", "--lang", "zig"], &tmp.0);
+    let (code, out) = allocbox_cli(&["new", "demo", "--lang", "javascript"], &tmp.0);
     assert_eq!(code, 2, "{out}");
     assert!(
-        out.contains("not shipped yet") && out.contains("rust, wat"),
+        out.contains("not shipped yet")
+            && out.contains("rust, wat, c, zig, assemblyscript (as), python, go"),
         "{out}"
     );
+}
+
+/// `allocbox new demo --lang LANG`, built with the command its README gives (`./build.sh`)
+/// over the toolchains this checkout's `.ci/setup` installed (`ALLOCBOX_TOOLCHAINS`:
+/// nothing is downloaded), then checked and inspected under its own name. A missing
+/// toolchain (build.sh exits 3) skips the test, and fails it when `CI` is set.
+fn new_project_builds_and_passes_check(lang: &str, language: &str) {
+    let tmp = TempDir::new(lang);
+    allocbox_ok(&["new", "demo", "--lang", lang], &tmp.0);
+    let project = tmp.0.join("demo");
+    let readme = std::fs::read_to_string(project.join("README.md")).unwrap();
+    for command in ["./setup.sh", "./build.sh", "allocbox check demo.wasm"] {
+        assert!(
+            readme.contains(command),
+            "README lacks `{command}`:\n{readme}"
+        );
+    }
+
+    let checkout = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let started = std::time::Instant::now();
+    // By its path, as `./build.sh` runs it: `new` made it executable.
+    let out = Command::new(project.join("build.sh"))
+        .current_dir(&project)
+        .env("ALLOCBOX_TOOLCHAINS", &checkout)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() == Some(3) {
+        let fix = format!(
+            "the {language} toolchain is missing ({}); `.ci/setup` installs it",
+            stderr.trim()
+        );
+        if std::env::var_os("CI").is_some() {
+            panic!("{fix}");
+        }
+        eprintln!("skipped: {fix}");
+        return;
+    }
+    assert!(
+        out.status.success(),
+        "./build.sh of the new {language} project failed:\n{stderr}"
+    );
+    eprintln!("{language}: built in {:.1?}", started.elapsed());
+    assert!(project.join("demo.wasm").is_file(), "no demo.wasm");
+
+    let out = allocbox_ok(&["check", "demo.wasm", "--cases", "200"], &project);
+    assert!(out.contains("every rule held"), "{out}");
+    let out = allocbox_ok(&["inspect", "demo.wasm"], &project);
+    assert!(out.starts_with("policy     demo\n"), "{out}");
+    assert!(out.contains(&format!("\nlanguage   {language}\n")), "{out}");
+    // Its init error names it too.
+    let (code, out) = allocbox_cli(&["inspect", "demo.wasm", "-c", "k=v"], &project);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("demo takes no configuration"), "{out}");
+}
+
+#[test]
+fn new_c_policy_builds_with_its_readme_command_and_passes_check() {
+    new_project_builds_and_passes_check("c", "C");
+}
+
+#[test]
+fn new_zig_policy_builds_with_its_readme_command_and_passes_check() {
+    new_project_builds_and_passes_check("zig", "Zig");
+}
+
+#[test]
+fn new_assemblyscript_policy_builds_with_its_readme_command_and_passes_check() {
+    new_project_builds_and_passes_check("assemblyscript", "AssemblyScript");
+}
+
+#[test]
+fn new_python_policy_builds_with_its_readme_command_and_passes_check() {
+    new_project_builds_and_passes_check("python", "Python");
+}
+
+#[test]
+fn new_go_policy_builds_with_its_readme_command_and_passes_check() {
+    new_project_builds_and_passes_check("go", "Go");
 }

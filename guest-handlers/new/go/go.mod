@@ -1,0 +1,3 @@
+module allocbox.local/policy
+
+go 1.27
