@@ -455,16 +455,21 @@ fn build_handler(
     })
 }
 
+/// A trace file's events, under a spinner (a large trace takes seconds to read).
+fn read_trace(trace: &Path) -> Result<Vec<allocbox::trace::Event>> {
+    progress::spinning(&format!("reading {}", trace.display()), || {
+        allocbox::trace::read_trace(trace)
+    })
+    .with_context(|| trace.display().to_string())
+}
+
 fn run_replay_trace(
     trace: PathBuf,
     policies: Vec<String>,
     config: Vec<(String, String)>,
     limits: Limits,
 ) -> Result<Outcome> {
-    let events = progress::spinning(&format!("reading {}", trace.display()), || {
-        allocbox::trace::read_trace(&trace)
-    })
-    .with_context(|| trace.display().to_string())?;
+    let events = read_trace(&trace)?;
     let built = build_handler(&policies, &config, limits)?;
     let handler = built.handler();
     let done = AtomicU64::new(0);
@@ -525,10 +530,7 @@ struct ReportArgs {
 
 fn run_report(args: ReportArgs) -> Result<Outcome> {
     use allocbox::report;
-    let events = progress::spinning(&format!("reading {}", args.trace.display()), || {
-        allocbox::trace::read_trace(&args.trace)
-    })
-    .with_context(|| args.trace.display().to_string())?;
+    let events = read_trace(&args.trace)?;
     let mut timelines = Vec::new();
     for name in &args.policies {
         let built = build_handler(
