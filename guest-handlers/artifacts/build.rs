@@ -31,6 +31,7 @@ const FOREIGN_GUESTS: &[(&str, &str)] = &[
     ("slab", "AssemblyScript"),
     ("limit", "Python"),
     ("bump", "Go"),
+    ("tracker", "JavaScript"),
 ];
 
 fn main() {

@@ -277,7 +277,8 @@ pub enum Error {
         limit: Duration,
     },
     #[error(
-        "policy `{policy}` tried to grow its own memory past the limit of {limit} bytes in `{call}`"
+        "policy `{policy}` tried to grow its own memory past the limit of {limit} bytes in \
+         `{call}` (the limit is `Limits::memory`; `--guest-memory` on the command line)"
     )]
     MemoryLimit {
         policy: Arc<str>,

@@ -147,7 +147,7 @@ struct LimitArgs {
     /// [default: 1000; 250 for check and replay].
     #[arg(long)]
     call_time_ms: Option<u64>,
-    /// Most bytes of its own memory a policy may grow to [default: 64 MiB].
+    /// Most bytes of its own memory a policy may grow to [default: 128 MiB].
     #[arg(long)]
     guest_memory: Option<u64>,
     /// Most blocks one malloc-many or free-many may ask of the host [default: 4096].

@@ -15,7 +15,7 @@ from conftest import guest
 # What the wheel carries, by name; and the good policies only the repository has (paths),
 # in every language.
 SHIPPED = ["aligned", "arena", "size-classes", "system"]
-GOOD = [*SHIPPED, "template", "binning", "buddy", "slab", "limit", "bump"]
+GOOD = [*SHIPPED, "template", "binning", "buddy", "slab", "limit", "bump", "tracker"]
 
 
 @pytest.fixture

@@ -48,7 +48,8 @@ fn a_full_pool_refuses_a_start_until_a_handler_ends() {
 /// as the limit, the error is still the typed memory limit.
 #[test]
 fn a_pooled_guest_still_meets_its_memory_limit() {
-    let pool = Runtime::pooled(1, 64 << 20).unwrap();
+    let limit = allocbox::Limits::default().memory;
+    let pool = Runtime::pooled(1, limit).unwrap();
     let policy = pool.adopt(&load(&allocbox_artifacts::BROKEN)).unwrap();
     let h = HandlerBuilder::new(&pool)
         .link_with(&policy, &[("fault", "grow-memory")])
@@ -56,7 +57,7 @@ fn a_pooled_guest_still_meets_its_memory_limit() {
         .unwrap();
     let err = h.malloc(16).unwrap_err();
     assert!(
-        matches!(err, allocbox::Error::MemoryLimit { limit, .. } if limit == 64 << 20),
+        matches!(err, allocbox::Error::MemoryLimit { limit: l, .. } if l == limit),
         "got {err}"
     );
 }

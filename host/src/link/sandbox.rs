@@ -15,7 +15,8 @@ use crate::error::{Call, Error};
 #[derive(Debug, Clone)]
 pub struct Limits {
     /// Most bytes of linear memory (and tables) the guest may grow to; also the longest
-    /// `bytes.read` (an answer that could never fit in the guest). Default 64 MiB.
+    /// `bytes.read` (an answer that could never fit in the guest). Default 128 MiB: a
+    /// JavaScript engine alone grows to about 67 MiB under a long workload.
     pub memory: u64,
     /// Longest a single call into the guest may run, time spent in its imports
     /// included. A chain's call is bounded by the sum of its links' limits. Passing it
@@ -57,7 +58,7 @@ pub struct Grants {
 impl Default for Limits {
     fn default() -> Self {
         Limits {
-            memory: 64 << 20,
+            memory: 128 << 20,
             call_time: Duration::from_secs(1),
             batch: 4096,
             overhead: 256 << 20,
