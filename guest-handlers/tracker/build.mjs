@@ -1,5 +1,6 @@
-// Builds tracker.js into a component with componentize-js's JS API, called directly
-// (the `jco componentize` / `componentize-js` CLIs add nothing here but option parsing).
+// Builds a JavaScript policy into a component with componentize-js's JS API, called
+// directly (the `jco componentize` / `componentize-js` CLIs add nothing here but option
+// parsing). Also the build script of the projects `allocbox new --lang js` writes.
 //
 //   node build.mjs SOURCE.js WIT_DIR OUT.wasm
 import { componentize } from '@bytecodealliance/componentize-js';

@@ -130,8 +130,9 @@ enum Command {
         /// The policy's name: a crate name (letters, digits, `-`, `_`; 1..=64 bytes).
         name: String,
         /// `rust` (a cargo project over the allocbox-policy SDK), `wat` (WebAssembly
-        /// text, nothing to build), or `c`, `zig`, `assemblyscript` (`as`), `python`, `go`
-        /// (a `./build.sh` project with a `./setup.sh` that installs its toolchain).
+        /// text, nothing to build), or `c`, `zig`, `assemblyscript` (`as`), `python`, `go`,
+        /// `js` (`javascript`) (a `./build.sh` project with a `./setup.sh` that installs
+        /// its toolchain).
         #[arg(long, value_parser = new_policy::parse_lang)]
         lang: new_policy::Lang,
         /// The project's directory, instead of `./NAME`; it must not exist or be empty.

@@ -12,10 +12,11 @@
 //! (which [`validate_name`] keeps to letters, digits, `-` and `_`, so it is safe inside
 //! any string literal and file name). `*.sh` files are made executable. A few files come
 //! from elsewhere, unchanged, so that they have one source: `stamp_language.py`, the
-//! WIT world, and the `slab` policy's `rename.mjs` and `package-lock.json`.
+//! WIT world, the `slab` policy's `rename.mjs` and `package-lock.json`, and the
+//! `tracker` policy's `build.mjs` and `package-lock.json`.
 //!
-//! Adding a language (JavaScript is next): a template folder, a [`Lang`] variant, a row
-//! in [`LANGS`] and an arm in [`foreign_files`], and a test in `tests/all/new_policy.rs`.
+//! Adding a language: a template folder, a [`Lang`] variant, a row in [`LANGS`] and an
+//! arm in [`foreign_files`], and a test in `tests/all/new_policy.rs`.
 
 use std::path::{Path, PathBuf};
 
@@ -38,6 +39,8 @@ pub enum Lang {
     Python,
     /// Go 1.27 (`wasip1`): a core module.
     Go,
+    /// JavaScript through componentize-js 0.23: a component.
+    Js,
 }
 
 /// Every language `new` writes, with the names `--lang` takes for it (the first is the
@@ -50,18 +53,11 @@ const LANGS: &[(Lang, &[&str])] = &[
     (Lang::AssemblyScript, &["assemblyscript", "as"]),
     (Lang::Python, &["python", "py"]),
     (Lang::Go, &["go"]),
+    (Lang::Js, &["js", "javascript"]),
 ];
 
 /// Guest languages the policy world suits that have no project template yet.
-const PLANNED: &[&str] = &[
-    "cpp",
-    "c++",
-    "tinygo",
-    "js",
-    "javascript",
-    "ts",
-    "typescript",
-];
+const PLANNED: &[&str] = &["cpp", "c++", "tinygo", "ts", "typescript"];
 
 /// The `--lang` names, for messages: `rust, wat, c, zig, assemblyscript (as), ...`.
 fn available() -> String {
@@ -69,7 +65,7 @@ fn available() -> String {
         .iter()
         .map(|(lang, names)| match *lang {
             // Other aliases (`rs`, `wasm`, `py`) are file extensions and go unmentioned.
-            Lang::AssemblyScript => format!("{} ({})", names[0], names[1]),
+            Lang::AssemblyScript | Lang::Js => format!("{} ({})", names[0], names[1]),
             _ => names[0].to_string(),
         })
         .collect::<Vec<_>>()
@@ -468,13 +464,19 @@ macro_rules! template {
 }
 
 /// Records the language in the module's `producers` section; every `build.sh` but Go's
-/// runs it (the Go toolchain records the language itself).
+/// and JavaScript's runs it (the Go toolchain and componentize-js record the language
+/// themselves).
 const STAMP_LANGUAGE: &str = include_str!("../../guest-handlers/stamp_language.py");
 
 /// The `slab` policy's export renamer and npm lockfile: the AssemblyScript project pins
 /// the same packages.
 const SLAB_RENAME: &str = include_str!("../../guest-handlers/slab/rename.mjs");
 const SLAB_LOCK: &str = include_str!("../../guest-handlers/slab/package-lock.json");
+
+/// The `tracker` policy's build script (componentize-js's API) and npm lockfile: the
+/// JavaScript project builds the same way with the same packages.
+const TRACKER_BUILD: &str = include_str!("../../guest-handlers/tracker/build.mjs");
+const TRACKER_LOCK: &str = include_str!("../../guest-handlers/tracker/package-lock.json");
 
 /// A template folder's files, the placeholder unreplaced: `(path, text)`.
 type TemplateFiles = &'static [(&'static str, &'static str)];
@@ -501,6 +503,15 @@ fn foreign_files(lang: Lang) -> (TemplateFiles, Vec<(&'static str, String)>) {
                 ("package-lock.json", assemblyscript_lock()),
             ],
         ),
+        Lang::Js => (
+            template!("js": "policy.js", "package.json", "build.sh", "setup.sh", "README.md",
+                ".gitignore"),
+            vec![
+                ("build.mjs", TRACKER_BUILD.to_string()),
+                ("package-lock.json", js_lock()),
+                ("wit/policy.wit", allocbox::POLICY_WIT.to_string()),
+            ],
+        ),
         Lang::Python => (
             template!("python": "app.py", "build.sh", "setup.sh", "README.md", ".gitignore"),
             vec![stamp, ("wit/policy.wit", allocbox::POLICY_WIT.to_string())],
@@ -514,32 +525,43 @@ fn foreign_files(lang: Lang) -> (TemplateFiles, Vec<(&'static str, String)>) {
     }
 }
 
-/// `slab`'s `package-lock.json` for the template's `package.json`, which names the same
-/// packages: only the root package's name differs, and its license is the user's to
+/// `slab`'s `package-lock.json` for the AssemblyScript template's `package.json`.
+fn assemblyscript_lock() -> String {
+    template_lock("slab", SLAB_LOCK)
+}
+
+/// `tracker`'s `package-lock.json` for the JavaScript template's `package.json`.
+fn js_lock() -> String {
+    template_lock("tracker", TRACKER_LOCK)
+}
+
+/// The lockfile of the policy `policy` for a template's `package.json`, which names the
+/// same packages (and overrides): only the root package's name differs
+/// (`allocbox-policy-POLICY` becomes `allocbox-policy`), and its license is the user's to
 /// choose. `npm ci` installs exactly what it lists. Each edit must match as often as
 /// said, so a lockfile these edits no longer fit fails the tests instead of being
 /// written half-edited.
-fn assemblyscript_lock() -> String {
+fn template_lock(policy: &str, lock: &str) -> String {
     let edits = [
         (
-            "\"name\": \"allocbox-policy-slab\"",
+            format!("\"name\": \"allocbox-policy-{policy}\""),
             "\"name\": \"allocbox-policy\"",
             2,
         ),
         (
-            "\n      \"license\": \"Apache-2.0 WITH LLVM-exception\",",
+            "\n      \"license\": \"Apache-2.0 WITH LLVM-exception\",".to_string(),
             "",
             1,
         ),
     ];
-    let mut lock = SLAB_LOCK.to_string();
+    let mut lock = lock.to_string();
     for (from, to, times) in edits {
-        let n = lock.matches(from).count();
+        let n = lock.matches(&from).count();
         assert_eq!(
             n, times,
-            "guest-handlers/slab/package-lock.json changed: `{from}` occurs {n} times; update host/src/new_policy.rs"
+            "guest-handlers/{policy}/package-lock.json changed: `{from}` occurs {n} times; update host/src/new_policy.rs"
         );
-        lock = lock.replace(from, to);
+        lock = lock.replace(&from, to);
     }
     lock
 }
@@ -594,22 +616,25 @@ mod tests {
             ("python", Lang::Python),
             ("py", Lang::Python),
             ("go", Lang::Go),
+            ("js", Lang::Js),
+            ("JavaScript", Lang::Js),
         ] {
             assert_eq!(parse_lang(name), Ok(lang), "{name}");
         }
-        let shipped = "rust, wat, c, zig, assemblyscript (as), python, go";
-        let e = parse_lang("javascript").unwrap_err();
+        let shipped = "rust, wat, c, zig, assemblyscript (as), python, go, js (javascript)";
+        let e = parse_lang("typescript").unwrap_err();
         assert!(e.contains("not shipped yet") && e.contains(shipped), "{e}");
         let e = parse_lang("cobol").unwrap_err();
         assert!(e.contains("unknown language") && e.contains(shipped), "{e}");
     }
 
-    const FOREIGN: [Lang; 5] = [
+    const FOREIGN: [Lang; 6] = [
         Lang::C,
         Lang::Zig,
         Lang::AssemblyScript,
         Lang::Python,
         Lang::Go,
+        Lang::Js,
     ];
 
     #[test]
@@ -644,9 +669,10 @@ mod tests {
                     "{lang:?}: README lacks `{command}`"
                 );
             }
-            // Each build.sh stamps the language, except Go's, whose toolchain records it.
+            // Each build.sh stamps the language, except Go's and JavaScript's, whose
+            // toolchains record it.
             let stamps = has("build.sh", "stamp_language.py");
-            assert_eq!(stamps, lang != Lang::Go, "{lang:?}");
+            assert_eq!(stamps, !matches!(lang, Lang::Go | Lang::Js), "{lang:?}");
             assert_eq!(stamps, has("stamp_language.py", ""), "{lang:?}");
         }
     }
@@ -681,6 +707,11 @@ mod tests {
                 Lang::AssemblyScript,
                 include_str!("../../guest-handlers/slab/setup.sh"),
                 "ASC_VERSION",
+            ),
+            (
+                Lang::Js,
+                include_str!("../../guest-handlers/tracker/setup.sh"),
+                "CJS_VERSION",
             ),
         ];
         for (lang, repo_setup, var) in repo {
@@ -720,6 +751,22 @@ mod tests {
         assert_eq!(lock["packages"][""]["devDependencies"], dependencies(slab));
         assert_eq!(lock["name"], "allocbox-policy");
         assert_eq!(lock["packages"][""].get("license"), None);
+        // JavaScript: tracker's dependency and overrides, and tracker's lockfile for them.
+        let tracker = include_str!("../../guest-handlers/tracker/package.json");
+        let (files, _) = foreign_files(Lang::Js);
+        let package = files.iter().find(|(f, _)| *f == "package.json").unwrap().1;
+        let json = |json: &str| serde_json::from_str::<serde_json::Value>(json).unwrap();
+        for key in ["devDependencies", "overrides", "type"] {
+            assert_eq!(json(package)[key], json(tracker)[key], "{key}");
+        }
+        let lock = json(&js_lock());
+        assert_eq!(
+            lock["packages"][""]["devDependencies"],
+            json(tracker)["devDependencies"]
+        );
+        assert_eq!(lock["name"], "allocbox-policy");
+        assert_eq!(lock["packages"][""].get("license"), None);
+        assert_eq!(json(package)["name"], "allocbox-policy");
     }
 
     #[test]

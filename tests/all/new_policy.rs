@@ -128,11 +128,11 @@ fn new_refuses_bad_names_and_occupied_directories() {
     );
     assert!(tmp.0.join("empty/other.wat").exists());
 
-    let (code, out) = allocbox_cli(&["new", "demo", "--lang", "javascript"], &tmp.0);
+    let (code, out) = allocbox_cli(&["new", "demo", "--lang", "typescript"], &tmp.0);
     assert_eq!(code, 2, "{out}");
     assert!(
         out.contains("not shipped yet")
-            && out.contains("rust, wat, c, zig, assemblyscript (as), python, go"),
+            && out.contains("rust, wat, c, zig, assemblyscript (as), python, go, js (javascript)"),
         "{out}"
     );
 }
@@ -214,4 +214,9 @@ fn new_python_policy_builds_with_its_readme_command_and_passes_check() {
 #[test]
 fn new_go_policy_builds_with_its_readme_command_and_passes_check() {
     new_project_builds_and_passes_check("go", "Go");
+}
+
+#[test]
+fn new_js_policy_builds_with_its_readme_command_and_passes_check() {
+    new_project_builds_and_passes_check("js", "JavaScript");
 }
