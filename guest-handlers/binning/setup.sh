@@ -20,10 +20,11 @@ if [ "$(id -u)" -ne 0 ]; then
     SUDO="sudo"
 fi
 
-# Only refresh the package lists when apt has none (a fresh container).
-if [ -z "$(ls -A /var/lib/apt/lists 2>/dev/null | grep -v -e '^lock$' -e '^partial$' || true)" ]; then
-    $SUDO apt-get update -qq
-fi
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-    "$CLANG_PKG" "$LLD_PKG" >/dev/null
+# Lists may be missing (a fresh container) or stale (an old image): refresh them when
+# the first try cannot find the packages.
+install() {
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+        "$CLANG_PKG" "$LLD_PKG" >/dev/null
+}
+install 2>/dev/null || { $SUDO apt-get update -qq && install; }
 echo "binning: installed $CLANG_PKG $LLD_PKG" >&2
