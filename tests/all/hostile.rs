@@ -284,3 +284,59 @@ fn check_ends_hostile_batch_and_hoarding_policies_within_seconds_naming_the_boun
         .unwrap_or_else(|| panic!("no budget line: {out}"));
     assert!(refused >= 36, "{out}");
 }
+
+/// The WASI stub a core module gets runs inside the guest's own store: a hostile
+/// module that asks it for huge work (random bytes over more than its memory, a write of
+/// four billion buffers) meets the same bounds as its own code, a typed trap or timeout
+/// within the call's limit, and the client keeps its blocks.
+#[test]
+fn hostile_calls_into_the_wasi_stub_end_within_the_call_limit_as_typed_errors() {
+    let imports = r#"
+      (import "wasi_snapshot_preview1" "random_get" (func $random (param i32 i32) (result i32)))
+      (import "wasi_snapshot_preview1" "fd_write" (func $write (param i32 i32 i32 i32) (result i32)))"#;
+    // malloc(1): random bytes over 2 GiB; malloc(2): four billion iovecs; else serve.
+    let malloc = r#"
+      (func (export "allocbox:policy/allocator@0.1.0#malloc") (param $size i64) (result i64)
+        (if (i64.eq (local.get $size) (i64.const 1))
+          (then (drop (call $random (i32.const 0) (i32.const 0x7fffffff)))))
+        (if (i64.eq (local.get $size) (i64.const 2))
+          (then (drop (call $write (i32.const 1) (i32.const 0) (i32.const -1) (i32.const 8)))))
+        (call $passthrough_malloc (local.get $size)))"#;
+    let wat = allocbox::DEFAULT_POLICY_WAT
+        .replacen("(module", &format!("(module {imports}"), 1)
+        .replacen(
+            "(func (export \"allocbox:policy/allocator@0.1.0#malloc\")",
+            "(func $passthrough_malloc",
+            1,
+        );
+    let end = wat.rfind(')').unwrap();
+    let module = wat::parse_str(format!("{}{malloc}\n)", &wat[..end])).unwrap();
+    let policy = Runtime::shared().load(&module).unwrap();
+    let limits = Limits {
+        call_time: Duration::from_millis(200),
+        ..Limits::default()
+    };
+    for size in [1, 2] {
+        let h = HandlerBuilder::new(Runtime::shared())
+            .limits(limits.clone())
+            .link(&policy)
+            .magazines(false)
+            .build()
+            .unwrap();
+        let kept = h.malloc(64).unwrap().unwrap();
+        fill(kept, 64, 0x3c);
+        let started = Instant::now();
+        let err = h.malloc(size).unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "size {size}: took {:?}",
+            started.elapsed()
+        );
+        assert!(
+            matches!(err, Error::Trap { .. } | Error::Timeout { .. }),
+            "size {size}: {err}"
+        );
+        assert!(holds(kept, 64, 0x3c), "the client's block is intact");
+        h.free(Some(kept), 64).unwrap();
+    }
+}
