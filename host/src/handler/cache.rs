@@ -90,27 +90,39 @@ impl Magazine {
 
 /// One magazine per exact size up to [`MAGAZINE_MAX_SIZE`] (the ledger records exact
 /// sizes, and a block goes back with the size it was lent with).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(super) struct Magazines {
-    /// Sizes up to [`MAGAZINE_TABLE_SIZE`], indexed by size: the hot path.
-    small: Vec<Magazine>,
+    /// Sizes up to [`MAGAZINE_TABLE_SIZE`], indexed by size: the hot path. Built with
+    /// the cache, so that a lookup is one bounds check (which is also the size check).
+    small: Box<[Magazine]>,
     mid: FastMap<u64, Magazine>,
     /// Bytes in all magazines' blocks.
     pub(super) cached_bytes: u64,
 }
 
 impl Magazines {
-    #[inline]
-    pub(super) fn of_size(&mut self, size: u64) -> &mut Magazine {
-        if size > MAGAZINE_TABLE_SIZE {
-            return self.mid.entry(size).or_insert_with(|| Magazine::new(size));
-        }
-        if self.small.is_empty() {
-            self.small = (0..=MAGAZINE_TABLE_SIZE)
+    pub(super) fn new() -> Self {
+        Magazines {
+            small: (0..=MAGAZINE_TABLE_SIZE)
                 .map(|s| Magazine::new(s.max(1)))
-                .collect();
+                .collect(),
+            mid: FastMap::default(),
+            cached_bytes: 0,
         }
-        &mut self.small[size as usize]
+    }
+
+    #[inline(always)]
+    pub(super) fn of_size(&mut self, size: u64) -> &mut Magazine {
+        if size <= MAGAZINE_TABLE_SIZE {
+            // In bounds: the table has an entry for every size up to its own.
+            return &mut self.small[size as usize];
+        }
+        self.of_mid_size(size)
+    }
+
+    #[inline]
+    fn of_mid_size(&mut self, size: u64) -> &mut Magazine {
+        self.mid.entry(size).or_insert_with(|| Magazine::new(size))
     }
 
     /// Every non-empty magazine's blocks, emptying them, with their size.
@@ -482,7 +494,7 @@ impl Slots {
             claimed: AtomicBool::new(false),
             held: Mutex::new(()),
             cache: UnsafeCell::new(ThreadCache {
-                magazines: self.magazines.then(Magazines::default),
+                magazines: self.magazines.then(Magazines::new),
                 ..ThreadCache::default()
             }),
         })
