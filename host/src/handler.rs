@@ -435,17 +435,13 @@ impl Handler {
     /// holds it straight from the policy now. False when that cache has not lent it (it
     /// sits in a magazine).
     fn take_from_cache(&self, c: &mut Chain, mine: &Mine<'_>, addr: u64) -> bool {
-        let entry = c
-            .head
-            .lent_mut()
-            .get_mut(addr)
-            .expect("the caller found it");
+        let entry = c.head.lent().get(addr).expect("the caller found it");
         let holder = entry.cache.expect("the caller saw a thread cache");
         let mut cache = self.slots.cache_of(mine, holder);
         if cache.lent.remove(addr).is_none() {
             return false;
         }
-        entry.cache = None;
+        c.head.lent_mut().set_cache(addr, None);
         true
     }
 

@@ -48,6 +48,9 @@ pub(crate) struct Ledger {
     /// Boxed: a ledger sits inline in every link's state.
     freed: Box<[u64; FREED_HISTORY]>,
     freed_next: usize,
+    /// Advances with every block recorded or taken off: a result derived from the
+    /// ledger's blocks holds while the generation it was derived at is current.
+    generation: u64,
 }
 
 impl Default for Ledger {
@@ -59,6 +62,7 @@ impl Default for Ledger {
             peak_bytes: 0,
             freed: Box::new([0; FREED_HISTORY]),
             freed_next: 0,
+            generation: 0,
         }
     }
 }
@@ -86,8 +90,20 @@ impl Ledger {
         self.blocks.get(&addr).copied()
     }
 
-    pub(crate) fn get_mut(&mut self, addr: u64) -> Option<&mut Entry> {
-        self.blocks.get_mut(&addr)
+    /// Name the thread cache that holds the block at `addr`; false if there is none.
+    /// (The only change made to a block in place: its address and size never change.)
+    pub(crate) fn set_cache(&mut self, addr: u64, cache: Option<CacheId>) -> bool {
+        match self.blocks.get_mut(&addr) {
+            Some(entry) => {
+                entry.cache = cache;
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// Every block, by address.
@@ -122,6 +138,24 @@ impl Ledger {
             .take_while(move |&(start, size)| start + size > addr)
     }
 
+    /// The free stretch around `[addr, addr+len)` (`len` at least 1): from the end of
+    /// the nearest block below it to the start of the nearest block above it, or `None`
+    /// when a block overlaps the range.
+    pub(crate) fn gap_around(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let end = addr.checked_add(len)?;
+        let below = match self.ranges.range(..end).next_back() {
+            Some((&start, &size)) if start + size > addr => return None,
+            Some((&start, &size)) => start + size,
+            None => 0,
+        };
+        let above = self
+            .ranges
+            .range(end..)
+            .next()
+            .map_or(u64::MAX, |(&a, _)| a);
+        Some((below, above))
+    }
+
     /// The live block that wholly contains `[addr, addr+len)`.
     pub(crate) fn containing(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
         let end = addr.checked_add(len)?;
@@ -136,6 +170,7 @@ impl Ledger {
         self.ranges.insert(addr, size);
         self.bytes += size;
         self.peak_bytes = self.peak_bytes.max(self.bytes);
+        self.generation += 1;
     }
 
     /// Take back the block at `addr` that must have been lent with `size` bytes.
@@ -153,6 +188,7 @@ impl Ledger {
         let entry = self.blocks.remove(&addr)?;
         self.ranges.remove(&addr);
         self.bytes -= entry.size;
+        self.generation += 1;
         self.freed[self.freed_next] = addr;
         self.freed_next = (self.freed_next + 1) % FREED_HISTORY;
         Some(entry)
@@ -194,6 +230,7 @@ impl Ledger {
     /// Every block, emptying the ledger.
     pub(crate) fn drain(&mut self) -> Vec<(u64, Entry)> {
         self.bytes = 0;
+        self.generation += 1;
         self.ranges.clear();
         std::mem::take(&mut self.blocks).into_iter().collect()
     }
@@ -236,6 +273,40 @@ mod tests {
         let found: Vec<_> = l.overlapping_all(105, 30).collect();
         assert_eq!(found, [(130, 10), (110, 10), (100, 10)]);
         assert_eq!(l.overlapping_all(140, 60).count(), 0);
+    }
+
+    #[test]
+    fn the_gap_around_a_range_reaches_the_neighbouring_blocks() {
+        let l = ledger(&[(100, 10), (200, 10)]);
+        assert_eq!(l.gap_around(150, 10), Some((110, 200)));
+        assert_eq!(
+            l.gap_around(110, 90),
+            Some((110, 200)),
+            "fills the gap exactly"
+        );
+        assert_eq!(l.gap_around(10, 5), Some((0, 100)));
+        assert_eq!(l.gap_around(300, 5), Some((210, u64::MAX)));
+        assert_eq!(l.gap_around(105, 1), None, "inside a block");
+        assert_eq!(l.gap_around(150, 51), None, "reaches into the block above");
+        assert_eq!(l.gap_around(u64::MAX, 2), None, "overflowing range");
+    }
+
+    #[test]
+    fn every_change_of_blocks_advances_the_generation() {
+        let mut l = ledger(&[(100, 10)]);
+        let g = l.generation();
+        assert!(l.set_cache(100, None));
+        assert_eq!(l.generation(), g, "naming a cache moves no block");
+        l.insert(200, 10);
+        assert!(l.generation() > g);
+        let g = l.generation();
+        assert!(l.take_back(200, 9).is_err());
+        assert_eq!(l.generation(), g, "a refused take-back changes nothing");
+        l.take_back(200, 10).unwrap();
+        assert!(l.generation() > g);
+        let g = l.generation();
+        l.drain();
+        assert!(l.generation() > g);
     }
 
     #[test]

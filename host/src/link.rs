@@ -147,6 +147,8 @@ pub(crate) struct LinkState {
     read_limit: u64,
     overhead_limit: u64,
     budget_refusals: u64,
+    /// What the last full `bytes` check cleared; see [`imports::Clearance`].
+    clearance: Option<imports::Clearance>,
 }
 
 impl std::fmt::Debug for LinkState {
@@ -362,6 +364,8 @@ impl Link {
         let state = self.store.data();
         if !addr.is_multiple_of(alignment) {
             Some(Rule::Misaligned { alignment })
+        } else if state.cleared(addr, size) {
+            None
         } else if let Some((released, released_size)) =
             state.transit.held_back_overlapping(addr, size)
         {

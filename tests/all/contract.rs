@@ -126,6 +126,27 @@ fn giving_back_upstream_memory_under_a_lent_block_is_refused_and_the_block_survi
 }
 
 #[test]
+fn a_write_beside_a_lent_block_does_not_clear_the_block() {
+    for fault in ["scribble-beside", "scribble-stale"] {
+        let h = broken(fault);
+        let first = h.malloc(64).unwrap().unwrap();
+        fill(first, 64, 0xC7);
+        let err = h.malloc(64).unwrap_err();
+        assert_eq!(
+            violation(&err),
+            (&Rule::BytesOutOfBounds, Call::BytesWrite),
+            "{fault}"
+        );
+        assert!(
+            holds(first, 64, 0xC7),
+            "{fault}: the client's bytes are intact"
+        );
+        h.free(Some(first), 64).unwrap();
+        assert_eq!(h.held_from_host(), (0, 0), "{fault}");
+    }
+}
+
+#[test]
 fn writing_into_a_lent_block_through_bytes_is_refused() {
     let h = broken("scribble");
     let first = h.malloc(64).unwrap().unwrap();

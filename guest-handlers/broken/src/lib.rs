@@ -61,6 +61,15 @@ enum Fault {
     Leak,
     /// `malloc` writes 8 bytes into the previous block from `malloc`, still lent out.
     Scribble,
+    /// Blocks come from one 4 KiB upstream chunk, lent from its start. The first
+    /// `malloc` writes a word at the chunk's middle (allowed) and lends the chunk's
+    /// start; the second writes the middle word again (allowed), then the first word of
+    /// the block it lent: the host's record of what it just allowed must not cover a
+    /// lent block beside it.
+    ScribbleBeside,
+    /// As `scribble-beside`, but the second `malloc` writes into the lent block first:
+    /// what the host allowed before the block was lent must not outlive the lending.
+    ScribbleStale,
     /// `realloc` that does not grow gives the old block back upstream and answers it
     /// again: a use after free the host must refuse.
     ReallocFreeAnswerOld,
@@ -134,6 +143,8 @@ const FAULTS: &[(&str, Fault)] = &[
     ("off-by-one", Fault::OffByOne),
     ("leak", Fault::Leak),
     ("scribble", Fault::Scribble),
+    ("scribble-beside", Fault::ScribbleBeside),
+    ("scribble-stale", Fault::ScribbleStale),
     ("realloc-free-answer-old", Fault::ReallocFreeAnswerOld),
     (
         "realloc-upstream-answer-old",
@@ -263,6 +274,25 @@ impl Allocator for Broken {
                     }
                 }
                 ptr
+            }
+            Fault::ScribbleBeside | Fault::ScribbleStale => {
+                let chunk = match LAST.with(Cell::get) {
+                    0 => upstream::malloc(4096),
+                    chunk => chunk,
+                };
+                if chunk == 0 || size > 2048 {
+                    return 0;
+                }
+                let middle = chunk + 2048;
+                if LAST.with(|l| l.replace(chunk)) == 0 {
+                    bytes::write_u64(middle, 1);
+                    return chunk;
+                }
+                if fault() == Fault::ScribbleBeside {
+                    bytes::write_u64(middle, 2);
+                }
+                bytes::write_u64(chunk, 0x5C21_BB1E_5C21_BB1E);
+                0
             }
             Fault::MallocManyHuge => {
                 black_box(upstream::malloc_many(1, u32::MAX));

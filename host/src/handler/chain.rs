@@ -97,11 +97,8 @@ impl Chain {
             return self.head.malloc(size);
         };
         for &addr in blocks.iter().chain([&first]) {
-            self.head
-                .lent_mut()
-                .get_mut(addr)
-                .expect("just admitted")
-                .cache = Some(slot.id());
+            let named = self.head.lent_mut().set_cache(addr, Some(slot.id()));
+            assert!(named, "just admitted");
         }
         let mut t = slot.cache();
         t.lent.insert(first, size);
@@ -143,11 +140,8 @@ impl Chain {
             return Err(e);
         }
         if slot.cache().keep(addr, size) {
-            self.head
-                .lent_mut()
-                .get_mut(addr)
-                .expect("the caller found it")
-                .cache = Some(slot.id());
+            let named = self.head.lent_mut().set_cache(addr, Some(slot.id()));
+            assert!(named, "the caller found it");
             return Ok(0);
         }
         self.give_back(addr, size)

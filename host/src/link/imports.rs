@@ -32,6 +32,7 @@ impl LinkState {
             read_limit: limits.memory,
             overhead_limit: limits.overhead,
             budget_refusals: 0,
+            clearance: None,
         }
     }
 
@@ -133,11 +134,38 @@ impl LinkState {
         self.violate(call, addr, size, rule)
     }
 
-    /// Does `[at, at+len)` lie inside memory this policy holds from upstream and has not
-    /// given back (held-back memory is on its way out)?
-    fn owns(&self, at: u64, len: u64) -> bool {
-        self.upstream.lent().containing(at, len).is_some()
-            && self.transit.held_back_overlapping(at, len).is_none()
+    /// Is `[at, at+len)` (`len` at least 1) inside the current [`Clearance`]: upstream
+    /// memory this policy holds, not held back, overlapping no block it lent?
+    pub(super) fn cleared(&self, at: u64, len: u64) -> bool {
+        self.clearance.is_some_and(|c| {
+            c.upstream == self.upstream.lent().generation()
+                && c.lent == self.lent.generation()
+                && self.transit.holds_back_nothing()
+                && at >= c.start
+                && at.checked_add(len).is_some_and(|end| end <= c.end)
+        })
+    }
+
+    /// The full check behind [`Self::cleared`]: does `[at, at+len)` (`len` at least 1)
+    /// lie inside one upstream block this policy holds, outside held-back memory and
+    /// every block it lent? If so, the clear stretch around it becomes the clearance.
+    fn clear(&mut self, at: u64, len: u64) -> bool {
+        let Some((block, block_size)) = self.upstream.lent().containing(at, len) else {
+            return false;
+        };
+        if self.transit.held_back_overlapping(at, len).is_some() {
+            return false;
+        }
+        let Some((gap_start, gap_end)) = self.lent.gap_around(at, len) else {
+            return false;
+        };
+        self.clearance = Some(Clearance {
+            start: block.max(gap_start),
+            end: (block + block_size).min(gap_end),
+            upstream: self.upstream.lent().generation(),
+            lent: self.lent.generation(),
+        });
+        true
     }
 
     /// Is `ptr` an upstream block this policy holds with exactly `size` bytes? A block
@@ -164,7 +192,8 @@ impl LinkState {
             return Ok(());
         }
         let allowed = (read_only && self.transit.within_block(at, len))
-            || (self.owns(at, len) && self.lent.overlapping(at, len).is_none());
+            || self.cleared(at, len)
+            || self.clear(at, len);
         if allowed {
             Ok(())
         } else {
@@ -182,6 +211,9 @@ impl LinkState {
         ptr: u64,
         size: u64,
     ) -> wasmtime::Result<()> {
+        if size > 0 && self.cleared(ptr, size) {
+            return Ok(());
+        }
         let in_transit = self.transit.block_addr();
         let inside = self
             .lent
@@ -205,6 +237,20 @@ impl LinkState {
         self.check_nothing_lent_inside(call, ptr, size)?;
         Ok(self.transit.under_block(ptr, size))
     }
+}
+
+/// Upstream memory that the last full check of a `bytes` range found inside one block
+/// the policy holds and clear of every block it lent, with both ledgers' generations
+/// at that moment. While both generations are current and nothing is held back, any
+/// range inside it would pass that check again: so the few header words a policy reads
+/// or writes around one block, and the block it then answers there, cost one full
+/// check (three ledger queries) rather than two queries each.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Clearance {
+    start: u64,
+    end: u64,
+    upstream: u64,
+    lent: u64,
 }
 
 /// Host memory an upstream ledger stands for: its bytes and the cost of its entries.

@@ -47,6 +47,11 @@ impl Transit {
             .find(|&(p, s)| p < end && at < p + s)
     }
 
+    /// Is no upstream memory held back?
+    pub(super) fn holds_back_nothing(&self) -> bool {
+        self.held_back.is_empty()
+    }
+
     /// Keep `[ptr, ptr+size)`, given back during the transit, until it ends.
     pub(super) fn hold_back(&mut self, ptr: u64, size: u64) {
         self.held_back.push((ptr, size));
