@@ -6,34 +6,42 @@ use super::support::*;
 
 #[test]
 fn aligned_over_size_classes_over_system_places_aligned_blocks_and_keeps_bytes() {
-    let h = HandlerBuilder::new(Runtime::shared())
-        .link_with(&load(&allocbox_artifacts::ALIGNED), &[("alignment", "256")])
-        .link(&load(&allocbox_artifacts::SIZE_CLASSES))
-        .link(&load(&allocbox_artifacts::SYSTEM))
-        .build()
-        .unwrap();
-    assert_eq!(
-        h.policy_names().iter().map(|n| &**n).collect::<Vec<_>>(),
-        ["aligned", "size-classes", "system"]
-    );
-    let mut blocks = Vec::new();
-    for (i, size) in [1usize, 15, 100, 1000, 5000, 70000].into_iter().enumerate() {
-        let p = h.malloc(size).unwrap().unwrap();
-        assert_eq!(p.as_ptr() as usize % 256, 0, "{size} bytes");
-        fill(p, size, i as u8);
-        blocks.push((p, size, i as u8));
+    // The smallest and largest alignments bound the offset `aligned` packs into its
+    // one-word header.
+    for alignment in [16usize, 256, 65536] {
+        let h = HandlerBuilder::new(Runtime::shared())
+            .link_with(
+                &load(&allocbox_artifacts::ALIGNED),
+                &[("alignment", &alignment.to_string())],
+            )
+            .link(&load(&allocbox_artifacts::SIZE_CLASSES))
+            .link(&load(&allocbox_artifacts::SYSTEM))
+            .build()
+            .unwrap();
+        assert_eq!(
+            h.policy_names().iter().map(|n| &**n).collect::<Vec<_>>(),
+            ["aligned", "size-classes", "system"]
+        );
+        let mut blocks = Vec::new();
+        for (i, size) in [1usize, 15, 100, 1000, 5000, 70000].into_iter().enumerate() {
+            let p = h.malloc(size).unwrap().unwrap();
+            assert_eq!(p.as_ptr() as usize % alignment, 0, "{size} bytes");
+            fill(p, size, i as u8);
+            blocks.push((p, size, i as u8));
+        }
+        for (p, size, byte) in &mut blocks {
+            let q = h.realloc(Some(*p), *size * 2).unwrap().unwrap();
+            assert!(holds(q, *size, *byte));
+            *p = q;
+            *size *= 2;
+        }
+        for (p, size, _) in blocks {
+            h.free(Some(p), size).unwrap();
+        }
+        assert!(h.failure().is_none(), "alignment {alignment}");
+        h.trim().unwrap();
+        assert_eq!(h.held_from_host(), (0, 0));
     }
-    for (p, size, byte) in &mut blocks {
-        let q = h.realloc(Some(*p), *size * 2).unwrap().unwrap();
-        assert!(holds(q, *size, *byte));
-        *p = q;
-        *size *= 2;
-    }
-    for (p, size, _) in blocks {
-        h.free(Some(p), size).unwrap();
-    }
-    h.trim().unwrap();
-    assert_eq!(h.held_from_host(), (0, 0));
 }
 
 #[test]

@@ -1,17 +1,28 @@
-//! `aligned`: NEP 49's example handler. Every block carries a 64-byte header just before
-//! the address the client sees, holding the upstream pointer and the requested size, so
-//! that `free` can find the upstream block and check the size the client passes back.
+//! `aligned`: NEP 49's example handler. Every block carries a header just before the
+//! address the client sees, so that `free` can find the upstream block and check the
+//! size the client passes back.
 //!
 //! Layout inside one upstream block of `size + alignment + HEADER` bytes:
 //!
 //! ```text
-//! raw ... [ header: raw | size | MAGIC | unused ] user (aligned) ... user + size ... end
+//! raw ... [ header word ] user (aligned) ... user + size ... end
+//!         user - 8
 //! ```
 //!
 //! `raw` is 16-aligned (the host's guarantee), so `user = align_up(raw + HEADER,
 //! alignment)` is at most `raw + HEADER + alignment - 16` and `user + size` stays inside
 //! the block. The header lies in the upstream block but outside the lent range, so the
 //! policy may read and write it through `bytes`.
+//!
+//! The header is one word, because every `bytes` access is a call into the host: one
+//! word per malloc and one per free, where three cost half as much again per call. It
+//! packs what NEP 49's example keeps in its header, checked on every free:
+//!
+//! ```text
+//! bits 63..13: size XOR MAGIC     (the size freed must be the size allocated, and a
+//!                                  word that does not decode is not our header)
+//! bits 12..0:  (user - raw) / 16  (where the upstream block starts)
+//! ```
 
 wit_bindgen::generate!({ path: "../../wit", world: "policy" });
 
@@ -23,12 +34,19 @@ use exports::allocbox::policy::lifecycle::{Guest as Lifecycle, Info};
 
 /// Bytes reserved before every user block; NEP 49's example uses 64 as well.
 const HEADER: u64 = 64;
-/// Header word offsets, counted back from the user address.
-const AT_RAW: u64 = HEADER;
-const AT_SIZE: u64 = HEADER - 8;
-const AT_MAGIC: u64 = HEADER - 16;
-/// Marks a header this policy wrote; a mismatch means `ptr` is not one of our blocks.
-const MAGIC: u64 = 0xA11C_B0C5_A119_4ED0;
+/// Where the header word sits, counted back from the user address.
+const AT_WORD: u64 = 8;
+/// Bits of the header word that hold `(user - raw) / 16`: up to
+/// `(HEADER + MAX_ALIGNMENT - 16) / 16` = 4099.
+const OFFSET_BITS: u32 = 13;
+/// Sizes are below 2^51 (no memory holds more), so `size ^ MAGIC` fits above the offset.
+const MAX_SIZE: u64 = (1 << (64 - OFFSET_BITS)) - 1;
+/// Marks a header this policy wrote; a mismatch means `ptr` is not one of our blocks
+/// or `size` is not the size it was allocated with.
+const MAGIC: u64 = 0x4_A11C_B0C5_A119 & MAX_SIZE;
+/// Sizes a real block can have (2^47 bytes is all a 64-bit host's user space holds):
+/// a header that decodes to a larger size was not written by this policy.
+const PLAUSIBLE_SIZE: u64 = 1 << 47;
 
 const DEFAULT_ALIGNMENT: u64 = 64;
 const MIN_ALIGNMENT: u64 = 16;
@@ -43,8 +61,12 @@ fn alignment() -> u64 {
     ALIGNMENT.with(Cell::get)
 }
 
-/// What we ask upstream for to serve `size` bytes, or `None` on overflow.
+/// What we ask upstream for to serve `size` bytes, or `None` for a size no header can
+/// describe (and no memory could hold).
 fn padded(size: u64) -> Option<u64> {
+    if size > MAX_SIZE {
+        return None;
+    }
     size.checked_add(alignment())?.checked_add(HEADER)
 }
 
@@ -52,26 +74,25 @@ fn padded(size: u64) -> Option<u64> {
 fn place(raw: u64, size: u64) -> u64 {
     let align = alignment();
     let user = (raw + HEADER + align - 1) & !(align - 1);
-    bytes::write_u64(user - AT_RAW, raw);
-    bytes::write_u64(user - AT_SIZE, size);
-    bytes::write_u64(user - AT_MAGIC, MAGIC);
+    let word = ((size ^ MAGIC) << OFFSET_BITS) | ((user - raw) / 16);
+    bytes::write_u64(user - AT_WORD, word);
     user
 }
 
 /// Reads the header of `user` and checks it against the size the caller gave; returns the
 /// upstream pointer. A mismatch is a bug in whoever called us, so we stop loudly.
 fn header(user: u64, size: u64, op: &str) -> u64 {
-    let magic = bytes::read_u64(user - AT_MAGIC);
-    if magic != MAGIC {
-        panic!("aligned: {op} of {user:#x}: no aligned header there (magic {magic:#x})");
+    let word = bytes::read_u64(user - AT_WORD);
+    let stored = (word >> OFFSET_BITS) ^ MAGIC;
+    if stored >= PLAUSIBLE_SIZE {
+        panic!("aligned: {op} of {user:#x}: no aligned header there (word {word:#x})");
     }
-    let stored = bytes::read_u64(user - AT_SIZE);
     if stored != size {
         panic!(
             "aligned: {op} of {user:#x} with size {size}, but it was allocated with size {stored}"
         );
     }
-    bytes::read_u64(user - AT_RAW)
+    user - (word & ((1 << OFFSET_BITS) - 1)) * 16
 }
 
 fn release(user: u64, size: u64, op: &str) {
