@@ -28,12 +28,15 @@ fn main() {
             .into()
         });
     let events = read_trace(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    use allocbox_artifacts::{ARENA, SIZE_CLASSES, SYSTEM};
+    use allocbox_artifacts::{ALIGNED, ARENA, SIZE_CLASSES, SYSTEM};
     let handlers: Vec<(&str, Arc<dyn MemHandler>)> = vec![
         ("native NumPy default", default_handler()),
         ("system", wasm(&SYSTEM)),
         ("size-classes", wasm(&SIZE_CLASSES)),
         ("arena", wasm(&ARENA)),
+        // NEP 49's example sees every call (it asks for no magazines): the cost of a
+        // component call per event.
+        ("aligned (per call)", wasm(&ALIGNED)),
     ];
     println!(
         "{} events from {path}; median of 3 replays each",

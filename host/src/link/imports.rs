@@ -146,6 +146,20 @@ impl LinkState {
         })
     }
 
+    /// Make a block upstream just lent, of `size` bytes as its ledger records it, the
+    /// clearance: it overlaps no block this policy lent, because every one of those lies
+    /// inside an upstream block it still holds, and upstream blocks are disjoint. So the
+    /// block the policy answers inside it is admitted without a query.
+    fn clear_fresh(&mut self, block: u64, size: u64) {
+        debug_assert_eq!(self.upstream.lent().get(block).map(|e| e.size), Some(size));
+        self.clearance = Some(Clearance {
+            start: block,
+            end: block + size,
+            upstream: self.upstream.lent().generation(),
+            lent: self.lent.generation(),
+        });
+    }
+
     /// The full check behind [`Self::cleared`]: does `[at, at+len)` (`len` at least 1)
     /// lie inside one upstream block this policy holds, outside held-back memory and
     /// every block it lent? If so, the clear stretch around it becomes the clearance.
@@ -266,7 +280,11 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         if size == 0 || !self.within_budget(size, 1) {
             return Ok(0);
         }
-        Ok(self.upstream_call(|u| u.malloc(size)))
+        let block = self.upstream_call(|u| u.malloc(size));
+        if block != 0 {
+            self.clear_fresh(block, size);
+        }
+        Ok(block)
     }
 
     fn calloc(&mut self, nelem: u64, elsize: u64) -> wasmtime::Result<u64> {
