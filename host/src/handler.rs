@@ -66,7 +66,7 @@ impl Handler {
         let size = (size as u64).max(1);
         let slot = self.slots.mine();
         let from_magazine = self.slots.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
-        if from_magazine && let Some(addr) = slot.cache().take(size) {
+        if from_magazine && let Some(addr) = slot.with(|c| c.take(size)) {
             return Ok(to_ptr(addr));
         }
         self.malloc_from_chain(slot, size, from_magazine)
@@ -190,7 +190,9 @@ impl Handler {
         let slot = self.slots.mine();
         // A block this thread's cache lent goes back into its magazine when there is
         // room; otherwise it takes the chain's path, still on the books.
-        if self.slots.keeps_magazines() && slot.cache().put_back(ptr.as_ptr() as u64, size as u64) {
+        if self.slots.keeps_magazines()
+            && slot.with(|c| c.put_back(ptr.as_ptr() as u64, size as u64))
+        {
             return Ok(());
         }
         self.free_to_chain(slot, ptr, size)

@@ -20,7 +20,8 @@
 
 use std::cell::UnsafeCell;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, MutexGuard};
 use thread_local::ThreadLocal;
@@ -44,8 +45,8 @@ const MAGAZINE_MIN_DEPTH: usize = 4;
 /// The most blocks fetched with one `malloc-many` when a magazine runs empty.
 const MAGAZINE_REFILL: u32 = 16;
 /// Bytes all magazines of one thread cache may hold together; past it, frees go to the
-/// policy. Thread ids are reused, so a handler has at most as many caches as threads
-/// ever ran on it at once.
+/// policy. Thread ids are reused, so a handler has at most one more cache (the primary
+/// one, see [`Slots`]) than threads ever ran on it at once.
 pub(super) const MAGAZINES_THREAD_BYTES: u64 = 16 << 20;
 
 /// How many blocks of `size` bytes a magazine holds before it spills.
@@ -120,7 +121,9 @@ impl Magazines {
         self.of_mid_size(size)
     }
 
-    #[inline]
+    /// Out of line: a hash lookup inlined into the small sizes' path would spread it
+    /// over more instruction-cache lines.
+    #[inline(never)]
     fn of_mid_size(&mut self, size: u64) -> &mut Magazine {
         self.mid.entry(size).or_insert_with(|| Magazine::new(size))
     }
@@ -241,12 +244,26 @@ pub(super) struct Lent {
 impl Lent {
     #[inline]
     pub(super) fn insert(&mut self, addr: u64, size: u64) {
-        let place = &mut self.recent[self.next];
+        // Reduced here rather than when stored, so that the index needs no bounds check.
+        let next = self.next % RECENT;
+        let place = self.recent[next];
         if place.0 != 0 {
-            self.older.insert(place.0, place.1);
+            self.make_older(place);
         }
-        *place = (addr, size);
-        self.next = (self.next + 1) % RECENT;
+        self.recent[next] = (addr, size);
+        self.next = next + 1;
+    }
+
+    // The map's paths are out of line, so that a temporary's malloc and free stay a few
+    // instruction-cache lines long.
+    #[inline(never)]
+    fn make_older(&mut self, (addr, size): (u64, u64)) {
+        self.older.insert(addr, size);
+    }
+
+    #[inline(never)]
+    fn remove_older(&mut self, addr: u64) -> Option<u64> {
+        self.older.remove(&addr)
     }
 
     /// Take the block at `addr` off the record, with its size.
@@ -254,7 +271,7 @@ impl Lent {
     pub(super) fn remove(&mut self, addr: u64) -> Option<u64> {
         match self.recent.iter_mut().find(|(a, _)| *a == addr) {
             Some(place) => Some(std::mem::take(place).1),
-            None => self.older.remove(&addr),
+            None => self.remove_older(addr),
         }
     }
 
@@ -422,28 +439,61 @@ pub(super) struct Mine<'a> {
 }
 
 impl<'a> Mine<'a> {
-    /// The cache, on the fast path unless another thread has it claimed.
-    #[inline]
-    pub(super) fn cache(&self) -> CacheGuard<'a> {
+    /// Step onto the fast path: mark the owner busy, then see whether a claim came
+    /// first. False (busy cleared again) when another thread has the cache claimed.
+    #[inline(always)]
+    fn enter(&self) -> bool {
         let slot = self.slot;
         slot.busy.store(true, Ordering::Relaxed);
         super::barrier::light();
         // Acquire: pairs with the release of the last claim, so its writes are seen.
         if !slot.claimed.load(Ordering::Acquire) {
-            return CacheGuard {
-                slot,
-                held: None,
-                claimed: false,
-            };
+            return true;
         }
         slot.busy.store(false, Ordering::Release);
-        // The owner's fast path is not running while it waits here, so holding `held`
-        // is enough to exclude everyone.
+        false
+    }
+
+    /// The cache, on the fast path unless another thread has it claimed.
+    #[inline]
+    pub(super) fn cache(&self) -> CacheGuard<'a> {
+        let slot = self.slot;
+        // The owner's fast path is not running while it waits on `held`, so holding
+        // it is enough to exclude everyone.
+        let held = (!self.enter()).then(|| slot.held.lock());
         CacheGuard {
             slot,
-            held: Some(slot.held.lock()),
+            held,
             claimed: false,
         }
+    }
+
+    /// Run `f` on the cache: [`Mine::cache`] with no guard to carry, for the magazine
+    /// hit, so that its common case is a few instructions around `f`.
+    #[inline(always)]
+    pub(super) fn with<R>(&self, f: impl FnOnce(&mut ThreadCache) -> R) -> R {
+        if !self.enter() {
+            return self.with_held(f);
+        }
+        /// Clears `busy` however `f` ends, so that a claimer never waits for good.
+        struct Leave<'a>(&'a AtomicBool);
+        impl Drop for Leave<'_> {
+            fn drop(&mut self) {
+                // Release: a later claimer that sees `busy` clear sees the writes of `f`.
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let _leave = Leave(&self.slot.busy);
+        // SAFETY: `enter` set `busy` and saw no claim after the barrier, so no claimer
+        // reaches the cache until `busy` is cleared (see `Slot`); the owner holds no
+        // other guard across this call (callers pass `f`s that take none).
+        f(unsafe { &mut *self.slot.cache.get() })
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn with_held<R>(&self, f: impl FnOnce(&mut ThreadCache) -> R) -> R {
+        f(&mut self.cache())
     }
 
     pub(super) fn id(&self) -> CacheId {
@@ -451,9 +501,70 @@ impl<'a> Mine<'a> {
     }
 }
 
+/// Names the calling thread among the live ones: its thread pointer, which the
+/// platform's ABI keeps in a register for thread-local storage. Reading it costs one
+/// instruction, where a thread-local variable in a shared library (the NumPy bridge)
+/// costs a call into the dynamic linker. A thread's pointer is reused only once that
+/// thread has exited, as its thread id is.
+#[cfg(all(
+    target_arch = "x86_64",
+    any(target_os = "linux", target_os = "android")
+))]
+#[inline(always)]
+fn thread_pointer() -> Option<usize> {
+    let tp: usize;
+    // SAFETY: the x86-64 ELF TLS ABI keeps the thread control block at the %fs base, and
+    // its first word points to the block itself; every thread has one, so the load is
+    // always valid, and it writes nothing.
+    unsafe {
+        std::arch::asm!(
+            "mov {}, qword ptr fs:[0]",
+            out(reg) tp,
+            options(nostack, readonly, preserves_flags, pure)
+        );
+    }
+    Some(tp)
+}
+
+#[cfg(all(
+    target_arch = "aarch64",
+    any(target_os = "linux", target_os = "android")
+))]
+#[inline(always)]
+fn thread_pointer() -> Option<usize> {
+    let tp: usize;
+    // SAFETY: `tpidr_el0` is the thread pointer register user code may read; reading
+    // it touches no memory.
+    unsafe {
+        std::arch::asm!(
+            "mrs {}, tpidr_el0",
+            out(reg) tp,
+            options(nomem, nostack, preserves_flags, pure)
+        );
+    }
+    Some(tp)
+}
+
+#[cfg(not(all(
+    any(target_arch = "x86_64", target_arch = "aarch64"),
+    any(target_os = "linux", target_os = "android")
+)))]
+#[inline(always)]
+fn thread_pointer() -> Option<usize> {
+    None
+}
+
 /// Every thread's cache of one handler.
+///
+/// The first thread to call the handler gets the `primary` slot, found by its thread
+/// pointer alone; every other thread's slot is found through `local`. Most programs
+/// call a handler from one thread, and that lookup is the larger part of a magazine
+/// hit's cost otherwise.
 #[derive(Debug)]
 pub(super) struct Slots {
+    /// The thread pointer of the primary slot's owner; 0 while there is none.
+    primary_owner: AtomicUsize,
+    primary: OnceLock<Slot>,
     local: ThreadLocal<Slot>,
     next_id: AtomicU32,
     magazines: bool,
@@ -465,6 +576,8 @@ pub(super) struct Slots {
 impl Slots {
     pub(super) fn new(magazines: bool) -> Self {
         Slots {
+            primary_owner: AtomicUsize::new(0),
+            primary: OnceLock::new(),
             local: ThreadLocal::new(),
             next_id: AtomicU32::new(1),
             magazines,
@@ -475,7 +588,13 @@ impl Slots {
     /// The calling thread's cache, made on its first call.
     #[inline]
     pub(super) fn mine(&self) -> Mine<'_> {
-        let slot = match self.local.get() {
+        // Acquire: pairs with the release in `first_use`. Only the owner, or a thread
+        // that took over its thread pointer after it exited, sees its own pointer here.
+        let primary = match thread_pointer() {
+            Some(tp) if self.primary_owner.load(Ordering::Acquire) == tp => self.primary.get(),
+            _ => None,
+        };
+        let slot = match primary.or_else(|| self.local.get()) {
             Some(slot) => slot,
             None => self.first_use(),
         };
@@ -485,9 +604,24 @@ impl Slots {
         }
     }
 
+    /// A thread's first call: the first thread to get here takes the primary slot,
+    /// every other one a slot in `local`.
     #[cold]
     fn first_use(&self) -> &Slot {
-        self.local.get_or(|| Slot {
+        if let Some(tp) = thread_pointer()
+            && self
+                .primary_owner
+                .compare_exchange(0, tp, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            // Made before this call returns, so the owner's next `mine` finds it.
+            return self.primary.get_or_init(|| self.new_slot());
+        }
+        self.local.get_or(|| self.new_slot())
+    }
+
+    fn new_slot(&self) -> Slot {
+        Slot {
             id: CacheId::new(self.next_id.fetch_add(1, Ordering::Relaxed))
                 .expect("fewer than 2^32 threads"),
             busy: AtomicBool::new(false),
@@ -497,7 +631,7 @@ impl Slots {
                 magazines: self.magazines.then(Magazines::new),
                 ..ThreadCache::default()
             }),
-        })
+        }
     }
 
     /// The cache named `id` (a ledger entry's holder), from `mine`'s thread: on the fast
@@ -513,7 +647,7 @@ impl Slots {
     }
 
     pub(super) fn iter(&self) -> impl Iterator<Item = &Slot> {
-        self.local.iter()
+        self.primary.get().into_iter().chain(self.local.iter())
     }
 
     #[inline]
@@ -521,6 +655,7 @@ impl Slots {
         self.magazines && !self.failed()
     }
 
+    #[inline]
     pub(super) fn failed(&self) -> bool {
         self.failed.load(Ordering::Relaxed)
     }
@@ -533,6 +668,66 @@ impl Slots {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_first_thread_takes_the_primary_slot_and_every_other_thread_its_own() {
+        let slots = Slots::new(true);
+        let first = slots.mine().id();
+        assert_eq!(slots.mine().id(), first, "found again, not made again");
+        if thread_pointer().is_some() {
+            assert_eq!(slots.primary.get().map(|p| p.id), Some(first));
+        }
+        // Threads arriving together each get a slot of their own.
+        let start = std::sync::Barrier::new(4);
+        let mut ids: Vec<CacheId> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        start.wait();
+                        let id = slots.mine().id();
+                        assert_eq!(slots.mine().id(), id);
+                        // All alive at once: an exited thread's slot may be reused.
+                        start.wait();
+                        id
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        ids.push(first);
+        ids.sort();
+        ids.dedup();
+        assert_eq!(ids.len(), 5);
+        assert_eq!(
+            slots.iter().count(),
+            5,
+            "every slot is reachable for claims"
+        );
+    }
+
+    #[test]
+    fn a_race_for_the_primary_slot_has_one_winner() {
+        let slots = Slots::new(true);
+        let start = std::sync::Barrier::new(4);
+        let ids: Vec<CacheId> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        start.wait();
+                        let id = slots.mine().id();
+                        start.wait();
+                        id
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut distinct = ids.clone();
+        distinct.sort();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 4, "{ids:?}");
+        assert!(slots.primary.get().is_some() == thread_pointer().is_some());
+    }
 
     #[test]
     fn magazine_depth_is_bounded_by_bytes_and_refills_by_depth() {
