@@ -63,24 +63,32 @@ impl Handler {
     /// A block of at least `size` bytes, `None` when out of memory.
     #[inline]
     pub fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
-        let size = (size as u64).max(1);
-        let slot = self.slots.mine();
-        let from_magazine = self.slots.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
-        if from_magazine && let Some(addr) = slot.with(|c| c.take(size)) {
-            return Ok(to_ptr(addr));
+        match self.malloc_from_magazine(size) {
+            Some(block) => Ok(Some(block)),
+            None => self.malloc_from_chain(size),
         }
-        self.malloc_from_chain(slot, size, from_magazine)
+    }
+
+    /// [`Handler::malloc`]'s fast path alone: a block from the calling thread's
+    /// magazine for `size`, lent and counted as `malloc` would, or `None` when that
+    /// magazine is empty or there is none (then `malloc` asks the policy). For callers
+    /// that keep their slow path out of line.
+    #[inline]
+    pub fn malloc_from_magazine(&self, size: usize) -> Option<NonNull<u8>> {
+        let size = (size as u64).max(1);
+        if !self.slots.keeps_magazines() || size > MAGAZINE_MAX_SIZE {
+            return None;
+        }
+        self.slots.mine().with(|c| c.take(size)).and_then(to_ptr)
     }
 
     /// A malloc the calling thread's magazine could not serve.
     #[cold]
     #[inline(never)]
-    fn malloc_from_chain(
-        &self,
-        slot: Mine<'_>,
-        size: u64,
-        from_magazine: bool,
-    ) -> Result<Option<NonNull<u8>>, Error> {
+    fn malloc_from_chain(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
+        let size = (size as u64).max(1);
+        let slot = self.slots.mine();
+        let from_magazine = self.slots.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
         let mut c = self.chain.lock();
         if c.failure.is_some() {
             drop(c);
@@ -187,21 +195,31 @@ impl Handler {
         let Some(ptr) = ptr else {
             return Ok(());
         };
-        let slot = self.slots.mine();
-        // A block this thread's cache lent goes back into its magazine when there is
-        // room; otherwise it takes the chain's path, still on the books.
-        if self.slots.keeps_magazines()
-            && slot.with(|c| c.put_back(ptr.as_ptr() as u64, size as u64))
-        {
+        if self.free_to_magazine(ptr, size) {
             return Ok(());
         }
-        self.free_to_chain(slot, ptr, size)
+        self.free_to_chain(ptr, size)
+    }
+
+    /// [`Handler::free`]'s fast path alone: true when the block was one the calling
+    /// thread's cache lent and its magazine had room (it is back there, counted as
+    /// `free` would); false leaves everything as it was, for `free` to finish.
+    #[inline]
+    pub fn free_to_magazine(&self, ptr: NonNull<u8>, size: usize) -> bool {
+        // A block this thread's cache lent goes back into its magazine when there is
+        // room; otherwise it takes the chain's path, still on the books.
+        self.slots.keeps_magazines()
+            && self
+                .slots
+                .mine()
+                .with(|c| c.put_back(ptr.as_ptr() as u64, size as u64))
     }
 
     /// A free the calling thread's magazine could not take.
     #[cold]
     #[inline(never)]
-    fn free_to_chain(&self, slot: Mine<'_>, ptr: NonNull<u8>, size: usize) -> Result<(), Error> {
+    fn free_to_chain(&self, ptr: NonNull<u8>, size: usize) -> Result<(), Error> {
+        let slot = self.slots.mine();
         let addr = ptr.as_ptr() as u64;
         let mut c = self.chain.lock();
         let entry = match c.head.lent().get(addr) {

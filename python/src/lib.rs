@@ -150,10 +150,18 @@ unsafe fn bridge<'a>(ctx: *mut c_void) -> &'a Bridge {
 unsafe extern "C" fn bridge_malloc(ctx: *mut c_void, size: usize) -> *mut c_void {
     // SAFETY: NumPy calls this with the ctx of the handler it found in our capsule.
     let b = unsafe { bridge(ctx) };
-    match &b.direct {
-        Some(h) => b.block(|| h.malloc(size)),
-        None => b.block(|| b.handler.malloc(size)),
+    if let Some(h) = &b.direct
+        && let Some(block) = b.guard(None, || h.malloc_from_magazine(size))
+    {
+        return block.as_ptr().cast();
     }
+    malloc_slowly(b, size)
+}
+
+/// Out of line, so that the magazine hit above stays short.
+#[inline(never)]
+fn malloc_slowly(b: &Bridge, size: usize) -> *mut c_void {
+    b.block(|| b.handler.malloc(size))
 }
 
 unsafe extern "C" fn bridge_calloc(ctx: *mut c_void, nelem: usize, elsize: usize) -> *mut c_void {
@@ -177,12 +185,20 @@ unsafe extern "C" fn bridge_free(ctx: *mut c_void, ptr: *mut c_void, size: usize
     // SAFETY: as in `bridge_malloc`.
     let b = unsafe { bridge(ctx) };
     let block = NonNull::new(ptr.cast::<u8>());
+    if let Some(h) = &b.direct
+        && let Some(block) = block
+        && b.guard(false, || h.free_to_magazine(block, size))
+    {
+        return;
+    }
+    free_slowly(b, block, size);
+}
+
+/// Out of line, so that the magazine hit above stays short.
+#[inline(never)]
+fn free_slowly(b: &Bridge, block: Option<NonNull<u8>>, size: usize) {
     b.guard((), || {
-        let freed = match &b.direct {
-            Some(h) => h.free(block, size),
-            None => b.handler.free(block, size),
-        };
-        if let Err(e) = freed {
+        if let Err(e) = b.handler.free(block, size) {
             b.note(e);
         }
     });

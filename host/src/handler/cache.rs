@@ -95,7 +95,7 @@ impl Magazine {
 pub(super) struct Magazines {
     /// Sizes up to [`MAGAZINE_TABLE_SIZE`], indexed by size: the hot path. Built with
     /// the cache, so that a lookup is one bounds check (which is also the size check).
-    small: Box<[Magazine]>,
+    small: Box<[Magazine; MAGAZINE_TABLE_SIZE as usize + 1]>,
     mid: FastMap<u64, Magazine>,
     /// Bytes in all magazines' blocks.
     pub(super) cached_bytes: u64,
@@ -106,7 +106,9 @@ impl Magazines {
         Magazines {
             small: (0..=MAGAZINE_TABLE_SIZE)
                 .map(|s| Magazine::new(s.max(1)))
-                .collect(),
+                .collect::<Box<[_]>>()
+                .try_into()
+                .expect("one magazine per size up to the table's"),
             mid: FastMap::default(),
             cached_bytes: 0,
         }
@@ -115,7 +117,7 @@ impl Magazines {
     #[inline(always)]
     pub(super) fn of_size(&mut self, size: u64) -> &mut Magazine {
         if size <= MAGAZINE_TABLE_SIZE {
-            // In bounds: the table has an entry for every size up to its own.
+            // The table's length is in its type, so this compare is the only check.
             return &mut self.small[size as usize];
         }
         self.of_mid_size(size)
@@ -478,6 +480,7 @@ impl<'a> Mine<'a> {
         /// Clears `busy` however `f` ends, so that a claimer never waits for good.
         struct Leave<'a>(&'a AtomicBool);
         impl Drop for Leave<'_> {
+            #[inline(always)]
             fn drop(&mut self) {
                 // Release: a later claimer that sees `busy` clear sees the writes of `f`.
                 self.0.store(false, Ordering::Release);
@@ -568,9 +571,10 @@ pub(super) struct Slots {
     local: ThreadLocal<Slot>,
     next_id: AtomicU32,
     magazines: bool,
-    /// Set once the chain has failed: from then on no block enters a magazine. Only
-    /// read on the hot path, so the line stays shared, not bounced.
-    failed: AtomicBool,
+    /// `magazines` until the chain fails: from then on no block enters a magazine. One
+    /// flag for the hot path to read; only read there, so the line stays shared, not
+    /// bounced.
+    serving: AtomicBool,
 }
 
 impl Slots {
@@ -581,7 +585,7 @@ impl Slots {
             local: ThreadLocal::new(),
             next_id: AtomicU32::new(1),
             magazines,
-            failed: AtomicBool::new(false),
+            serving: AtomicBool::new(magazines),
         }
     }
 
@@ -652,16 +656,11 @@ impl Slots {
 
     #[inline]
     pub(super) fn keeps_magazines(&self) -> bool {
-        self.magazines && !self.failed()
-    }
-
-    #[inline]
-    pub(super) fn failed(&self) -> bool {
-        self.failed.load(Ordering::Relaxed)
+        self.serving.load(Ordering::Relaxed)
     }
 
     pub(super) fn set_failed(&self) {
-        self.failed.store(true, Ordering::Relaxed);
+        self.serving.store(false, Ordering::Relaxed);
     }
 }
 
