@@ -508,7 +508,8 @@ impl<'a> Mine<'a> {
 /// platform's ABI keeps in a register for thread-local storage. Reading it costs one
 /// instruction, where a thread-local variable in a shared library (the NumPy bridge)
 /// costs a call into the dynamic linker. A thread's pointer is reused only once that
-/// thread has exited, as its thread id is.
+/// thread has exited, as its thread id is. (x86-64 only: other targets are not built
+/// and tested here.)
 #[cfg(all(
     target_arch = "x86_64",
     any(target_os = "linux", target_os = "android")
@@ -529,27 +530,9 @@ fn thread_pointer() -> Option<usize> {
     Some(tp)
 }
 
-#[cfg(all(
-    target_arch = "aarch64",
-    any(target_os = "linux", target_os = "android")
-))]
-#[inline(always)]
-fn thread_pointer() -> Option<usize> {
-    let tp: usize;
-    // SAFETY: `tpidr_el0` is the thread pointer register user code may read; reading
-    // it touches no memory.
-    unsafe {
-        std::arch::asm!(
-            "mrs {}, tpidr_el0",
-            out(reg) tp,
-            options(nomem, nostack, preserves_flags, pure)
-        );
-    }
-    Some(tp)
-}
-
+/// Elsewhere every thread's slot is found through `local`.
 #[cfg(not(all(
-    any(target_arch = "x86_64", target_arch = "aarch64"),
+    target_arch = "x86_64",
     any(target_os = "linux", target_os = "android")
 )))]
 #[inline(always)]
