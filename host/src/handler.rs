@@ -17,7 +17,7 @@ use crate::ledger::TakeBack;
 use crate::link::{Link, PolicyInfo};
 use crate::memhandler::{MemHandler, Stats};
 pub use builder::HandlerBuilder;
-use cache::{MAGAZINE_MAX_SIZE, Magazines, Mine, Slots};
+use cache::{MAGAZINE_MAX_SIZE, Magazines, Mine, Reach, Slots};
 use chain::Chain;
 
 /// A NEP 49 data-memory handler whose placement decisions are made by a chain of
@@ -70,25 +70,32 @@ impl Handler {
     }
 
     /// [`Handler::malloc`]'s fast path alone: a block from the calling thread's
-    /// magazine for `size`, lent and counted as `malloc` would, or `None` when that
-    /// magazine is empty or there is none (then `malloc` asks the policy). For callers
-    /// that keep their slow path out of line.
+    /// magazine for `size`, lent and counted as `malloc` would, or `None` (nothing
+    /// changed) when the fast path cannot serve it: then `malloc` can. The fast path
+    /// calls nothing, so a caller that inlines it and keeps its own slow path out of
+    /// line (the NumPy bridge) runs a hit with no stack frame. It serves the first
+    /// thread to use the handler, sizes up to 1 KiB, while few blocks are lent.
     #[inline]
     pub fn malloc_from_magazine(&self, size: usize) -> Option<NonNull<u8>> {
         let size = (size as u64).max(1);
-        if !self.slots.keeps_magazines() || size > MAGAZINE_MAX_SIZE {
+        if !self.slots.keeps_magazines() {
             return None;
         }
-        self.slots.mine().with(|c| c.take(size)).and_then(to_ptr)
+        let mine = self.slots.primary()?;
+        mine.try_with(|c| c.take::<{ Reach::IN_PLACE }>(size))?
+            .and_then(to_ptr)
     }
 
-    /// A malloc the calling thread's magazine could not serve.
-    #[cold]
+    /// A malloc the fast path could not serve: from any thread's magazine, of any
+    /// magazine size, or from the chain.
     #[inline(never)]
     fn malloc_from_chain(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
         let size = (size as u64).max(1);
         let slot = self.slots.mine();
         let from_magazine = self.slots.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
+        if from_magazine && let Some(addr) = slot.with(|c| c.take::<{ Reach::FULL }>(size)) {
+            return Ok(to_ptr(addr));
+        }
         let mut c = self.chain.lock();
         if c.failure.is_some() {
             drop(c);
@@ -201,26 +208,35 @@ impl Handler {
         self.free_to_chain(ptr, size)
     }
 
-    /// [`Handler::free`]'s fast path alone: true when the block was one the calling
-    /// thread's cache lent and its magazine had room (it is back there, counted as
-    /// `free` would); false leaves everything as it was, for `free` to finish.
+    /// [`Handler::free`]'s fast path alone: true when the block went back into the
+    /// calling thread's magazine, counted as `free` would; false leaves everything as
+    /// it was, for `free` to finish. Calls nothing, as
+    /// [`Handler::malloc_from_magazine`].
     #[inline]
     pub fn free_to_magazine(&self, ptr: NonNull<u8>, size: usize) -> bool {
-        // A block this thread's cache lent goes back into its magazine when there is
-        // room; otherwise it takes the chain's path, still on the books.
-        self.slots.keeps_magazines()
-            && self
-                .slots
-                .mine()
-                .with(|c| c.put_back(ptr.as_ptr() as u64, size as u64))
+        if !self.slots.keeps_magazines() {
+            return false;
+        }
+        let Some(mine) = self.slots.primary() else {
+            return false;
+        };
+        mine.try_with(|c| c.put_back::<{ Reach::IN_PLACE }>(ptr.as_ptr() as u64, size as u64))
+            .unwrap_or(false)
     }
 
-    /// A free the calling thread's magazine could not take.
-    #[cold]
+    /// A free the fast path could not take: into any thread's magazine, or to the
+    /// chain.
     #[inline(never)]
     fn free_to_chain(&self, ptr: NonNull<u8>, size: usize) -> Result<(), Error> {
         let slot = self.slots.mine();
         let addr = ptr.as_ptr() as u64;
+        // A block this thread's cache lent goes back into its magazine when there is
+        // room; otherwise it takes the chain's path, still on the books.
+        if self.slots.keeps_magazines()
+            && slot.with(|c| c.put_back::<{ Reach::FULL }>(addr, size as u64))
+        {
+            return Ok(());
+        }
         let mut c = self.chain.lock();
         let entry = match c.head.lent().get(addr) {
             Some(e) => e,

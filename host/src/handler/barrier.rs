@@ -70,10 +70,18 @@ fn register() -> bool {
     false
 }
 
-/// The hot side.
+/// Decide now whether this process uses `membarrier`, so that later light barriers are
+/// compiler-only where the kernel allows it.
+pub(super) fn prepare() {
+    expedited();
+}
+
+/// The hot side. It calls nothing, so a fast path that inlines it needs no stack frame:
+/// until [`prepare`] (or a heavy barrier) has decided, it is a full fence, which pairs
+/// with either heavy side.
 #[inline]
 pub(super) fn light() {
-    if expedited() {
+    if KIND.load(Ordering::Acquire) == EXPEDITED {
         compiler_fence(Ordering::SeqCst);
     } else {
         fence(Ordering::SeqCst);

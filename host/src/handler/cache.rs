@@ -123,6 +123,24 @@ impl Magazines {
         self.of_mid_size(size)
     }
 
+    /// The magazine for `size` if it may take one more block: under the thread's byte
+    /// bound and its depth. `IN_PLACE` asks for a table size whose blocks have spare
+    /// capacity, so that the push neither calls nor allocates (see [`Reach`]).
+    #[inline(always)]
+    fn with_room<const IN_PLACE: bool>(&mut self, size: u64) -> Option<&mut Magazine> {
+        if self.cached_bytes + size > MAGAZINES_THREAD_BYTES {
+            return None;
+        }
+        let magazine = match IN_PLACE {
+            true if size <= MAGAZINE_TABLE_SIZE => &mut self.small[size as usize],
+            true => return None,
+            false => self.of_size(size),
+        };
+        let len = magazine.blocks.len();
+        let room = len < magazine.depth && (!IN_PLACE || len < magazine.blocks.capacity());
+        room.then_some(magazine)
+    }
+
     /// Out of line: a hash lookup inlined into the small sizes' path would spread it
     /// over more instruction-cache lines.
     #[inline(never)]
@@ -244,36 +262,45 @@ pub(super) struct Lent {
 }
 
 impl Lent {
-    #[inline]
-    pub(super) fn insert(&mut self, addr: u64, size: u64) {
+    /// The array's next place, when it is free.
+    #[inline(always)]
+    fn free_place(&self) -> Option<usize> {
         // Reduced here rather than when stored, so that the index needs no bounds check.
         let next = self.next % RECENT;
-        let place = self.recent[next];
-        if place.0 != 0 {
-            self.make_older(place);
-        }
-        self.recent[next] = (addr, size);
-        self.next = next + 1;
+        (self.recent[next].0 == 0).then_some(next)
     }
 
-    // The map's paths are out of line, so that a temporary's malloc and free stay a few
-    // instruction-cache lines long.
-    #[inline(never)]
-    fn make_older(&mut self, (addr, size): (u64, u64)) {
-        self.older.insert(addr, size);
+    #[inline(always)]
+    fn put(&mut self, place: usize, addr: u64, size: u64) {
+        self.recent[place] = (addr, size);
+        self.next = place + 1;
     }
 
-    #[inline(never)]
-    fn remove_older(&mut self, addr: u64) -> Option<u64> {
-        self.older.remove(&addr)
+    pub(super) fn insert(&mut self, addr: u64, size: u64) {
+        let place = match self.free_place() {
+            Some(place) => place,
+            None => {
+                // The oldest of the array moves to the map.
+                let place = self.next % RECENT;
+                let (old_addr, old_size) = self.recent[place];
+                self.older.insert(old_addr, old_size);
+                place
+            }
+        };
+        self.put(place, addr, size);
+    }
+
+    /// The array place that records `addr`.
+    #[inline(always)]
+    fn recent_place(&self, addr: u64) -> Option<usize> {
+        self.recent.iter().position(|&(a, _)| a == addr)
     }
 
     /// Take the block at `addr` off the record, with its size.
-    #[inline]
     pub(super) fn remove(&mut self, addr: u64) -> Option<u64> {
-        match self.recent.iter_mut().find(|(a, _)| *a == addr) {
-            Some(place) => Some(std::mem::take(place).1),
-            None => self.remove_older(addr),
+        match self.recent_place(addr) {
+            Some(place) => Some(std::mem::take(&mut self.recent[place]).1),
+            None => self.older.remove(&addr),
         }
     }
 
@@ -301,15 +328,40 @@ pub(super) struct ThreadCache {
     pub(super) counts: Counts,
 }
 
+/// How far a magazine hit may reach. `IN_PLACE` touches only the cache's fixed parts
+/// (the size table, the recent array, capacity already there): it calls nothing and
+/// allocates nothing, so the hit inlined into a caller needs no stack frame, and
+/// anything else is left to the full path. `FULL` also uses the lent map, mid sizes,
+/// and grows a magazine.
+pub(super) struct Reach;
+
+impl Reach {
+    pub(super) const IN_PLACE: bool = true;
+    pub(super) const FULL: bool = false;
+}
+
 impl ThreadCache {
     /// A client's malloc of `size` bytes served from a magazine; `None` when the
-    /// magazine is empty.
-    #[inline]
-    pub(super) fn take(&mut self, size: u64) -> Option<u64> {
+    /// magazine is empty, or it is beyond [`Reach`] `IN_PLACE` (nothing changed then).
+    #[inline(always)]
+    pub(super) fn take<const IN_PLACE: bool>(&mut self, size: u64) -> Option<u64> {
         let magazines = self.magazines.as_mut()?;
-        let addr = magazines.of_size(size).blocks.pop()?;
+        let magazine = match IN_PLACE {
+            true if size <= MAGAZINE_TABLE_SIZE => &mut magazines.small[size as usize],
+            true => return None,
+            false => magazines.of_size(size),
+        };
+        // In place, the block's record goes into a free place of the array or nowhere.
+        let place = match IN_PLACE {
+            true => Some(self.lent.free_place()?),
+            false => None,
+        };
+        let addr = magazine.blocks.pop()?;
         magazines.cached_bytes -= size;
-        self.lent.insert(addr, size);
+        match place {
+            Some(place) => self.lent.put(place, addr, size),
+            None => self.lent.insert(addr, size),
+        }
         self.counts.mallocs += 1;
         self.counts.magazine_hits += 1;
         self.counts.lend(size);
@@ -318,15 +370,30 @@ impl ThreadCache {
 
     /// A client's free of `addr`, said to have `said` bytes, taken back into a magazine
     /// if this cache lent it and the magazine has room. False leaves everything as it
-    /// was.
-    #[inline]
-    pub(super) fn put_back(&mut self, addr: u64, said: u64) -> bool {
-        let Some(recorded) = self.lent.remove(addr) else {
+    /// was (also for what is beyond [`Reach`] `IN_PLACE`).
+    #[inline(always)]
+    pub(super) fn put_back<const IN_PLACE: bool>(&mut self, addr: u64, said: u64) -> bool {
+        let (place, recorded) = match self.lent.recent_place(addr) {
+            Some(place) => (Some(place), self.lent.recent[place].1),
+            None if IN_PLACE => return false,
+            None => match self.lent.older.get(&addr) {
+                Some(&size) => (None, size),
+                None => return false,
+            },
+        };
+        let Some(magazines) = self.magazines.as_mut() else {
             return false;
         };
-        if !self.keep(addr, recorded) {
-            self.lent.insert(addr, recorded);
+        let Some(magazine) = magazines.with_room::<IN_PLACE>(recorded) else {
             return false;
+        };
+        magazine.blocks.push(addr);
+        magazines.cached_bytes += recorded;
+        match place {
+            Some(place) => self.lent.recent[place] = (0, 0),
+            None => {
+                self.lent.older.remove(&addr);
+            }
         }
         self.counts.frees += 1;
         self.counts.freed(recorded, said);
@@ -335,18 +402,13 @@ impl ThreadCache {
 
     /// Put a block the client gave back into its magazine if there is room without a
     /// spill. Returns whether it did.
-    #[inline]
     pub(super) fn keep(&mut self, addr: u64, size: u64) -> bool {
         let Some(magazines) = self.magazines.as_mut() else {
             return false;
         };
-        if magazines.cached_bytes + size > MAGAZINES_THREAD_BYTES {
+        let Some(magazine) = magazines.with_room::<{ Reach::FULL }>(size) else {
             return false;
-        }
-        let magazine = magazines.of_size(size);
-        if magazine.blocks.len() >= magazine.depth {
-            return false;
-        }
+        };
         magazine.blocks.push(addr);
         magazines.cached_bytes += size;
         true
@@ -477,6 +539,27 @@ impl<'a> Mine<'a> {
         if !self.enter() {
             return self.with_held(f);
         }
+        // SAFETY: `enter` just returned true.
+        unsafe { self.entered(f) }
+    }
+
+    /// [`Mine::with`] that steps back instead of waiting when another thread has the
+    /// cache claimed: `None` then.
+    #[inline(always)]
+    pub(super) fn try_with<R>(&self, f: impl FnOnce(&mut ThreadCache) -> R) -> Option<R> {
+        if !self.enter() {
+            return None;
+        }
+        // SAFETY: `enter` just returned true.
+        Some(unsafe { self.entered(f) })
+    }
+
+    /// Run `f` on the cache, then clear `busy`.
+    ///
+    /// # Safety
+    /// `enter` returned true, and `busy` has not been cleared since.
+    #[inline(always)]
+    unsafe fn entered<R>(&self, f: impl FnOnce(&mut ThreadCache) -> R) -> R {
         /// Clears `busy` however `f` ends, so that a claimer never waits for good.
         struct Leave<'a>(&'a AtomicBool);
         impl Drop for Leave<'_> {
@@ -487,9 +570,10 @@ impl<'a> Mine<'a> {
             }
         }
         let _leave = Leave(&self.slot.busy);
-        // SAFETY: `enter` set `busy` and saw no claim after the barrier, so no claimer
-        // reaches the cache until `busy` is cleared (see `Slot`); the owner holds no
-        // other guard across this call (callers pass `f`s that take none).
+        // SAFETY: by the caller's contract `busy` is set and no claim was seen after the
+        // barrier, so no claimer reaches the cache until `busy` is cleared (see `Slot`);
+        // the owner holds no other guard across this call (callers pass `f`s that take
+        // none).
         f(unsafe { &mut *self.slot.cache.get() })
     }
 
@@ -562,6 +646,7 @@ pub(super) struct Slots {
 
 impl Slots {
     pub(super) fn new(magazines: bool) -> Self {
+        super::barrier::prepare();
         Slots {
             primary_owner: AtomicUsize::new(0),
             primary: OnceLock::new(),
@@ -575,13 +660,10 @@ impl Slots {
     /// The calling thread's cache, made on its first call.
     #[inline]
     pub(super) fn mine(&self) -> Mine<'_> {
-        // Acquire: pairs with the release in `first_use`. Only the owner, or a thread
-        // that took over its thread pointer after it exited, sees its own pointer here.
-        let primary = match thread_pointer() {
-            Some(tp) if self.primary_owner.load(Ordering::Acquire) == tp => self.primary.get(),
-            _ => None,
-        };
-        let slot = match primary.or_else(|| self.local.get()) {
+        if let Some(mine) = self.primary() {
+            return mine;
+        }
+        let slot = match self.local.get() {
             Some(slot) => slot,
             None => self.first_use(),
         };
@@ -589,6 +671,20 @@ impl Slots {
             slot,
             _not_send: PhantomData,
         }
+    }
+
+    /// The primary slot, when the calling thread owns it: a compare, no call.
+    #[inline(always)]
+    pub(super) fn primary(&self) -> Option<Mine<'_>> {
+        // Acquire: pairs with the CAS in `first_use`. Only the owner, or a thread that
+        // took over its thread pointer after it exited, sees its own pointer here.
+        if self.primary_owner.load(Ordering::Acquire) != thread_pointer()? {
+            return None;
+        }
+        self.primary.get().map(|slot| Mine {
+            slot,
+            _not_send: PhantomData,
+        })
     }
 
     /// A thread's first call: the first thread to get here takes the primary slot,
@@ -709,6 +805,54 @@ mod tests {
         distinct.dedup();
         assert_eq!(distinct.len(), 4, "{ids:?}");
         assert!(slots.primary.get().is_some() == thread_pointer().is_some());
+    }
+
+    fn cache_with(size: u64, blocks: &[u64]) -> ThreadCache {
+        let mut cache = ThreadCache {
+            magazines: Some(Magazines::new()),
+            ..ThreadCache::default()
+        };
+        let magazines = cache.magazines.as_mut().unwrap();
+        let magazine = magazines.of_size(size);
+        magazine.blocks = blocks.to_vec();
+        magazines.cached_bytes = size * blocks.len() as u64;
+        cache
+    }
+
+    #[test]
+    fn an_in_place_hit_leaves_to_the_full_path_what_would_need_a_call() {
+        const IN_PLACE: bool = Reach::IN_PLACE;
+        const FULL: bool = Reach::FULL;
+        let blocks: Vec<u64> = (1..=12).map(|i| i * 0x1000).collect();
+        let mut c = cache_with(16, &blocks);
+        // The recent array's places fill up; then the record would go to the map.
+        let taken: Vec<u64> = (0..RECENT)
+            .map(|_| c.take::<IN_PLACE>(16).unwrap())
+            .collect();
+        assert_eq!(c.take::<IN_PLACE>(16), None);
+        assert_eq!(c.magazines.as_ref().unwrap().small[16].blocks.len(), 4);
+        let spilled_by = c.take::<FULL>(16).unwrap();
+        assert_eq!(c.lent.older.len(), 1, "the oldest record moved to the map");
+        // A block recorded in the map goes back only on the full path.
+        let in_map = taken[0];
+        assert!(!c.put_back::<IN_PLACE>(in_map, 16));
+        assert_eq!(c.lent.get(in_map), Some(16), "nothing changed");
+        // With no spare capacity, in place would have to grow the magazine.
+        c.magazines.as_mut().unwrap().small[16]
+            .blocks
+            .shrink_to_fit();
+        assert!(!c.put_back::<IN_PLACE>(spilled_by, 16));
+        assert_eq!(c.lent.get(spilled_by), Some(16), "nothing changed");
+        assert!(c.put_back::<FULL>(spilled_by, 16));
+        assert!(c.put_back::<FULL>(in_map, 16));
+        // Now there is room: in place takes a recent block back.
+        assert!(c.put_back::<IN_PLACE>(taken[1], 16));
+        assert_eq!(c.lent.get(taken[1]), None);
+        assert_eq!((c.counts.mallocs, c.counts.frees), (9, 3));
+        // Mid sizes are the full path's.
+        let mut mid = cache_with(4096, &[0x10000]);
+        assert_eq!(mid.take::<IN_PLACE>(4096), None);
+        assert_eq!(mid.take::<FULL>(4096), Some(0x10000));
     }
 
     #[test]
