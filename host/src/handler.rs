@@ -17,7 +17,7 @@ use crate::ledger::TakeBack;
 use crate::link::{Link, PolicyInfo};
 use crate::memhandler::{MemHandler, Stats};
 pub use builder::HandlerBuilder;
-use cache::{MAGAZINE_MAX_SIZE, Magazines, Mine, Reach, Slots};
+use cache::{MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, Magazines, Mine, Reach, Slots};
 use chain::Chain;
 
 /// A NEP 49 data-memory handler whose placement decisions are made by a chain of
@@ -63,22 +63,25 @@ impl Handler {
     /// A block of at least `size` bytes, `None` when out of memory.
     #[inline]
     pub fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
-        match self.malloc_from_magazine(size) {
-            Some(block) => Ok(Some(block)),
-            None => self.malloc_from_chain(size),
+        let size = (size as u64).max(1);
+        let slot = self.slots.mine();
+        let from_magazine = self.slots.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
+        if from_magazine && let Some(addr) = slot.with(|c| c.take::<{ Reach::FULL }>(size)) {
+            return Ok(to_ptr(addr));
         }
+        self.malloc_from_chain(slot, size, from_magazine)
     }
 
-    /// [`Handler::malloc`]'s fast path alone: a block from the calling thread's
+    /// The most common magazine hits alone: a block from the calling thread's
     /// magazine for `size`, lent and counted as `malloc` would, or `None` (nothing
-    /// changed) when the fast path cannot serve it: then `malloc` can. The fast path
-    /// calls nothing, so a caller that inlines it and keeps its own slow path out of
-    /// line (the NumPy bridge) runs a hit with no stack frame. It serves the first
+    /// changed) when this path cannot serve it; `malloc` can. It calls nothing, so a
+    /// caller that inlines it and keeps its own slow path (`malloc`) out of line, as
+    /// the NumPy bridge does, runs a hit with no stack frame. It serves the first
     /// thread to use the handler, sizes up to 1 KiB, while few blocks are lent.
     #[inline]
     pub fn malloc_from_magazine(&self, size: usize) -> Option<NonNull<u8>> {
         let size = (size as u64).max(1);
-        if !self.slots.keeps_magazines() {
+        if !self.slots.keeps_magazines() || size > MAGAZINE_TABLE_SIZE {
             return None;
         }
         let mine = self.slots.primary()?;
@@ -86,16 +89,15 @@ impl Handler {
             .and_then(to_ptr)
     }
 
-    /// A malloc the fast path could not serve: from any thread's magazine, of any
-    /// magazine size, or from the chain.
+    /// A malloc the calling thread's magazine could not serve.
+    #[cold]
     #[inline(never)]
-    fn malloc_from_chain(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
-        let size = (size as u64).max(1);
-        let slot = self.slots.mine();
-        let from_magazine = self.slots.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
-        if from_magazine && let Some(addr) = slot.with(|c| c.take::<{ Reach::FULL }>(size)) {
-            return Ok(to_ptr(addr));
-        }
+    fn malloc_from_chain(
+        &self,
+        slot: Mine<'_>,
+        size: u64,
+        from_magazine: bool,
+    ) -> Result<Option<NonNull<u8>>, Error> {
         let mut c = self.chain.lock();
         if c.failure.is_some() {
             drop(c);
@@ -202,19 +204,25 @@ impl Handler {
         let Some(ptr) = ptr else {
             return Ok(());
         };
-        if self.free_to_magazine(ptr, size) {
+        // A block this thread's cache lent goes back into its magazine when there is
+        // room; otherwise it takes the chain's path, still on the books.
+        let slot = self.slots.mine();
+        if self.slots.keeps_magazines()
+            && slot.with(|c| c.put_back::<{ Reach::FULL }>(ptr.as_ptr() as u64, size as u64))
+        {
             return Ok(());
         }
-        self.free_to_chain(ptr, size)
+        self.free_to_chain(slot, ptr, size)
     }
 
-    /// [`Handler::free`]'s fast path alone: true when the block went back into the
+    /// The most common magazine frees alone: true when the block went back into the
     /// calling thread's magazine, counted as `free` would; false leaves everything as
-    /// it was, for `free` to finish. Calls nothing, as
-    /// [`Handler::malloc_from_magazine`].
+    /// it was, for `free` to do. Calls nothing, as [`Handler::malloc_from_magazine`].
     #[inline]
     pub fn free_to_magazine(&self, ptr: NonNull<u8>, size: usize) -> bool {
-        if !self.slots.keeps_magazines() {
+        // The size said is only a filter here (the recorded one is what counts): a block
+        // said to be larger than the table's sizes is left to the full path.
+        if !self.slots.keeps_magazines() || size as u64 > MAGAZINE_TABLE_SIZE {
             return false;
         }
         let Some(mine) = self.slots.primary() else {
@@ -224,19 +232,11 @@ impl Handler {
             .unwrap_or(false)
     }
 
-    /// A free the fast path could not take: into any thread's magazine, or to the
-    /// chain.
+    /// A free the calling thread's magazine could not take.
+    #[cold]
     #[inline(never)]
-    fn free_to_chain(&self, ptr: NonNull<u8>, size: usize) -> Result<(), Error> {
-        let slot = self.slots.mine();
+    fn free_to_chain(&self, slot: Mine<'_>, ptr: NonNull<u8>, size: usize) -> Result<(), Error> {
         let addr = ptr.as_ptr() as u64;
-        // A block this thread's cache lent goes back into its magazine when there is
-        // room; otherwise it takes the chain's path, still on the books.
-        if self.slots.keeps_magazines()
-            && slot.with(|c| c.put_back::<{ Reach::FULL }>(addr, size as u64))
-        {
-            return Ok(());
-        }
         let mut c = self.chain.lock();
         let entry = match c.head.lent().get(addr) {
             Some(e) => e,

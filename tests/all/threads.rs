@@ -218,3 +218,40 @@ fn the_handler_goes_on_after_its_first_thread_exits() {
     assert_eq!(stats.frees, stats.mallocs + 1);
     h.leak_check().unwrap();
 }
+
+/// The fast path the NumPy bridge inlines (`malloc_from_magazine`, `free_to_magazine`)
+/// serves the first thread's hits and keeps every client check: a wrong size is
+/// corrected from the record, and a second free is left to `free`, which names it.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+#[test]
+fn the_fast_path_serves_hits_and_leaves_client_errors_to_be_named() {
+    let h = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
+    // Through the full path first, so that the magazine for 16 bytes holds blocks.
+    let warm = h.malloc(16).unwrap();
+    h.free(warm, 16).unwrap();
+    let p = h.malloc_from_magazine(16).expect("a hit on the fast path");
+    fill(p, 16, 0x11);
+    assert!(holds(p, 16, 0x11));
+    assert_eq!(h.block_size(p), Some(16));
+    assert!(h.free_to_magazine(p, 24), "a wrong size said is corrected");
+    assert_eq!(h.stats().size_corrections, 1);
+    assert!(
+        !h.free_to_magazine(p, 16),
+        "not lent any more: left to `free`"
+    );
+    assert!(matches!(
+        h.free(Some(p), 16),
+        Err(Error::Client(ClientError::DoubleFree { .. }))
+    ));
+    // Beyond the fast path (a mid size): nothing happens, and `malloc` serves it.
+    assert_eq!(h.malloc_from_magazine(4096), None);
+    let mid = h.malloc(4096).unwrap();
+    assert!(!h.free_to_magazine(mid.unwrap(), 4096));
+    h.free(mid, 4096).unwrap();
+    h.audit().unwrap();
+    let stats = h.stats();
+    assert_eq!((stats.mallocs, stats.live_blocks), (3, 0));
+    assert!(stats.magazine_hits >= 1);
+    h.trim().unwrap();
+    h.leak_check().unwrap();
+}

@@ -34,7 +34,7 @@ use crate::memhandler::Stats;
 /// mid-size arrays.
 pub(super) const MAGAZINE_MAX_SIZE: u64 = 64 << 10;
 /// Sizes up to this have their magazine in a table indexed by size; larger ones in a map.
-const MAGAZINE_TABLE_SIZE: u64 = 1024;
+pub(super) const MAGAZINE_TABLE_SIZE: u64 = 1024;
 /// Bytes one magazine may cache: its depth is this many bytes of blocks, within
 /// [`MAGAZINE_MIN_DEPTH`]..=[`MAGAZINE_DEPTH`] blocks, so a 16-byte magazine holds 64
 /// blocks and a 64 KiB one 4.
@@ -276,18 +276,34 @@ impl Lent {
         self.next = place + 1;
     }
 
+    #[inline]
     pub(super) fn insert(&mut self, addr: u64, size: u64) {
         let place = match self.free_place() {
             Some(place) => place,
-            None => {
-                // The oldest of the array moves to the map.
-                let place = self.next % RECENT;
-                let (old_addr, old_size) = self.recent[place];
-                self.older.insert(old_addr, old_size);
-                place
-            }
+            None => self.make_place(),
         };
         self.put(place, addr, size);
+    }
+
+    // The map's paths are out of line, so that the hits around them stay short.
+
+    /// Free the array's next place: its block's record moves to the map.
+    #[inline(never)]
+    fn make_place(&mut self) -> usize {
+        let place = self.next % RECENT;
+        let (addr, size) = std::mem::take(&mut self.recent[place]);
+        self.older.insert(addr, size);
+        place
+    }
+
+    #[inline(never)]
+    fn older_size(&self, addr: u64) -> Option<u64> {
+        self.older.get(&addr).copied()
+    }
+
+    #[inline(never)]
+    fn remove_older(&mut self, addr: u64) -> Option<u64> {
+        self.older.remove(&addr)
     }
 
     /// The array place that records `addr`.
@@ -300,7 +316,7 @@ impl Lent {
     pub(super) fn remove(&mut self, addr: u64) -> Option<u64> {
         match self.recent_place(addr) {
             Some(place) => Some(std::mem::take(&mut self.recent[place]).1),
-            None => self.older.remove(&addr),
+            None => self.remove_older(addr),
         }
     }
 
@@ -376,8 +392,8 @@ impl ThreadCache {
         let (place, recorded) = match self.lent.recent_place(addr) {
             Some(place) => (Some(place), self.lent.recent[place].1),
             None if IN_PLACE => return false,
-            None => match self.lent.older.get(&addr) {
-                Some(&size) => (None, size),
+            None => match self.lent.older_size(addr) {
+                Some(size) => (None, size),
                 None => return false,
             },
         };
@@ -392,7 +408,7 @@ impl ThreadCache {
         match place {
             Some(place) => self.lent.recent[place] = (0, 0),
             None => {
-                self.lent.older.remove(&addr);
+                self.lent.remove_older(addr);
             }
         }
         self.counts.frees += 1;
