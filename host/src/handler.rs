@@ -13,7 +13,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::error::{ClientError, Error, InvariantBroken};
-use crate::ledger::TakeBack;
+use crate::ledger::{Ordered, TakeBack};
 use crate::link::{Link, PolicyInfo};
 use crate::memhandler::{MemHandler, Stats};
 pub use builder::HandlerBuilder;
@@ -324,9 +324,9 @@ impl Handler {
             if let Err(what) = lent.check_consistent() {
                 return Err(broken(0, 0, what));
             }
-            let upstream = link.upstream();
+            let upstream = link.upstream().lent().order_afresh();
             for (addr, e) in lent.iter() {
-                if upstream.lent().containing(addr, e.size).is_none() {
+                if Ordered::from(&upstream).containing(addr, e.size).is_none() {
                     return Err(broken(
                         addr,
                         e.size,

@@ -1,10 +1,16 @@
 //! The host's own record of the blocks lent across one boundary.
 //!
-//! Ordered by address so that "which block contains this range" and "does this range
-//! overlap a live block" are one `range` query each, O(log n); indexed by address too,
-//! so the exact lookups of every client call (magazine hits, frees) are one hash probe.
-//! The ledger never trusts the party it records: it is filled from what the host saw
-//! cross the boundary.
+//! Indexed by address, so the exact lookups of every client call (magazine hits, frees)
+//! are one hash probe; ordered by address too, so that "which block contains this
+//! range" and "does this range overlap a live block" are one `range` query each,
+//! O(log n). The ledger never trusts the party it records: it is filled from what the
+//! host saw cross the boundary.
+//!
+//! The order is kept lazily. Most blocks live for one malloc/free pair, and no range
+//! query falls between their two ends: a B-tree insert and remove for each would be
+//! a third of what the host adds to a component call (callgrind, `system` per op).
+//! So a new block waits in a short list, and goes into the B-tree only when a range
+//! query comes (or the list fills); a block taken back before then leaves no trace there.
 
 use std::collections::BTreeMap;
 
@@ -23,6 +29,14 @@ pub(crate) struct Entry {
     pub(crate) cache: Option<CacheId>,
 }
 
+/// A block as the ledger keeps it.
+#[derive(Debug, Clone, Copy)]
+struct Record {
+    entry: Entry,
+    /// In `ranges`; otherwise in `unordered`.
+    ordered: bool,
+}
+
 /// Why a block cannot be taken back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum TakeBack {
@@ -37,12 +51,19 @@ pub(crate) enum TakeBack {
 /// How many recently freed addresses are remembered to tell a double free from a wild one.
 const FREED_HISTORY: usize = 64;
 
+/// How many blocks may wait outside the order: a bound on the ledger's own memory (the
+/// list is allocated once) and on the work one range query may have to do first.
+const UNORDERED_LIMIT: usize = 64;
+
 #[derive(Debug)]
 pub(crate) struct Ledger {
-    /// Address -> size, for range queries.
+    /// Address -> block: every live block.
+    blocks: FastMap<u64, Record>,
+    /// Address -> size, for range queries: the live blocks marked `ordered`.
     ranges: BTreeMap<u64, u64>,
-    /// Address -> entry, for exact lookups.
-    blocks: FastMap<u64, Entry>,
+    /// The live blocks not yet in `ranges`, and addresses of blocks taken back since
+    /// (which ordering skips). Newest last.
+    unordered: Vec<u64>,
     bytes: u64,
     peak_bytes: u64,
     /// Boxed: a ledger sits inline in every link's state.
@@ -56,8 +77,9 @@ pub(crate) struct Ledger {
 impl Default for Ledger {
     fn default() -> Self {
         Ledger {
-            ranges: BTreeMap::new(),
             blocks: FastMap::default(),
+            ranges: BTreeMap::new(),
+            unordered: Vec::with_capacity(UNORDERED_LIMIT),
             bytes: 0,
             peak_bytes: 0,
             freed: Box::new([0; FREED_HISTORY]),
@@ -87,15 +109,15 @@ impl Ledger {
     }
 
     pub(crate) fn get(&self, addr: u64) -> Option<Entry> {
-        self.blocks.get(&addr).copied()
+        self.blocks.get(&addr).map(|r| r.entry)
     }
 
     /// Name the thread cache that holds the block at `addr`; false if there is none.
     /// (The only change made to a block in place: its address and size never change.)
     pub(crate) fn set_cache(&mut self, addr: u64, cache: Option<CacheId>) -> bool {
         match self.blocks.get_mut(&addr) {
-            Some(entry) => {
-                entry.cache = cache;
+            Some(record) => {
+                record.entry.cache = cache;
                 true
             }
             None => false,
@@ -106,78 +128,74 @@ impl Ledger {
         self.generation
     }
 
-    /// Every block, by address.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, Entry)> + '_ {
-        self.ranges.keys().map(|a| (*a, self.blocks[a]))
+    /// Every block, by address. O(n log n), from the address index alone: for audits
+    /// and for releasing a dead link's memory, not hot paths.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, Entry)> + use<> {
+        let mut all: Vec<(u64, Entry)> = self.blocks.iter().map(|(&a, r)| (a, r.entry)).collect();
+        all.sort_unstable_by_key(|&(a, _)| a);
+        all.into_iter()
     }
 
-    /// The live block that `[addr, addr+len)` overlaps, if any (the lowest such block is
-    /// not promised, only some block). `len` is at least 1 for every block the host
-    /// records, so empty ranges never overlap.
-    pub(crate) fn overlapping(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
-        let end = addr.checked_add(len)?;
-        // The last block starting before `end` is the only candidate that can reach into
-        // the range from below or start inside it; blocks never overlap each other.
-        let (&start, &size) = self.ranges.range(..end).next_back()?;
-        (start + size > addr).then_some((start, size))
+    /// The order of every live block built afresh from the address index, for audits,
+    /// which should not rely on the lazily kept order they check: see
+    /// [`Ordered::from`].
+    pub(crate) fn order_afresh(&self) -> BTreeMap<u64, u64> {
+        self.iter().map(|(a, e)| (a, e.size)).collect()
     }
 
-    /// Every live block overlapping `[addr, addr+len)`, highest first.
-    pub(crate) fn overlapping_all(
-        &self,
-        addr: u64,
-        len: u64,
-    ) -> impl Iterator<Item = (u64, u64)> + '_ {
-        let end = addr.saturating_add(len);
-        // Blocks are disjoint and sorted: walking down from `end`, the first block that
-        // ends at or before `addr` ends the walk.
-        self.ranges
-            .range(..end)
-            .rev()
-            .map(|(&start, &size)| (start, size))
-            .take_while(move |&(start, size)| start + size > addr)
-    }
-
-    /// The free stretch around `[addr, addr+len)` (`len` at least 1): from the end of
-    /// the nearest block below it to the start of the nearest block above it, or `None`
-    /// when a block overlaps the range.
-    pub(crate) fn gap_around(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
-        let end = addr.checked_add(len)?;
-        let below = match self.ranges.range(..end).next_back() {
-            Some((&start, &size)) if start + size > addr => return None,
-            Some((&start, &size)) => start + size,
-            None => 0,
-        };
-        let above = self
-            .ranges
-            .range(end..)
-            .next()
-            .map_or(u64::MAX, |(&a, _)| a);
-        Some((below, above))
-    }
-
-    /// The live block that wholly contains `[addr, addr+len)`.
-    pub(crate) fn containing(&self, addr: u64, len: u64) -> Option<(u64, u64)> {
-        let end = addr.checked_add(len)?;
-        let (&start, &size) = self.ranges.range(..=addr).next_back()?;
-        (start + size >= end).then_some((start, size))
+    /// The order of every live block, for range queries.
+    pub(crate) fn ordered(&mut self) -> Ordered<'_> {
+        for addr in self.unordered.drain(..) {
+            // An address whose block was taken back (and not lent again), or that
+            // appears twice because it was lent again meanwhile, is skipped.
+            if let Some(record) = self.blocks.get_mut(&addr)
+                && !record.ordered
+            {
+                record.ordered = true;
+                self.ranges.insert(addr, record.entry.size);
+            }
+        }
+        Ordered(&self.ranges)
     }
 
     /// Record a newly lent block. The caller has checked that it overlaps nothing.
     pub(crate) fn insert(&mut self, addr: u64, size: u64) {
-        debug_assert!(self.overlapping(addr, size).is_none());
-        self.blocks.insert(addr, Entry { size, cache: None });
-        self.ranges.insert(addr, size);
+        debug_assert!(!self.overlaps_any(addr, size));
+        if self.unordered.len() == UNORDERED_LIMIT {
+            self.ordered();
+        }
+        self.unordered.push(addr);
+        let record = Record {
+            entry: Entry { size, cache: None },
+            ordered: false,
+        };
+        self.blocks.insert(addr, record);
         self.bytes += size;
         self.peak_bytes = self.peak_bytes.max(self.bytes);
         self.generation += 1;
     }
 
+    /// Does `[addr, addr+size)` overlap a live block? Leaves the order as lazy as it
+    /// was, so that checking it in debug builds does not change what tests exercise.
+    fn overlaps_any(&self, addr: u64, size: u64) -> bool {
+        let end = addr.saturating_add(size);
+        let waiting = self.unordered.iter().any(|a| {
+            self.blocks
+                .get(a)
+                .is_some_and(|r| !r.ordered && *a < end && a + r.entry.size > addr)
+        });
+        waiting || Ordered(&self.ranges).overlapping(addr, size).is_some()
+    }
+
     /// Take back the block at `addr` that must have been lent with `size` bytes.
     pub(crate) fn take_back(&mut self, addr: u64, size: u64) -> Result<Entry, TakeBack> {
         match self.blocks.get(&addr) {
-            Some(e) if e.size == size => {}
-            Some(e) => return Err(TakeBack::WrongSize { recorded: e.size }),
+            Some(r) if r.entry.size == size => {}
+            Some(r) => {
+                return Err(TakeBack::WrongSize {
+                    recorded: r.entry.size,
+                });
+            }
             None => return Err(self.why_unknown(addr)),
         }
         Ok(self.remove(addr).expect("block was just found"))
@@ -185,13 +203,18 @@ impl Ledger {
 
     /// Remove the block at `addr` whatever its size.
     pub(crate) fn remove(&mut self, addr: u64) -> Option<Entry> {
-        let entry = self.blocks.remove(&addr)?;
-        self.ranges.remove(&addr);
-        self.bytes -= entry.size;
+        let record = self.blocks.remove(&addr)?;
+        if record.ordered {
+            self.ranges.remove(&addr);
+        } else if self.unordered.last() == Some(&addr) {
+            // The common life: lent and taken back with nothing in between.
+            self.unordered.pop();
+        }
+        self.bytes -= record.entry.size;
         self.generation += 1;
         self.freed[self.freed_next] = addr;
         self.freed_next = (self.freed_next + 1) % FREED_HISTORY;
-        Some(entry)
+        Some(record.entry)
     }
 
     /// Why an address that is not live cannot be freed.
@@ -203,23 +226,35 @@ impl Ledger {
         }
     }
 
-    /// Do the address index and the range index hold the same blocks, disjoint, with the
-    /// byte count their sum? O(n): for audits, not hot paths.
+    /// Do the address index, the order and the waiting list hold the same blocks,
+    /// disjoint, with the byte count their sum? O(n log n): for audits, not hot paths.
     pub(crate) fn check_consistent(&self) -> Result<(), &'static str> {
-        if self.ranges.len() != self.blocks.len() {
-            return Err("ledger indexes disagree on the number of blocks");
+        let ordered = self.blocks.values().filter(|r| r.ordered).count();
+        if self.ranges.len() != ordered {
+            return Err("ledger order and address index disagree on the number of blocks");
+        }
+        for (&addr, &size) in &self.ranges {
+            match self.blocks.get(&addr) {
+                Some(r) if r.ordered && r.entry.size == size => {}
+                _ => return Err("ledger order and address index disagree on a block"),
+            }
+        }
+        let waiting = self
+            .blocks
+            .iter()
+            .filter(|(_, r)| !r.ordered)
+            .all(|(a, _)| self.unordered.contains(a));
+        if !waiting {
+            return Err("ledger lost a block from its order");
         }
         let mut end = 0;
         let mut bytes = 0u64;
-        for (&addr, &size) in &self.ranges {
-            if self.blocks.get(&addr).map(|e| e.size) != Some(size) {
-                return Err("ledger indexes disagree on a block");
-            }
+        for (addr, entry) in self.iter() {
             if addr < end {
                 return Err("ledger holds overlapping blocks");
             }
-            end = addr.saturating_add(size);
-            bytes += size;
+            end = addr.saturating_add(entry.size);
+            bytes += entry.size;
         }
         if bytes != self.bytes {
             return Err("ledger byte count is not the sum of its blocks");
@@ -232,7 +267,72 @@ impl Ledger {
         self.bytes = 0;
         self.generation += 1;
         self.ranges.clear();
-        std::mem::take(&mut self.blocks).into_iter().collect()
+        self.unordered.clear();
+        std::mem::take(&mut self.blocks)
+            .into_iter()
+            .map(|(a, r)| (a, r.entry))
+            .collect()
+    }
+}
+
+/// A ledger's live blocks in address order; they never overlap each other.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ordered<'a>(&'a BTreeMap<u64, u64>);
+
+impl<'a> From<&'a BTreeMap<u64, u64>> for Ordered<'a> {
+    /// Disjoint blocks, address -> size, in order.
+    fn from(blocks: &'a BTreeMap<u64, u64>) -> Self {
+        Ordered(blocks)
+    }
+}
+
+impl<'a> Ordered<'a> {
+    /// The live block that `[addr, addr+len)` overlaps, if any (the lowest such block is
+    /// not promised, only some block). `len` is at least 1 for every block the host
+    /// records, so empty ranges never overlap.
+    pub(crate) fn overlapping(self, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let end = addr.checked_add(len)?;
+        // The last block starting before `end` is the only candidate that can reach into
+        // the range from below or start inside it; blocks never overlap each other.
+        let (&start, &size) = self.0.range(..end).next_back()?;
+        (start + size > addr).then_some((start, size))
+    }
+
+    /// Every live block overlapping `[addr, addr+len)`, highest first.
+    pub(crate) fn overlapping_all(
+        self,
+        addr: u64,
+        len: u64,
+    ) -> impl Iterator<Item = (u64, u64)> + 'a {
+        let end = addr.saturating_add(len);
+        // Blocks are disjoint and sorted: walking down from `end`, the first block that
+        // ends at or before `addr` ends the walk.
+        self.0
+            .range(..end)
+            .rev()
+            .map(|(&start, &size)| (start, size))
+            .take_while(move |&(start, size)| start + size > addr)
+    }
+
+    /// The free stretch around `[addr, addr+len)` (`len` at least 1): from the end of
+    /// the nearest block below it to the start of the nearest block above it, or `None`
+    /// when a block overlaps the range.
+    pub(crate) fn gap_around(self, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let end = addr.checked_add(len)?;
+        let below = match self.0.range(..end).next_back() {
+            Some((&start, &size)) if start + size > addr => return None,
+            Some((&start, &size)) => start + size,
+            None => 0,
+        };
+        let above = self.0.range(end..).next().map_or(u64::MAX, |(&a, _)| a);
+        Some((below, above))
+    }
+
+    /// The live block that wholly contains `[addr, addr+len)`.
+    pub(crate) fn containing(self, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let end = addr.checked_add(len)?;
+        let (&start, &size) = self.0.range(..=addr).next_back()?;
+        (start + size >= end).then_some((start, size))
     }
 }
 
@@ -250,7 +350,8 @@ mod tests {
 
     #[test]
     fn overlap_is_found_from_below_inside_and_above() {
-        let l = ledger(&[(100, 50), (200, 10)]);
+        let mut l = ledger(&[(100, 50), (200, 10)]);
+        let l = l.ordered();
         assert_eq!(
             l.overlapping(90, 11),
             Some((100, 50)),
@@ -269,7 +370,8 @@ mod tests {
 
     #[test]
     fn every_overlapping_block_is_found() {
-        let l = ledger(&[(100, 10), (110, 10), (130, 10), (200, 10)]);
+        let mut l = ledger(&[(100, 10), (110, 10), (130, 10), (200, 10)]);
+        let l = l.ordered();
         let found: Vec<_> = l.overlapping_all(105, 30).collect();
         assert_eq!(found, [(130, 10), (110, 10), (100, 10)]);
         assert_eq!(l.overlapping_all(140, 60).count(), 0);
@@ -277,7 +379,8 @@ mod tests {
 
     #[test]
     fn the_gap_around_a_range_reaches_the_neighbouring_blocks() {
-        let l = ledger(&[(100, 10), (200, 10)]);
+        let mut l = ledger(&[(100, 10), (200, 10)]);
+        let l = l.ordered();
         assert_eq!(l.gap_around(150, 10), Some((110, 200)));
         assert_eq!(
             l.gap_around(110, 90),
@@ -311,7 +414,8 @@ mod tests {
 
     #[test]
     fn containment_needs_the_whole_range_inside_one_block() {
-        let l = ledger(&[(100, 50), (150, 50)]);
+        let mut l = ledger(&[(100, 50), (150, 50)]);
+        let l = l.ordered();
         assert_eq!(l.containing(100, 50), Some((100, 50)));
         assert_eq!(l.containing(120, 10), Some((100, 50)));
         assert_eq!(l.containing(140, 20), None, "spans two adjacent blocks");
@@ -332,5 +436,78 @@ mod tests {
         assert_eq!(l.take_back(300, 50), Err(TakeBack::Unknown));
         assert_eq!(l.bytes(), 0);
         assert!(l.is_empty());
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Lend { slot: u64, size: u64 },
+        TakeBack { slot: u64 },
+        Query { addr: u64, len: u64 },
+    }
+
+    /// Blocks sit in 64-byte slots, so any mix of lends is disjoint; queries span
+    /// several slots.
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (0..96u64, 1..=64u64).prop_map(|(slot, size)| Op::Lend { slot, size }),
+            3 => (0..96u64).prop_map(|slot| Op::TakeBack { slot }),
+            1 => (0..96 * 64u64, 1..300u64).prop_map(|(addr, len)| Op::Query { addr, len }),
+        ]
+    }
+
+    proptest::proptest! {
+        /// However lends, take-backs and range queries interleave (blocks lent and
+        /// taken back between queries, addresses lent again, the waiting list filling
+        /// up), every query answers as a plain scan of the live blocks would.
+        #[test]
+        fn the_lazy_order_answers_every_query_as_a_full_scan_would(
+            ops in proptest::collection::vec(op(), 1..400),
+        ) {
+            let mut l = Ledger::default();
+            let mut live: BTreeMap<u64, u64> = BTreeMap::new();
+            for op in ops {
+                match op {
+                    Op::Lend { slot, size } => {
+                        let addr = slot * 64;
+                        if let std::collections::btree_map::Entry::Vacant(v) = live.entry(addr) {
+                            v.insert(size);
+                            l.insert(addr, size);
+                        }
+                    }
+                    Op::TakeBack { slot } => {
+                        let addr = slot * 64;
+                        match live.remove(&addr) {
+                            Some(size) => proptest::prop_assert!(l.take_back(addr, size).is_ok()),
+                            None => proptest::prop_assert!(l.take_back(addr, 1).is_err()),
+                        }
+                    }
+                    Op::Query { addr, len } => {
+                        let end = addr + len;
+                        let hits: Vec<(u64, u64)> = live
+                            .iter()
+                            .rev()
+                            .map(|(&a, &s)| (a, s))
+                            .filter(|&(a, s)| a < end && a + s > addr)
+                            .collect();
+                        let inside = live
+                            .iter()
+                            .map(|(&a, &s)| (a, s))
+                            .find(|&(a, s)| a <= addr && end <= a + s);
+                        let below = live.values().zip(live.keys()).map(|(s, a)| a + s).filter(|&e| e <= addr).max().unwrap_or(0);
+                        let above = live.keys().copied().find(|&a| a >= end).unwrap_or(u64::MAX);
+                        let order = l.ordered();
+                        proptest::prop_assert_eq!(order.overlapping(addr, len).is_some(), !hits.is_empty());
+                        proptest::prop_assert_eq!(order.overlapping_all(addr, len).collect::<Vec<_>>(), hits.clone());
+                        proptest::prop_assert_eq!(order.containing(addr, len), inside);
+                        let gap = hits.is_empty().then_some((below, above));
+                        proptest::prop_assert_eq!(order.gap_around(addr, len), gap);
+                    }
+                }
+                proptest::prop_assert_eq!(l.check_consistent(), Ok(()));
+                proptest::prop_assert_eq!(l.len(), live.len());
+                proptest::prop_assert!(l.unordered.len() <= UNORDERED_LIMIT);
+            }
+        }
     }
 }

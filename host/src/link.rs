@@ -66,6 +66,13 @@ impl Upstream {
         }
     }
 
+    pub(crate) fn lent_mut(&mut self) -> &mut Ledger {
+        match self {
+            Upstream::System(s) => &mut s.lent,
+            Upstream::Policy(l) => l.lent_mut(),
+        }
+    }
+
     // The methods below absorb a failing upstream policy into "none": the caller is a
     // healthy guest that must not be trapped for its upstream's fault. The failure is
     // kept as the failing link's unreported failure and travels up as the calls return
@@ -359,9 +366,9 @@ impl Link {
     }
 
     /// The rule a block this link returned breaks, if any.
-    fn misplaced(&self, addr: u64, size: u64) -> Option<Rule> {
+    fn misplaced(&mut self, addr: u64, size: u64) -> Option<Rule> {
         let alignment = self.info.alignment;
-        let state = self.store.data();
+        let state = self.store.data_mut();
         if !addr.is_multiple_of(alignment) {
             Some(Rule::Misaligned { alignment })
         } else if state.cleared(addr, size) {
@@ -373,11 +380,18 @@ impl Link {
                 released,
                 released_size,
             })
-        } else if state.upstream.lent().containing(addr, size).is_none() {
+        } else if state
+            .upstream
+            .lent_mut()
+            .ordered()
+            .containing(addr, size)
+            .is_none()
+        {
             Some(Rule::OutsideOwned)
         } else {
             state
                 .lent
+                .ordered()
                 .overlapping(addr, size)
                 .map(|(other, other_size)| Rule::Overlap { other, other_size })
         }
