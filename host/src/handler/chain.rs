@@ -44,12 +44,27 @@ impl Chain {
     /// Finish a call into the chain: act on its failure, or on one deep down that the
     /// head's guest saw as "none" and that travelled up beside the answer. The caller
     /// holds no thread cache: a failure empties every cache.
+    #[inline]
     pub(super) fn settle(
         &mut self,
         slots: &Slots,
         answer: Result<u64, Error>,
     ) -> Result<u64, Error> {
         let below = self.head.take_unreported();
+        if below.is_none() && answer.is_ok() {
+            return answer;
+        }
+        self.settle_failure(slots, answer, below)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn settle_failure(
+        &mut self,
+        slots: &Slots,
+        answer: Result<u64, Error>,
+        below: Option<Arc<Error>>,
+    ) -> Result<u64, Error> {
         match (answer, below) {
             (Err(e), _) => {
                 self.fail(slots, Arc::new(e.clone()));
