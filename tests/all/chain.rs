@@ -76,3 +76,34 @@ fn the_arena_serves_from_chunks_and_returns_them_on_trim() {
     h.trim().unwrap();
     assert_eq!(h.held_from_host(), (0, 0));
 }
+
+#[test]
+fn the_large_block_cache_keeps_the_newest_blocks_and_reuses_them() {
+    const MIB: usize = 1 << 20;
+    let h = handler(&allocbox_artifacts::SIZE_CLASSES, &[("large-cache", "2")]);
+    let first: Vec<_> = (0..2)
+        .map(|_| h.malloc(2 * MIB).unwrap().unwrap())
+        .collect();
+    for p in first {
+        h.free(Some(p), 2 * MIB).unwrap();
+    }
+    assert_eq!(h.held_from_host(), (2, 4 << 20), "both freed blocks kept");
+    // A full cache still takes a new size: it gives back its oldest block instead.
+    let q = h.malloc(3 * MIB).unwrap().unwrap();
+    h.free(Some(q), 3 * MIB).unwrap();
+    assert_eq!(
+        h.held_from_host(),
+        (2, 5 << 20),
+        "the oldest block made room"
+    );
+    let again = h.malloc(3 * MIB).unwrap().unwrap();
+    assert_eq!(again, q, "the newest size is served from the cache");
+    assert_eq!(
+        h.held_from_host(),
+        (2, 5 << 20),
+        "nothing new from the host"
+    );
+    h.free(Some(again), 3 * MIB).unwrap();
+    h.trim().unwrap();
+    assert_eq!(h.held_from_host(), (0, 0));
+}

@@ -3,7 +3,7 @@
 //! Sizes below [`NBUCKETS`] bytes get one exact-size bucket each; a bucket keeps at most
 //! `bucket-depth` freed blocks and hands them out again before asking upstream. Larger
 //! sizes, and frees that find their bucket full, go straight upstream — except, with
-//! `large-cache = N`, up to N freed blocks of at least [`LARGE`] bytes, which `malloc`
+//! `large-cache = N`, the last N freed blocks of at least [`LARGE`] bytes, which `malloc`
 //! reuses for the same size: NumPy's `a + b + c` on big arrays makes temporaries of one
 //! size over and over, and a reused block skips the kernel's page faults (NumPy's default
 //! handler does not do this).
@@ -58,22 +58,27 @@ impl Cache {
         self.bucket(size)?.pop()
     }
 
-    /// Keeps `ptr` if there is room for it; otherwise the caller frees it upstream.
-    fn keep(&mut self, ptr: u64, size: u64) -> bool {
+    /// Keeps `ptr` if it can. Returns the block, `(ptr, size)`, that the caller must free
+    /// upstream: `ptr` itself when its bucket is full, or the oldest large block, which
+    /// a large one displaces. A full large cache that refused newcomers would keep the
+    /// sizes a program used first: NumPy's bench of 8-32 MiB then 64 MiB temporaries
+    /// ran at 1.00-1.05x NumPy's default with a cache of 4 that never reused a block.
+    fn keep(&mut self, ptr: u64, size: u64) -> Option<(u64, u64)> {
         if size >= LARGE {
-            if self.large.len() < self.large_limit {
-                self.large.push((size, ptr));
-                return true;
+            if self.large_limit == 0 {
+                return Some((ptr, size));
             }
-            return false;
+            let displaced = (self.large.len() == self.large_limit).then(|| self.large.remove(0));
+            self.large.push((size, ptr));
+            return displaced.map(|(size, ptr)| (ptr, size));
         }
         let depth = self.depth;
         match self.bucket(size) {
             Some(bucket) if bucket.len() < depth => {
                 bucket.push(ptr);
-                true
+                None
             }
-            _ => false,
+            _ => Some((ptr, size)),
         }
     }
 }
@@ -133,7 +138,10 @@ impl Allocator for SizeClasses {
     }
 
     fn free(ptr: u64, size: u64) {
-        if ptr != 0 && !with_cache(|c| c.keep(ptr, size)) {
+        if ptr == 0 {
+            return;
+        }
+        if let Some((ptr, size)) = with_cache(|c| c.keep(ptr, size)) {
             upstream::free(ptr, size);
         }
     }
