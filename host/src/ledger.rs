@@ -13,6 +13,7 @@
 //! query comes (or the list fills); a block taken back before then leaves no trace there.
 
 use std::collections::BTreeMap;
+use std::collections::hash_map::Entry as Slot;
 
 use crate::fasthash::FastMap;
 
@@ -189,21 +190,27 @@ impl Ledger {
 
     /// Take back the block at `addr` that must have been lent with `size` bytes.
     pub(crate) fn take_back(&mut self, addr: u64, size: u64) -> Result<Entry, TakeBack> {
-        match self.blocks.get(&addr) {
-            Some(r) if r.entry.size == size => {}
-            Some(r) => {
-                return Err(TakeBack::WrongSize {
-                    recorded: r.entry.size,
-                });
+        // One probe for the check and the removal: this is every give-back's path.
+        match self.blocks.entry(addr) {
+            Slot::Occupied(found) if found.get().entry.size == size => {
+                let record = found.remove();
+                Ok(self.forget(addr, record))
             }
-            None => return Err(self.why_unknown(addr)),
+            Slot::Occupied(found) => Err(TakeBack::WrongSize {
+                recorded: found.get().entry.size,
+            }),
+            Slot::Vacant(_) => Err(self.why_unknown(addr)),
         }
-        Ok(self.remove(addr).expect("block was just found"))
     }
 
     /// Remove the block at `addr` whatever its size.
     pub(crate) fn remove(&mut self, addr: u64) -> Option<Entry> {
         let record = self.blocks.remove(&addr)?;
+        Some(self.forget(addr, record))
+    }
+
+    /// The bookkeeping of a block just removed from the address index.
+    fn forget(&mut self, addr: u64, record: Record) -> Entry {
         if record.ordered {
             self.ranges.remove(&addr);
         } else if self.unordered.last() == Some(&addr) {
@@ -214,7 +221,7 @@ impl Ledger {
         self.generation += 1;
         self.freed[self.freed_next] = addr;
         self.freed_next = (self.freed_next + 1) % FREED_HISTORY;
-        Some(record.entry)
+        record.entry
     }
 
     /// Why an address that is not live cannot be freed.

@@ -520,6 +520,9 @@ impl Link {
             self.release_if_done();
             return Ok(());
         }
+        if let Some(entry) = entry {
+            self.store.data_mut().clear_taken_back(ptr, entry.size);
+        }
         self.calls.frees += 1;
         self.enter(Call::Free, 0, |g, s| g.call_free(s, ptr, size))
     }

@@ -126,6 +126,26 @@ fn giving_back_upstream_memory_under_a_lent_block_is_refused_and_the_block_survi
 }
 
 #[test]
+fn a_block_given_back_clears_itself_for_its_policy_and_not_its_lent_neighbour() {
+    let h = broken("scribble-after-free");
+    let first = h.malloc(64).unwrap().unwrap();
+    let second = h.malloc(64).unwrap().unwrap();
+    assert_eq!(second.as_ptr() as usize, first.as_ptr() as usize + 64);
+    fill(second, 64, 0xC7);
+    let err = h.free(Some(first), 64).unwrap_err();
+    let Error::Violation(v) = &err else {
+        panic!("expected a violation, got: {err}");
+    };
+    // The policy's write into the block it got back passed; the next one did not.
+    assert_eq!(
+        (&v.rule, v.call),
+        (&Rule::BytesOutOfBounds, Call::BytesWrite)
+    );
+    assert_eq!(v.addr, second.as_ptr() as u64, "{err}");
+    assert!(holds(second, 64, 0xC7), "the lent neighbour changed");
+}
+
+#[test]
 fn a_write_beside_a_lent_block_does_not_clear_the_block() {
     for fault in ["scribble-beside", "scribble-stale"] {
         let h = broken(fault);

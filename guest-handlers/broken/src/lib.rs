@@ -70,6 +70,11 @@ enum Fault {
     /// As `scribble-beside`, but the second `malloc` writes into the lent block first:
     /// what the host allowed before the block was lent must not outlive the lending.
     ScribbleStale,
+    /// Blocks of up to 64 bytes are carved one after another from one 4 KiB upstream
+    /// chunk, 64 bytes apart. `free` writes a word into the block given back (its own
+    /// again: allowed), then the first word of the block after it, still lent: what the
+    /// host cleared when the client gave the block back must not reach its neighbour.
+    ScribbleAfterFree,
     /// `realloc` that does not grow gives the old block back upstream and answers it
     /// again: a use after free the host must refuse.
     ReallocFreeAnswerOld,
@@ -145,6 +150,7 @@ const FAULTS: &[(&str, Fault)] = &[
     ("scribble", Fault::Scribble),
     ("scribble-beside", Fault::ScribbleBeside),
     ("scribble-stale", Fault::ScribbleStale),
+    ("scribble-after-free", Fault::ScribbleAfterFree),
     ("realloc-free-answer-old", Fault::ReallocFreeAnswerOld),
     (
         "realloc-upstream-answer-old",
@@ -294,6 +300,18 @@ impl Allocator for Broken {
                 bytes::write_u64(chunk, 0x5C21_BB1E_5C21_BB1E);
                 0
             }
+            Fault::ScribbleAfterFree => {
+                let chunk = match LAST.with(Cell::get) {
+                    0 => upstream::malloc(4096),
+                    chunk => chunk,
+                };
+                LAST.with(|l| l.set(chunk));
+                let carved = MALLOCS.with(|m| m.replace(m.get() + 1));
+                if chunk == 0 || size > 64 || carved >= 4096 / 64 {
+                    return 0;
+                }
+                chunk + carved * 64
+            }
             Fault::MallocManyHuge => {
                 black_box(upstream::malloc_many(1, u32::MAX));
                 upstream::malloc(size)
@@ -401,6 +419,10 @@ impl Allocator for Broken {
                 upstream::free(ptr, size);
             }
             Fault::ForeignFree => upstream::free(ptr + 4096, size),
+            Fault::ScribbleAfterFree => {
+                bytes::write_u64(ptr, 0);
+                bytes::write_u64(ptr + 64, 0x5C21_BB1E_5C21_BB1E);
+            }
             Fault::Leak if size >= 64 => {}
             Fault::StaleAfterTrim | Fault::RecycledCallocDirty => {
                 FREE_LIST.with(|l| l.borrow_mut().push((ptr, size)));

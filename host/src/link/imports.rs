@@ -160,6 +160,21 @@ impl LinkState {
         });
     }
 
+    /// Make a block this policy's client just gave back, of `size` bytes as the link's
+    /// ledger recorded it and now off it, the clearance. It lies inside one upstream
+    /// block the policy still holds (admission checked that, and no give-back upstream
+    /// may take memory from under a lent block), and lent blocks are disjoint, so it
+    /// overlaps none of those left. The policy's own give-back of that memory, or the
+    /// header it writes there, then needs no query.
+    pub(super) fn clear_taken_back(&mut self, block: u64, size: u64) {
+        self.clearance = Some(Clearance {
+            start: block,
+            end: block.saturating_add(size),
+            upstream: self.upstream.lent().generation(),
+            lent: self.lent.generation(),
+        });
+    }
+
     /// The full check behind [`Self::cleared`]: does `[at, at+len)` (`len` at least 1)
     /// lie inside one upstream block this policy holds, outside held-back memory and
     /// every block it lent? If so, the clear stretch around it becomes the clearance.
