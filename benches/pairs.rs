@@ -6,6 +6,8 @@
 //! The floor is the `system` policy instantiated with plain wasmtime and an upstream that
 //! does nothing: the same two calls and two imports per pair that allocbox's `system`
 //! makes, without the ledger, the checks or the lock. The difference is the host's work.
+//! A second floor's upstream allocates for real (glibc, as allocbox's host memory does),
+//! so the difference from it is what allocbox's ledger, checks and lock cost alone.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -27,6 +29,12 @@ const MID_SIZE: usize = 64 << 10;
 struct RawHost {
     wasi: WasiCtx,
     table: ResourceTable,
+    /// The upstream allocates and frees with glibc rather than answering one address.
+    real_memory: bool,
+}
+
+fn raw_layout(size: u64) -> std::alloc::Layout {
+    std::alloc::Layout::from_size_align(size.max(1) as usize, 16).unwrap()
 }
 
 impl WasiView for RawHost {
@@ -39,8 +47,12 @@ impl WasiView for RawHost {
 }
 
 impl raw::allocbox::policy::allocator::Host for RawHost {
-    fn malloc(&mut self, _size: u64) -> u64 {
-        4096
+    fn malloc(&mut self, size: u64) -> u64 {
+        if !self.real_memory {
+            return 4096;
+        }
+        // SAFETY: a non-zero layout; the policy frees it with the size it asked.
+        unsafe { std::alloc::alloc(raw_layout(size)) as u64 }
     }
     fn calloc(&mut self, _n: u64, _e: u64) -> u64 {
         4096
@@ -48,7 +60,12 @@ impl raw::allocbox::policy::allocator::Host for RawHost {
     fn realloc(&mut self, _p: u64, _o: u64, _n: u64) -> u64 {
         4096
     }
-    fn free(&mut self, _p: u64, _s: u64) {}
+    fn free(&mut self, p: u64, s: u64) {
+        if self.real_memory {
+            // SAFETY: `system` frees each block it took from `malloc` once, with its size.
+            unsafe { std::alloc::dealloc(p as *mut u8, raw_layout(s)) };
+        }
+    }
     fn malloc_many(&mut self, _s: u64, _c: u32) -> Vec<u64> {
         Vec::new()
     }
@@ -68,7 +85,7 @@ impl raw::allocbox::policy::bytes::Host for RawHost {
     fn write_u64(&mut self, _at: u64, _value: u64) {}
 }
 
-fn raw_system() -> (Store<RawHost>, raw::Policy) {
+fn raw_system(real_memory: bool) -> (Store<RawHost>, raw::Policy) {
     let mut config = Config::new();
     config.concurrency_support(false);
     let engine = Engine::new(&config).unwrap();
@@ -83,6 +100,7 @@ fn raw_system() -> (Store<RawHost>, raw::Policy) {
         RawHost {
             wasi: WasiCtx::builder().build(),
             table: ResourceTable::new(),
+            real_memory,
         },
     );
     let policy = raw::Policy::instantiate(&mut store, &component, &linker).unwrap();
@@ -176,7 +194,7 @@ fn main() {
 
     let glibc = median_ns(rounds, iters, || glibc_pair(SIZE));
 
-    let (mut store, raw) = raw_system();
+    let (mut store, raw) = raw_system(false);
     let empty_call = median_ns(rounds, iters, || {
         raw.allocbox_policy_lifecycle()
             .call_trim(&mut store)
@@ -186,6 +204,14 @@ fn main() {
         let a = raw.allocbox_policy_allocator();
         let p = a.call_malloc(&mut store, black_box(SIZE as u64)).unwrap();
         a.call_free(&mut store, p, SIZE as u64).unwrap();
+    });
+    let (mut real_store, real) = raw_system(true);
+    let floor_with_memory = median_ns(rounds, iters, || {
+        let a = real.allocbox_policy_allocator();
+        let p = a
+            .call_malloc(&mut real_store, black_box(SIZE as u64))
+            .unwrap();
+        a.call_free(&mut real_store, p, SIZE as u64).unwrap();
     });
 
     use allocbox_artifacts::{SIZE_CLASSES, SYSTEM};
@@ -224,6 +250,7 @@ fn main() {
     row("glibc malloc+free", glibc);
     row("empty component call (one)", empty_call);
     row("floor: raw wasmtime system (2 calls+2 imports)", floor);
+    row("floor, upstream allocating with glibc", floor_with_memory);
     for (name, h) in &cases {
         row(name, median_ns(rounds, iters, || pair(h, SIZE)));
     }
