@@ -9,8 +9,11 @@
 //! The order is kept lazily. Most blocks live for one malloc/free pair, and no range
 //! query falls between their two ends: a B-tree insert and remove for each would be
 //! a third of what the host adds to a component call (callgrind, `system` per op).
-//! So a new block waits in a short list, and goes into the B-tree only when a range
-//! query comes (or the list fills); a block taken back before then leaves no trace there.
+//! So a new block waits in a short list, and goes into the B-tree only when the list
+//! fills or a query needs the whole order; a block taken back before then leaves no
+//! trace there. The nearest-block queries of the hot checks ([`Ledger::nearby`]) scan a
+//! short list beside the B-tree instead: a policy that reads a block's header once
+//! before giving it back (NEP 49's `aligned`) still orders nothing.
 
 use std::collections::BTreeMap;
 use std::collections::hash_map::Entry as Slot;
@@ -56,15 +59,17 @@ const FREED_HISTORY: usize = 64;
 /// list is allocated once) and on the work one range query may have to do first.
 const UNORDERED_LIMIT: usize = 64;
 
+/// How many waiting blocks a nearest-block query scans rather than orders.
+const SCAN_LIMIT: usize = 8;
+
 #[derive(Debug)]
 pub(crate) struct Ledger {
     /// Address -> block: every live block.
     blocks: FastMap<u64, Record>,
     /// Address -> size, for range queries: the live blocks marked `ordered`.
     ranges: BTreeMap<u64, u64>,
-    /// The live blocks not yet in `ranges`, and addresses of blocks taken back since
-    /// (which ordering skips). Newest last.
-    unordered: Vec<u64>,
+    /// Address and size of exactly the live blocks not in `ranges`. Newest last.
+    unordered: Vec<(u64, u64)>,
     bytes: u64,
     peak_bytes: u64,
     /// Boxed: a ledger sits inline in every link's state.
@@ -146,17 +151,24 @@ impl Ledger {
 
     /// The order of every live block, for range queries.
     pub(crate) fn ordered(&mut self) -> Ordered<'_> {
-        for addr in self.unordered.drain(..) {
-            // An address whose block was taken back (and not lent again), or that
-            // appears twice because it was lent again meanwhile, is skipped.
-            if let Some(record) = self.blocks.get_mut(&addr)
-                && !record.ordered
-            {
-                record.ordered = true;
-                self.ranges.insert(addr, record.entry.size);
-            }
+        for (addr, size) in self.unordered.drain(..) {
+            let record = self.blocks.get_mut(&addr).expect("waiting blocks are live");
+            record.ordered = true;
+            self.ranges.insert(addr, size);
         }
         Ordered(&self.ranges)
+    }
+
+    /// Every live block for the nearest-block queries: the order, and the blocks still
+    /// waiting outside it while they are few enough to scan.
+    pub(crate) fn nearby(&mut self) -> Nearby<'_> {
+        if self.unordered.len() > SCAN_LIMIT {
+            self.ordered();
+        }
+        Nearby {
+            ordered: Ordered(&self.ranges),
+            waiting: &self.unordered,
+        }
     }
 
     /// Record a newly lent block. The caller has checked that it overlaps nothing.
@@ -165,7 +177,7 @@ impl Ledger {
         if self.unordered.len() == UNORDERED_LIMIT {
             self.ordered();
         }
-        self.unordered.push(addr);
+        self.unordered.push((addr, size));
         let record = Record {
             entry: Entry { size, cache: None },
             ordered: false,
@@ -179,13 +191,12 @@ impl Ledger {
     /// Does `[addr, addr+size)` overlap a live block? Leaves the order as lazy as it
     /// was, so that checking it in debug builds does not change what tests exercise.
     fn overlaps_any(&self, addr: u64, size: u64) -> bool {
-        let end = addr.saturating_add(size);
-        let waiting = self.unordered.iter().any(|a| {
-            self.blocks
-                .get(a)
-                .is_some_and(|r| !r.ordered && *a < end && a + r.entry.size > addr)
-        });
-        waiting || Ordered(&self.ranges).overlapping(addr, size).is_some()
+        Nearby {
+            ordered: Ordered(&self.ranges),
+            waiting: &self.unordered,
+        }
+        .overlapping(addr, size)
+        .is_some()
     }
 
     /// Take back the block at `addr` that must have been lent with `size` bytes.
@@ -213,15 +224,30 @@ impl Ledger {
     fn forget(&mut self, addr: u64, record: Record) -> Entry {
         if record.ordered {
             self.ranges.remove(&addr);
-        } else if self.unordered.last() == Some(&addr) {
+        } else if self.unordered.last().is_some_and(|&(a, _)| a == addr) {
             // The common life: lent and taken back with nothing in between.
             self.unordered.pop();
+        } else {
+            self.unlist(addr);
         }
         self.bytes -= record.entry.size;
         self.generation += 1;
         self.freed[self.freed_next] = addr;
         self.freed_next = (self.freed_next + 1) % FREED_HISTORY;
         record.entry
+    }
+
+    /// Take a block that is not the newest off the waiting list. Out of line, so that
+    /// the common take-back stays short.
+    #[cold]
+    #[inline(never)]
+    fn unlist(&mut self, addr: u64) {
+        let at = self
+            .unordered
+            .iter()
+            .rposition(|&(a, _)| a == addr)
+            .expect("a block outside the order waits in the list");
+        self.unordered.remove(at);
     }
 
     /// Why an address that is not live cannot be freed.
@@ -246,13 +272,14 @@ impl Ledger {
                 _ => return Err("ledger order and address index disagree on a block"),
             }
         }
-        let waiting = self
-            .blocks
-            .iter()
-            .filter(|(_, r)| !r.ordered)
-            .all(|(a, _)| self.unordered.contains(a));
-        if !waiting {
-            return Err("ledger lost a block from its order");
+        let waiting = self.blocks.values().filter(|r| !r.ordered).count();
+        let listed = self.unordered.iter().all(|&(a, size)| {
+            self.blocks
+                .get(&a)
+                .is_some_and(|r| !r.ordered && r.entry.size == size)
+        });
+        if waiting != self.unordered.len() || !listed {
+            return Err("ledger's waiting list and address index disagree");
         }
         let mut end = 0;
         let mut bytes = 0u64;
@@ -343,6 +370,54 @@ impl<'a> Ordered<'a> {
     }
 }
 
+/// A ledger's live blocks for the queries that need only the blocks nearest a range:
+/// the ordered ones, and the few still waiting outside the order, scanned.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Nearby<'a> {
+    ordered: Ordered<'a>,
+    waiting: &'a [(u64, u64)],
+}
+
+impl Nearby<'_> {
+    /// As [`Ordered::overlapping`].
+    pub(crate) fn overlapping(self, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let end = addr.checked_add(len)?;
+        self.ordered.overlapping(addr, len).or_else(|| {
+            self.waiting
+                .iter()
+                .copied()
+                .find(|&(start, size)| start < end && start + size > addr)
+        })
+    }
+
+    /// As [`Ordered::gap_around`].
+    pub(crate) fn gap_around(self, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let end = addr.checked_add(len)?;
+        let (mut below, mut above) = self.ordered.gap_around(addr, len)?;
+        for &(start, size) in self.waiting {
+            if start >= end {
+                above = above.min(start);
+            } else if start + size <= addr {
+                below = below.max(start + size);
+            } else {
+                return None;
+            }
+        }
+        Some((below, above))
+    }
+
+    /// As [`Ordered::containing`]: blocks are disjoint, so at most one contains it.
+    pub(crate) fn containing(self, addr: u64, len: u64) -> Option<(u64, u64)> {
+        let end = addr.checked_add(len)?;
+        self.ordered.containing(addr, len).or_else(|| {
+            self.waiting
+                .iter()
+                .copied()
+                .find(|&(start, size)| start <= addr && end <= start + size)
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -421,7 +496,14 @@ mod tests {
 
     #[test]
     fn containment_needs_the_whole_range_inside_one_block() {
+        // Asked of the blocks waiting outside the order, then of the order.
         let mut l = ledger(&[(100, 50), (150, 50)]);
+        let near = l.nearby();
+        assert_eq!(near.containing(100, 50), Some((100, 50)));
+        assert_eq!(near.containing(120, 10), Some((100, 50)));
+        assert_eq!(near.containing(140, 20), None, "spans two adjacent blocks");
+        assert_eq!(near.containing(99, 2), None);
+        assert_eq!(near.containing(u64::MAX, 2), None, "overflowing range");
         let l = l.ordered();
         assert_eq!(l.containing(100, 50), Some((100, 50)));
         assert_eq!(l.containing(120, 10), Some((100, 50)));
@@ -447,9 +529,19 @@ mod tests {
 
     #[derive(Debug, Clone)]
     enum Op {
-        Lend { slot: u64, size: u64 },
-        TakeBack { slot: u64 },
-        Query { addr: u64, len: u64 },
+        Lend {
+            slot: u64,
+            size: u64,
+        },
+        TakeBack {
+            slot: u64,
+        },
+        /// `whole`: a query of the whole order; otherwise a nearest-block query.
+        Query {
+            addr: u64,
+            len: u64,
+            whole: bool,
+        },
     }
 
     /// Blocks sit in 64-byte slots, so any mix of lends is disjoint; queries span
@@ -459,14 +551,16 @@ mod tests {
         prop_oneof![
             4 => (0..96u64, 1..=64u64).prop_map(|(slot, size)| Op::Lend { slot, size }),
             3 => (0..96u64).prop_map(|slot| Op::TakeBack { slot }),
-            1 => (0..96 * 64u64, 1..300u64).prop_map(|(addr, len)| Op::Query { addr, len }),
+            2 => (0..96 * 64u64, 1..300u64, any::<bool>())
+                .prop_map(|(addr, len, whole)| Op::Query { addr, len, whole }),
         ]
     }
 
     proptest::proptest! {
         /// However lends, take-backs and range queries interleave (blocks lent and
-        /// taken back between queries, addresses lent again, the waiting list filling
-        /// up), every query answers as a plain scan of the live blocks would.
+        /// taken back between queries, in any order, addresses lent again, the waiting
+        /// list filling up or scanned), every query answers as a plain scan of the live
+        /// blocks would.
         #[test]
         fn the_lazy_order_answers_every_query_as_a_full_scan_would(
             ops in proptest::collection::vec(op(), 1..400),
@@ -489,7 +583,7 @@ mod tests {
                             None => proptest::prop_assert!(l.take_back(addr, 1).is_err()),
                         }
                     }
-                    Op::Query { addr, len } => {
+                    Op::Query { addr, len, whole } => {
                         let end = addr + len;
                         let hits: Vec<(u64, u64)> = live
                             .iter()
@@ -503,12 +597,20 @@ mod tests {
                             .find(|&(a, s)| a <= addr && end <= a + s);
                         let below = live.values().zip(live.keys()).map(|(s, a)| a + s).filter(|&e| e <= addr).max().unwrap_or(0);
                         let above = live.keys().copied().find(|&a| a >= end).unwrap_or(u64::MAX);
-                        let order = l.ordered();
-                        proptest::prop_assert_eq!(order.overlapping(addr, len).is_some(), !hits.is_empty());
-                        proptest::prop_assert_eq!(order.overlapping_all(addr, len).collect::<Vec<_>>(), hits.clone());
-                        proptest::prop_assert_eq!(order.containing(addr, len), inside);
                         let gap = hits.is_empty().then_some((below, above));
-                        proptest::prop_assert_eq!(order.gap_around(addr, len), gap);
+                        if whole {
+                            let order = l.ordered();
+                            proptest::prop_assert_eq!(order.overlapping(addr, len).is_some(), !hits.is_empty());
+                            proptest::prop_assert_eq!(order.overlapping_all(addr, len).collect::<Vec<_>>(), hits.clone());
+                            proptest::prop_assert_eq!(order.containing(addr, len), inside);
+                            proptest::prop_assert_eq!(order.gap_around(addr, len), gap);
+                        } else {
+                            let near = l.nearby();
+                            proptest::prop_assert_eq!(near.overlapping(addr, len).is_some(), !hits.is_empty());
+                            proptest::prop_assert_eq!(near.containing(addr, len), inside);
+                            proptest::prop_assert_eq!(near.gap_around(addr, len), gap);
+                            proptest::prop_assert!(l.unordered.len() <= SCAN_LIMIT);
+                        }
                     }
                 }
                 proptest::prop_assert_eq!(l.check_consistent(), Ok(()));

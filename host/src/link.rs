@@ -383,7 +383,7 @@ impl Link {
         } else if state
             .upstream
             .lent_mut()
-            .ordered()
+            .nearby()
             .containing(addr, size)
             .is_none()
         {
@@ -391,7 +391,7 @@ impl Link {
         } else {
             state
                 .lent
-                .ordered()
+                .nearby()
                 .overlapping(addr, size)
                 .map(|(other, other_size)| Rule::Overlap { other, other_size })
         }

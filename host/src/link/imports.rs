@@ -179,14 +179,14 @@ impl LinkState {
     /// lie inside one upstream block this policy holds, outside held-back memory and
     /// every block it lent? If so, the clear stretch around it becomes the clearance.
     fn clear(&mut self, at: u64, len: u64) -> bool {
-        let Some((block, block_size)) = self.upstream.lent_mut().ordered().containing(at, len)
+        let Some((block, block_size)) = self.upstream.lent_mut().nearby().containing(at, len)
         else {
             return false;
         };
         if self.transit.held_back_overlapping(at, len).is_some() {
             return false;
         }
-        let Some((gap_start, gap_end)) = self.lent.ordered().gap_around(at, len) else {
+        let Some((gap_start, gap_end)) = self.lent.nearby().gap_around(at, len) else {
             return false;
         };
         self.clearance = Some(Clearance {
