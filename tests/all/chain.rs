@@ -82,28 +82,53 @@ fn the_large_block_cache_keeps_the_newest_blocks_and_reuses_them() {
     const MIB: usize = 1 << 20;
     let h = handler(&allocbox_artifacts::SIZE_CLASSES, &[("large-cache", "2")]);
     let first: Vec<_> = (0..2)
-        .map(|_| h.malloc(2 * MIB).unwrap().unwrap())
+        .map(|_| h.malloc(3 * MIB).unwrap().unwrap())
         .collect();
     for p in first {
-        h.free(Some(p), 2 * MIB).unwrap();
+        h.free(Some(p), 3 * MIB).unwrap();
     }
-    assert_eq!(h.held_from_host(), (2, 4 << 20), "both freed blocks kept");
+    assert_eq!(h.held_from_host(), (2, 6 << 20), "both freed blocks kept");
+    // A smaller size misses, and the larger blocks stay cached beside it.
+    let q = h.malloc(2 * MIB).unwrap().unwrap();
+    assert_eq!(h.held_from_host(), (3, 8 << 20));
     // A full cache still takes a new size: it gives back its oldest block instead.
-    let q = h.malloc(3 * MIB).unwrap().unwrap();
-    h.free(Some(q), 3 * MIB).unwrap();
+    h.free(Some(q), 2 * MIB).unwrap();
     assert_eq!(
         h.held_from_host(),
         (2, 5 << 20),
         "the oldest block made room"
     );
-    let again = h.malloc(3 * MIB).unwrap().unwrap();
+    let again = h.malloc(2 * MIB).unwrap().unwrap();
     assert_eq!(again, q, "the newest size is served from the cache");
     assert_eq!(
         h.held_from_host(),
         (2, 5 << 20),
         "nothing new from the host"
     );
-    h.free(Some(again), 3 * MIB).unwrap();
+    h.free(Some(again), 2 * MIB).unwrap();
+    h.trim().unwrap();
+    assert_eq!(h.held_from_host(), (0, 0));
+}
+
+#[test]
+fn a_miss_for_a_larger_block_gives_back_the_smaller_cached_ones_first() {
+    const MIB: usize = 1 << 20;
+    let h = handler(&allocbox_artifacts::SIZE_CLASSES, &[("large-cache", "4")]);
+    let kept: Vec<_> = [2 * MIB, 3 * MIB, 5 * MIB]
+        .into_iter()
+        .map(|size| (h.malloc(size).unwrap().unwrap(), size))
+        .collect();
+    for &(p, size) in &kept {
+        h.free(Some(p), size).unwrap();
+    }
+    assert_eq!(h.held_from_host(), (3, 10 << 20));
+    // 4 MiB: the 2 and 3 MiB blocks cannot serve it and go back upstream; 5 MiB stays.
+    let p = h.malloc(4 * MIB).unwrap().unwrap();
+    assert_eq!(h.held_from_host(), (2, 9 << 20));
+    h.free(Some(p), 4 * MIB).unwrap();
+    let again = h.malloc(5 * MIB).unwrap().unwrap();
+    assert_eq!(again, kept[2].0, "the larger block was kept for its size");
+    h.free(Some(again), 5 * MIB).unwrap();
     h.trim().unwrap();
     assert_eq!(h.held_from_host(), (0, 0));
 }

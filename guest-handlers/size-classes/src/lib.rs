@@ -6,7 +6,9 @@
 //! `large-cache = N`, the last N freed blocks of at least [`LARGE`] bytes, which `malloc`
 //! reuses for the same size: NumPy's `a + b + c` on big arrays makes temporaries of one
 //! size over and over, and a reused block skips the kernel's page faults (NumPy's default
-//! handler does not do this).
+//! handler does not do this). A miss for a larger size first gives back the smaller
+//! blocks kept: held idle, they made NumPy's 8-32 MiB bench slower than the default
+//! handler (1.02-1.06x) although it faulted less; given back, 0.88-0.90x.
 //!
 //! Every cached block is a whole upstream block of exactly its bucket's size (it was got
 //! upstream with that size, and the sized-free rule means it comes back with it), so
@@ -58,6 +60,19 @@ impl Cache {
         self.bucket(size)?.pop()
     }
 
+    /// On a miss for a large `size`: the cached large blocks smaller than it, taken out.
+    /// They cannot serve it, and a program that moved on to larger arrays seldom comes
+    /// back; given back first, they let upstream serve the request from memory still
+    /// warm rather than hold it idle beside the new arrays.
+    fn smaller_large(&mut self, size: u64) -> Vec<(u64, u64)> {
+        if size < LARGE || !self.large.iter().any(|&(s, _)| s < size) {
+            return Vec::new();
+        }
+        let (smaller, kept) = self.large.drain(..).partition(|&(s, _)| s < size);
+        self.large = kept;
+        smaller.into_iter().map(|(s, p)| (p, s)).collect()
+    }
+
     /// Keeps `ptr` if it can. Returns the block, `(ptr, size)`, that the caller must free
     /// upstream: `ptr` itself when its bucket is full, or the oldest large block, which
     /// a large one displaces. A full large cache that refused newcomers would keep the
@@ -102,7 +117,14 @@ struct SizeClasses;
 
 impl Allocator for SizeClasses {
     fn malloc(size: u64) -> u64 {
-        with_cache(|c| c.take(size)).unwrap_or_else(|| upstream::malloc(size))
+        let (hit, stale) = with_cache(|c| match c.take(size) {
+            Some(ptr) => (Some(ptr), Vec::new()),
+            None => (None, c.smaller_large(size)),
+        });
+        for (ptr, size) in stale {
+            upstream::free(ptr, size);
+        }
+        hit.unwrap_or_else(|| upstream::malloc(size))
     }
 
     fn calloc(nelem: u64, elsize: u64) -> u64 {
