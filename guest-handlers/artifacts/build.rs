@@ -17,6 +17,7 @@ const RUST_GUESTS: &[(&str, bool)] = &[
     ("template", true),
     ("broken", false),
     ("chaos", false),
+    ("sandbox-probe", false),
 ];
 
 /// Hand-written WAT policies: loaded from source at run time, no toolchain needed.

@@ -161,6 +161,8 @@ pub enum Bound {
     /// Bytes asked of `bytes.read` in one call ([`crate::Limits::memory`]: no guest could
     /// take more).
     ReadLength,
+    /// WASI resources (streams, pollables, errors) a policy holds at once.
+    Resources,
 }
 
 impl Bound {
@@ -169,6 +171,7 @@ impl Bound {
         match self {
             Bound::Batch => "batch-limit",
             Bound::ReadLength => "read-limit",
+            Bound::Resources => "resource-limit",
         }
     }
 }
@@ -178,6 +181,7 @@ impl fmt::Display for Bound {
         f.write_str(match self {
             Bound::Batch => "batch bound (blocks in one malloc-many or free-many, Limits::batch)",
             Bound::ReadLength => "read bound (bytes in one bytes.read, Limits::memory)",
+            Bound::Resources => "resource bound (WASI streams, pollables and errors held at once)",
         })
     }
 }
@@ -221,6 +225,14 @@ pub enum LoadError {
     Componentize { detail: String },
     #[error("the component targets another world: {detail}")]
     WrongWorld { detail: String },
+    /// The component imports an interface the sandbox does not serve.
+    #[error(
+        "the component imports `{import}`, which the sandbox does not serve: a policy may \
+         import the policy world's `allocator` and `bytes` and WASI 0.2's clocks, random, \
+         io, cli, filesystem and sockets interfaces (served without real time, files or \
+         network); build it without that import"
+    )]
+    Import { import: String },
     #[error("the component speaks allocbox:policy@{found}; this host speaks @{expected}")]
     WrongVersion {
         found: String,

@@ -56,7 +56,7 @@ impl WasmHook {
         })?;
         let bindings =
             bindings::Hook::new(&mut store, &instance).map_err(|e| LoadError::WrongWorld {
-                detail: format!("{e:#}"),
+                detail: crate::untrusted::escape(&format!("{e:#}")),
             })?;
         Ok(Arc::new(WasmHook {
             name: name.to_string(),

@@ -14,6 +14,8 @@ pub mod report;
 mod runtime;
 mod system;
 pub mod trace;
+mod untrusted;
+mod wasi;
 
 pub use error::{Bound, Call, ClientError, Error, InvariantBroken, LoadError, Rule, Violation};
 pub use handler::{Handler, HandlerBuilder};

@@ -174,6 +174,12 @@ impl WasiView for LinkState {
     }
 }
 
+impl crate::wasi::GuestView for LinkState {
+    fn guest_wasi(&mut self) -> &mut crate::wasi::GuestWasi {
+        self.sandbox.guest_wasi()
+    }
+}
+
 /// Calls the host made into one policy of a chain, and what it has lent.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LinkStats {

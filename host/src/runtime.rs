@@ -13,8 +13,6 @@ use wasmtime::{
     Config, Engine, InstanceAllocationStrategy, PoolConcurrencyLimitError, PoolingAllocationConfig,
     Store,
 };
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
-use wasmtime_wasi::{HostMonotonicClock, HostWallClock, WasiCtx};
 
 use crate::error::{Call, LoadError};
 use crate::link::bindings::{Policy as Bindings, PolicyPre};
@@ -126,15 +124,14 @@ impl Runtime {
         config.cache(compile_cache());
         let engine = Engine::new(&config)?;
         let mut linker = Linker::new(&engine);
-        // A std wasm32-wasip2 guest imports wasi:io and wasi:cli even if it never prints;
-        // the WasiCtx built per instance grants nothing.
-        wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
+        // A std wasm32-wasip2 guest imports wasi:io and wasi:cli even if it never prints.
+        crate::wasi::add_to_linker(&mut linker)?;
         Bindings::add_to_linker::<LinkState, wasmtime::component::HasSelf<LinkState>>(
             &mut linker,
             |s| s,
         )?;
         let mut hook_linker = Linker::new(&engine);
-        wasmtime_wasi::p2::add_to_linker_sync(&mut hook_linker)?;
+        crate::wasi::add_to_linker(&mut hook_linker)?;
         let clock = Arc::new(AtomicU64::new(0));
         start_epoch_ticker(&engine, clock.clone());
         Ok(Runtime {
@@ -199,9 +196,8 @@ impl Runtime {
     }
 
     fn compile(&self, binary: &[u8]) -> Result<Component, LoadError> {
-        Component::new(&self.inner.engine, binary).map_err(|e| LoadError::Invalid {
-            detail: format!("{e:#}"),
-        })
+        Component::new(&self.inner.engine, binary)
+            .map_err(|e| LoadError::Invalid { detail: detail(&e) })
     }
 
     /// Compile a component of the `hook` world (binary, or WAT as for policies) and
@@ -212,6 +208,7 @@ impl Runtime {
     ) -> Result<wasmtime::component::InstancePre<Sandbox>, LoadError> {
         let binary = to_component_binary(bytes, "hook")?;
         let component = self.compile(&binary)?;
+        refuse_unserved_imports(&component, &self.inner.engine, &[])?;
         let want = format!("{WORLD_PACKAGE}/events@{WORLD_VERSION}");
         let exports: Vec<String> = component
             .component_type()
@@ -229,14 +226,12 @@ impl Runtime {
         self.inner
             .hook_linker
             .instantiate_pre(&component)
-            .map_err(|e| LoadError::WrongWorld {
-                detail: format!("{e:#}"),
-            })
+            .map_err(|e| LoadError::WrongWorld { detail: detail(&e) })
     }
 
-    /// A store for one guest: deny-by-default WASI (no files, network, environment;
-    /// frozen clocks) unless `limits.grants` says otherwise, output kept up to the
-    /// limit, memory capped, calls time-limited.
+    /// A store for one guest: the virtual WASI (`crate::wasi`: no files, network,
+    /// environment or real time unless `limits.grants` says otherwise), output kept up
+    /// to the limit, memory capped, calls time-limited.
     /// Returns the store and the epoch ticks of one call's time limit.
     pub(crate) fn guest_store<T>(
         &self,
@@ -245,17 +240,7 @@ impl Runtime {
         state: impl FnOnce(Sandbox) -> T,
         sandbox: fn(&mut T) -> &mut Sandbox,
     ) -> (Store<T>, u64) {
-        let output = MemoryOutputPipe::new(limits.output);
-        let mut wasi = WasiCtx::builder();
-        wasi.stdout(output.clone()).stderr(output.clone());
-        if !limits.grants.clocks {
-            wasi.wall_clock(FrozenClock).monotonic_clock(FrozenClock);
-        }
-        for (key, value) in &limits.grants.env {
-            wasi.env(key, value);
-        }
-        let wasi = wasi.build();
-        let sandboxed = Sandbox::new(Arc::from(name), limits, wasi, output);
+        let sandboxed = Sandbox::new(Arc::from(name), limits);
         let mut store = Store::new(&self.inner.engine, state(sandboxed));
         store.limiter(move |s| sandbox(s).limiter());
         store.epoch_deadline_trap();
@@ -293,16 +278,13 @@ impl Runtime {
                 ),
             });
         }
-        let pre =
-            self.inner
-                .linker
-                .instantiate_pre(&component)
-                .map_err(|e| LoadError::WrongWorld {
-                    detail: format!("{e:#}"),
-                })?;
-        let pre = PolicyPre::new(pre).map_err(|e| LoadError::WrongWorld {
-            detail: format!("{e:#}"),
-        })?;
+        refuse_unserved_imports(&component, engine, &["allocator", "bytes"])?;
+        let pre = self
+            .inner
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| LoadError::WrongWorld { detail: detail(&e) })?;
+        let pre = PolicyPre::new(pre).map_err(|e| LoadError::WrongWorld { detail: detail(&e) })?;
         Ok(Policy {
             pre,
             meta: Arc::new(PolicyMeta {
@@ -335,9 +317,7 @@ impl Runtime {
         let bindings = match policy.pre.instantiate(&mut store) {
             Ok(b) => b,
             Err(e) if e.is::<PoolConcurrencyLimitError>() => {
-                return Err(LoadError::PoolFull {
-                    detail: e.to_string(),
-                });
+                return Err(LoadError::PoolFull { detail: detail(&e) });
             }
             Err(e) => return Err(start_err(&mut store, e)),
         };
@@ -349,7 +329,7 @@ impl Runtime {
             Ok(Err(message)) => {
                 return Err(LoadError::ConfigRejected {
                     policy: policy.meta.source.clone(),
-                    message,
+                    message: crate::untrusted::escape(&message),
                 });
             }
             Err(e) => return Err(start_err(&mut store, e)),
@@ -358,6 +338,39 @@ impl Runtime {
         store.data_mut().sandbox.name = info.name.clone();
         Ok(Link::new(store, bindings, info, ticks, limits.clone()))
     }
+}
+
+/// Refuse a component that imports anything but `world_imports` (interfaces of this
+/// package and version) and the WASI the sandbox serves (`crate::wasi::SERVED`), naming
+/// the first such import: an allow-list, checked before anything is instantiated.
+fn refuse_unserved_imports(
+    component: &Component,
+    engine: &Engine,
+    world_imports: &[&str],
+) -> Result<(), LoadError> {
+    let ours = |name: &str| {
+        world_imports
+            .iter()
+            .any(|i| name == format!("{WORLD_PACKAGE}/{i}@{WORLD_VERSION}"))
+    };
+    let ty = component.component_type();
+    let unserved = ty
+        .imports(engine)
+        .map(|(name, _)| name)
+        .find(|name| !ours(name) && !crate::wasi::is_served(name));
+    match unserved {
+        Some(import) => Err(LoadError::Import {
+            import: import.to_string(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// An error from a library that reads the policy's binary (wasmtime, wit-component,
+/// the WAT parser), with its causes, as text safe to print: it may echo names from the
+/// binary.
+fn detail(error: &dyn std::fmt::Display) -> String {
+    crate::untrusted::escape(&format!("{error:#}"))
 }
 
 fn list_or_none(items: &[String]) -> String {
@@ -377,20 +390,21 @@ fn check_info(
             len: info.name.len(),
         });
     }
+    let name = crate::untrusted::escape(&info.name);
     if info.version != 1 {
         return Err(LoadError::BadVersion {
-            policy: info.name,
+            policy: name,
             version: info.version,
         });
     }
     if !info.alignment.is_power_of_two() {
         return Err(LoadError::BadAlignment {
-            policy: info.name,
+            policy: name,
             alignment: info.alignment,
         });
     }
     Ok(PolicyInfo {
-        name: info.name.into(),
+        name: name.into(),
         version: info.version,
         alignment: info.alignment,
         batch: info.batch,
@@ -434,28 +448,6 @@ fn compile_cache() -> Option<wasmtime::Cache> {
     wasmtime::Cache::new(config)
         .inspect_err(|e| log::warn!("no compile cache in {}: {e:#}", dir.display()))
         .ok()
-}
-
-/// Clocks a policy sees unless the embedder grants real ones: always zero, so that a
-/// policy cannot time anything or leak timing into its placement decisions.
-struct FrozenClock;
-
-impl HostWallClock for FrozenClock {
-    fn resolution(&self) -> Duration {
-        Duration::from_secs(1)
-    }
-    fn now(&self) -> Duration {
-        Duration::ZERO
-    }
-}
-
-impl HostMonotonicClock for FrozenClock {
-    fn resolution(&self) -> u64 {
-        1_000_000_000
-    }
-    fn now(&self) -> u64 {
-        0
-    }
 }
 
 /// One thread per engine advances its epoch so that a call that runs too long traps, and
@@ -502,9 +494,7 @@ fn to_component_binary(bytes: &[u8], world: &str) -> Result<Vec<u8>, LoadError> 
         .is_some_and(|l| l.starts_with('('));
     let binary = wat::parse_str(text).map_err(|e| {
         if looks_like_wat {
-            LoadError::Invalid {
-                detail: e.to_string(),
-            }
+            LoadError::Invalid { detail: detail(&e) }
         } else {
             LoadError::NotWasm {
                 detail: "text that is not WAT".into(),
@@ -538,9 +528,7 @@ fn wasi_stub() -> &'static [u8] {
 /// carry no real time, a fixed random sequence, output dropped, no descriptors. A
 /// module that imports no WASI gets no adapter (wit-component skips an unused one).
 fn componentize(mut module: Vec<u8>, world: &str) -> Result<Vec<u8>, LoadError> {
-    let err = |e: anyhow::Error| LoadError::Componentize {
-        detail: format!("{e:#}"),
-    };
+    let err = |e: anyhow::Error| LoadError::Componentize { detail: detail(&e) };
     let mut resolve = wit_parser::Resolve::default();
     let pkg = resolve.push_str("policy.wit", POLICY_WIT).map_err(err)?;
     let world = resolve.select_world(&[pkg], Some(world)).map_err(err)?;
@@ -619,7 +607,10 @@ fn source_language(binary: &[u8]) -> Option<String> {
             );
         }
     }
-    top.into_iter().chain(inner).next()
+    top.into_iter()
+        .chain(inner)
+        .next()
+        .map(|language| crate::untrusted::escape(&language))
 }
 
 impl std::fmt::Debug for Policy {

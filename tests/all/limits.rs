@@ -138,9 +138,10 @@ fn probe(grants: allocbox::Grants) -> String {
 }
 
 #[test]
-fn the_sandbox_grants_no_environment_and_frozen_clocks_by_default() {
+fn the_sandbox_grants_no_environment_and_virtual_clocks_by_default() {
+    // Virtual time moves 1 ns a read, so the wall clock still reads 1970 + 0 s.
     let seen = probe(allocbox::Grants::default());
-    assert_eq!(seen, "probe: env=[] monotonic=frozen wall=0");
+    assert_eq!(seen, "probe: env=[] monotonic=moving wall=0");
 }
 
 #[test]

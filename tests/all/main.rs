@@ -18,6 +18,7 @@ mod pool;
 mod report;
 mod threads;
 mod trace;
+mod wasi;
 
 mod smoke {
     use super::support::*;

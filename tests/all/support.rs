@@ -47,3 +47,20 @@ pub fn allocbox_cli(args: &[&str], dir: &std::path::Path) -> (i32, String) {
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     (out.status.code().unwrap(), text)
 }
+
+/// The hand-written `passthrough` policy with `from` replaced by `to` in its source: a
+/// hostile variant a few lines away from a good policy.
+pub fn passthrough_variant(from: &str, to: &str) -> String {
+    let source = allocbox::DEFAULT_POLICY_WAT;
+    assert!(source.contains(from), "passthrough.wat has no `{from}`");
+    source.replace(from, to)
+}
+
+/// A fresh, empty directory for one test: `name` and this process's id, under the
+/// system's temporary directory.
+pub fn tempdir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("allocbox-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}

@@ -4,11 +4,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use wasmtime::Trap;
-use wasmtime::component::ResourceTable;
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
-use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+use wasmtime::component::ResourceTableError;
+use wasmtime_wasi::{I32Exit, WasiCtxView, WasiView};
 
-use crate::error::{Call, Error};
+use crate::error::{Bound, Call, Error};
+use crate::wasi::{GuestView, GuestWasi};
 
 /// Bounds on one policy instance: every unit of host work and host memory a policy can
 /// cause is bounded by one of these. See SECURITY.md for what each one covers.
@@ -68,26 +68,19 @@ impl Default for Limits {
     }
 }
 
-/// What every guest store holds, policy or hook: the deny-by-default WASI context, the
-/// memory cap, the bounded output, and a rule the guest broke inside an import.
+/// What every guest store holds, policy or hook: its virtual WASI, the memory cap, and
+/// a rule the guest broke inside an import.
 pub(crate) struct Sandbox {
     pub(crate) name: Arc<str>,
     /// What the guest did wrong inside one of its imports (a broken rule, a passed
     /// bound); the trap it causes is reported as this error.
     pub(super) fault: Option<Error>,
     pub(super) limiter: MemoryLimiter,
-    pub(super) output: MemoryOutputPipe,
-    pub(super) wasi: WasiCtx,
-    pub(super) table: ResourceTable,
+    wasi: GuestWasi,
 }
 
 impl Sandbox {
-    pub(crate) fn new(
-        name: Arc<str>,
-        limits: &Limits,
-        wasi: WasiCtx,
-        output: MemoryOutputPipe,
-    ) -> Self {
+    pub(crate) fn new(name: Arc<str>, limits: &Limits) -> Self {
         Sandbox {
             name,
             fault: None,
@@ -95,9 +88,7 @@ impl Sandbox {
                 limit: limits.memory,
                 hit: false,
             },
-            output,
-            wasi,
-            table: ResourceTable::new(),
+            wasi: GuestWasi::new(&limits.grants.env, limits.grants.clocks, limits.output),
         }
     }
 
@@ -105,7 +96,8 @@ impl Sandbox {
         &mut self.limiter
     }
 
-    /// Turn a failed call into the error that says what happened.
+    /// Turn a failed call into the error that says what happened: one sentence, the
+    /// policy's own text escaped, wasm backtraces left to the log.
     pub(crate) fn classify(&mut self, limits: &Limits, call: Call, err: wasmtime::Error) -> Error {
         let policy = self.name.clone();
         if let Some(fault) = self.fault.take() {
@@ -125,42 +117,68 @@ impl Sandbox {
                 limit: limits.call_time,
             };
         }
-        let mut message = match err.downcast_ref::<Trap>() {
-            Some(trap) => trap.to_string(),
-            None => format!("{err:#}"),
+        if let Some(ResourceTableError::Full) = err.downcast_ref::<ResourceTableError>() {
+            let limit = crate::wasi::MAX_RESOURCES as u64;
+            return Error::WorkLimit {
+                policy,
+                call,
+                bound: Bound::Resources,
+                asked: limit + 1,
+                limit,
+            };
+        }
+        log::debug!("policy `{policy}` failed in `{call}`: {err:?}");
+        let mut message = match (err.downcast_ref::<Trap>(), err.downcast_ref::<I32Exit>()) {
+            (Some(trap), _) => trap.to_string(),
+            (None, Some(I32Exit(status))) => format!("it called `exit` with status {status}"),
+            (None, None) => err.root_cause().to_string(),
         };
-        let said = self.output.contents();
+        let said = self.wasi.output.contents();
         if !said.is_empty() {
             let said = String::from_utf8_lossy(&said);
-            let tail: Vec<&str> = said.trim_end().lines().rev().take(3).collect();
-            message.push_str(&format!(" (guest output: {})", tail.join(" | ")));
+            // Rust's std ends a panic with advice for the policy's own terminal.
+            let lines: Vec<&str> = said
+                .trim_end()
+                .lines()
+                .filter(|line| {
+                    !line.trim().is_empty() && !line.starts_with("note: run with `RUST_BACKTRACE=")
+                })
+                .collect();
+            let tail = &lines[lines.len().saturating_sub(OUTPUT_LINES_SHOWN)..];
+            message.push_str(&format!(" (its last output: {})", tail.join(" | ")));
         }
         Error::Trap {
             policy,
             call,
-            message,
+            message: crate::untrusted::escape(&message),
         }
     }
 }
 
+/// Lines of what a policy printed that its error shows (the rest is in the log).
+const OUTPUT_LINES_SHOWN: usize = 3;
+
 impl WasiView for Sandbox {
     fn ctx(&mut self) -> WasiCtxView<'_> {
-        WasiCtxView {
-            ctx: &mut self.wasi,
-            table: &mut self.table,
-        }
+        crate::wasi::wasi_view(&mut self.wasi)
+    }
+}
+
+impl GuestView for Sandbox {
+    fn guest_wasi(&mut self) -> &mut GuestWasi {
+        &mut self.wasi
     }
 }
 
 impl Drop for Sandbox {
     /// What the guest printed goes to the host's log.
     fn drop(&mut self) {
-        let said = self.output.contents();
+        let said = self.wasi.output.contents();
         if !said.is_empty() {
             log::info!(
                 "guest `{}` said: {}",
                 self.name,
-                String::from_utf8_lossy(&said).trim_end()
+                crate::untrusted::escape(String::from_utf8_lossy(&said).trim_end())
             );
         }
     }
