@@ -163,6 +163,8 @@ pub enum Bound {
     ReadLength,
     /// WASI resources (streams, pollables, errors) a policy holds at once.
     Resources,
+    /// Core instances, linear memories or tables one policy instance creates.
+    Objects,
 }
 
 impl Bound {
@@ -172,6 +174,7 @@ impl Bound {
             Bound::Batch => "batch-limit",
             Bound::ReadLength => "read-limit",
             Bound::Resources => "resource-limit",
+            Bound::Objects => "object-limit",
         }
     }
 }
@@ -182,6 +185,9 @@ impl fmt::Display for Bound {
             Bound::Batch => "batch bound (blocks in one malloc-many or free-many, Limits::batch)",
             Bound::ReadLength => "read bound (bytes in one bytes.read, Limits::memory)",
             Bound::Resources => "resource bound (WASI streams, pollables and errors held at once)",
+            Bound::Objects => {
+                "object bound (core instances, linear memories and tables one policy creates)"
+            }
         })
     }
 }
@@ -289,8 +295,9 @@ pub enum Error {
         limit: Duration,
     },
     #[error(
-        "policy `{policy}` tried to grow its own memory past the limit of {limit} bytes in \
-         `{call}` (the limit is `Limits::memory`; `--guest-memory` on the command line)"
+        "policy `{policy}` passed its memory budget of {limit} bytes (its linear memories \
+         and tables together) in `{call}`; if it needs more, raise the budget \
+         (`--guest-memory` on the command line)"
     )]
     MemoryLimit {
         policy: Arc<str>,

@@ -87,6 +87,7 @@ impl WasmHook {
         }
         let ticks = st.ticks;
         st.store.set_epoch_deadline(ticks);
+        st.store.data_mut().begin_call();
         let HookState {
             store,
             bindings,

@@ -301,6 +301,7 @@ impl Link {
     fn start_call(&mut self, demand: u64) {
         self.store.set_epoch_deadline(self.deadline_ticks);
         let state = self.store.data_mut();
+        state.sandbox.begin_call();
         state.deadline = state.clock.load(Ordering::Relaxed) + self.deadline_ticks;
         state.demand = demand;
     }

@@ -120,6 +120,7 @@ impl Runtime {
         // Component calls cost 2.5-3x more with async concurrency support on; policies
         // are synchronous.
         config.concurrency_support(false);
+        sandbox_features(&mut config);
         config.epoch_interruption(true);
         config.cache(compile_cache());
         let engine = Engine::new(&config)?;
@@ -448,6 +449,42 @@ fn compile_cache() -> Option<wasmtime::Cache> {
     wasmtime::Cache::new(config)
         .inspect_err(|e| log::warn!("no compile cache in {}: {e:#}", dir.display()))
         .ok()
+}
+
+/// Turn off every WebAssembly feature the policy and hook worlds do not need, so that
+/// the engine's surface a guest can reach is what the shipped policies' toolchains use
+/// (SECURITY.md lists each decision). On: the WebAssembly 2.0 core the toolchains emit
+/// (bulk memory, multi-value, reference types, SIMD, sign extension, saturating
+/// conversions, mutable globals, extended constants), tail calls and the component
+/// model's synchronous core. Off: threads and shared memory (a policy runs on one thread
+/// at a time), 64-bit and multiple memories, GC and typed function references,
+/// exceptions, stack switching, relaxed SIMD (results that vary by host CPU), wide
+/// arithmetic, custom page sizes, and the component model's async, threading, GC and
+/// later additions.
+fn sandbox_features(config: &mut Config) {
+    use wasmtime::WasmFeatures as F;
+    let off = F::THREADS
+        | F::SHARED_EVERYTHING_THREADS
+        | F::MEMORY64
+        | F::MULTI_MEMORY
+        | F::GC
+        | F::FUNCTION_REFERENCES
+        | F::EXCEPTIONS
+        | F::LEGACY_EXCEPTIONS
+        | F::STACK_SWITCHING
+        | F::RELAXED_SIMD
+        | F::WIDE_ARITHMETIC
+        | F::CUSTOM_PAGE_SIZES
+        | F::CM_ASYNC
+        | F::CM_ASYNC_STACKFUL
+        | F::CM_MORE_ASYNC_BUILTINS
+        | F::CM_THREADING
+        | F::CM_ERROR_CONTEXT
+        | F::CM_GC
+        | F::CM_MAP
+        | F::CM64
+        | F::CM_FIXED_LENGTH_LISTS;
+    config.wasm_features(off, false);
 }
 
 /// One thread per engine advances its epoch so that a call that runs too long traps, and

@@ -156,3 +156,192 @@ fn an_embedder_can_grant_clocks_and_environment_variables() {
     );
     assert!(!seen.ends_with("wall=0"), "{seen}");
 }
+
+/// The `passthrough` policy with `tables` tables of `entries` funcref entries each.
+fn with_tables(tables: usize, entries: u32) -> String {
+    let declared: String = (0..tables)
+        .map(|_| format!("(table {entries} funcref)\n"))
+        .collect();
+    passthrough_variant(
+        "(memory (export \"memory\") 1)",
+        &format!("(memory (export \"memory\") 1)\n{declared}"),
+    )
+}
+
+fn start(wat: &str, limits: Limits) -> Result<allocbox::Handler, allocbox::LoadError> {
+    let policy = Runtime::shared().load(wat.as_bytes())?;
+    HandlerBuilder::new(Runtime::shared())
+        .link(&policy)
+        .limits(limits)
+        .build()
+}
+
+#[test]
+fn tables_count_against_the_policy_s_memory_budget() {
+    // Six tables of 2^20 entries take 48 MiB of host memory: past a 16 MiB budget.
+    let limits = Limits {
+        memory: 16 << 20,
+        ..Limits::default()
+    };
+    let err = start(&with_tables(6, 1 << 20), limits.clone()).unwrap_err();
+    let allocbox::LoadError::Start(err) = err else {
+        panic!("{err}")
+    };
+    assert!(
+        matches!(*err, Error::MemoryLimit { limit, .. } if limit == 16 << 20),
+        "{err}"
+    );
+    // One table of 2^20 entries (8 MiB) fits.
+    start(&with_tables(1, 1 << 20), limits).unwrap();
+}
+
+#[test]
+fn a_policy_creating_more_tables_than_allowed_passes_a_typed_object_bound() {
+    let err = start(&with_tables(100, 1), Limits::default()).unwrap_err();
+    let allocbox::LoadError::Start(err) = err else {
+        panic!("{err}")
+    };
+    assert!(
+        matches!(
+            *err,
+            Error::WorkLimit {
+                bound: allocbox::Bound::Objects,
+                limit: 8,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_core_module_with_a_second_memory_is_refused_at_load() {
+    let wat = passthrough_variant(
+        "(memory (export \"memory\") 1)",
+        "(memory (export \"memory\") 1)\n(memory 2000)",
+    );
+    let err = Runtime::shared().load(wat.as_bytes()).unwrap_err();
+    assert!(
+        matches!(err, allocbox::LoadError::Invalid { .. })
+            && err.to_string().contains("multiple memories"),
+        "{err}"
+    );
+}
+
+/// `passthrough`, but its `malloc` grows its memory a MiB at a time and eight tables 64 Ki
+/// entries at a time, touching every page and entry, until every growth fails; then it
+/// traps. It does not batch, so a client's `malloc` reaches it.
+fn memory_and_table_hog() -> String {
+    let tables: String = (0..8)
+        .map(|t| format!("(table $t{t} 0 funcref)\n"))
+        .collect();
+    let grow_tables: String = (0..8)
+        .map(|t| {
+            format!(
+                "(local.set $at (table.grow $t{t} (ref.null func) (i32.const 65536)))
+                 (if (i32.ne (local.get $at) (i32.const -1)) (then
+                   (local.set $grew (i32.const 1))
+                   (table.fill $t{t} (local.get $at) (ref.func $count) (i32.const 65536))))\n"
+            )
+        })
+        .collect();
+    passthrough_variant(
+        "(i32.store8 (i32.const 32) (i32.const 1))",
+        "(i32.store8 (i32.const 32) (i32.const 0))",
+    )
+    .replace(
+        "(func (export \"allocbox:policy/allocator@0.1.0#malloc\") (param $size i64) (result i64)
+    (call $count (call $up_malloc (local.get $size))))",
+        &format!(
+            "{tables}
+  (elem declare func $count)
+  (func (export \"allocbox:policy/allocator@0.1.0#malloc\") (param $size i64) (result i64)
+    (local $at i32) (local $grew i32)
+    (loop $more
+      (local.set $grew (i32.const 0))
+      (local.set $at (memory.grow (i32.const 16)))
+      (if (i32.ne (local.get $at) (i32.const -1)) (then
+        (local.set $grew (i32.const 1))
+        (memory.fill (i32.shl (local.get $at) (i32.const 16)) (i32.const 1) (i32.const 1048576))))
+      {grow_tables}
+      (br_if $more (local.get $grew)))
+    unreachable)"
+        ),
+    )
+}
+
+#[test]
+fn a_policy_s_memories_and_tables_together_stay_under_its_budget_in_resident_memory() {
+    let dir = tempdir("hog-rss");
+    std::fs::write(dir.join("one.script"), "b0 = malloc 64\n").unwrap();
+    std::fs::write(dir.join("hog.wat"), memory_and_table_hog()).unwrap();
+    let (code, out, baseline) = allocbox_cli_peak_rss(&["replay", "one.script"], &dir);
+    assert_eq!(code, 0, "{out}");
+    let (code, out, hog) = allocbox_cli_peak_rss(&["replay", "one.script", "hog.wat"], &dir);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("passed its memory budget of 134217728 bytes"),
+        "{out}"
+    );
+    // The budget (128 MiB) plus what wasmtime keeps beside a memory and a table.
+    let allowed_kib = (128 << 10) + (16 << 10);
+    assert!(
+        hog.saturating_sub(baseline) <= allowed_kib,
+        "the hostile policy took {} KiB over the {} KiB of a plain run",
+        hog.saturating_sub(baseline),
+        baseline
+    );
+}
+
+/// A hook component with `hogs` core instances besides its own, each with a memory of
+/// 1000 pages (62.5 MiB) that its start function touches, page by page.
+fn hook_with_memory_hogs(hogs: usize) -> String {
+    let instances = "(core instance (instantiate $hog))\n".repeat(hogs);
+    format!(
+        r#"(component
+  (core module $hog
+    (memory 1000)
+    (func $touch (memory.fill (i32.const 0) (i32.const 1) (i32.const 65536000)))
+    (start $touch))
+  {instances}
+  (core module $m
+    (memory (export "memory") 1)
+    (func (export "on-event") (param i64 i64 i64))
+    (func (export "report") (result i32)
+      (i32.store (i32.const 8) (i32.const 0))
+      (i32.store (i32.const 12) (i32.const 0))
+      (i32.const 8)))
+  (core instance $i (instantiate $m))
+  (func $on (param "old" u64) (param "new" u64) (param "size" u64)
+    (canon lift (core func $i "on-event")))
+  (func $report (result (list u64)) (canon lift (core func $i "report") (memory (core memory $i "memory"))))
+  (instance $events (export "on-event" (func $on)) (export "report" (func $report)))
+  (export "allocbox:policy/events@0.1.0" (instance $events)))"#
+    )
+}
+
+#[test]
+fn the_memory_budget_covers_every_memory_of_every_instance_a_component_creates() {
+    let runtime = Runtime::shared();
+    // Two memories of 62.5 MiB and the hook's own page fit in 128 MiB.
+    let hook = allocbox::WasmHook::start(
+        runtime,
+        hook_with_memory_hogs(2).as_bytes(),
+        "two-hogs",
+        Limits::default(),
+    )
+    .unwrap();
+    assert_eq!(hook.report().unwrap(), Vec::<u64>::new());
+    // A third does not: the component is refused, not run at 190 MiB.
+    let err = allocbox::WasmHook::start(
+        runtime,
+        hook_with_memory_hogs(3).as_bytes(),
+        "three-hogs",
+        Limits::default(),
+    )
+    .unwrap_err();
+    let allocbox::LoadError::Start(err) = err else {
+        panic!("{err}")
+    };
+    assert!(matches!(*err, Error::MemoryLimit { .. }), "{err}");
+}

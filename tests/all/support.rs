@@ -64,3 +64,36 @@ pub fn tempdir(name: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// Run the `allocbox` command in `dir` as [`allocbox_cli`] does, and also say the most
+/// memory it had resident at once, in KiB (the kernel's count for the child).
+pub fn allocbox_cli_peak_rss(args: &[&str], dir: &std::path::Path) -> (i32, String, u64) {
+    let out_path = dir.join(format!("cli-output-{}", std::process::id()));
+    let out = std::fs::File::create(&out_path).unwrap();
+    #[expect(
+        clippy::zombie_processes,
+        reason = "reaped below with wait4, which also reports its peak memory"
+    )]
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_allocbox"))
+        .args(args)
+        .current_dir(dir)
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .spawn()
+        .unwrap();
+    let mut status = 0;
+    // SAFETY: an all-zero `rusage` is a valid value of that plain C struct.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `child.id()` is our child, not yet waited for (std waits only on
+    // `wait`/`drop` of a handle it owns, and this one is never waited by std); `status`
+    // and `usage` are live, writable locals.
+    let pid = unsafe { libc::wait4(child.id() as libc::pid_t, &mut status, 0, &mut usage) };
+    assert_eq!(pid, child.id() as libc::pid_t, "wait4 failed");
+    let text = std::fs::read_to_string(&out_path).unwrap();
+    let code = if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else {
+        -1
+    };
+    (code, text, usage.ru_maxrss as u64)
+}

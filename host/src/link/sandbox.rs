@@ -75,7 +75,7 @@ pub(crate) struct Sandbox {
     /// What the guest did wrong inside one of its imports (a broken rule, a passed
     /// bound); the trap it causes is reported as this error.
     pub(super) fault: Option<Error>,
-    pub(super) limiter: MemoryLimiter,
+    pub(super) limiter: GuestBudget,
     wasi: GuestWasi,
 }
 
@@ -84,16 +84,20 @@ impl Sandbox {
         Sandbox {
             name,
             fault: None,
-            limiter: MemoryLimiter {
-                limit: limits.memory,
-                hit: false,
-            },
+            limiter: GuestBudget::new(limits.memory),
             wasi: GuestWasi::new(&limits.grants.env, limits.grants.clocks, limits.output),
         }
     }
 
     pub(crate) fn limiter(&mut self) -> &mut dyn wasmtime::ResourceLimiter {
         &mut self.limiter
+    }
+
+    /// A new call into the guest begins: a growth the budget refused in an earlier call,
+    /// which the guest survived, does not explain a failure in this one.
+    #[inline]
+    pub(crate) fn begin_call(&mut self) {
+        self.limiter.hit = false;
     }
 
     /// Turn a failed call into the error that says what happened: one sentence, the
@@ -127,6 +131,15 @@ impl Sandbox {
                 limit,
             };
         }
+        if let Some((asked, limit)) = object_count_passed(&err) {
+            return Error::WorkLimit {
+                policy,
+                call,
+                bound: Bound::Objects,
+                asked,
+                limit,
+            };
+        }
         log::debug!("policy `{policy}` failed in `{call}`: {err:?}");
         let mut message = match (err.downcast_ref::<Trap>(), err.downcast_ref::<I32Exit>()) {
             (Some(trap), _) => trap.to_string(),
@@ -153,6 +166,22 @@ impl Sandbox {
             message: crate::untrusted::escape(&message),
         }
     }
+}
+
+/// The count and its bound when `err` is wasmtime refusing one more core instance,
+/// memory or table than [`GuestBudget`] allows (wasmtime says so only in words:
+/// "resource limit exceeded: table count too high at 9").
+fn object_count_passed(err: &wasmtime::Error) -> Option<(u64, u64)> {
+    let message = err.root_cause().to_string();
+    let rest = message.strip_prefix("resource limit exceeded: ")?;
+    let (what, count) = rest.split_once(" count too high at ")?;
+    let limit = match what {
+        "instance" => MAX_INSTANCES,
+        "memory" => MAX_MEMORIES,
+        "table" => MAX_TABLES,
+        _ => return None,
+    };
+    Some((count.parse().ok()?, limit as u64))
 }
 
 /// Lines of what a policy printed that its error shows (the rest is in the log).
@@ -184,34 +213,103 @@ impl Drop for Sandbox {
     }
 }
 
-/// Caps the guest's own memory; remembers that it tried to pass the cap so that the
-/// resulting trap is reported as a memory-limit error, not a generic trap.
+/// One budget for everything a guest's instance can make the host map for it: the bytes
+/// of all its linear memories and all its tables together count against
+/// [`Limits::memory`], and the number of core instances, memories and tables is bounded.
+/// A growth past the budget fails as the core specification allows (`memory.grow` and
+/// `table.grow` answer -1, instantiation fails); the budget remembers it, so that a trap
+/// that follows in the same call is reported as [`Error::MemoryLimit`].
 #[derive(Debug)]
-pub(super) struct MemoryLimiter {
-    pub(super) limit: u64,
+pub(super) struct GuestBudget {
+    limit: u64,
+    /// Bytes of every memory and table the guest has, including a growth the budget
+    /// allowed that may still fail (`pending`).
+    used: u64,
+    pending: u64,
     pub(super) hit: bool,
 }
 
-impl wasmtime::ResourceLimiter for MemoryLimiter {
+/// Core module instances one guest store may hold: a componentize-py policy has 14
+/// (CPython, its libraries and adapters), a Rust one 3.
+pub const MAX_INSTANCES: usize = 32;
+/// Linear memories one guest store may hold: every shipped policy has one.
+pub const MAX_MEMORIES: usize = 4;
+/// Tables one guest store may hold: every shipped policy has at most two.
+pub const MAX_TABLES: usize = 8;
+/// Host bytes one table element takes (wasmtime keeps a pointer per element), charged
+/// to [`Limits::memory`].
+pub const TABLE_ELEMENT_BYTES: u64 = 8;
+
+impl GuestBudget {
+    pub(super) fn new(limit: u64) -> Self {
+        GuestBudget {
+            limit,
+            used: 0,
+            pending: 0,
+            hit: false,
+        }
+    }
+
+    /// Take `bytes` more from the budget for a growth about to happen, if they fit.
+    fn grow(&mut self, bytes: u64) -> bool {
+        match self.used.checked_add(bytes).filter(|&u| u <= self.limit) {
+            Some(used) => {
+                self.used = used;
+                self.pending = bytes;
+                true
+            }
+            None => {
+                self.hit = true;
+                false
+            }
+        }
+    }
+
+    /// The growth the budget allowed did not happen: give its bytes back.
+    fn growth_failed(&mut self) {
+        self.used -= std::mem::take(&mut self.pending);
+    }
+}
+
+impl wasmtime::ResourceLimiter for GuestBudget {
     fn memory_growing(
         &mut self,
-        _current: usize,
+        current: usize,
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        if desired as u64 > self.limit {
-            self.hit = true;
-            wasmtime::bail!("guest memory limit of {} bytes reached", self.limit);
-        }
-        Ok(true)
+        Ok(self.grow(desired.saturating_sub(current) as u64))
+    }
+
+    fn memory_grow_failed(&mut self, _error: wasmtime::Error) -> wasmtime::Result<()> {
+        self.growth_failed();
+        Ok(())
     }
 
     fn table_growing(
         &mut self,
-        _current: usize,
+        current: usize,
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        Ok(desired <= 1 << 20)
+        let elements = desired.saturating_sub(current) as u64;
+        Ok(self.grow(elements.saturating_mul(TABLE_ELEMENT_BYTES)))
+    }
+
+    fn table_grow_failed(&mut self, _error: wasmtime::Error) -> wasmtime::Result<()> {
+        self.growth_failed();
+        Ok(())
+    }
+
+    fn instances(&self) -> usize {
+        MAX_INSTANCES
+    }
+
+    fn tables(&self) -> usize {
+        MAX_TABLES
+    }
+
+    fn memories(&self) -> usize {
+        MAX_MEMORIES
     }
 }
