@@ -287,7 +287,8 @@ pub enum Error {
         message: String,
     },
     #[error(
-        "policy `{policy}` ran past its time limit of {limit:?} in `{call}` (time in its imports included)"
+        "policy `{policy}` ran past the time limit of {limit:?} in `{call}` (one limit covers \
+         a call through the whole chain, host work in imports included)"
     )]
     Timeout {
         policy: Arc<str>,

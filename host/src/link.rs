@@ -207,6 +207,9 @@ pub(crate) struct Link {
     pub(crate) info: PolicyInfo,
     pub(crate) poisoned: Option<Arc<Error>>,
     deadline_ticks: u64,
+    /// The deadline of the call of the link above, when that call is what calls this
+    /// link: the next call here runs under it instead of a fresh one.
+    inherited_deadline: Option<u64>,
     limits: Limits,
     calls: LinkStats,
 }
@@ -235,6 +238,7 @@ impl Link {
             info,
             poisoned: None,
             deadline_ticks,
+            inherited_deadline: None,
             limits,
             calls: LinkStats::default(),
         }
@@ -296,14 +300,20 @@ impl Link {
         }
     }
 
-    /// Arm the time limit of a call (the epoch for wasm code, the deadline for imports)
-    /// and say what it asks for.
+    /// Arm the time limit of a call (the epoch for wasm code, the deadline for imports):
+    /// the deadline of the call above when it is what calls this link, else a fresh one;
+    /// and say what the call asks for.
     fn start_call(&mut self, demand: u64) {
-        self.store.set_epoch_deadline(self.deadline_ticks);
         let state = self.store.data_mut();
+        let now = state.clock.load(Ordering::Relaxed);
+        let deadline = self.inherited_deadline.unwrap_or(now + self.deadline_ticks);
         state.sandbox.begin_call();
-        state.deadline = state.clock.load(Ordering::Relaxed) + self.deadline_ticks;
+        state.deadline = deadline;
         state.demand = demand;
+        // The epoch counts the same ticks as the clock, so what is left of the deadline
+        // is that many ticks from now; at least one, so a late callee is stopped at once.
+        self.store
+            .set_epoch_deadline(deadline.saturating_sub(now).max(1));
     }
 
     /// Stop this link and every link below it because the chain failed at `cause`: no
@@ -368,7 +378,8 @@ impl Link {
             .collect();
         for (addr, size) in held {
             // These are exactly the recorded sizes, so the upstream cannot refuse them.
-            let _ = state.upstream_call(|u| u.free(addr, size));
+            // No call of this dead link is running: each give-back has its own deadline.
+            let _ = state.call_upstream(None, |u| u.free(addr, size));
         }
     }
 
@@ -513,8 +524,9 @@ impl Link {
     fn release_held_back(&mut self) {
         let state = self.store.data_mut();
         for (addr, size) in state.transit.end() {
-            // Sizes were checked when the policy asked, and each block once.
-            let _ = state.upstream_call(|u| u.free(addr, size));
+            // Sizes were checked when the policy asked, and each block once; still the
+            // chain's call that resized the block.
+            let _ = state.call_upstream(Some(state.deadline), |u| u.free(addr, size));
         }
     }
 
@@ -579,22 +591,26 @@ impl Link {
 
     /// Ask this link, then every link below it, to give back what it caches.
     pub(crate) fn trim(&mut self) -> Result<(), Error> {
-        let here = if self.poisoned.is_some() {
-            Ok(())
+        // The links below trim under this call's deadline, or under the one this link
+        // inherited when it is stopped and made no call of its own.
+        let deadline = if self.poisoned.is_some() {
+            self.inherited_deadline
         } else {
             self.start_call(0);
             let lifecycle = self.bindings.allocbox_policy_lifecycle();
-            match lifecycle.call_trim(&mut self.store) {
-                Ok(()) => Ok(()),
-                Err(e) => {
-                    let err = classify(&mut self.store, &self.limits, Call::Trim, e);
-                    self.poison(err.clone());
-                    Err(err)
-                }
+            if let Err(e) = lifecycle.call_trim(&mut self.store) {
+                // The chain stops for this failure, and every link below gives its
+                // memory back as it stops: no trim below, under a deadline now passed.
+                let err = classify(&mut self.store, &self.limits, Call::Trim, e);
+                self.poison(err.clone());
+                return Err(err);
             }
+            Some(self.store.data().deadline)
         };
-        self.store.data_mut().upstream_call(Upstream::trim);
-        here
+        self.store
+            .data_mut()
+            .call_upstream(deadline, Upstream::trim);
+        Ok(())
     }
 }
 

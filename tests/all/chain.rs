@@ -132,3 +132,93 @@ fn a_miss_for_a_larger_block_gives_back_the_smaller_cached_ones_first() {
     h.trim().unwrap();
     assert_eq!(h.held_from_host(), (0, 0));
 }
+
+/// A chain of `uppers` (top first) over a `broken` policy whose `malloc(13)` never
+/// returns, under a 100 ms call limit; magazines on or off.
+fn over_a_looping_link(
+    uppers: &[&allocbox_artifacts::Guest],
+    magazines: bool,
+) -> allocbox::Handler {
+    let mut builder = HandlerBuilder::new(Runtime::shared())
+        .limits(allocbox::Limits {
+            call_time: std::time::Duration::from_millis(100),
+            ..allocbox::Limits::default()
+        })
+        .magazines(magazines);
+    for upper in uppers {
+        builder = builder.link(&load(upper));
+    }
+    builder
+        .link_with(
+            &load(&allocbox_artifacts::BROKEN),
+            &[("fault", "loop-malloc")],
+        )
+        .build()
+        .unwrap()
+}
+
+fn assert_the_looping_link_is_named(err: &allocbox::Error) {
+    assert!(
+        matches!(err, allocbox::Error::Timeout { policy, .. } if &**policy == "broken"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_looping_lower_link_is_the_one_named_in_chains_of_two_and_three_links() {
+    use allocbox_artifacts::{SIZE_CLASSES, SYSTEM, WAT_PASSTHROUGH};
+    let chains: [&[&allocbox_artifacts::Guest]; 4] = [
+        &[&SYSTEM],
+        &[&WAT_PASSTHROUGH],
+        &[&SYSTEM, &SIZE_CLASSES],
+        &[&WAT_PASSTHROUGH, &SYSTEM],
+    ];
+    for uppers in chains {
+        for magazines in [true, false] {
+            let h = over_a_looping_link(uppers, magazines);
+            let kept = h.malloc(64).unwrap().unwrap();
+            fill(kept, 64, 0x77);
+            let err = h.malloc(13).unwrap_err();
+            assert_the_looping_link_is_named(&err);
+            let failure = h.failure().expect("the chain stopped");
+            assert_the_looping_link_is_named(&failure);
+            for stats in h.link_stats() {
+                if let Some(why) = stats.failure {
+                    assert!(
+                        !why.contains(&format!("`{}` ran past", stats.name))
+                            || stats.name == "broken",
+                        "{} is blamed: {why}",
+                        stats.name
+                    );
+                }
+            }
+            assert!(holds(kept, 64, 0x77));
+            h.free(Some(kept), 64).unwrap();
+            assert_eq!(h.held_from_host(), (0, 0));
+        }
+    }
+}
+
+#[test]
+fn a_looping_lower_link_is_named_when_two_client_threads_share_the_chain() {
+    let h = std::sync::Arc::new(over_a_looping_link(
+        &[
+            &allocbox_artifacts::SYSTEM,
+            &allocbox_artifacts::SIZE_CLASSES,
+        ],
+        true,
+    ));
+    let threads: Vec<_> = (0..2)
+        .map(|_| {
+            let h = h.clone();
+            std::thread::spawn(move || match h.malloc(13) {
+                Err(allocbox::Error::Poisoned { cause, .. }) => (*cause).clone(),
+                Err(e) => e,
+                Ok(_) => panic!("malloc(13) cannot be served"),
+            })
+        })
+        .collect();
+    for t in threads {
+        assert_the_looping_link_is_named(&t.join().unwrap());
+    }
+}

@@ -305,3 +305,21 @@ fn what_a_failing_policy_printed_last_is_in_its_error_in_order_and_bounded() {
     );
     assert!(message.len() < 1024, "{} bytes: {message}", message.len());
 }
+
+#[test]
+fn a_lower_link_that_sleeps_an_hour_is_answered_at_once_in_virtual_time() {
+    let h = HandlerBuilder::new(Runtime::shared())
+        .link(&load(&allocbox_artifacts::SYSTEM))
+        .link_with(
+            &load(&allocbox_artifacts::SANDBOX_PROBE),
+            &[("probe", "sleep"), ("arg", "3600")],
+        )
+        .build()
+        .unwrap();
+    let p = h
+        .malloc(64)
+        .unwrap()
+        .expect("served after the virtual hour");
+    h.free(Some(p), 64).unwrap();
+    assert!(h.failure().is_none());
+}

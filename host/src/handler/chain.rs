@@ -66,7 +66,13 @@ impl Chain {
         below: Option<Arc<Error>>,
     ) -> Result<u64, Error> {
         match (answer, below) {
-            (Err(e), _) => {
+            // A failure below happened first: the call's own failure, if any, came after
+            // it (a guest that could not cope with "none", or ran out of the same time).
+            (Err(_), Some(cause)) => {
+                self.fail(slots, cause.clone());
+                Err((*cause).clone())
+            }
+            (Err(e), None) => {
                 self.fail(slots, Arc::new(e.clone()));
                 Err(e)
             }

@@ -36,16 +36,47 @@ impl LinkState {
         }
     }
 
-    /// Call the upstream. An upstream policy that fails meanwhile answers this link's
-    /// guest "none"; its failure is kept here, to travel up when this link's call ends.
-    pub(super) fn upstream_call<R>(&mut self, f: impl FnOnce(&mut Upstream) -> R) -> R {
-        let answer = f(&mut self.upstream);
-        if let Upstream::Policy(l) = &mut self.upstream
-            && let Some(cause) = l.take_unreported()
-        {
-            self.unreported.get_or_insert(cause);
+    /// Call the upstream from inside this link's current call. An upstream link runs
+    /// under this call's deadline: a chain's call has one deadline, not one per link.
+    /// An upstream policy that fails answers this link's guest "none", and its failure
+    /// is kept here, to travel up when this link's call ends; but when the chain's time
+    /// ran out meanwhile, this guest can do nothing more either, and is stopped with
+    /// that failure (so the link that was running when time ran out is the one named).
+    pub(super) fn upstream_call<R>(
+        &mut self,
+        f: impl FnOnce(&mut Upstream) -> R,
+    ) -> wasmtime::Result<R> {
+        let (answer, failed) = self.call_upstream(Some(self.deadline), f);
+        match failed {
+            // A link below that ran out of time ran out of this call's time.
+            Some(cause) if matches!(*cause, Error::Timeout { .. }) || self.out_of_time() => {
+                Err(self.fail((*cause).clone()))
+            }
+            _ => Ok(answer),
         }
-        answer
+    }
+
+    /// Call the upstream, its links under `deadline` (the caller's, or their own when
+    /// none), and return the answer with the failure of an upstream link meanwhile,
+    /// which is also kept to travel up.
+    pub(super) fn call_upstream<R>(
+        &mut self,
+        deadline: Option<u64>,
+        f: impl FnOnce(&mut Upstream) -> R,
+    ) -> (R, Option<Arc<Error>>) {
+        if let Upstream::Policy(l) = &mut self.upstream {
+            l.inherited_deadline = deadline;
+        }
+        let answer = f(&mut self.upstream);
+        let Upstream::Policy(l) = &mut self.upstream else {
+            return (answer, None);
+        };
+        l.inherited_deadline = None;
+        let failed = l.take_unreported();
+        if let Some(cause) = &failed {
+            self.unreported.get_or_insert(cause.clone());
+        }
+        (answer, failed)
     }
 
     /// Record that this policy did `fault` inside an import and produce the error that
@@ -91,7 +122,7 @@ impl LinkState {
     /// Stop an import of a call that has run past its time: wasm code is interrupted by
     /// the epoch, host code checks here, at every import and between chunks of long ones.
     fn on_time(&mut self, call: Call) -> wasmtime::Result<()> {
-        if self.clock.load(Ordering::Relaxed) <= self.deadline {
+        if !self.out_of_time() {
             return Ok(());
         }
         let policy = self.sandbox.name.clone();
@@ -101,6 +132,13 @@ impl LinkState {
             call,
             limit,
         }))
+    }
+
+    /// Has the current call reached its deadline? The epoch stops wasm code at the same
+    /// tick.
+    #[inline]
+    fn out_of_time(&self) -> bool {
+        self.clock.load(Ordering::Relaxed) >= self.deadline
     }
 
     /// Bytes (and ledger entries, at [`LEDGER_ENTRY_COST`] each) the policy may still
@@ -297,7 +335,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         if size == 0 || !self.within_budget(size, 1) {
             return Ok(0);
         }
-        let block = self.upstream_call(|u| u.malloc(size));
+        let block = self.upstream_call(|u| u.malloc(size))?;
         if block != 0 {
             self.clear_fresh(block, size);
         }
@@ -312,7 +350,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         if !self.within_budget(size.max(1), 1) {
             return Ok(0);
         }
-        Ok(self.upstream_call(|u| u.calloc(nelem, elsize)))
+        self.upstream_call(|u| u.calloc(nelem, elsize))
     }
 
     fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> wasmtime::Result<u64> {
@@ -331,7 +369,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
             if !self.within_budget(new, 1) {
                 return Ok(0);
             }
-            let fresh = self.upstream_call(|u| u.malloc(new));
+            let fresh = self.upstream_call(|u| u.malloc(new))?;
             if fresh != 0 {
                 // SAFETY: `ptr` is a live upstream block of `old` bytes (check_held found
                 // it in the upstream ledger with that size, not given back) and `fresh` a
@@ -351,7 +389,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         if !self.within_budget(new.saturating_sub(old), 0) {
             return Ok(0);
         }
-        match self.upstream_call(|u| u.realloc(ptr, old, new)) {
+        match self.upstream_call(|u| u.realloc(ptr, old, new))? {
             Ok(addr) => Ok(addr),
             Err(f) => Err(self.caller_fault(Call::Realloc, ptr, old, f)),
         }
@@ -363,7 +401,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
             self.transit.hold_back(ptr, size);
             return Ok(());
         }
-        self.upstream_call(|u| u.free(ptr, size))
+        self.upstream_call(|u| u.free(ptr, size))?
             .map_err(|f| self.caller_fault(Call::Free, ptr, size, f))
     }
 
@@ -380,7 +418,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         if granted < count {
             self.budget_refusals += 1;
         }
-        Ok(self.upstream_call(|u| u.malloc_many(size, granted)))
+        self.upstream_call(|u| u.malloc_many(size, granted))
     }
 
     fn free_many(&mut self, ptrs: Vec<u64>, size: u64) -> wasmtime::Result<()> {
