@@ -86,8 +86,8 @@ impl WasmHook {
             });
         }
         let ticks = st.ticks;
-        st.store.set_epoch_deadline(ticks);
-        st.store.data_mut().begin_call();
+        let armed = st.store.data_mut().begin_call(ticks, None);
+        st.store.set_epoch_deadline(armed);
         let HookState {
             store,
             bindings,

@@ -21,7 +21,6 @@ pub use sandbox::{Grants, LEDGER_ENTRY_COST, Limits};
 use transit::Transit;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use wasmtime::Store;
@@ -142,10 +141,6 @@ pub(crate) struct LinkState {
     /// has not been told of: an upstream failure is "none" to this link's guest, so it
     /// travels up beside the answer ([`Link::take_unreported`]).
     unreported: Option<Arc<Error>>,
-    /// The runtime's tick count, advanced with the engine's epoch.
-    clock: Arc<AtomicU64>,
-    /// The tick past which the current call has run too long, its imports included.
-    deadline: u64,
     /// Bytes the client is asking for in the current call, on top of what it holds:
     /// the part of the overhead budget that is not overhead.
     demand: u64,
@@ -305,15 +300,11 @@ impl Link {
     /// and say what the call asks for.
     fn start_call(&mut self, demand: u64) {
         let state = self.store.data_mut();
-        let now = state.clock.load(Ordering::Relaxed);
-        let deadline = self.inherited_deadline.unwrap_or(now + self.deadline_ticks);
-        state.sandbox.begin_call();
-        state.deadline = deadline;
+        let armed = state
+            .sandbox
+            .begin_call(self.deadline_ticks, self.inherited_deadline);
         state.demand = demand;
-        // The epoch counts the same ticks as the clock, so what is left of the deadline
-        // is that many ticks from now; at least one, so a late callee is stopped at once.
-        self.store
-            .set_epoch_deadline(deadline.saturating_sub(now).max(1));
+        self.store.set_epoch_deadline(armed);
     }
 
     /// Stop this link and every link below it because the chain failed at `cause`: no
@@ -504,9 +495,15 @@ impl Link {
         // it is placed, it must hold the client's bytes: the old block is intact (no one
         // may write a lent block, and its memory is held back), so the host compares.
         let old_entry = self.lent_mut().remove(ptr).expect("checked above");
-        let broken = self
-            .misplaced(addr, new)
-            .or_else(|| lost_byte(ptr, addr, old.min(new)));
+        let broken = self.misplaced(addr, new).or_else(|| {
+            // The client chose how many bytes this compares: the guest's time is given
+            // back (`Sandbox::excuse_since`).
+            let sandbox = &mut self.store.data_mut().sandbox;
+            let since = sandbox.now();
+            let lost = lost_byte(ptr, addr, old.min(new));
+            sandbox.excuse_since(since);
+            lost
+        });
         if let Some(rule) = broken {
             // The client still holds its old block, intact: the upstream block under it
             // was held back. It goes back on the books before the link is stopped, so
@@ -526,7 +523,8 @@ impl Link {
         for (addr, size) in state.transit.end() {
             // Sizes were checked when the policy asked, and each block once; still the
             // chain's call that resized the block.
-            let _ = state.call_upstream(Some(state.deadline), |u| u.free(addr, size));
+            let deadline = state.sandbox.deadline();
+            let _ = state.call_upstream(Some(deadline), |u| u.free(addr, size));
         }
     }
 
@@ -605,7 +603,7 @@ impl Link {
                 self.poison(err.clone());
                 return Err(err);
             }
-            Some(self.store.data().deadline)
+            Some(self.store.data().sandbox.deadline())
         };
         self.store
             .data_mut()

@@ -241,10 +241,10 @@ impl Runtime {
         state: impl FnOnce(Sandbox) -> T,
         sandbox: fn(&mut T) -> &mut Sandbox,
     ) -> (Store<T>, u64) {
-        let sandboxed = Sandbox::new(Arc::from(name), limits);
+        let sandboxed = Sandbox::new(Arc::from(name), limits, self.inner.clock.clone());
         let mut store = Store::new(&self.inner.engine, state(sandboxed));
         store.limiter(move |s| sandbox(s).limiter());
-        store.epoch_deadline_trap();
+        store.epoch_deadline_callback(move |mut ctx| Ok(sandbox(ctx.data_mut()).on_epoch()));
         let ticks = limits.call_time.as_nanos().div_ceil(EPOCH_TICK.as_nanos()) as u64 + 1;
         store.set_epoch_deadline(ticks);
         (store, ticks)
@@ -309,7 +309,7 @@ impl Runtime {
         let (mut store, ticks) = self.guest_store(
             &policy.meta.source,
             limits,
-            |sandbox| LinkState::new(sandbox, upstream, limits, self.inner.clock.clone()),
+            |sandbox| LinkState::new(sandbox, upstream, limits),
             |s: &mut LinkState| &mut s.sandbox,
         );
         let start_err = |store: &mut Store<LinkState>, e| {

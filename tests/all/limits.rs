@@ -1,5 +1,6 @@
 //! Sandbox limits: time, the guest's own memory, and many threads at once.
 
+use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -344,4 +345,74 @@ fn the_memory_budget_covers_every_memory_of_every_instance_a_component_creates()
         panic!("{err}")
     };
     assert!(matches!(*err, Error::MemoryLimit { .. }), "{err}");
+}
+
+#[test]
+fn every_bytes_import_at_its_largest_is_stopped_by_the_call_s_time_limit() {
+    // A GiB block, worked on until the call is stopped: overlapping copies both ways
+    // (one move of the whole block, before the host copied in chunks), fills, and
+    // reads and writes as large as the guest's memory allows.
+    for (probe, mib) in [
+        ("copy-up", 0),
+        ("copy-down", 0),
+        ("fill", 0),
+        ("read", 48),
+        ("write", 48),
+    ] {
+        let h = HandlerBuilder::new(Runtime::shared())
+            .link_with(
+                &load(&allocbox_artifacts::SANDBOX_PROBE),
+                &[("probe", probe), ("arg", &mib.to_string())],
+            )
+            .limits(Limits {
+                call_time: Duration::from_millis(20),
+                ..Limits::default()
+            })
+            .build()
+            .unwrap();
+        let err = h.malloc(1 << 30).unwrap_err();
+        assert!(
+            matches!(&err, Error::Timeout { policy, .. } if &**policy == "sandbox-probe"),
+            "{probe}: {err}"
+        );
+        assert_eq!(
+            h.held_from_host(),
+            (0, 0),
+            "{probe}: the stopped policy held on"
+        );
+    }
+}
+
+#[test]
+fn a_client_s_large_resize_does_not_count_against_an_honest_policy_s_time() {
+    // Resizing the client's block makes the host copy it (the original stays intact
+    // until the policy's answer is checked): work whose size the client chose, given
+    // back to the policy's time. Over a 256 MiB block that takes longer than the 1 ms
+    // limit here; the policy then writes a footer (the host checks the time there),
+    // alone and over another link.
+    let resizing = load(&allocbox_artifacts::SANDBOX_PROBE);
+    for below in [None, Some(load(&allocbox_artifacts::SYSTEM))] {
+        let mut builder = HandlerBuilder::new(Runtime::shared())
+            .limits(Limits {
+                call_time: Duration::from_millis(1),
+                ..Limits::default()
+            })
+            .link_with(&resizing, &[("probe", "resize-then-write")]);
+        if let Some(below) = &below {
+            builder = builder.link(below);
+        }
+        let h = builder.build().unwrap();
+        let size = 256 << 20;
+        let p = h.malloc(size).unwrap().unwrap();
+        fill(p, size, 0x42);
+        let q = h.realloc(Some(p), 2 * size).unwrap().expect("resized");
+        assert!(holds(q, size, 0x42));
+        assert!(holds(
+            NonNull::new(q.as_ptr().wrapping_add(2 * size - 8)).unwrap(),
+            8,
+            0x5a
+        ));
+        h.free(Some(q), 2 * size).unwrap();
+        assert!(h.failure().is_none());
+    }
 }

@@ -14,12 +14,18 @@
 //! - `streams`: every `malloc` takes stdout handles without dropping them, forever;
 //! - `poll-many`: every `malloc` polls a list of `arg` copies of one timer;
 //! - `random-bytes`: every `malloc` asks for `arg` random bytes at once;
-//! - `exit`: `malloc` calls `exit`.
+//! - `exit`: `malloc` calls `exit`;
+//! - `copy-up`, `copy-down`, `fill`, `read`, `write`: every `malloc(size)` takes a
+//!   block of `size` bytes upstream and then, until its call is stopped, copies it onto
+//!   itself shifted one byte up (`copy-up`, the destination above the source) or down,
+//!   fills it, or reads or writes `arg` MiB of it at a time;
+//! - `resize-then-write`: `realloc` resizes the block upstream, then writes a word at
+//!   the end of the new block before answering it (a policy that keeps a footer).
 
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use allocbox_policy::{Config, Info, Policy, export_policy, upstream};
+use allocbox_policy::{Config, Info, Policy, bytes, export_policy, upstream};
 use wasip2::clocks::{monotonic_clock, wall_clock};
 use wasip2::io::poll;
 
@@ -34,6 +40,12 @@ enum Probe {
     PollMany,
     RandomBytes,
     Exit,
+    CopyUp,
+    CopyDown,
+    Fill,
+    Read,
+    Write,
+    ResizeThenWrite,
 }
 
 struct SandboxProbe {
@@ -57,6 +69,12 @@ impl Policy for SandboxProbe {
             "poll-many" => Probe::PollMany,
             "random-bytes" => Probe::RandomBytes,
             "exit" => Probe::Exit,
+            "copy-up" => Probe::CopyUp,
+            "copy-down" => Probe::CopyDown,
+            "fill" => Probe::Fill,
+            "read" => Probe::Read,
+            "write" => Probe::Write,
+            "resize-then-write" => Probe::ResizeThenWrite,
             other => return Err(format!("unknown probe `{other}`")),
         };
         Ok(SandboxProbe { probe, arg })
@@ -68,7 +86,7 @@ impl Policy for SandboxProbe {
 
     fn malloc(&self, size: u64) -> u64 {
         match self.probe {
-            Probe::None => {}
+            Probe::None | Probe::ResizeThenWrite => {}
             Probe::Sleep => monotonic_clock::subscribe_duration(secs(self.arg)).block(),
             Probe::PollSleep => {
                 let timer = monotonic_clock::subscribe_duration(secs(self.arg));
@@ -101,12 +119,47 @@ impl Policy for SandboxProbe {
                 std::hint::black_box(wasip2::random::random::get_random_bytes(self.arg));
             }
             Probe::Exit => wasip2::cli::exit::exit(Err(())),
+            Probe::CopyUp | Probe::CopyDown | Probe::Fill | Probe::Read | Probe::Write => {
+                self.bytes_forever(size)
+            }
         }
         upstream::malloc(size)
     }
 
     fn free(&self, ptr: u64, size: u64) {
         upstream::free(ptr, size)
+    }
+
+    fn realloc(&self, ptr: u64, old_size: u64, new_size: u64) -> u64 {
+        if self.probe != Probe::ResizeThenWrite || ptr == 0 {
+            return upstream::realloc(ptr, old_size, new_size);
+        }
+        let moved = upstream::realloc(ptr, old_size, new_size);
+        if moved != 0 && new_size >= 8 {
+            bytes::write_u64(moved + new_size - 8, 0x5a5a_5a5a_5a5a_5a5a);
+        }
+        moved
+    }
+}
+
+impl SandboxProbe {
+    /// Work on the bytes of a fresh upstream block of `size` bytes until stopped.
+    fn bytes_forever(&self, size: u64) -> ! {
+        let block = upstream::malloc(size);
+        assert_ne!(block, 0, "no upstream block of {size} bytes");
+        let chunk = (self.arg << 20).min(size);
+        loop {
+            match self.probe {
+                Probe::CopyUp => bytes::copy(block + 1, block, size - 1),
+                Probe::CopyDown => bytes::copy(block, block + 1, size - 1),
+                Probe::Fill => bytes::fill(block, size, 0x5a),
+                Probe::Read => {
+                    std::hint::black_box(bytes::read(block, chunk as u32));
+                }
+                Probe::Write => bytes::write(block, &vec![0x5a; chunk as usize]),
+                _ => unreachable!("not a bytes probe"),
+            }
+        }
     }
 }
 

@@ -4,7 +4,6 @@
 //! its budget.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::bindings;
 use super::{LEDGER_ENTRY_COST, Limits, LinkState, Sandbox, Transit, Upstream};
@@ -12,20 +11,13 @@ use crate::error::{Bound, Call, Error, Rule, Violation};
 use crate::ledger::{Ledger, TakeBack};
 
 impl LinkState {
-    pub(crate) fn new(
-        sandbox: Sandbox,
-        upstream: Upstream,
-        limits: &Limits,
-        clock: Arc<AtomicU64>,
-    ) -> Self {
+    pub(crate) fn new(sandbox: Sandbox, upstream: Upstream, limits: &Limits) -> Self {
         LinkState {
             sandbox,
             lent: Ledger::default(),
             upstream,
             transit: Transit::default(),
             unreported: None,
-            clock,
-            deadline: u64::MAX,
             demand: 0,
             call_time: limits.call_time,
             batch_limit: limits.batch,
@@ -46,7 +38,7 @@ impl LinkState {
         &mut self,
         f: impl FnOnce(&mut Upstream) -> R,
     ) -> wasmtime::Result<R> {
-        let (answer, failed) = self.call_upstream(Some(self.deadline), f);
+        let (answer, failed) = self.call_upstream(Some(self.sandbox.deadline()), f);
         match failed {
             // A link below that ran out of time ran out of this call's time.
             Some(cause) if matches!(*cause, Error::Timeout { .. }) || self.out_of_time() => {
@@ -71,7 +63,9 @@ impl LinkState {
         let Upstream::Policy(l) = &mut self.upstream else {
             return (answer, None);
         };
-        l.inherited_deadline = None;
+        if l.inherited_deadline.take().is_some() {
+            self.sandbox.extend_to(l.store.data().sandbox.deadline());
+        }
         let failed = l.take_unreported();
         if let Some(cause) = &failed {
             self.unreported.get_or_insert(cause.clone());
@@ -134,11 +128,8 @@ impl LinkState {
         }))
     }
 
-    /// Has the current call reached its deadline? The epoch stops wasm code at the same
-    /// tick.
-    #[inline]
     fn out_of_time(&self) -> bool {
-        self.clock.load(Ordering::Relaxed) >= self.deadline
+        self.sandbox.out_of_time()
     }
 
     /// Bytes (and ledger entries, at [`LEDGER_ENTRY_COST`] each) the policy may still
@@ -371,6 +362,10 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
             }
             let fresh = self.upstream_call(|u| u.malloc(new))?;
             if fresh != 0 {
+                // Once a call (the old block is held back from here on), and as long as
+                // the upstream block under the client's: the client chose the size, so
+                // the guest's time is given back (`Sandbox::excuse_since`).
+                let since = self.sandbox.now();
                 // SAFETY: `ptr` is a live upstream block of `old` bytes (check_held found
                 // it in the upstream ledger with that size, not given back) and `fresh` a
                 // new one of `new` bytes; both lie in host memory lent by the upstream,
@@ -382,6 +377,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
                         old.min(new) as usize,
                     )
                 };
+                self.sandbox.excuse_since(since);
                 self.transit.hold_back(ptr, old);
             }
             return Ok(fresh);
@@ -445,8 +441,44 @@ pub(super) fn check_lent(ledger: &Ledger, ptr: u64, size: u64) -> Result<(), Tak
     }
 }
 
-/// Bytes one step of a long `fill` or `copy` touches before the time is checked again.
+/// Bytes one step of a long `bytes` access touches before the call's time is checked
+/// again: a few milliseconds of memory bandwidth.
 const BYTES_CHUNK: u64 = 16 << 20;
+
+/// Which end of a range a chunked loop starts from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Order {
+    Ascending,
+    /// For a copy whose destination lies above its overlapping source: a chunk copied
+    /// from the end never overwrites source bytes still to be copied.
+    Descending,
+}
+
+impl LinkState {
+    /// Run `step(offset, len)` over `[0, total)` in chunks of at most [`BYTES_CHUNK`],
+    /// checking the call's time before each, so that no host loop whose length a guest
+    /// chose outlives the call's deadline by more than one chunk.
+    fn in_chunks(
+        &mut self,
+        call: Call,
+        total: u64,
+        order: Order,
+        mut step: impl FnMut(u64, u64),
+    ) -> wasmtime::Result<()> {
+        let mut done = 0;
+        while done < total {
+            self.on_time(call)?;
+            let len = (total - done).min(BYTES_CHUNK);
+            let offset = match order {
+                Order::Ascending => done,
+                Order::Descending => total - done - len,
+            };
+            step(offset, len);
+            done += len;
+        }
+        Ok(())
+    }
+}
 
 impl bindings::allocbox::policy::bytes::Host for LinkState {
     fn read(&mut self, at: u64, len: u32) -> wasmtime::Result<Vec<u8>> {
@@ -455,61 +487,80 @@ impl bindings::allocbox::policy::bytes::Host for LinkState {
         self.bounded(Call::BytesRead, Bound::ReadLength, len.into(), limit)?;
         self.check_bytes(Call::BytesRead, at, len.into(), true)?;
         let mut out = vec![0; len as usize];
-        // SAFETY: check_bytes proved `[at, at+len)` lies inside one live upstream block
-        // (or the block in transit, which lies inside one), and every block in a ledger
-        // lies inside host memory allocated by SystemMemory and not yet released.
-        unsafe { std::ptr::copy_nonoverlapping(at as *const u8, out.as_mut_ptr(), out.len()) };
+        let into = out.as_mut_ptr() as u64;
+        self.in_chunks(
+            Call::BytesRead,
+            len.into(),
+            Order::Ascending,
+            |offset, n| {
+                // SAFETY: check_bytes proved `[at, at+len)` lies inside one live upstream
+                // block (or the block in transit, which lies inside one), and every block in
+                // a ledger lies inside host memory allocated by SystemMemory and not yet
+                // released; `out` has `len` bytes; this chunk lies inside both.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (at + offset) as *const u8,
+                        (into + offset) as *mut u8,
+                        n as usize,
+                    )
+                };
+            },
+        )?;
         Ok(out)
     }
 
     fn write(&mut self, at: u64, data: Vec<u8>) -> wasmtime::Result<()> {
         self.on_time(Call::BytesWrite)?;
         self.check_bytes(Call::BytesWrite, at, data.len() as u64, false)?;
-        // SAFETY: as in `read`; the range is also not lent out, so no client holds it.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at as *mut u8, data.len()) };
+        let source = data.as_ptr() as u64;
+        self.in_chunks(
+            Call::BytesWrite,
+            data.len() as u64,
+            Order::Ascending,
+            |offset, n| {
+                // SAFETY: as in `read`; the range is also not lent out, so no client holds
+                // it; `data` has the range's length.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        (source + offset) as *const u8,
+                        (at + offset) as *mut u8,
+                        n as usize,
+                    )
+                };
+            },
+        )?;
         Ok(())
     }
 
     fn fill(&mut self, at: u64, len: u64, byte: u8) -> wasmtime::Result<()> {
         self.check_bytes(Call::BytesFill, at, len, false)?;
-        let mut done = 0;
-        while done < len {
-            self.on_time(Call::BytesFill)?;
-            let step = (len - done).min(BYTES_CHUNK);
-            // SAFETY: as in `write`; `[at+done, at+done+step)` lies inside the checked range.
-            unsafe { std::ptr::write_bytes((at + done) as *mut u8, byte, step as usize) };
-            done += step;
-        }
+        self.in_chunks(Call::BytesFill, len, Order::Ascending, |offset, n| {
+            // SAFETY: as in `write`; the chunk lies inside the checked range.
+            unsafe { std::ptr::write_bytes((at + offset) as *mut u8, byte, n as usize) };
+        })?;
         Ok(())
     }
 
     fn copy(&mut self, dst: u64, src: u64, len: u64) -> wasmtime::Result<()> {
         self.check_bytes(Call::BytesCopy, src, len, true)?;
         self.check_bytes(Call::BytesCopy, dst, len, false)?;
-        if dst > src && dst < src + len {
-            // Overlapping with the destination above: chunks would overwrite source bytes
-            // not yet copied, so one move (bounded by the checked ranges' size).
-            self.on_time(Call::BytesCopy)?;
-            // SAFETY: both ranges were checked as in `read`/`write`; `copy` allows overlap.
-            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) };
-            return Ok(());
-        }
-        let mut done = 0;
-        while done < len {
-            self.on_time(Call::BytesCopy)?;
-            let step = (len - done).min(BYTES_CHUNK);
-            // SAFETY: both ranges were checked as in `read`/`write`; ascending chunks are
-            // correct when `dst` is not above an overlapping `src`, and `copy` allows
-            // the overlap inside one chunk.
+        let order = match dst > src && dst < src + len {
+            true => Order::Descending,
+            false => Order::Ascending,
+        };
+        self.in_chunks(Call::BytesCopy, len, order, |offset, n| {
+            // SAFETY: both ranges were checked as in `read`/`write` and the chunk lies
+            // inside both; `copy` allows overlap inside one chunk, and chunks are taken
+            // from the end exactly when the destination lies above an overlapping source,
+            // so no chunk overwrites source bytes a later chunk still reads.
             unsafe {
                 std::ptr::copy(
-                    (src + done) as *const u8,
-                    (dst + done) as *mut u8,
-                    step as usize,
+                    (src + offset) as *const u8,
+                    (dst + offset) as *mut u8,
+                    n as usize,
                 )
             };
-            done += step;
-        }
+        })?;
         Ok(())
     }
 

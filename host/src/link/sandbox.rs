@@ -1,6 +1,7 @@
 //! What every guest store holds, policy or hook, and the bounds on a guest.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use wasmtime::Trap;
@@ -77,15 +78,22 @@ pub(crate) struct Sandbox {
     pub(super) fault: Option<Error>,
     pub(super) limiter: GuestBudget,
     wasi: GuestWasi,
+    /// The runtime's tick count, advanced with the engine's epoch.
+    clock: Arc<AtomicU64>,
+    /// The tick at which the current call runs out of time: its wasm code, the host's
+    /// work in its imports and the links below it included.
+    deadline: u64,
 }
 
 impl Sandbox {
-    pub(crate) fn new(name: Arc<str>, limits: &Limits) -> Self {
+    pub(crate) fn new(name: Arc<str>, limits: &Limits, clock: Arc<AtomicU64>) -> Self {
         Sandbox {
             name,
             fault: None,
             limiter: GuestBudget::new(limits.memory),
             wasi: GuestWasi::new(&limits.grants.env, limits.grants.clocks, limits.output),
+            clock,
+            deadline: u64::MAX,
         }
     }
 
@@ -93,11 +101,61 @@ impl Sandbox {
         &mut self.limiter
     }
 
-    /// A new call into the guest begins: a growth the budget refused in an earlier call,
-    /// which the guest survived, does not explain a failure in this one.
+    /// A new call into the guest begins, under `inherited` (the deadline of the call of
+    /// the link above, when that call is what makes this one) or a fresh deadline
+    /// `ticks` from now. Returns the epoch ticks to arm: what is left of the deadline,
+    /// at least one, so that a callee whose time is already out is stopped at once.
+    /// A growth the budget refused in an earlier call, which the guest survived, does not
+    /// explain a failure in this one.
     #[inline]
-    pub(crate) fn begin_call(&mut self) {
+    pub(crate) fn begin_call(&mut self, ticks: u64, inherited: Option<u64>) -> u64 {
         self.limiter.hit = false;
+        let now = self.now();
+        self.deadline = inherited.unwrap_or(now + ticks);
+        self.deadline.saturating_sub(now).max(1)
+    }
+
+    /// The runtime's tick count now.
+    #[inline]
+    pub(crate) fn now(&self) -> u64 {
+        self.clock.load(Ordering::Relaxed)
+    }
+
+    /// The current call's deadline, in ticks.
+    pub(crate) fn deadline(&self) -> u64 {
+        self.deadline
+    }
+
+    /// Has the current call reached its deadline? The epoch stops wasm code at the same
+    /// tick.
+    #[inline]
+    pub(crate) fn out_of_time(&self) -> bool {
+        self.now() >= self.deadline
+    }
+
+    /// Give the current call back the ticks spent since `since` on host work that the
+    /// client, not the guest, chose the length of (copying or comparing the client's
+    /// block in transit, once a call): the guest is not stopped for its client's
+    /// large resize.
+    pub(crate) fn excuse_since(&mut self, since: u64) {
+        self.deadline = self
+            .deadline
+            .saturating_add(self.now().saturating_sub(since));
+    }
+
+    /// A deadline of a call below that ended: it may have moved on by host work excused
+    /// there, which this call's deadline includes too.
+    pub(crate) fn extend_to(&mut self, deadline: u64) {
+        self.deadline = self.deadline.max(deadline);
+    }
+
+    /// What the epoch does when it reaches the armed tick: go on until the deadline (it
+    /// may have moved on since the tick was armed), or stop the guest.
+    pub(crate) fn on_epoch(&self) -> wasmtime::UpdateDeadline {
+        match self.deadline.checked_sub(self.now()) {
+            Some(left) if left > 0 => wasmtime::UpdateDeadline::Continue(left),
+            _ => wasmtime::UpdateDeadline::Interrupt,
+        }
     }
 
     /// Turn a failed call into the error that says what happened: one sentence, the
