@@ -1,6 +1,8 @@
 #![doc = include_str!("../../README.md")]
 
 pub mod check;
+#[cfg(test)]
+mod counting_alloc;
 mod error;
 mod fasthash;
 mod handler;
@@ -20,7 +22,8 @@ mod wasi;
 pub use error::{Bound, Call, ClientError, Error, InvariantBroken, LoadError, Rule, Violation};
 pub use handler::{Handler, HandlerBuilder};
 pub use hook::WasmHook;
-pub use link::{Grants, LEDGER_ENTRY_COST, Limits, LinkStats, PolicyInfo};
+pub use ledger::LEDGER_ENTRY_COST;
+pub use link::{Grants, Limits, LinkStats, PolicyInfo};
 pub use memhandler::{MemHandler, Stats};
 pub use native::NumpyDefault;
 pub use nep49::Buffer;

@@ -17,7 +17,7 @@ mod transit;
 
 use imports::check_lent;
 pub(crate) use sandbox::Sandbox;
-pub use sandbox::{Grants, LEDGER_ENTRY_COST, Limits};
+pub use sandbox::{Grants, Limits};
 use transit::Transit;
 
 use std::sync::Arc;
@@ -52,7 +52,8 @@ pub struct PolicyInfo {
 /// Where a link gets its memory from.
 #[derive(Debug)]
 pub(crate) enum Upstream {
-    System(SystemMemory),
+    /// Boxed: a link's state holds its upstream inline, and most links' is a policy.
+    System(Box<SystemMemory>),
     Policy(Box<Link>),
 }
 

@@ -35,6 +35,25 @@ const LINE_ALIGNED_FROM: u64 = 4096;
 /// page fault every 4 KiB (3x slower `a + b + c` on 8-64 MiB arrays, measured).
 const HUGEPAGE_THRESHOLD: usize = 1 << 22;
 
+/// Bytes of host memory a block of `size` bytes takes from the global allocator at
+/// most (glibc's malloc): a chunk of the size and an 8-byte header rounded up to 16,
+/// at least 32; with the slack of an aligned allocation for line-aligned sizes; whole
+/// pages with a header page for mapped ones. The overhead budget counts this, not the
+/// size: a policy holding a million 1-byte blocks holds 32 MB of chunks.
+pub(crate) fn footprint(size: u64) -> u64 {
+    let Some(layout) = SystemMemory::layout(size) else {
+        return size;
+    };
+    if size >= HUGEPAGE_THRESHOLD as u64 {
+        return size.saturating_add(4096).next_multiple_of(4096);
+    }
+    let chunk = size.saturating_add(8).next_multiple_of(16).max(32);
+    match layout.align() as u64 {
+        SYSTEM_ALIGNMENT => chunk,
+        aligned => chunk + aligned,
+    }
+}
+
 /// Advise huge pages for the whole pages inside `[ptr, ptr + size)` if it is large.
 pub(crate) fn advise_huge_pages(ptr: NonNull<u8>, size: usize) {
     if size < HUGEPAGE_THRESHOLD {
@@ -78,7 +97,7 @@ impl SystemMemory {
     /// bytes of what comes back poisoned and unreleased.
     pub(crate) fn new(limit: u64, quarantine: u64) -> Self {
         SystemMemory {
-            lent: Ledger::default(),
+            lent: Ledger::with_footprint(footprint),
             limit,
             quarantine: Quarantine {
                 capacity: quarantine,

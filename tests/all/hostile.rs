@@ -340,3 +340,64 @@ fn hostile_calls_into_the_wasi_stub_end_within_the_call_limit_as_typed_errors() 
         h.free(Some(kept), 64).unwrap();
     }
 }
+
+/// `passthrough`, not batching, whose `malloc` first takes 1-byte blocks from upstream
+/// until it is refused, and keeps them (or, not `hoarding`, takes none).
+fn one_byte_blocks(hoarding: bool) -> String {
+    let take = match hoarding {
+        true => "(br_if $hoard (i64.ne (call $up_malloc (i64.const 1)) (i64.const 0)))",
+        false => "",
+    };
+    passthrough_variant(
+        "(i32.store8 (i32.const 32) (i32.const 1))",
+        "(i32.store8 (i32.const 32) (i32.const 0))",
+    )
+    .replace(
+        "(func (export \"allocbox:policy/allocator@0.1.0#malloc\") (param $size i64) (result i64)
+    (call $count (call $up_malloc (local.get $size))))",
+        "(func (export \"allocbox:policy/allocator@0.1.0#malloc\") (param $size i64) (result i64)
+    (loop $hoard TAKE)
+    (call $count (call $up_malloc (local.get $size))))",
+    )
+    .replace("TAKE", take)
+}
+
+#[test]
+fn the_overhead_budget_bounds_what_tiny_hoarded_blocks_really_cost_the_host() {
+    // Each 1-byte upstream block costs the host a 32-byte allocator chunk and its
+    // record; the budget counts both, so the process grows by about the budget.
+    let dir = tempdir("hoard-rss");
+    std::fs::write(dir.join("one.script"), "b0 = malloc 64\n").unwrap();
+    std::fs::write(dir.join("hoard.wat"), one_byte_blocks(true)).unwrap();
+    std::fs::write(dir.join("plain.wat"), one_byte_blocks(false)).unwrap();
+    let budget: u64 = 32 << 20;
+    let overhead = budget.to_string();
+    let (code, out, plain) =
+        allocbox_cli_peak_rss(&["replay", "one.script", "--overhead", &overhead], &dir);
+    assert_eq!(code, 0, "{out}");
+    let (code, out, hoarding) = allocbox_cli_peak_rss(
+        &[
+            "replay",
+            "one.script",
+            "hoard.wat",
+            "--overhead",
+            &overhead,
+            "--call-time-ms",
+            "20000",
+        ],
+        &dir,
+    );
+    // The hoard is within the budget, and a leak once the client freed everything.
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("leak: 209715 upstream blocks"), "{out}");
+    let grew_kib = hoarding.saturating_sub(plain);
+    assert!(
+        grew_kib <= (budget >> 10) + (8 << 10),
+        "hoarding grew the process by {grew_kib} KiB under a {} KiB budget",
+        budget >> 10
+    );
+    assert!(
+        grew_kib >= (budget >> 10) / 2,
+        "the policy hoarded only {grew_kib} KiB ({hoarding} against {plain}): the test tests nothing"
+    );
+}

@@ -66,34 +66,33 @@ pub fn tempdir(name: &str) -> std::path::PathBuf {
 }
 
 /// Run the `allocbox` command in `dir` as [`allocbox_cli`] does, and also say the most
-/// memory it had resident at once, in KiB (the kernel's count for the child).
+/// memory it had resident at once, in KiB. Without the compile cache, so that every run
+/// compiles what it loads and runs compare.
+///
+/// The kernel counts a child's peak from the moment it was forked, when it still shared
+/// this (large, busy) test process's memory; so a small Python process starts the
+/// command and reports the peak of its own child.
 pub fn allocbox_cli_peak_rss(args: &[&str], dir: &std::path::Path) -> (i32, String, u64) {
-    let out_path = dir.join(format!("cli-output-{}", std::process::id()));
-    let out = std::fs::File::create(&out_path).unwrap();
-    #[expect(
-        clippy::zombie_processes,
-        reason = "reaped below with wait4, which also reports its peak memory"
-    )]
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_allocbox"))
+    const MEASURE: &str = "import resource, subprocess, sys\n\
+        run = subprocess.run(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)\n\
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n\
+        sys.stdout.write(f'{run.returncode} {peak}\\n')\n\
+        sys.stdout.buffer.write(run.stdout)\n";
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(MEASURE)
+        .arg(env!("CARGO_BIN_EXE_allocbox"))
         .args(args)
         .current_dir(dir)
-        .stdout(out.try_clone().unwrap())
-        .stderr(out)
-        .spawn()
-        .unwrap();
-    let mut status = 0;
-    // SAFETY: an all-zero `rusage` is a valid value of that plain C struct.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: `child.id()` is our child, not yet waited for (std waits only on
-    // `wait`/`drop` of a handle it owns, and this one is never waited by std); `status`
-    // and `usage` are live, writable locals.
-    let pid = unsafe { libc::wait4(child.id() as libc::pid_t, &mut status, 0, &mut usage) };
-    assert_eq!(pid, child.id() as libc::pid_t, "wait4 failed");
-    let text = std::fs::read_to_string(&out_path).unwrap();
-    let code = if libc::WIFEXITED(status) {
-        libc::WEXITSTATUS(status)
-    } else {
-        -1
-    };
-    (code, text, usage.ru_maxrss as u64)
+        .env(allocbox::COMPILE_CACHE_ENV, "off")
+        .output()
+        .expect("python3 runs");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let (first, rest) = text.split_once('\n').unwrap_or_else(|| panic!("{text}"));
+    let (code, peak) = first.split_once(' ').unwrap();
+    (
+        code.parse().unwrap(),
+        rest.to_string(),
+        peak.parse().unwrap(),
+    )
 }

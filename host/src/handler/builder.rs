@@ -95,8 +95,10 @@ impl HandlerBuilder {
         let Some(((top, top_config), below)) = self.links.split_first() else {
             return Err(LoadError::EmptyChain);
         };
-        let mut upstream =
-            Upstream::System(SystemMemory::new(self.host_memory_limit, self.quarantine));
+        let mut upstream = Upstream::System(Box::new(SystemMemory::new(
+            self.host_memory_limit,
+            self.quarantine,
+        )));
         let mut names = Vec::new();
         for (policy, config) in below.iter().rev() {
             let link = self.runtime.start(policy, config, upstream, &self.limits)?;

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::bindings;
-use super::{LEDGER_ENTRY_COST, Limits, LinkState, Sandbox, Transit, Upstream};
+use super::{Limits, LinkState, Sandbox, Transit, Upstream};
 use crate::error::{Bound, Call, Error, Rule, Violation};
 use crate::ledger::{Ledger, TakeBack};
 
@@ -132,21 +132,26 @@ impl LinkState {
         self.sandbox.out_of_time()
     }
 
-    /// Bytes (and ledger entries, at [`LEDGER_ENTRY_COST`] each) the policy may still
-    /// take from upstream within its overhead budget.
+    /// Host memory the policy may still take from upstream within its overhead budget,
+    /// upstream blocks counted at what they cost the host ([`Ledger::cost`]).
     fn budget_left(&self) -> u64 {
         let allowed = self
             .lent
             .bytes()
             .saturating_add(self.demand)
             .saturating_add(self.overhead_limit);
-        allowed.saturating_sub(holding(self.upstream.lent()))
+        allowed.saturating_sub(self.upstream.lent().cost())
     }
 
-    /// May the policy take `bytes` more in `blocks` more blocks from upstream? A
-    /// refusal is counted.
-    fn within_budget(&mut self, bytes: u64, blocks: u64) -> bool {
-        let cost = bytes.saturating_add(blocks.saturating_mul(LEDGER_ENTRY_COST));
+    /// May the policy take one more upstream block of `size` bytes?
+    fn may_take(&mut self, size: u64) -> bool {
+        let cost = self.upstream.lent().cost_of(size);
+        self.within_budget(cost)
+    }
+
+    /// May the policy take `cost` more bytes of host memory from upstream? A refusal is
+    /// counted.
+    fn within_budget(&mut self, cost: u64) -> bool {
         let ok = cost <= self.budget_left();
         if !ok {
             self.budget_refusals += 1;
@@ -313,17 +318,10 @@ pub(super) struct Clearance {
     lent: u64,
 }
 
-/// Host memory an upstream ledger stands for: its bytes and the cost of its entries.
-fn holding(ledger: &Ledger) -> u64 {
-    ledger
-        .bytes()
-        .saturating_add(ledger.len() as u64 * LEDGER_ENTRY_COST)
-}
-
 impl bindings::allocbox::policy::allocator::Host for LinkState {
     fn malloc(&mut self, size: u64) -> wasmtime::Result<u64> {
         self.on_time(Call::Malloc)?;
-        if size == 0 || !self.within_budget(size, 1) {
+        if size == 0 || !self.may_take(size) {
             return Ok(0);
         }
         let block = self.upstream_call(|u| u.malloc(size))?;
@@ -338,7 +336,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         let Some(size) = nelem.checked_mul(elsize) else {
             return Ok(0);
         };
-        if !self.within_budget(size.max(1), 1) {
+        if !self.may_take(size.max(1)) {
             return Ok(0);
         }
         self.upstream_call(|u| u.calloc(nelem, elsize))
@@ -357,7 +355,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         if hold_back {
             // Resizing the block that holds the client's data in transit: move it by
             // copy so the original stays intact until this policy's answer is checked.
-            if !self.within_budget(new, 1) {
+            if !self.may_take(new) {
                 return Ok(0);
             }
             let fresh = self.upstream_call(|u| u.malloc(new))?;
@@ -382,7 +380,9 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
             }
             return Ok(fresh);
         }
-        if !self.within_budget(new.saturating_sub(old), 0) {
+        let upstream = self.upstream.lent();
+        let growth = upstream.cost_of(new).saturating_sub(upstream.cost_of(old));
+        if !self.within_budget(growth) {
             return Ok(0);
         }
         match self.upstream_call(|u| u.realloc(ptr, old, new))? {
@@ -409,7 +409,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
             return Ok(Vec::new());
         }
         // As many as the budget allows: fewer blocks is a valid answer.
-        let per_block = size.saturating_add(LEDGER_ENTRY_COST);
+        let per_block = self.upstream.lent().cost_of(size);
         let granted = (self.budget_left() / per_block).min(count.into()) as u32;
         if granted < count {
             self.budget_refusals += 1;

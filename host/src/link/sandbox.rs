@@ -28,8 +28,9 @@ pub struct Limits {
     pub batch: u32,
     /// Most bytes a policy may hold from its upstream beyond what its client holds and
     /// is asking for in the current call (its overhead: caches, headers, free lists),
-    /// each upstream block counting [`LEDGER_ENTRY_COST`] bytes more for the host's own
-    /// record of it. An upstream request past it is answered "none", as out of memory,
+    /// each upstream block counted at what it costs the host: the allocator's footprint
+    /// for a block of the host's memory, and [`crate::LEDGER_ENTRY_COST`] for the
+    /// host's record of it. An upstream request past it is answered "none", as out of memory,
     /// and counted in [`crate::LinkStats::budget_refusals`]. It bounds overhead, not size: a
     /// client may still get a single block of many GiB. Default 256 MiB.
     pub overhead: u64,
@@ -38,11 +39,6 @@ pub struct Limits {
     /// What WASI grants the guest beyond nothing. Default: nothing.
     pub grants: Grants,
 }
-
-/// Host memory one upstream block costs beyond its bytes (the ledger's entry for it),
-/// counted against [`Limits::overhead`] so that a policy cannot grow the host's books
-/// without bound by taking many tiny blocks.
-pub const LEDGER_ENTRY_COST: u64 = 64;
 
 /// What the sandbox grants a guest. WASI is deny-by-default: no files, no network, no
 /// environment, and clocks that always read zero (a policy cannot time anything or leak
