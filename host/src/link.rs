@@ -14,11 +14,13 @@
 mod imports;
 mod sandbox;
 mod transit;
+mod zeroed;
 
 use imports::check_lent;
 pub(crate) use sandbox::Sandbox;
 pub use sandbox::{Grants, Limits};
 use transit::Transit;
+use zeroed::Zeroed;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -152,6 +154,11 @@ pub(crate) struct LinkState {
     budget_refusals: u64,
     /// What the last full `bytes` check cleared; see [`imports::Clearance`].
     clearance: Option<imports::Clearance>,
+    /// Upstream memory known to hold only zeros in the current call.
+    zeroed: Zeroed,
+    /// Deep checks ([`crate::HandlerBuilder::checked`]): a `calloc` answer that is not
+    /// zero is a violation rather than zeroed by the host.
+    checked: bool,
 }
 
 impl std::fmt::Debug for LinkState {
@@ -305,6 +312,7 @@ impl Link {
             .sandbox
             .begin_call(self.deadline_ticks, self.inherited_deadline);
         state.demand = demand;
+        state.zeroed.clear();
         self.store.set_epoch_deadline(armed);
     }
 
@@ -452,7 +460,41 @@ impl Link {
         if addr == 0 {
             return Ok(0);
         }
-        self.admit(Call::Calloc, addr, size.max(1))
+        let size = size.max(1);
+        self.admit(Call::Calloc, addr, size)?;
+        self.make_zero(addr, size)?;
+        Ok(addr)
+    }
+
+    /// Make sure the `calloc` answer `[addr, addr+size)`, just admitted, holds only
+    /// zeros before its client sees it (C3). Memory known zero in this call (a fresh
+    /// `calloc` block upstream, a range the policy filled with 0) is left as it is, so a
+    /// large zeroed block stays lazily zeroed pages; any other answer is zeroed here,
+    /// its time given back to the policy (the client chose the size), or, with deep
+    /// checks, a non-zero byte in it is a violation.
+    fn make_zero(&mut self, addr: u64, size: u64) -> Result<(), Error> {
+        let state = self.store.data_mut();
+        if state.zeroed.covers(addr, size) {
+            return Ok(());
+        }
+        // SAFETY: `[addr, addr+size)` was just admitted as a block this policy lent: it
+        // lies inside live upstream memory the policy holds, and no one else holds it
+        // yet (the client has not been given it).
+        let block = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, size as usize) };
+        if state.checked {
+            let Some(offset) = block.iter().position(|&b| b != 0) else {
+                return Ok(());
+            };
+            self.lent_mut().remove(addr);
+            let rule = Rule::CallocNotZeroed {
+                offset: offset as u64,
+            };
+            return Err(self.violation(Call::Calloc, addr, size, rule));
+        }
+        let since = state.sandbox.now();
+        block.fill(0);
+        state.sandbox.excuse_since(since);
+        Ok(())
     }
 
     /// Resize a block the caller holds with `old` bytes, as this link's ledger records

@@ -305,11 +305,12 @@ impl Runtime {
         config: &[(String, String)],
         upstream: Upstream,
         limits: &Limits,
+        checked: bool,
     ) -> Result<Link, LoadError> {
         let (mut store, ticks) = self.guest_store(
             &policy.meta.source,
             limits,
-            |sandbox| LinkState::new(sandbox, upstream, limits),
+            |sandbox| LinkState::new(sandbox, upstream, limits, checked),
             |s: &mut LinkState| &mut s.sandbox,
         );
         let start_err = |store: &mut Store<LinkState>, e| {

@@ -2,7 +2,7 @@
 
 use std::ptr::NonNull;
 
-use allocbox::{Call, Error, Rule};
+use allocbox::{Call, Error, HandlerBuilder, Rule, Runtime};
 
 use super::support::*;
 
@@ -279,4 +279,77 @@ fn a_realloc_that_returns_a_bad_block_keeps_the_old_block_intact() {
         "{err}"
     );
     assert_intact_and_freeable(&h, p);
+}
+
+#[test]
+fn a_dirty_calloc_answer_reaches_the_client_zeroed_on_the_production_path() {
+    // `calloc-dirty` fills its answers with 0xAB; `recycled-calloc-dirty` reuses freed
+    // blocks without zeroing them. The client sees zeros either way, and the policy goes
+    // on serving.
+    for fault in ["calloc-dirty", "recycled-calloc-dirty"] {
+        let h = broken(fault);
+        for size in [1usize, 100, 5000, 70_000] {
+            let p = h.malloc(size).unwrap().unwrap();
+            fill(p, size, 0xEE);
+            h.free(Some(p), size).unwrap();
+            let z = h.calloc(size, 1).unwrap().unwrap();
+            assert!(holds(z, size, 0), "{fault}, {size} bytes");
+            h.free(Some(z), size).unwrap();
+        }
+        assert!(h.failure().is_none(), "{fault}");
+    }
+}
+
+#[test]
+fn with_deep_checks_a_dirty_calloc_answer_is_a_named_violation() {
+    let h = HandlerBuilder::new(Runtime::shared())
+        .link_with(
+            &load(&allocbox_artifacts::BROKEN),
+            &[("fault", "calloc-dirty")],
+        )
+        .checked(true)
+        .build()
+        .unwrap();
+    let err = h.calloc(10, 10).unwrap_err();
+    assert_eq!(
+        err.rule(),
+        Some(&Rule::CallocNotZeroed { offset: 0 }),
+        "{err}"
+    );
+    assert_eq!(err.policy(), Some("broken"));
+}
+
+/// Pages of `[p, p+len)` resident in memory now.
+fn resident_pages(p: NonNull<u8>, len: usize) -> usize {
+    let page = 4096;
+    let start = p.as_ptr() as usize & !(page - 1);
+    let pages = (p.as_ptr() as usize + len - start).div_ceil(page);
+    let mut resident = vec![0u8; pages];
+    // SAFETY: `[start, start + pages*page)` covers the live block `[p, p+len)` rounded
+    // out to whole pages of its mapping; `resident` has one byte per page.
+    let status = unsafe {
+        libc::mincore(
+            start as *mut libc::c_void,
+            pages * page,
+            resident.as_mut_ptr(),
+        )
+    };
+    assert_eq!(status, 0, "mincore");
+    resident.iter().filter(|&&r| r & 1 != 0).count()
+}
+
+#[test]
+fn a_large_calloc_a_policy_takes_zeroed_from_upstream_stays_lazily_zeroed() {
+    // `system` answers a calloc with the host's own zeroed block: nothing to zero again,
+    // so a GiB of zeros costs no page until it is used.
+    let h = handler(&allocbox_artifacts::SYSTEM, &[]);
+    let size = 1 << 30;
+    let z = h.calloc(size, 1).unwrap().unwrap();
+    let resident = resident_pages(z, size);
+    assert!(
+        resident < size / 4096 / 100,
+        "{resident} of {} pages resident",
+        size / 4096
+    );
+    h.free(Some(z), size).unwrap();
 }

@@ -107,22 +107,12 @@ impl<'h> Client<'h> {
                 elsize,
             } => {
                 self.ran.push(*op);
+                // The handler checks the answer is zero (`HandlerBuilder::checked`).
                 if let Some(ptr) = h.calloc(nelem as usize, elsize as usize).map_err(err)? {
                     let size = nelem
                         .checked_mul(elsize)
                         .expect("an overflowing calloc is none")
                         as usize;
-                    let zeroed = Live {
-                        block,
-                        ptr,
-                        size,
-                        phase: 0,
-                    };
-                    if let Some(at) = zeroed.bytes().iter().position(|&b| b != 0) {
-                        return Err(self.lost("calloc", &zeroed, at, |offset| {
-                            Rule::CallocNotZeroed { offset }
-                        }));
-                    }
                     self.adopt(block, ptr, size);
                 }
             }
@@ -258,6 +248,7 @@ impl Subject<'_> {
         HandlerBuilder::new(self.runtime)
             .link_with(self.policy, self.config)
             .limits(self.limits.clone())
+            .checked(true)
             .build()
     }
 

@@ -22,6 +22,7 @@ pub struct HandlerBuilder {
     host_memory_limit: u64,
     quarantine: u64,
     magazines: bool,
+    checked: bool,
     fallback: Option<Arc<Handler>>,
 }
 
@@ -35,6 +36,7 @@ impl HandlerBuilder {
             host_memory_limit: u64::MAX,
             quarantine: 0,
             magazines: true,
+            checked: false,
             fallback: None,
         }
     }
@@ -83,6 +85,15 @@ impl HandlerBuilder {
         self
     }
 
+    /// Deep checks, for the contract checker: a `calloc` answer that is not zero is a
+    /// violation of C3 that stops the policy, where the production path zeroes it
+    /// (memory the policy got zeroed from upstream in the same call is not rescanned).
+    /// Default: false.
+    pub fn checked(mut self, on: bool) -> Self {
+        self.checked = on;
+        self
+    }
+
     /// Where new requests go once this handler's chain has failed. Default: none (they
     /// fail with [`crate::Error::Poisoned`]).
     pub fn fallback(mut self, handler: Arc<Handler>) -> Self {
@@ -101,13 +112,15 @@ impl HandlerBuilder {
         )));
         let mut names = Vec::new();
         for (policy, config) in below.iter().rev() {
-            let link = self.runtime.start(policy, config, upstream, &self.limits)?;
+            let link = self
+                .runtime
+                .start(policy, config, upstream, &self.limits, self.checked)?;
             names.push(link.name().clone());
             upstream = Upstream::Policy(Box::new(link));
         }
         let head = self
             .runtime
-            .start(top, top_config, upstream, &self.limits)?;
+            .start(top, top_config, upstream, &self.limits, self.checked)?;
         names.push(head.name().clone());
         names.reverse();
         let info = head.info.clone();

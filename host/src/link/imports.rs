@@ -11,7 +11,12 @@ use crate::error::{Bound, Call, Error, Rule, Violation};
 use crate::ledger::{Ledger, TakeBack};
 
 impl LinkState {
-    pub(crate) fn new(sandbox: Sandbox, upstream: Upstream, limits: &Limits) -> Self {
+    pub(crate) fn new(
+        sandbox: Sandbox,
+        upstream: Upstream,
+        limits: &Limits,
+        checked: bool,
+    ) -> Self {
         LinkState {
             sandbox,
             lent: Ledger::default(),
@@ -25,6 +30,8 @@ impl LinkState {
             overhead_limit: limits.overhead,
             budget_refusals: 0,
             clearance: None,
+            zeroed: Default::default(),
+            checked,
         }
     }
 
@@ -300,6 +307,7 @@ impl LinkState {
     fn check_give_back(&mut self, call: Call, ptr: u64, size: u64) -> wasmtime::Result<bool> {
         self.check_held(call, ptr, size)?;
         self.check_nothing_lent_inside(call, ptr, size)?;
+        self.zeroed.forget(ptr, size);
         Ok(self.transit.under_block(ptr, size))
     }
 }
@@ -326,6 +334,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         }
         let block = self.upstream_call(|u| u.malloc(size))?;
         if block != 0 {
+            self.zeroed.forget(block, size);
             self.clear_fresh(block, size);
         }
         Ok(block)
@@ -339,7 +348,12 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         if !self.may_take(size.max(1)) {
             return Ok(0);
         }
-        self.upstream_call(|u| u.calloc(nelem, elsize))
+        let block = self.upstream_call(|u| u.calloc(nelem, elsize))?;
+        if block != 0 {
+            // The host's memory and a lower link's `calloc` answer are zero.
+            self.zeroed.add(block, size.max(1));
+        }
+        Ok(block)
     }
 
     fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> wasmtime::Result<u64> {
@@ -360,6 +374,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
             }
             let fresh = self.upstream_call(|u| u.malloc(new))?;
             if fresh != 0 {
+                self.zeroed.forget(fresh, new);
                 // Once a call (the old block is held back from here on), and as long as
                 // the upstream block under the client's: the client chose the size, so
                 // the guest's time is given back (`Sandbox::excuse_since`).
@@ -386,7 +401,10 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
             return Ok(0);
         }
         match self.upstream_call(|u| u.realloc(ptr, old, new))? {
-            Ok(addr) => Ok(addr),
+            Ok(addr) => {
+                self.zeroed.forget(addr, new);
+                Ok(addr)
+            }
             Err(f) => Err(self.caller_fault(Call::Realloc, ptr, old, f)),
         }
     }
@@ -414,7 +432,12 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         if granted < count {
             self.budget_refusals += 1;
         }
-        self.upstream_call(|u| u.malloc_many(size, granted))
+        let blocks = self.upstream_call(|u| u.malloc_many(size, granted))?;
+        if !blocks.is_empty() {
+            // Fresh blocks hold whatever their memory held.
+            self.zeroed.clear();
+        }
+        Ok(blocks)
     }
 
     fn free_many(&mut self, ptrs: Vec<u64>, size: u64) -> wasmtime::Result<()> {
@@ -512,6 +535,7 @@ impl bindings::allocbox::policy::bytes::Host for LinkState {
     fn write(&mut self, at: u64, data: Vec<u8>) -> wasmtime::Result<()> {
         self.on_time(Call::BytesWrite)?;
         self.check_bytes(Call::BytesWrite, at, data.len() as u64, false)?;
+        self.zeroed.forget(at, data.len() as u64);
         let source = data.as_ptr() as u64;
         self.in_chunks(
             Call::BytesWrite,
@@ -534,16 +558,21 @@ impl bindings::allocbox::policy::bytes::Host for LinkState {
 
     fn fill(&mut self, at: u64, len: u64, byte: u8) -> wasmtime::Result<()> {
         self.check_bytes(Call::BytesFill, at, len, false)?;
+        self.zeroed.forget(at, len);
         self.in_chunks(Call::BytesFill, len, Order::Ascending, |offset, n| {
             // SAFETY: as in `write`; the chunk lies inside the checked range.
             unsafe { std::ptr::write_bytes((at + offset) as *mut u8, byte, n as usize) };
         })?;
+        if byte == 0 {
+            self.zeroed.add(at, len);
+        }
         Ok(())
     }
 
     fn copy(&mut self, dst: u64, src: u64, len: u64) -> wasmtime::Result<()> {
         self.check_bytes(Call::BytesCopy, src, len, true)?;
         self.check_bytes(Call::BytesCopy, dst, len, false)?;
+        self.zeroed.forget(dst, len);
         let order = match dst > src && dst < src + len {
             true => Order::Descending,
             false => Order::Ascending,
@@ -576,6 +605,7 @@ impl bindings::allocbox::policy::bytes::Host for LinkState {
     fn write_u64(&mut self, at: u64, value: u64) -> wasmtime::Result<()> {
         self.on_time(Call::BytesWrite)?;
         self.check_bytes(Call::BytesWrite, at, 8, false)?;
+        self.zeroed.forget(at, 8);
         // SAFETY: as in `write`.
         unsafe { std::ptr::write_unaligned(at as *mut u64, value.to_le()) };
         Ok(())
