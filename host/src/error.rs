@@ -244,6 +244,19 @@ pub enum LoadError {
         found: String,
         expected: &'static str,
     },
+    /// The binary is past one of the [`crate::CompileBounds`]: refused before it is
+    /// compiled.
+    #[error(
+        "the policy has {asked} {bound}, more than the {limit} allowed before compiling it \
+         (the `{name}` compile bound; raise it with `--compile-bound {name}=N` if you trust \
+         the policy)",
+        name = bound.name()
+    )]
+    CompileBound {
+        bound: crate::CompileBound,
+        asked: u64,
+        limit: u64,
+    },
     #[error("policy start-up failed: {0}")]
     Start(Box<Error>),
     /// A pooled runtime ([`crate::Runtime::pooled`]) has every slot in use.

@@ -1,6 +1,7 @@
 #![doc = include_str!("../../README.md")]
 
 pub mod check;
+mod compile_bounds;
 #[cfg(test)]
 mod counting_alloc;
 mod error;
@@ -19,6 +20,7 @@ pub mod trace;
 mod untrusted;
 mod wasi;
 
+pub use compile_bounds::{CompileBound, CompileBounds};
 pub use error::{Bound, Call, ClientError, Error, InvariantBroken, LoadError, Rule, Violation};
 pub use handler::{Handler, HandlerBuilder};
 pub use hook::WasmHook;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use allocbox::check::{self, CheckOptions, CheckReport, Script};
-use allocbox::{HandlerBuilder, Limits, Policy, Runtime};
+use allocbox::{CompileBound, CompileBounds, HandlerBuilder, Limits, Policy, Runtime};
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 
@@ -24,6 +24,30 @@ mod progress;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Allow a policy of this shape to be compiled, as NAME=N (repeatable): `functions`
+    /// [default: 65536], `code-bytes` [32 MiB], `function-bytes` [2 MiB], `data-bytes`
+    /// [32 MiB], `modules` [32], `text-bytes` (WAT) [16 MiB]. A policy past one is
+    /// refused before it is compiled.
+    #[arg(long = "compile-bound", global = true, value_parser = parse_compile_bound)]
+    compile_bounds: Vec<(CompileBound, u64)>,
+}
+
+/// The compile bounds of this run (`--compile-bound`), set once in `main`.
+static COMPILE_BOUNDS: std::sync::OnceLock<CompileBounds> = std::sync::OnceLock::new();
+
+fn parse_compile_bound(s: &str) -> Result<(CompileBound, u64)> {
+    let (name, value) = parse_key_value(s)?;
+    let Some(bound) = CompileBound::named(&name) else {
+        let names: Vec<&str> = CompileBound::ALL.iter().map(|b| b.name()).collect();
+        bail!(
+            "no compile bound is called `{name}`; the bounds are {}",
+            names.join(", ")
+        );
+    };
+    let value = value
+        .parse()
+        .with_context(|| format!("`{value}` is not a whole number for `{name}`"))?;
+    Ok((bound, value))
 }
 
 #[derive(Subcommand)]
@@ -186,10 +210,13 @@ fn parse_key_value(s: &str) -> Result<(String, String)> {
 }
 
 fn load(runtime: &Runtime, path: Option<&PathBuf>) -> Result<Policy> {
+    let bounds = COMPILE_BOUNDS.get_or_init(CompileBounds::default);
     Ok(match path {
-        Some(path) => runtime.load_file(path)?,
+        Some(path) => runtime
+            .load_file_bounded(path, bounds)
+            .with_context(|| format!("`{}` cannot be loaded", path.display()))?,
         None => runtime
-            .load(allocbox::DEFAULT_POLICY_WAT.as_bytes())
+            .load_bounded(allocbox::DEFAULT_POLICY_WAT.as_bytes(), bounds)
             .context("the built-in default policy")?,
     })
 }
@@ -581,6 +608,11 @@ fn print_report(text: &str) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let mut bounds = CompileBounds::default();
+    for &(bound, value) in &cli.compile_bounds {
+        bounds.set(bound, value);
+    }
+    COMPILE_BOUNDS.set(bounds).expect("set once, here");
     let result = match cli.command {
         Command::Inspect { policy, config } => inspect(policy, config).map(|()| Outcome::Held),
         Command::New { name, lang, path } => new_policy::create(&name, lang, path).map(|made| {

@@ -14,6 +14,7 @@ use wasmtime::{
     Store,
 };
 
+use crate::compile_bounds::CompileBounds;
 use crate::error::{Call, LoadError};
 use crate::link::bindings::{Policy as Bindings, PolicyPre};
 use crate::link::{Limits, Link, LinkState, PolicyInfo, Sandbox, Upstream, classify};
@@ -30,6 +31,19 @@ pub const DEFAULT_POLICY_WAT: &str =
 
 /// How often the epoch advances; a call's time limit is rounded up to this.
 const EPOCH_TICK: Duration = Duration::from_millis(5);
+
+/// How every wasm binary, module or component, starts.
+const WASM_MAGIC: &[u8] = b"\0asm";
+
+/// No bound: for a policy already loaded within bounds.
+const UNBOUNDED: CompileBounds = CompileBounds {
+    functions: u64::MAX,
+    code_bytes: u64::MAX,
+    function_bytes: u64::MAX,
+    data_bytes: u64::MAX,
+    modules: u64::MAX,
+    text_bytes: u64::MAX,
+};
 
 /// SHA-256 of a policy's bytes.
 type PolicyDigest = [u8; 32];
@@ -154,36 +168,65 @@ impl Runtime {
 
     /// Load a policy from a file: a component binary, or WAT text (a component, or a
     /// core module written to the policy world's canonical ABI, which is made a
-    /// component here — no wasm toolchain needed).
+    /// component here — no wasm toolchain needed). Within the default
+    /// [`CompileBounds`].
     pub fn load_file(&self, path: impl AsRef<Path>) -> Result<Policy, LoadError> {
+        self.load_file_bounded(path, &CompileBounds::default())
+    }
+
+    /// [`Runtime::load_file`] within `bounds`.
+    pub fn load_file_bounded(
+        &self,
+        path: impl AsRef<Path>,
+        bounds: &CompileBounds,
+    ) -> Result<Policy, LoadError> {
         let path = path.as_ref();
         let bytes = std::fs::read(path).map_err(|error| LoadError::Io {
             path: path.display().to_string(),
             error,
         })?;
-        self.load_named(&bytes, &path.display().to_string())
+        self.load_named(&bytes, &path.display().to_string(), bounds)
     }
 
     /// Load a policy from bytes (see [`Runtime::load_file`]).
     pub fn load(&self, bytes: &[u8]) -> Result<Policy, LoadError> {
-        self.load_named(bytes, "<bytes>")
+        self.load_bounded(bytes, &CompileBounds::default())
+    }
+
+    /// [`Runtime::load`] within `bounds`.
+    pub fn load_bounded(&self, bytes: &[u8], bounds: &CompileBounds) -> Result<Policy, LoadError> {
+        self.load_named(bytes, "<bytes>", bounds)
     }
 
     /// The same policy compiled for this runtime: a policy starts only in the runtime
-    /// that compiled it.
+    /// that compiled it. It was within bounds when it was loaded.
     pub fn adopt(&self, policy: &Policy) -> Result<Policy, LoadError> {
-        self.load_named(&policy.meta.binary, &policy.meta.source)
+        self.load_named(&policy.meta.binary, &policy.meta.source, &UNBOUNDED)
     }
 
-    fn load_named(&self, bytes: &[u8], source: &str) -> Result<Policy, LoadError> {
+    /// Load `bytes`, named `source` in errors. The shape is checked on every load, a
+    /// policy already compiled included, so a bound means the same whatever was loaded
+    /// before.
+    fn load_named(
+        &self,
+        bytes: &[u8],
+        source: &str,
+        bounds: &CompileBounds,
+    ) -> Result<Policy, LoadError> {
         use sha2::Digest;
         let key: PolicyDigest = sha2::Sha256::digest(bytes).into();
-        if let Some(hit) = self.inner.compiled.lock().get(&key)
-            && *hit.loaded_from == *bytes
-        {
-            return Ok(hit.policy.clone());
+        let hit = self.inner.compiled.lock().get(&key).and_then(|hit| {
+            (*hit.loaded_from == *bytes)
+                .then(|| (hit.policy.clone(), hit.policy.meta.binary.clone()))
+        });
+        if let Some((policy, binary)) = hit {
+            if !bytes.starts_with(WASM_MAGIC) {
+                bounds.check_text(bytes)?;
+            }
+            bounds.check_binary(&binary)?;
+            return Ok(policy);
         }
-        let binary = to_component_binary(bytes, "policy")?;
+        let binary = to_component_binary(bytes, "policy", bounds)?;
         let component = self.compile(&binary)?;
         let policy = self.check_world(component, binary.into(), source)?;
         self.inner.compiled.lock().insert(
@@ -207,7 +250,7 @@ impl Runtime {
         &self,
         bytes: &[u8],
     ) -> Result<wasmtime::component::InstancePre<Sandbox>, LoadError> {
-        let binary = to_component_binary(bytes, "hook")?;
+        let binary = to_component_binary(bytes, "hook", &CompileBounds::default())?;
         let component = self.compile(&binary)?;
         refuse_unserved_imports(&component, &self.inner.engine, &[])?;
         let want = format!("{WORLD_PACKAGE}/events@{WORLD_VERSION}");
@@ -506,9 +549,13 @@ fn start_epoch_ticker(engine: &Engine, clock: Arc<AtomicU64>) {
 }
 
 /// Turn file contents into component bytes, or say clearly why they are not one.
-fn to_component_binary(bytes: &[u8], world: &str) -> Result<Vec<u8>, LoadError> {
-    const MAGIC: &[u8] = b"\0asm";
-    if bytes.starts_with(MAGIC) {
+fn to_component_binary(
+    bytes: &[u8],
+    world: &str,
+    bounds: &CompileBounds,
+) -> Result<Vec<u8>, LoadError> {
+    if bytes.starts_with(WASM_MAGIC) {
+        bounds.check_binary(bytes)?;
         // Bytes 6..8 are the layer: 0 for a core module, 1 for a component. A core module
         // written to the world's canonical ABI (what C, Zig, AssemblyScript or Go
         // toolchains emit) is made a component here, as WAT is: no outside tool needed.
@@ -525,6 +572,7 @@ fn to_component_binary(bytes: &[u8], world: &str) -> Result<Vec<u8>, LoadError> 
             detail: "binary data without the `\\0asm` magic".into(),
         });
     };
+    bounds.check_text(bytes)?;
     let looks_like_wat = text
         .lines()
         .map(str::trim_start)
@@ -539,6 +587,7 @@ fn to_component_binary(bytes: &[u8], world: &str) -> Result<Vec<u8>, LoadError> 
             }
         }
     })?;
+    bounds.check_binary(&binary)?;
     match binary.get(6..8) {
         Some([0, 0]) => componentize(binary, world),
         _ => Ok(binary),

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use allocbox::nep49::MemHandler;
 use allocbox::trace::Recorder;
-use allocbox::{Error, Handler, HandlerBuilder, Limits, Runtime};
+use allocbox::{CompileBound, CompileBounds, Error, Handler, HandlerBuilder, Limits, Runtime};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -456,6 +456,29 @@ impl Policy {
     }
 }
 
+/// `CompileBounds` from `{"functions": 100000, "code-bytes": ...}` (`_` for `-` too), the
+/// others at their defaults.
+fn compile_bounds_from(given: Option<Bound<'_, PyDict>>) -> PyResult<CompileBounds> {
+    let mut bounds = CompileBounds::default();
+    for (key, value) in given.iter().flat_map(|d| d.iter()) {
+        let name = key.str()?.to_string().replace('_', "-");
+        let Some(bound) = CompileBound::named(&name) else {
+            let names: Vec<&str> = CompileBound::ALL.iter().map(|b| b.name()).collect();
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "no compile bound is called {name:?}; the bounds are {}",
+                names.join(", ")
+            )));
+        };
+        let value: u64 = value.extract().map_err(|_| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "compile bound {name:?} must be a whole number of at least 0, got {value}"
+            ))
+        })?;
+        bounds.set(bound, value);
+    }
+    Ok(bounds)
+}
+
 fn source_bytes(source: &Bound<'_, PyAny>) -> PyResult<(Vec<u8>, String)> {
     if let Ok(b) = source.cast::<PyBytes>() {
         return Ok((b.as_bytes().to_vec(), "<bytes>".into()));
@@ -474,8 +497,12 @@ fn source_bytes(source: &Bound<'_, PyAny>) -> PyResult<(Vec<u8>, String)> {
 /// included; `memory`, a guest's own memory in bytes; `batch`, blocks in one batch
 /// call; `overhead`, bytes a policy may hold beyond what its client holds; and
 /// `host_memory_limit`, bytes lent from the host at once (default unlimited).
+/// `compile_bounds` ({"functions": 100000, ...}) allows policies of a larger shape to be
+/// compiled (`allocbox::CompileBounds`: functions, code-bytes, function-bytes,
+/// data-bytes, modules, text-bytes).
 #[pyfunction]
-#[pyo3(signature = (*chain, record = None, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None))]
+#[pyo3(signature = (*chain, record = None, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None))]
+#[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
 fn load_chain(
     chain: Vec<Bound<'_, PyAny>>,
     record: Option<PathBuf>,
@@ -484,8 +511,10 @@ fn load_chain(
     batch: Option<u32>,
     overhead: Option<u64>,
     host_memory_limit: Option<u64>,
+    compile_bounds: Option<Bound<'_, PyDict>>,
 ) -> PyResult<Policy> {
     let runtime = Runtime::shared();
+    let bounds = compile_bounds_from(compile_bounds)?;
     let defaults = Limits::default();
     let call_time = match call_time {
         None => defaults.call_time,
@@ -526,7 +555,7 @@ fn load_chain(
             };
         let (bytes, _label) = source_bytes(&source)?;
         let policy = runtime
-            .load(&bytes)
+            .load_bounded(&bytes, &bounds)
             .map_err(|e| LoadError::new_err(e.to_string()))?;
         let config: Vec<(&str, &str)> = config
             .iter()

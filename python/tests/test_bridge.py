@@ -268,6 +268,15 @@ def test_bounds_are_knobs_and_hoarding_past_the_overhead_budget_is_refused_and_c
         allocbox.load("system", call_time=0)
 
 
+def test_compile_bounds_refuse_a_policy_before_compiling_it_and_can_be_loosened():
+    with pytest.raises(allocbox.LoadError, match="the `functions` compile bound"):
+        allocbox.load("system", compile_bounds={"functions": 5})
+    loose = allocbox.load("system", compile_bounds={"functions": 1_000_000, "code_bytes": 1 << 30})
+    assert loose.name == "system"
+    with pytest.raises(ValueError, match="no compile bound is called 'funcs'"):
+        allocbox.load("system", compile_bounds={"funcs": 5})
+
+
 def test_a_malloc_many_past_the_batch_bound_stops_the_policy_with_a_clear_error():
     bad = allocbox.load(guest("broken"), {"fault": "malloc-many-huge"}, batch=1000)
     with allocbox.use(bad):

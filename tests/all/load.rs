@@ -206,3 +206,92 @@ fn a_core_module_importing_wasi_preview1_gets_a_stub_that_grants_nothing() {
     assert!(matches!(err, LoadError::Componentize { .. }), "{err}");
     assert!(err.to_string().contains("sock_open"), "{err}");
 }
+
+#[test]
+fn a_policy_of_200_000_functions_is_refused_before_it_is_compiled_naming_the_bound() {
+    let functions: String = "(func)\n".repeat(200_000);
+    let wat = passthrough_variant(
+        "(func (export \"allocbox:policy/lifecycle@0.1.0#trim\"))",
+        &format!("(func (export \"allocbox:policy/lifecycle@0.1.0#trim\"))\n{functions}"),
+    );
+    let binary = wat::parse_str(&wat).unwrap();
+    let err = Runtime::shared().load(&binary).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            LoadError::CompileBound {
+                bound: allocbox::CompileBound::Functions,
+                asked: 200_010,
+                limit: 65_536,
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("`functions` compile bound"),
+        "{err}"
+    );
+}
+
+#[test]
+fn compile_bounds_can_be_tightened_and_loosened_per_load() {
+    let runtime = Runtime::shared();
+    let wat = allocbox::DEFAULT_POLICY_WAT.as_bytes();
+    let tight = allocbox::CompileBounds {
+        functions: 5,
+        ..allocbox::CompileBounds::default()
+    };
+    let err = runtime.load_bounded(wat, &tight).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            LoadError::CompileBound {
+                asked: 10,
+                limit: 5,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // The same bytes, compiled already, are still measured against the bounds given.
+    runtime.load(wat).unwrap();
+    assert!(runtime.load_bounded(wat, &tight).is_err());
+    let text = allocbox::CompileBounds {
+        text_bytes: 100,
+        ..allocbox::CompileBounds::default()
+    };
+    let err = runtime.load_bounded(wat, &text).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            LoadError::CompileBound {
+                bound: allocbox::CompileBound::TextBytes,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_command_line_names_the_file_and_the_bound_and_takes_a_looser_one() {
+    let dir = tempdir("compile-bound");
+    std::fs::write(dir.join("p.wat"), allocbox::DEFAULT_POLICY_WAT).unwrap();
+    let (code, out) = allocbox_cli(
+        &["inspect", "p.wat", "--compile-bound", "functions=5"],
+        &dir,
+    );
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("`p.wat` cannot be loaded: the policy has 10 functions, more than the 5"),
+        "{out}"
+    );
+    let (code, out) = allocbox_cli(
+        &["inspect", "p.wat", "--compile-bound", "functions=10"],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = allocbox_cli(&["inspect", "p.wat", "--compile-bound", "funcs=10"], &dir);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("no compile bound is called `funcs`"), "{out}");
+}
