@@ -598,10 +598,29 @@ fn to_component_binary(
 /// see the file for what each call answers.
 const WASI_STUB_WAT: &str = include_str!("wasi_stub.wat");
 
-/// [`WASI_STUB_WAT`] in binary, parsed once per process.
+/// [`WASI_STUB_WAT`] in binary, with the world it imports from the host, built once per
+/// process.
 fn wasi_stub() -> &'static [u8] {
     static STUB: OnceLock<Vec<u8>> = OnceLock::new();
-    STUB.get_or_init(|| wat::parse_str(WASI_STUB_WAT).expect("the WASI stub is valid WAT"))
+    STUB.get_or_init(|| {
+        let mut stub = wat::parse_str(WASI_STUB_WAT).expect("the WASI stub is valid WAT");
+        let mut resolve = wit_parser::Resolve::default();
+        let package = resolve
+            .push_str("sandbox.wit", crate::wasi::STUB_WIT)
+            .expect("the stub's WIT is valid");
+        let world = resolve
+            .select_world(&[package], Some("stub"))
+            .expect("the stub's WIT has its world");
+        wit_component::embed_component_metadata(
+            &mut stub,
+            &resolve,
+            world,
+            wit_component::StringEncoding::UTF8,
+            false,
+        )
+        .expect("the stub's imports are its world's");
+        stub
+    })
 }
 
 /// Make a core module (binary, or from WAT) a component of `world` (`policy` or

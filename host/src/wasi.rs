@@ -89,6 +89,15 @@ pub(crate) const SERVED: &[&str] = &[
     "wasi:sockets/ip-name-lookup",
 ];
 
+/// The interface through which the host's WASI preview-1 stub (`wasi_stub.wat`, which
+/// core-module policies get) passes on what the policy prints, and the stub's world.
+pub(crate) const STUB_WIT: &str = "package allocbox:sandbox@0.1.0;
+interface output { write: func(data: list<u8>); }
+world stub { import output; }";
+
+/// The stub's import: served to every guest, like WASI.
+const STUB_OUTPUT: &str = "allocbox:sandbox/output@0.1.0";
+
 /// The major version of WASI served: `0.2`.
 const SERVED_VERSION: &str = "0.2.";
 
@@ -96,7 +105,7 @@ const SERVED_VERSION: &str = "0.2.";
 /// outside the `wasi:` namespace are not WASI and not judged here.
 pub(crate) fn is_served(import: &str) -> bool {
     let (interface, version) = import.split_once('@').unwrap_or((import, ""));
-    SERVED.contains(&interface) && version.starts_with(SERVED_VERSION)
+    import == STUB_OUTPUT || SERVED.contains(&interface) && version.starts_with(SERVED_VERSION)
 }
 
 /// Most entries a guest's resource table may hold at once: streams, pollables, errors,
@@ -183,6 +192,13 @@ pub(crate) fn add_to_linker<T: GuestView>(l: &mut Linker<T>) -> wasmtime::Result
     sockets::instance_network::add_to_linker::<T, WasiSockets>(l, T::sockets)?;
     wasi::sockets::tcp::add_to_linker::<T, WasiSockets>(l, T::sockets)?;
     wasi::sockets::udp::add_to_linker::<T, WasiSockets>(l, T::sockets)?;
+    l.instance(STUB_OUTPUT)?.func_wrap(
+        "write",
+        |mut store: wasmtime::StoreContextMut<'_, T>, (data,): (Vec<u8>,)| {
+            store.data_mut().guest_wasi().output.keep(&data);
+            Ok(())
+        },
+    )?;
     sockets::tcp_create_socket::add_to_linker::<T, WasiSockets>(l, T::sockets)?;
     wasi::sockets::ip_name_lookup::add_to_linker::<T, WasiSockets>(l, T::sockets)?;
     wasi::sockets::udp_create_socket::add_to_linker::<T, NoUdp>(l, |t| NoUdpView(t.sockets()))?;

@@ -8,10 +8,10 @@
 ;; onto real WASI 0.2 imports and calls back into the guest's allocator while the guest
 ;; is still starting.
 ;;
-;; It imports nothing but the guest's own memory (`env.memory`, which wit-component
-;; wires to the main module's exported memory), so a policy gains no capability from
-;; it: every answer is computed here, from the guest's own arguments, and written only
-;; into the guest's own memory, at the addresses the guest passed.
+;; It imports the guest's own memory (`env.memory`, which wit-component wires to the main
+;; module's exported memory) and the host's output buffer, so a policy gains no
+;; capability from it: every answer is computed here, from the guest's own arguments,
+;; and written only into the guest's own memory, at the addresses the guest passed.
 ;;
 ;; What each call does:
 ;; - clocks (every id 0..=3): a counter that advances 1 ns per read and never reads 0.
@@ -24,7 +24,9 @@
 ;; - `random_get`: a fixed splitmix64 sequence from seed 0, the same in every instance,
 ;;   so a policy stays deterministic; it is not zeros, so a loop that waits for a
 ;;   non-zero draw ends.
-;; - `fd_write` to 1 or 2: reports every byte written and drops them.
+;; - `fd_write` to 1 or 2: passes the bytes to the host (`allocbox:sandbox/output`), which
+;;   keeps the last few KiB of what a policy printed for its errors (a Go panic message),
+;;   as it does for a component's stdout and stderr.
 ;; - `args_*`, `environ_*`: nothing; `sched_yield`: done; `proc_exit`: a trap (a policy
 ;;   that exits has failed its caller).
 ;; - every other call takes a descriptor, and none is open: BADF (8). wasi-libc's start-up
@@ -35,6 +37,7 @@
 ;; or element segments and no memory of its own; globals are allowed.
 (module
   (import "env" "memory" (memory 0))
+  (import "allocbox:sandbox/output@0.1.0" "write" (func $output (param i32 i32)))
 
   (global $now (mut i64) (i64.const 0))
   (global $seed (mut i64) (i64.const 0))
@@ -101,6 +104,7 @@
     (block $done
       (loop $each
         (br_if $done (i32.eqz (local.get $n)))
+        (call $output (i32.load (local.get $iovs)) (i32.load offset=4 (local.get $iovs)))
         (local.set $total (i32.add (local.get $total) (i32.load offset=4 (local.get $iovs))))
         (local.set $iovs (i32.add (local.get $iovs) (i32.const 8)))
         (local.set $n (i32.sub (local.get $n) (i32.const 1)))

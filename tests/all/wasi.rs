@@ -323,3 +323,39 @@ fn a_lower_link_that_sleeps_an_hour_is_answered_at_once_in_virtual_time() {
     h.free(Some(p), 64).unwrap();
     assert!(h.failure().is_none());
 }
+
+#[test]
+fn what_a_core_module_policy_prints_through_preview1_is_in_its_error() {
+    // A core module (as Go, C or Zig toolchains emit) writes through WASI preview 1,
+    // served by the host's stub, then traps: its words reach the error, as a Go panic's
+    // would.
+    let wat = passthrough_variant(
+        "(memory (export \"memory\") 1)",
+        "(import \"wasi_snapshot_preview1\" \"fd_write\"
+           (func $fd_write (param i32 i32 i32 i32) (result i32)))
+         (memory (export \"memory\") 1)
+         (data (i32.const 2048) \"panic: out of ideas\\n\")",
+    )
+    .replace(
+        "(call $count (call $up_malloc (local.get $size))))",
+        "(i32.store (i32.const 2100) (i32.const 2048))
+         (i32.store (i32.const 2104) (i32.const 20))
+         (drop (call $fd_write (i32.const 2) (i32.const 2100) (i32.const 1) (i32.const 2108)))
+         unreachable)",
+    )
+    .replace(
+        "(i32.store8 (i32.const 32) (i32.const 1))",
+        "(i32.store8 (i32.const 32) (i32.const 0))",
+    );
+    let policy = Runtime::shared().load(wat.as_bytes()).unwrap();
+    let h = HandlerBuilder::new(Runtime::shared())
+        .link(&policy)
+        .build()
+        .unwrap();
+    let err = h.malloc(8).unwrap_err();
+    assert!(
+        err.to_string()
+            .ends_with("(its last output: panic: out of ideas)"),
+        "{err}"
+    );
+}
