@@ -86,6 +86,15 @@ impl std::fmt::Debug for Runtime {
 impl Runtime {
     /// A runtime with its own engine. Most programs want [`Runtime::shared`].
     pub fn new() -> Result<Runtime, wasmtime::Error> {
+        let mut config = Config::new();
+        config.cache(compile_cache());
+        Runtime::with_config(config)
+    }
+
+    /// A runtime that keeps no compiled policy on disk ([`compile_cache_dir`]): for
+    /// policies loaded once (generated ones, in a fuzzer), or where no cache directory
+    /// can be trusted. It still keeps what it compiled in memory while it lives.
+    pub fn without_disk_cache() -> Result<Runtime, wasmtime::Error> {
         Runtime::with_config(Config::new())
     }
 
@@ -127,6 +136,7 @@ impl Runtime {
             .table_keep_resident(64 << 10);
         let mut config = Config::new();
         config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        config.cache(compile_cache());
         Runtime::with_config(config)
     }
 
@@ -136,7 +146,6 @@ impl Runtime {
         config.concurrency_support(false);
         sandbox_features(&mut config);
         config.epoch_interruption(true);
-        config.cache(compile_cache());
         let engine = Engine::new(&config)?;
         let mut linker = Linker::new(&engine);
         // A std wasm32-wasip2 guest imports wasi:io and wasi:cli even if it never prints.
@@ -198,8 +207,8 @@ impl Runtime {
         self.load_named(bytes, "<bytes>", bounds)
     }
 
-    /// The same policy compiled for this runtime: a policy starts only in the runtime
-    /// that compiled it. It was within bounds when it was loaded.
+    /// The same policy compiled for this runtime (a handler built here adopts a policy
+    /// loaded by another runtime itself). It was within bounds when it was loaded.
     pub fn adopt(&self, policy: &Policy) -> Result<Policy, LoadError> {
         self.load_named(&policy.meta.binary, &policy.meta.source, &UNBOUNDED)
     }
@@ -289,7 +298,9 @@ impl Runtime {
         store.limiter(move |s| sandbox(s).limiter());
         store.epoch_deadline_callback(move |mut ctx| Ok(sandbox(ctx.data_mut()).on_epoch()));
         let ticks = limits.call_time.as_nanos().div_ceil(EPOCH_TICK.as_nanos()) as u64 + 1;
-        store.set_epoch_deadline(ticks);
+        // Instantiation (a start function) and `init` run under one call's deadline.
+        let armed = sandbox(store.data_mut()).begin_call(ticks, None);
+        store.set_epoch_deadline(armed);
         (store, ticks)
     }
 
@@ -350,6 +361,10 @@ impl Runtime {
         limits: &Limits,
         checked: bool,
     ) -> Result<Link, LoadError> {
+        if !Engine::same(policy.pre.instance_pre().engine(), &self.inner.engine) {
+            // A policy loaded by another runtime: compiled again here, once.
+            return self.start(&self.adopt(policy)?, config, upstream, limits, checked);
+        }
         let (mut store, ticks) = self.guest_store(
             &policy.meta.source,
             limits,

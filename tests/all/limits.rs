@@ -416,3 +416,37 @@ fn a_client_s_large_resize_does_not_count_against_an_honest_policy_s_time() {
         assert!(h.failure().is_none());
     }
 }
+
+/// Found by the module fuzzer (`smith`, its first module): a start function that loops,
+/// run while the policy is instantiated, before any call armed a deadline, was never
+/// stopped once the epoch consulted the sandbox's deadline.
+#[test]
+fn a_policy_whose_start_function_loops_is_stopped_at_start() {
+    let wat = passthrough_variant(
+        "(memory (export \"memory\") 1)",
+        "(memory (export \"memory\") 1)
+         (func $forever (loop $again (br $again)))
+         (start $forever)",
+    );
+    let err = start(
+        &wat,
+        Limits {
+            call_time: Duration::from_millis(50),
+            ..Limits::default()
+        },
+    )
+    .unwrap_err();
+    let allocbox::LoadError::Start(err) = err else {
+        panic!("{err}")
+    };
+    assert!(
+        matches!(
+            *err,
+            Error::Timeout {
+                call: Call::Init,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}

@@ -295,3 +295,17 @@ fn the_command_line_names_the_file_and_the_bound_and_takes_a_looser_one() {
     assert_eq!(code, 2, "{out}");
     assert!(out.contains("no compile bound is called `funcs`"), "{out}");
 }
+
+/// Found while writing the module fuzzer: a policy loaded by one runtime, linked into a
+/// handler built on another, failed at start with wasmtime's "cross-`Engine` usage";
+/// the handler's runtime now compiles it again for itself.
+#[test]
+fn a_policy_loaded_by_another_runtime_is_adopted_by_the_handler_s() {
+    let other = Runtime::without_disk_cache().unwrap();
+    let policy = Runtime::shared()
+        .load(allocbox::DEFAULT_POLICY_WAT.as_bytes())
+        .unwrap();
+    let h = HandlerBuilder::new(&other).link(&policy).build().unwrap();
+    let p = h.malloc(10).unwrap().unwrap();
+    h.free(Some(p), 10).unwrap();
+}

@@ -8,6 +8,7 @@ mod check;
 mod client;
 mod compile_cache;
 mod contract;
+mod fuzz;
 mod hostile;
 mod languages;
 mod limits;
@@ -19,6 +20,8 @@ mod report;
 mod threads;
 mod trace;
 mod wasi;
+
+mod smith;
 
 mod smoke {
     use super::support::*;

@@ -77,7 +77,8 @@ pub(crate) struct Sandbox {
     /// The runtime's tick count, advanced with the engine's epoch.
     clock: Arc<AtomicU64>,
     /// The tick at which the current call runs out of time: its wasm code, the host's
-    /// work in its imports and the links below it included.
+    /// work in its imports and the links below it included. 0 (passed) until a call
+    /// arms it: a guest runs only under a deadline.
     deadline: u64,
 }
 
@@ -89,7 +90,7 @@ impl Sandbox {
             limiter: GuestBudget::new(limits.memory),
             wasi: GuestWasi::new(&limits.grants.env, limits.grants.clocks, limits.output),
             clock,
-            deadline: u64::MAX,
+            deadline: 0,
         }
     }
 

@@ -1,0 +1,209 @@
+//! The random client both host fuzzers drive their handlers with (`chaos`: a seeded
+//! hostile policy; `smith`: generated policies), and the invariants they assert after
+//! every operation:
+//!
+//! - the host does not panic, and no host error blames the (correct) client;
+//! - every call returns within its time limit plus a small bound;
+//! - a client's bytes change only by the client: every live block keeps its pattern, and
+//!   a block a realloc answers holds the old block's bytes;
+//! - `Handler::audit` holds: every lent block lies in memory its link holds, and no client
+//!   block lies in memory the host released;
+//! - once the client has freed everything, a stopped chain holds nothing from the host.
+//!
+//! A quarter of the mallocs and frees run on another client thread, so blocks cross
+//! thread caches both ways: taken on one thread, freed on another.
+
+use std::ptr::NonNull;
+use std::time::{Duration, Instant};
+
+use allocbox::{Error, Handler};
+
+use super::support::*;
+
+/// What a call may take beyond its links' limits on a loaded 2-core machine.
+const SLACK: Duration = Duration::from_millis(750);
+
+/// The client's side: splitmix64, independent of the policy's stream.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn size(&mut self) -> usize {
+        (match self.below(20) {
+            0 => 0,
+            1..=11 => 1 + self.below(256),
+            12..=17 => 1 + self.below(8192),
+            18 => 65536 + self.below(4) * 16,
+            _ => 1 + self.below(1 << 20),
+        }) as usize
+    }
+}
+
+struct Live {
+    ptr: NonNull<u8>,
+    size: usize,
+    byte: u8,
+}
+
+/// Drive `h` with `ops` random client operations, then free everything and trim,
+/// checking every invariant on the way (see the module doc). Each call may take
+/// `call_time` for each of `links` links. `Ok` names how the chain ended: `alive`, or
+/// the kind of failure that stopped it; `Err` says which invariant broke and where.
+pub fn drive(
+    h: &Handler,
+    rng: &mut Rng,
+    ops: usize,
+    call_time: Duration,
+    links: u32,
+) -> Result<String, String> {
+    let bound = call_time * links + SLACK;
+    let mut live: Vec<Live> = Vec::new();
+    for step in 0..ops {
+        let byte = (step % 250) as u8 + 1;
+        let start = Instant::now();
+        let what = match rng.below(10) {
+            0..=3 => {
+                let size = rng.size();
+                let p = match rng.below(4) {
+                    0 => from_address(elsewhere(|| to_address(h.malloc(size)))),
+                    _ => h.malloc(size),
+                };
+                let p = answer(p, "malloc")?;
+                adopt(&mut live, p, size.max(1), byte);
+                "malloc"
+            }
+            4 => {
+                let (n, e) = (1 + rng.below(8) as usize, rng.size().min(8192));
+                let p = answer(h.calloc(n, e), "calloc")?;
+                adopt(&mut live, p, (n * e).max(1), byte);
+                "calloc"
+            }
+            5..=6 if !live.is_empty() => {
+                let i = rng.below(live.len() as u64) as usize;
+                let size = rng.size();
+                // On none or a failure the old block is still live and unchanged.
+                if let Some(q) = answer(h.realloc(Some(live[i].ptr), size), "realloc")? {
+                    let old = live.swap_remove(i);
+                    if !holds(q, old.size.min(size.max(1)), old.byte) {
+                        return Err(format!("step {step}: realloc lost the client's bytes"));
+                    }
+                    adopt(&mut live, Some(q), size.max(1), byte);
+                }
+                "realloc"
+            }
+            7 if rng.below(8) == 0 => {
+                let _ = h.trim();
+                "trim"
+            }
+            _ if !live.is_empty() => {
+                let i = rng.below(live.len() as u64) as usize;
+                let block = live.swap_remove(i);
+                // A policy failing inside free is its own fault; the block is given up.
+                let freed = match rng.below(4) {
+                    0 => {
+                        let addr = block.ptr.as_ptr() as usize;
+                        elsewhere(|| h.free(NonNull::new(addr as *mut u8), block.size))
+                    }
+                    _ => h.free(Some(block.ptr), block.size),
+                };
+                if let Err(Error::Client(e)) = freed {
+                    return Err(format!("free blamed the client: {e}"));
+                }
+                "free"
+            }
+            _ => "nothing",
+        };
+        let took = start.elapsed();
+        if took > bound {
+            return Err(format!(
+                "step {step} ({what}) took {took:?}, bound {bound:?}"
+            ));
+        }
+        check(h, &live).map_err(|e| format!("after step {step} ({what}): {e}"))?;
+    }
+    for block in live.drain(..) {
+        if let Err(Error::Client(e)) = h.free(Some(block.ptr), block.size) {
+            return Err(format!("final free blamed the client: {e}"));
+        }
+    }
+    let _ = h.trim();
+    h.audit().map_err(|e| e.to_string())?;
+    if h.failure().is_some() && h.held_from_host() != (0, 0) {
+        return Err(format!(
+            "a stopped chain still holds {:?} from the host after its client let go: {:#?}",
+            h.held_from_host(),
+            h.link_stats()
+        ));
+    }
+    Ok(h.failure().map_or("alive".into(), |e| kind(&e).into()))
+}
+
+/// A short name for what stopped a chain.
+pub fn kind(e: &Error) -> &'static str {
+    match e {
+        Error::Violation(v) => v.rule.name(),
+        Error::WorkLimit { bound, .. } => bound.name(),
+        Error::Trap { .. } => "trap",
+        Error::Timeout { .. } => "timeout",
+        Error::MemoryLimit { .. } => "memory-limit",
+        Error::Poisoned { cause, .. } => kind(cause),
+        Error::Client(_) => "client",
+    }
+}
+
+/// Run `f` on a client thread of its own.
+fn elsewhere<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    std::thread::scope(|s| s.spawn(f).join().expect("the other client thread panicked"))
+}
+
+/// Pointers are not `Send`: blocks cross threads as addresses.
+fn to_address(r: Result<Option<NonNull<u8>>, Error>) -> Result<usize, Error> {
+    r.map(|p| p.map_or(0, |p| p.as_ptr() as usize))
+}
+
+fn from_address(r: Result<usize, Error>) -> Result<Option<NonNull<u8>>, Error> {
+    r.map(|a| NonNull::new(a as *mut u8))
+}
+
+/// A request's answer: a block, none, or a policy's failure (fine), never the client's.
+fn answer(
+    result: Result<Option<NonNull<u8>>, Error>,
+    call: &str,
+) -> Result<Option<NonNull<u8>>, String> {
+    match result {
+        Ok(p) => Ok(p),
+        Err(Error::Client(e)) => Err(format!("{call} blamed the client: {e}")),
+        Err(_) => Ok(None),
+    }
+}
+
+fn adopt(live: &mut Vec<Live>, p: Option<NonNull<u8>>, size: usize, byte: u8) {
+    if let Some(ptr) = p {
+        fill(ptr, size, byte);
+        live.push(Live { ptr, size, byte });
+    }
+}
+
+fn check(h: &Handler, live: &[Live]) -> Result<(), String> {
+    h.audit().map_err(|e| e.to_string())?;
+    for b in live {
+        if !holds(b.ptr, b.size, b.byte) {
+            return Err(format!(
+                "the client's block {:p} ({} bytes) changed under it",
+                b.ptr, b.size
+            ));
+        }
+    }
+    Ok(())
+}
