@@ -341,27 +341,6 @@ fn hostile_calls_into_the_wasi_stub_end_within_the_call_limit_as_typed_errors() 
     }
 }
 
-/// `passthrough`, not batching, whose `malloc` first takes 1-byte blocks from upstream
-/// until it is refused, and keeps them (or, not `hoarding`, takes none).
-fn one_byte_blocks(hoarding: bool) -> String {
-    let take = match hoarding {
-        true => "(br_if $hoard (i64.ne (call $up_malloc (i64.const 1)) (i64.const 0)))",
-        false => "",
-    };
-    passthrough_variant(
-        "(i32.store8 (i32.const 32) (i32.const 1))",
-        "(i32.store8 (i32.const 32) (i32.const 0))",
-    )
-    .replace(
-        "(func (export \"allocbox:policy/allocator@0.1.0#malloc\") (param $size i64) (result i64)
-    (call $count (call $up_malloc (local.get $size))))",
-        "(func (export \"allocbox:policy/allocator@0.1.0#malloc\") (param $size i64) (result i64)
-    (loop $hoard TAKE)
-    (call $count (call $up_malloc (local.get $size))))",
-    )
-    .replace("TAKE", take)
-}
-
 #[test]
 fn the_overhead_budget_bounds_what_tiny_hoarded_blocks_really_cost_the_host() {
     // Each 1-byte upstream block costs the host a 32-byte allocator chunk and its

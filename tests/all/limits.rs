@@ -158,17 +158,6 @@ fn an_embedder_can_grant_clocks_and_environment_variables() {
     assert!(!seen.ends_with("wall=0"), "{seen}");
 }
 
-/// The `passthrough` policy with `tables` tables of `entries` funcref entries each.
-fn with_tables(tables: usize, entries: u32) -> String {
-    let declared: String = (0..tables)
-        .map(|_| format!("(table {entries} funcref)\n"))
-        .collect();
-    passthrough_variant(
-        "(memory (export \"memory\") 1)",
-        &format!("(memory (export \"memory\") 1)\n{declared}"),
-    )
-}
-
 fn start(wat: &str, limits: Limits) -> Result<allocbox::Handler, allocbox::LoadError> {
     let policy = Runtime::shared().load(wat.as_bytes())?;
     HandlerBuilder::new(Runtime::shared())
@@ -227,48 +216,6 @@ fn a_core_module_with_a_second_memory_is_refused_at_load() {
             && err.to_string().contains("multiple memories"),
         "{err}"
     );
-}
-
-/// `passthrough`, but its `malloc` grows its memory a MiB at a time and eight tables 64 Ki
-/// entries at a time, touching every page and entry, until every growth fails; then it
-/// traps. It does not batch, so a client's `malloc` reaches it.
-fn memory_and_table_hog() -> String {
-    let tables: String = (0..8)
-        .map(|t| format!("(table $t{t} 0 funcref)\n"))
-        .collect();
-    let grow_tables: String = (0..8)
-        .map(|t| {
-            format!(
-                "(local.set $at (table.grow $t{t} (ref.null func) (i32.const 65536)))
-                 (if (i32.ne (local.get $at) (i32.const -1)) (then
-                   (local.set $grew (i32.const 1))
-                   (table.fill $t{t} (local.get $at) (ref.func $count) (i32.const 65536))))\n"
-            )
-        })
-        .collect();
-    passthrough_variant(
-        "(i32.store8 (i32.const 32) (i32.const 1))",
-        "(i32.store8 (i32.const 32) (i32.const 0))",
-    )
-    .replace(
-        "(func (export \"allocbox:policy/allocator@0.1.0#malloc\") (param $size i64) (result i64)
-    (call $count (call $up_malloc (local.get $size))))",
-        &format!(
-            "{tables}
-  (elem declare func $count)
-  (func (export \"allocbox:policy/allocator@0.1.0#malloc\") (param $size i64) (result i64)
-    (local $at i32) (local $grew i32)
-    (loop $more
-      (local.set $grew (i32.const 0))
-      (local.set $at (memory.grow (i32.const 16)))
-      (if (i32.ne (local.get $at) (i32.const -1)) (then
-        (local.set $grew (i32.const 1))
-        (memory.fill (i32.shl (local.get $at) (i32.const 16)) (i32.const 1) (i32.const 1048576))))
-      {grow_tables}
-      (br_if $more (local.get $grew)))
-    unreachable)"
-        ),
-    )
 }
 
 #[test]

@@ -209,12 +209,7 @@ fn a_core_module_importing_wasi_preview1_gets_a_stub_that_grants_nothing() {
 
 #[test]
 fn a_policy_of_200_000_functions_is_refused_before_it_is_compiled_naming_the_bound() {
-    let functions: String = "(func)\n".repeat(200_000);
-    let wat = passthrough_variant(
-        "(func (export \"allocbox:policy/lifecycle@0.1.0#trim\"))",
-        &format!("(func (export \"allocbox:policy/lifecycle@0.1.0#trim\"))\n{functions}"),
-    );
-    let binary = wat::parse_str(&wat).unwrap();
+    let binary = wat::parse_str(with_functions(200_000)).unwrap();
     let err = Runtime::shared().load(&binary).unwrap_err();
     assert!(
         matches!(

@@ -4,6 +4,7 @@ use std::ptr::NonNull;
 
 use allocbox::{Handler, HandlerBuilder, Policy, Runtime};
 use allocbox_artifacts::Guest;
+pub use allocbox_artifacts::hostile::*;
 
 pub fn load(guest: &Guest) -> Policy {
     Runtime::shared()
@@ -46,14 +47,6 @@ pub fn allocbox_cli(args: &[&str], dir: &std::path::Path) -> (i32, String) {
     let text =
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     (out.status.code().unwrap(), text)
-}
-
-/// The hand-written `passthrough` policy with `from` replaced by `to` in its source: a
-/// hostile variant a few lines away from a good policy.
-pub fn passthrough_variant(from: &str, to: &str) -> String {
-    let source = allocbox::DEFAULT_POLICY_WAT;
-    assert!(source.contains(from), "passthrough.wat has no `{from}`");
-    source.replace(from, to)
 }
 
 /// A fresh, empty directory for one test: `name` and this process's id, under the

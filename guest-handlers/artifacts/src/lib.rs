@@ -32,4 +32,6 @@ impl Guest {
     }
 }
 
+pub mod hostile;
+
 include!(concat!(env!("OUT_DIR"), "/artifacts.rs"));
