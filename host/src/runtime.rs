@@ -29,6 +29,11 @@ pub const POLICY_WIT: &str = include_str!("../../wit/policy.wit");
 pub const DEFAULT_POLICY_WAT: &str =
     include_str!("../../guest-handlers/passthrough/passthrough.wat");
 
+/// Resource handles a guest's component instances may hold at once (wasmtime's default
+/// is 100,000): the policy world defines no resource, and WASI's are bounded more tightly
+/// by `wasi::MAX_RESOURCES`.
+const MAX_COMPONENT_HANDLES: usize = 4096;
+
 /// How often the epoch advances; a call's time limit is rounded up to this.
 const EPOCH_TICK: Duration = Duration::from_millis(5);
 
@@ -296,6 +301,7 @@ impl Runtime {
         let sandboxed = Sandbox::new(Arc::from(name), limits, self.inner.clock.clone());
         let mut store = Store::new(&self.inner.engine, state(sandboxed));
         store.limiter(move |s| sandbox(s).limiter());
+        store.set_max_component_handles(MAX_COMPONENT_HANDLES);
         store.epoch_deadline_callback(move |mut ctx| Ok(sandbox(ctx.data_mut()).on_epoch()));
         let ticks = limits.call_time.as_nanos().div_ceil(EPOCH_TICK.as_nanos()) as u64 + 1;
         // Instantiation (a start function) and `init` run under one call's deadline.
