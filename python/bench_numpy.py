@@ -3,8 +3,9 @@
     python python/bench_numpy.py            # prints a table of medians and ratios
     python python/bench_numpy.py --workload small --policy binning --policy limit
 
-Workloads: small-array arithmetic (1-100 elements, in a loop), mid-size (64 KiB), and
-large temporaries (`a + b + c` over 8-32 MiB and 64 MiB operands). Each cell is the median of 9 rounds,
+Workloads: small-array arithmetic (1-100 elements, in a loop), mid-size (64 KiB), large
+temporaries (`a + b + c` over 8-32 MiB and 64 MiB operands), and `np.zeros` of small,
+64 KiB and 1 GiB arrays (made and dropped: a GiB of zeros must stay untouched pages). Each cell is the median of 9 rounds,
 the handlers taking turns within each round.
 `+large-cache` is size-classes with `large-cache=4` (keeps freed blocks >= 1 MiB).
 Build the extension with `maturin develop --release` first: a debug build measures
@@ -59,6 +60,22 @@ def temporaries(sizes_mib):
     return work
 
 
+def zeros_small():
+    for _ in range(100):
+        for n in range(1, 101):
+            np.zeros(n)
+
+
+def zeros_mid():
+    for _ in range(2000):
+        np.zeros(8192)  # 64 KiB
+
+
+def zeros_huge():
+    for _ in range(5):
+        np.zeros(1 << 27)  # 1 GiB, never touched
+
+
 # glibc serves blocks up to 32 MiB from its heap once one was freed (its mmap threshold
 # rises), so NumPy's default reuses them; larger ones are mapped and faulted in anew.
 WORKLOADS = [
@@ -66,6 +83,9 @@ WORKLOADS = [
     ("mid-size (64 KiB)", mid),
     ("large temporaries (8-32 MiB)", temporaries([8, 16, 32])),
     ("large temporaries (64 MiB)", temporaries([64])),
+    ("np.zeros, 1-100 elements", zeros_small),
+    ("np.zeros, 64 KiB", zeros_mid),
+    ("np.zeros, 1 GiB", zeros_huge),
 ]
 
 
@@ -101,10 +121,10 @@ DEFAULT_POLICIES = (
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", action="append", help="a built guest by name (repeatable); default: system, size-classes, arena, +large-cache")
-    parser.add_argument("--workload", action="append", choices=["small", "mid", "large", "64mib"], help="repeatable; default: all")
+    parser.add_argument("--workload", action="append", choices=["small", "mid", "large", "64mib", "zeros-small", "zeros-mid", "zeros-1gib"], help="repeatable; default: all")
     args = parser.parse_args()
     policies = [(n, n, None) for n in args.policy] if args.policy else DEFAULT_POLICIES
-    keys = ["small", "mid", "large", "64mib"]
+    keys = ["small", "mid", "large", "64mib", "zeros-small", "zeros-mid", "zeros-1gib"]
     workloads = [w for k, w in zip(keys, WORKLOADS) if not args.workload or k in args.workload]
     # "native, bridged": NumPy's default reimplemented natively, installed through the
     # same capsule and callbacks as the policies: the cost of any custom handler.

@@ -32,6 +32,7 @@ use crate::runtime::{Policy, Runtime};
 
 mod model;
 mod pattern;
+pub(crate) use pattern::FRESH_MEMORY;
 mod report;
 mod runner;
 mod script;

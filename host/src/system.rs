@@ -87,6 +87,10 @@ struct Quarantine {
 #[derive(Debug)]
 pub(crate) struct SystemMemory {
     pub(crate) lent: Ledger,
+    /// In checked mode, what every fresh block's bytes (and a grown block's new bytes)
+    /// are set to, so that what a case shows never depends on what the process's heap
+    /// held before: a check's verdict replays.
+    fresh: Option<u8>,
     /// Most bytes lent at once; requests past it are "none".
     limit: u64,
     quarantine: Quarantine,
@@ -98,12 +102,18 @@ impl SystemMemory {
     pub(crate) fn new(limit: u64, quarantine: u64) -> Self {
         SystemMemory {
             lent: Ledger::with_footprint(footprint),
+            fresh: None,
             limit,
             quarantine: Quarantine {
                 capacity: quarantine,
                 ..Quarantine::default()
             },
         }
+    }
+
+    /// Fill every fresh block with `byte` (see [`SystemMemory::fresh`]).
+    pub(crate) fn fill_fresh_with(&mut self, byte: u8) {
+        self.fresh = Some(byte);
     }
 
     /// A quarantined range that `[addr, addr+len)` overlaps, if any.
@@ -174,6 +184,10 @@ impl SystemMemory {
             return 0;
         };
         advise_huge_pages(block, size as usize);
+        if let (Some(byte), false) = (self.fresh, zeroed) {
+            // SAFETY: `block` was just allocated with `size` bytes and no one else has it.
+            unsafe { std::ptr::write_bytes(block.as_ptr(), byte, size as usize) };
+        }
         self.lent.insert(ptr as u64, size);
         ptr as u64
     }
@@ -223,6 +237,15 @@ impl SystemMemory {
             return Ok(0);
         };
         advise_huge_pages(block, new as usize);
+        if let Some(byte) = self.fresh
+            && new > old
+        {
+            // SAFETY: `block` is now a live block of `new` bytes; its bytes past `old`
+            // are new and held by no one.
+            unsafe {
+                std::ptr::write_bytes(block.as_ptr().add(old as usize), byte, (new - old) as usize)
+            };
+        }
         self.lent.remove(ptr);
         self.lent.insert(moved as u64, new);
         Ok(moved as u64)

@@ -87,7 +87,9 @@ impl HandlerBuilder {
 
     /// Deep checks, for the contract checker: a `calloc` answer that is not zero is a
     /// violation of C3 that stops the policy, where the production path zeroes it
-    /// (memory the policy got zeroed from upstream in the same call is not rescanned).
+    /// (memory the policy got zeroed from upstream in the same call is not rescanned);
+    /// and fresh host memory holds a fixed byte that no client pattern holds, so that a
+    /// block answered without the client's bytes shows, whatever the heap held before.
     /// Default: false.
     pub fn checked(mut self, on: bool) -> Self {
         self.checked = on;
@@ -106,10 +108,11 @@ impl HandlerBuilder {
         let Some(((top, top_config), below)) = self.links.split_first() else {
             return Err(LoadError::EmptyChain);
         };
-        let mut upstream = Upstream::System(Box::new(SystemMemory::new(
-            self.host_memory_limit,
-            self.quarantine,
-        )));
+        let mut host_memory = SystemMemory::new(self.host_memory_limit, self.quarantine);
+        if self.checked {
+            host_memory.fill_fresh_with(crate::check::FRESH_MEMORY);
+        }
+        let mut upstream = Upstream::System(Box::new(host_memory));
         let mut names = Vec::new();
         for (policy, config) in below.iter().rev() {
             let link = self
