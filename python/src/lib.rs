@@ -465,13 +465,13 @@ fn compile_bounds_from(given: Option<Bound<'_, PyDict>>) -> PyResult<CompileBoun
         let Some(bound) = CompileBound::named(&name) else {
             let names: Vec<&str> = CompileBound::ALL.iter().map(|b| b.name()).collect();
             return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "no compile bound is called {name:?}; the bounds are {}",
+                "no compile bound is called '{name}'; the bounds are {}",
                 names.join(", ")
             )));
         };
         let value: u64 = value.extract().map_err(|_| {
             pyo3::exceptions::PyValueError::new_err(format!(
-                "compile bound {name:?} must be a whole number of at least 0, got {value}"
+                "compile bound '{name}' must be a whole number of at least 0, got {value}"
             ))
         })?;
         bounds.set(bound, value);
