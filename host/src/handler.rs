@@ -63,13 +63,26 @@ impl Handler {
     /// A block of at least `size` bytes, `None` when out of memory.
     #[inline]
     pub fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
-        let size = (size as u64).max(1);
+        self.lend::<false>((size as u64).max(1))
+    }
+
+    /// A block of `size` bytes (at least 1) for a `malloc`, or a zeroed one for a
+    /// `calloc`: from the calling thread's magazine when the handler keeps them, else
+    /// from the chain (refilling the magazine on the way).
+    #[inline]
+    fn lend<const ZEROED: bool>(&self, size: u64) -> Result<Option<NonNull<u8>>, Error> {
         let slot = self.slots.mine();
         let from_magazine = self.slots.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
-        if from_magazine && let Some(addr) = slot.with(|c| c.take::<{ Reach::FULL }>(size)) {
-            return Ok(to_ptr(addr));
+        if from_magazine
+            && let Some(addr) = slot.with(|c| {
+                let addr = c.take::<{ Reach::FULL }>(size)?;
+                count_request::<ZEROED>(&mut c.counts);
+                Some(addr)
+            })
+        {
+            return Ok(to_ptr(zeroed_if::<ZEROED>(addr, size)));
         }
-        self.malloc_from_chain(slot, size, from_magazine)
+        self.lend_from_chain::<ZEROED>(slot, size, from_magazine)
     }
 
     /// The most common magazine hits alone: a block from the calling thread's
@@ -85,14 +98,18 @@ impl Handler {
             return None;
         }
         let mine = self.slots.primary()?;
-        mine.try_with(|c| c.take::<{ Reach::IN_PLACE }>(size))?
-            .and_then(to_ptr)
+        mine.try_with(|c| {
+            let addr = c.take::<{ Reach::IN_PLACE }>(size)?;
+            c.counts.mallocs += 1;
+            Some(addr)
+        })?
+        .and_then(to_ptr)
     }
 
-    /// A malloc the calling thread's magazine could not serve.
+    /// A request the calling thread's magazine could not serve.
     #[cold]
     #[inline(never)]
-    fn malloc_from_chain(
+    fn lend_from_chain<const ZEROED: bool>(
         &self,
         slot: Mine<'_>,
         size: u64,
@@ -101,16 +118,24 @@ impl Handler {
         let mut c = self.chain.lock();
         if c.failure.is_some() {
             drop(c);
-            count(&slot, |n| n.mallocs += 1);
-            return self.reroute(|f| f.malloc(size as usize));
+            count(&slot, count_request::<ZEROED>);
+            return self.reroute(|f| match ZEROED {
+                true => f.calloc(size as usize, 1),
+                false => f.malloc(size as usize),
+            });
         }
-        let answer = match from_magazine {
-            true => c.refill(&slot, size),
-            false => c.head.malloc(size),
+        let answer = match (from_magazine, ZEROED) {
+            // A block for a magazine comes from `malloc-many`: zeroed here.
+            (true, _) => c
+                .refill(&slot, size)
+                .map(|addr| zeroed_if::<ZEROED>(addr, size)),
+            (false, false) => c.head.malloc(size),
+            // Magazines stopped since `calloc` looked (the chain failed meanwhile).
+            (false, true) => c.head.calloc(size, 1),
         };
         let answer = c.settle(&self.slots, answer);
         count(&slot, |n| {
-            n.mallocs += 1;
+            count_request::<ZEROED>(n);
             if let Ok(addr) = answer {
                 n.served(addr, size);
             }
@@ -119,8 +144,18 @@ impl Handler {
     }
 
     /// A zero-filled block of `nelem * elsize` bytes; `None` when out of memory or when
-    /// the product overflows.
+    /// the product overflows. A policy that batches serves small ones from the
+    /// magazines as it serves a `malloc`, the host zeroing the block; otherwise the
+    /// policy is asked for a `calloc`, and its answer is handed over zeroed
+    /// (see `Link::calloc`).
     pub fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error> {
+        let size = (nelem as u64).saturating_mul(elsize as u64).max(1);
+        if nelem.checked_mul(elsize).is_some()
+            && self.slots.keeps_magazines()
+            && size <= MAGAZINE_MAX_SIZE
+        {
+            return self.lend::<true>(size);
+        }
         let slot = self.slots.mine();
         let mut c = self.chain.lock();
         if c.failure.is_some() {
@@ -130,7 +165,6 @@ impl Handler {
         }
         let answer = c.head.calloc(nelem as u64, elsize as u64);
         let answer = c.settle(&self.slots, answer);
-        let size = (nelem as u64).saturating_mul(elsize as u64).max(1);
         count(&slot, |n| {
             n.callocs += 1;
             if let Ok(addr) = answer {
@@ -524,6 +558,28 @@ impl Handler {
         c.rerouted.insert(fresh.as_ptr() as u64);
         Ok(Some(fresh))
     }
+}
+
+/// Count a `malloc` or, `ZEROED`, a `calloc`.
+#[inline(always)]
+fn count_request<const ZEROED: bool>(counts: &mut cache::Counts) {
+    match ZEROED {
+        true => counts.callocs += 1,
+        false => counts.mallocs += 1,
+    }
+}
+
+/// `addr`, a block of `size` bytes just lent for a `calloc` (`ZEROED`), zeroed: a block
+/// from a magazine holds whatever its last user left. 0 stays 0.
+#[inline(always)]
+fn zeroed_if<const ZEROED: bool>(addr: u64, size: u64) -> u64 {
+    if ZEROED && addr != 0 {
+        // SAFETY: `addr` is a block of `size` bytes this handler just lent to its
+        // client, who has not seen it yet; a magazine block lies in live memory the top
+        // policy holds.
+        unsafe { std::ptr::write_bytes(addr as *mut u8, 0, size as usize) };
+    }
+    addr
 }
 
 /// Update the counters of the thread that owns `slot`.

@@ -129,3 +129,27 @@ fn magazines_cache_a_bounded_number_of_bytes_across_all_sizes() {
     h.trim().unwrap();
     assert_eq!(h.held_from_host(), (0, 0));
 }
+
+#[test]
+fn a_calloc_served_from_a_magazine_is_zero_and_counted_as_a_calloc() {
+    // `system` batches: a small calloc is served from the thread's magazine like a
+    // malloc, and the host zeroes the block, whatever its last user left in it.
+    let h = handler(&allocbox_artifacts::SYSTEM, &[]);
+    for size in [1usize, 24, 1000, 65536] {
+        let p = h.malloc(size).unwrap().unwrap();
+        fill(p, size, 0xEE);
+        h.free(Some(p), size).unwrap();
+        let z = h.calloc(size, 1).unwrap().unwrap();
+        assert!(holds(z, size, 0), "{size} bytes");
+        h.free(Some(z), size).unwrap();
+    }
+    let stats = h.stats();
+    assert_eq!((stats.mallocs, stats.callocs), (4, 4));
+    assert!(stats.magazine_hits >= 4, "{stats:?}");
+    assert_eq!(
+        h.calloc(usize::MAX, 2).unwrap(),
+        None,
+        "an overflowing product"
+    );
+    assert_eq!(h.stats().callocs, 5);
+}
