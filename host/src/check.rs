@@ -52,8 +52,10 @@ fn round_runner(options: &CheckOptions, policy: &str, cases: u32, seed: u64) -> 
         cases,
         max_shrink_iters: 2048,
         // A long-lived instance's failure replays thousands of operations per trial:
-        // past this, the smallest script found so far is reported.
-        max_shrink_time: MAX_SHRINK_TIME.as_millis() as u32,
+        // past this, the smallest script found so far is reported. 0 is no time bound.
+        max_shrink_time: options
+            .shrink_time
+            .map_or(0, |t| t.as_millis().clamp(1, u32::MAX.into()) as u32),
         failure_persistence: None,
         ..Config::default()
     };
@@ -113,7 +115,8 @@ pub fn check(
     let mut time_to_failure = None;
     for round in 0u64.. {
         // Every fourth round (from the fourth on): a few long-lived instances.
-        let long = options.time.is_some() && round % 4 == 3;
+        let several = options.time.is_some() || options.rounds.is_some();
+        let long = several && round % 4 == 3;
         let (round_cases, max_ops) = match long {
             true => (LONG_CASES, LONG_OPS),
             false => (options.cases, options.max_ops.max(1)),
@@ -149,7 +152,8 @@ pub fn check(
         });
         shrink_stopped_early = first_failure
             .get()
-            .is_some_and(|at| at.elapsed() >= MAX_SHRINK_TIME);
+            .zip(options.shrink_time)
+            .is_some_and(|(at, limit)| at.elapsed() >= limit);
         time_to_failure = first_failure.get().map(|at| at.duration_since(start));
         failure = match outcome {
             Ok(()) => None,
@@ -171,8 +175,13 @@ pub fn check(
                 Script::default(),
             )),
         };
+        let rounds_left = options.rounds.is_some_and(|r| round + 1 < u64::from(r));
         let time_left = options.time.is_some_and(|t| start.elapsed() < t);
-        if failure.is_some() || !time_left {
+        let more = match (options.rounds, options.time) {
+            (Some(_), Some(_)) => rounds_left && time_left,
+            _ => rounds_left || time_left,
+        };
+        if failure.is_some() || !more {
             break;
         }
     }

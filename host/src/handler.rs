@@ -2,9 +2,7 @@
 //! with the client's side of the contract checked here, and per-thread caches in front
 //! of it ([`cache`]) so that most small requests never take that lock.
 
-mod barrier;
 mod builder;
-mod cache;
 mod chain;
 
 use std::ptr::NonNull;
@@ -16,8 +14,10 @@ use crate::error::{ClientError, Error, InvariantBroken};
 use crate::ledger::{Ordered, TakeBack};
 use crate::link::{Link, PolicyInfo};
 use crate::memhandler::{MemHandler, Stats};
+use allocbox_ledger::cache::{
+    self as cache, MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, Magazines, Mine, Reach, Slots,
+};
 pub use builder::HandlerBuilder;
-use cache::{MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, Magazines, Mine, Reach, Slots};
 use chain::Chain;
 
 /// A NEP 49 data-memory handler whose placement decisions are made by a chain of

@@ -2,13 +2,9 @@
 
 pub mod check;
 mod compile_bounds;
-#[cfg(test)]
-mod counting_alloc;
 mod error;
-mod fasthash;
 mod handler;
 mod hook;
-mod ledger;
 mod link;
 mod memhandler;
 mod native;
@@ -20,11 +16,12 @@ pub mod trace;
 mod untrusted;
 mod wasi;
 
+pub use allocbox_ledger::ledger::LEDGER_ENTRY_COST;
+use allocbox_ledger::{fasthash, ledger};
 pub use compile_bounds::{CompileBound, CompileBounds};
 pub use error::{Bound, Call, ClientError, Error, InvariantBroken, LoadError, Rule, Violation};
 pub use handler::{Handler, HandlerBuilder};
 pub use hook::WasmHook;
-pub use ledger::LEDGER_ENTRY_COST;
 pub use link::{Grants, Limits, LinkStats, PolicyInfo};
 pub use memhandler::{MemHandler, Stats};
 pub use native::NumpyDefault;

@@ -648,7 +648,7 @@ fn main() -> ExitCode {
                 threads,
                 regressions: Some(regressions),
                 limits: limits.limits(CHECK_CALL_TIME),
-                progress: None,
+                ..CheckOptions::default()
             },
             json,
             config,

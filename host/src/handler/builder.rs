@@ -5,13 +5,13 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::cache::Slots;
 use super::{Chain, Handler};
 use crate::error::LoadError;
 use crate::link::{Limits, Upstream};
 use crate::memhandler::Stats;
 use crate::runtime::{Policy, Runtime};
 use crate::system::SystemMemory;
+use allocbox_ledger::cache::Slots;
 
 /// Builds a [`Handler`] from policies, top of the chain first.
 #[derive(Debug)]

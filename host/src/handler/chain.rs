@@ -4,11 +4,11 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use super::cache::{self, Mine, Slots};
 use crate::error::Error;
 use crate::link::{Link, Upstream};
 use crate::memhandler::Stats;
 use crate::system::SystemMemory;
+use allocbox_ledger::cache::{self, Mine, Slots};
 
 pub(super) struct Chain {
     pub(super) head: Link,

@@ -21,16 +21,16 @@ use std::collections::hash_map::Entry as Slot;
 use crate::fasthash::FastMap;
 
 /// Names one of a handler's per-thread caches.
-pub(crate) type CacheId = std::num::NonZeroU32;
+pub type CacheId = std::num::NonZeroU32;
 
 /// One lent block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Entry {
-    pub(crate) size: u64,
+pub struct Entry {
+    pub size: u64,
     /// For the top policy's blocks: the thread cache that holds the block, in its
     /// magazine or lent from there to the client; `None` when the client holds it
     /// straight from the policy. Other boundaries leave it `None`.
-    pub(crate) cache: Option<CacheId>,
+    pub cache: Option<CacheId>,
 }
 
 /// A block as the ledger keeps it.
@@ -43,7 +43,7 @@ struct Record {
 
 /// Why a block cannot be taken back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum TakeBack {
+pub enum TakeBack {
     /// Never lent, as far as the recent history tells.
     Unknown,
     /// Lent and given back not long ago.
@@ -63,7 +63,7 @@ const UNORDERED_LIMIT: usize = 64;
 const SCAN_LIMIT: usize = 8;
 
 #[derive(Debug)]
-pub(crate) struct Ledger {
+pub struct Ledger {
     /// What one block's memory costs the host beyond its record: the allocator's own
     /// footprint for blocks of the host's memory, nothing more for blocks carved from a
     /// policy's.
@@ -102,7 +102,7 @@ impl Default for Ledger {
 impl Ledger {
     /// A ledger of blocks of the host's own memory, each costing `footprint(size)`
     /// bytes of it besides its record.
-    pub(crate) fn with_footprint(footprint: fn(u64) -> u64) -> Self {
+    pub fn with_footprint(footprint: fn(u64) -> u64) -> Self {
         Ledger {
             footprint,
             footprint_bytes: 0,
@@ -119,42 +119,42 @@ impl Ledger {
 }
 
 impl Ledger {
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.blocks.len()
     }
 
     /// Host memory the live blocks take with their records.
-    pub(crate) fn cost(&self) -> u64 {
+    pub fn cost(&self) -> u64 {
         self.footprint_bytes
             .saturating_add(self.len() as u64 * LEDGER_ENTRY_COST)
     }
 
     /// Host memory one more block of `size` bytes would take with its record.
-    pub(crate) fn cost_of(&self, size: u64) -> u64 {
+    pub fn cost_of(&self, size: u64) -> u64 {
         (self.footprint)(size).saturating_add(LEDGER_ENTRY_COST)
     }
 
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
     }
 
     /// Bytes in all live blocks.
-    pub(crate) fn bytes(&self) -> u64 {
+    pub fn bytes(&self) -> u64 {
         self.bytes
     }
 
     /// The most bytes live at once.
-    pub(crate) fn peak_bytes(&self) -> u64 {
+    pub fn peak_bytes(&self) -> u64 {
         self.peak_bytes
     }
 
-    pub(crate) fn get(&self, addr: u64) -> Option<Entry> {
+    pub fn get(&self, addr: u64) -> Option<Entry> {
         self.blocks.get(&addr).map(|r| r.entry)
     }
 
     /// Name the thread cache that holds the block at `addr`; false if there is none.
     /// (The only change made to a block in place: its address and size never change.)
-    pub(crate) fn set_cache(&mut self, addr: u64, cache: Option<CacheId>) -> bool {
+    pub fn set_cache(&mut self, addr: u64, cache: Option<CacheId>) -> bool {
         match self.blocks.get_mut(&addr) {
             Some(record) => {
                 record.entry.cache = cache;
@@ -164,13 +164,13 @@ impl Ledger {
         }
     }
 
-    pub(crate) fn generation(&self) -> u64 {
+    pub fn generation(&self) -> u64 {
         self.generation
     }
 
     /// Every block, by address. O(n log n), from the address index alone: for audits
     /// and for releasing a dead link's memory, not hot paths.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, Entry)> + use<> {
+    pub fn iter(&self) -> impl Iterator<Item = (u64, Entry)> + use<> {
         let mut all: Vec<(u64, Entry)> = self.blocks.iter().map(|(&a, r)| (a, r.entry)).collect();
         all.sort_unstable_by_key(|&(a, _)| a);
         all.into_iter()
@@ -179,12 +179,12 @@ impl Ledger {
     /// The order of every live block built afresh from the address index, for audits,
     /// which should not rely on the lazily kept order they check: see
     /// [`Ordered::from`].
-    pub(crate) fn order_afresh(&self) -> BTreeMap<u64, u64> {
+    pub fn order_afresh(&self) -> BTreeMap<u64, u64> {
         self.iter().map(|(a, e)| (a, e.size)).collect()
     }
 
     /// The order of every live block, for range queries.
-    pub(crate) fn ordered(&mut self) -> Ordered<'_> {
+    pub fn ordered(&mut self) -> Ordered<'_> {
         for (addr, size) in self.unordered.drain(..) {
             let record = self.blocks.get_mut(&addr).expect("waiting blocks are live");
             record.ordered = true;
@@ -195,7 +195,7 @@ impl Ledger {
 
     /// Every live block for the nearest-block queries: the order, and the blocks still
     /// waiting outside it while they are few enough to scan.
-    pub(crate) fn nearby(&mut self) -> Nearby<'_> {
+    pub fn nearby(&mut self) -> Nearby<'_> {
         if self.unordered.len() > SCAN_LIMIT {
             self.ordered();
         }
@@ -206,7 +206,7 @@ impl Ledger {
     }
 
     /// Record a newly lent block. The caller has checked that it overlaps nothing.
-    pub(crate) fn insert(&mut self, addr: u64, size: u64) {
+    pub fn insert(&mut self, addr: u64, size: u64) {
         debug_assert!(!self.overlaps_any(addr, size));
         if self.unordered.len() == UNORDERED_LIMIT {
             self.ordered();
@@ -235,7 +235,7 @@ impl Ledger {
     }
 
     /// Take back the block at `addr` that must have been lent with `size` bytes.
-    pub(crate) fn take_back(&mut self, addr: u64, size: u64) -> Result<Entry, TakeBack> {
+    pub fn take_back(&mut self, addr: u64, size: u64) -> Result<Entry, TakeBack> {
         // One probe for the check and the removal: this is every give-back's path.
         match self.blocks.entry(addr) {
             Slot::Occupied(found) if found.get().entry.size == size => {
@@ -250,7 +250,7 @@ impl Ledger {
     }
 
     /// Remove the block at `addr` whatever its size.
-    pub(crate) fn remove(&mut self, addr: u64) -> Option<Entry> {
+    pub fn remove(&mut self, addr: u64) -> Option<Entry> {
         let record = self.blocks.remove(&addr)?;
         Some(self.forget(addr, record))
     }
@@ -287,7 +287,7 @@ impl Ledger {
     }
 
     /// Why an address that is not live cannot be freed.
-    pub(crate) fn why_unknown(&self, addr: u64) -> TakeBack {
+    pub fn why_unknown(&self, addr: u64) -> TakeBack {
         if addr != 0 && self.freed.contains(&addr) {
             TakeBack::AlreadyFreed
         } else {
@@ -297,7 +297,7 @@ impl Ledger {
 
     /// Do the address index, the order and the waiting list hold the same blocks,
     /// disjoint, with the byte count their sum? O(n log n): for audits, not hot paths.
-    pub(crate) fn check_consistent(&self) -> Result<(), &'static str> {
+    pub fn check_consistent(&self) -> Result<(), &'static str> {
         let ordered = self.blocks.values().filter(|r| r.ordered).count();
         if self.ranges.len() != ordered {
             return Err("ledger order and address index disagree on the number of blocks");
@@ -333,7 +333,7 @@ impl Ledger {
     }
 
     /// Every block, emptying the ledger.
-    pub(crate) fn drain(&mut self) -> Vec<(u64, Entry)> {
+    pub fn drain(&mut self) -> Vec<(u64, Entry)> {
         self.bytes = 0;
         self.footprint_bytes = 0;
         self.generation += 1;
@@ -348,7 +348,7 @@ impl Ledger {
 
 /// A ledger's live blocks in address order; they never overlap each other.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Ordered<'a>(&'a BTreeMap<u64, u64>);
+pub struct Ordered<'a>(&'a BTreeMap<u64, u64>);
 
 impl<'a> From<&'a BTreeMap<u64, u64>> for Ordered<'a> {
     /// Disjoint blocks, address -> size, in order.
@@ -361,7 +361,7 @@ impl<'a> Ordered<'a> {
     /// The live block that `[addr, addr+len)` overlaps, if any (the lowest such block is
     /// not promised, only some block). `len` is at least 1 for every block the host
     /// records, so empty ranges never overlap.
-    pub(crate) fn overlapping(self, addr: u64, len: u64) -> Option<(u64, u64)> {
+    pub fn overlapping(self, addr: u64, len: u64) -> Option<(u64, u64)> {
         let end = addr.checked_add(len)?;
         // The last block starting before `end` is the only candidate that can reach into
         // the range from below or start inside it; blocks never overlap each other.
@@ -370,11 +370,7 @@ impl<'a> Ordered<'a> {
     }
 
     /// Every live block overlapping `[addr, addr+len)`, highest first.
-    pub(crate) fn overlapping_all(
-        self,
-        addr: u64,
-        len: u64,
-    ) -> impl Iterator<Item = (u64, u64)> + 'a {
+    pub fn overlapping_all(self, addr: u64, len: u64) -> impl Iterator<Item = (u64, u64)> + 'a {
         let end = addr.saturating_add(len);
         // Blocks are disjoint and sorted: walking down from `end`, the first block that
         // ends at or before `addr` ends the walk.
@@ -388,7 +384,7 @@ impl<'a> Ordered<'a> {
     /// The free stretch around `[addr, addr+len)` (`len` at least 1): from the end of
     /// the nearest block below it to the start of the nearest block above it, or `None`
     /// when a block overlaps the range.
-    pub(crate) fn gap_around(self, addr: u64, len: u64) -> Option<(u64, u64)> {
+    pub fn gap_around(self, addr: u64, len: u64) -> Option<(u64, u64)> {
         let end = addr.checked_add(len)?;
         let below = match self.0.range(..end).next_back() {
             Some((&start, &size)) if start + size > addr => return None,
@@ -400,7 +396,7 @@ impl<'a> Ordered<'a> {
     }
 
     /// The live block that wholly contains `[addr, addr+len)`.
-    pub(crate) fn containing(self, addr: u64, len: u64) -> Option<(u64, u64)> {
+    pub fn containing(self, addr: u64, len: u64) -> Option<(u64, u64)> {
         let end = addr.checked_add(len)?;
         let (&start, &size) = self.0.range(..=addr).next_back()?;
         (start + size >= end).then_some((start, size))
@@ -410,14 +406,14 @@ impl<'a> Ordered<'a> {
 /// A ledger's live blocks for the queries that need only the blocks nearest a range:
 /// the ordered ones, and the few still waiting outside the order, scanned.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Nearby<'a> {
+pub struct Nearby<'a> {
     ordered: Ordered<'a>,
     waiting: &'a [(u64, u64)],
 }
 
 impl Nearby<'_> {
     /// As [`Ordered::overlapping`].
-    pub(crate) fn overlapping(self, addr: u64, len: u64) -> Option<(u64, u64)> {
+    pub fn overlapping(self, addr: u64, len: u64) -> Option<(u64, u64)> {
         let end = addr.checked_add(len)?;
         self.ordered.overlapping(addr, len).or_else(|| {
             self.waiting
@@ -428,7 +424,7 @@ impl Nearby<'_> {
     }
 
     /// As [`Ordered::gap_around`].
-    pub(crate) fn gap_around(self, addr: u64, len: u64) -> Option<(u64, u64)> {
+    pub fn gap_around(self, addr: u64, len: u64) -> Option<(u64, u64)> {
         let end = addr.checked_add(len)?;
         let (mut below, mut above) = self.ordered.gap_around(addr, len)?;
         for &(start, size) in self.waiting {
@@ -444,7 +440,7 @@ impl Nearby<'_> {
     }
 
     /// As [`Ordered::containing`]: blocks are disjoint, so at most one contains it.
-    pub(crate) fn containing(self, addr: u64, len: u64) -> Option<(u64, u64)> {
+    pub fn containing(self, addr: u64, len: u64) -> Option<(u64, u64)> {
         let end = addr.checked_add(len)?;
         self.ordered.containing(addr, len).or_else(|| {
             self.waiting

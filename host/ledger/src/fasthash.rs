@@ -6,4 +6,4 @@
 //! cannot time the host's lookups). foldhash costs a folded multiply per `u64` key.
 
 /// A `HashMap` keyed by addresses or ids, seeded per map.
-pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;

@@ -38,11 +38,11 @@ fn decide() -> bool {
 #[cfg(target_os = "linux")]
 mod sys {
     // From the kernel's `include/uapi/linux/membarrier.h`.
-    pub(super) const QUERY: libc::c_int = 0;
-    pub(super) const PRIVATE_EXPEDITED: libc::c_int = 1 << 3;
-    pub(super) const REGISTER_PRIVATE_EXPEDITED: libc::c_int = 1 << 4;
+    pub const QUERY: libc::c_int = 0;
+    pub const PRIVATE_EXPEDITED: libc::c_int = 1 << 3;
+    pub const REGISTER_PRIVATE_EXPEDITED: libc::c_int = 1 << 4;
 
-    pub(super) fn membarrier(cmd: libc::c_int) -> libc::c_long {
+    pub fn membarrier(cmd: libc::c_int) -> libc::c_long {
         // SAFETY: `membarrier(cmd, flags, cpu_id)` reads no memory of ours; with flags 0
         // the CPU argument is ignored. Any failure is a negative return, checked by the
         // callers.
@@ -72,7 +72,7 @@ fn register() -> bool {
 
 /// Decide now whether this process uses `membarrier`, so that later light barriers are
 /// compiler-only where the kernel allows it.
-pub(super) fn prepare() {
+pub fn prepare() {
     expedited();
 }
 
@@ -80,7 +80,7 @@ pub(super) fn prepare() {
 /// until [`prepare`] (or a heavy barrier) has decided, it is a full fence, which pairs
 /// with either heavy side.
 #[inline]
-pub(super) fn light() {
+pub fn light() {
     if KIND.load(Ordering::Acquire) == EXPEDITED {
         compiler_fence(Ordering::SeqCst);
     } else {
@@ -89,7 +89,7 @@ pub(super) fn light() {
 }
 
 /// The slow side: costs a system call (about 150 ns measured here with two CPUs busy).
-pub(super) fn heavy() {
+pub fn heavy() {
     #[cfg(target_os = "linux")]
     if expedited() {
         // Once registered, the kernel does not refuse this command; if it ever did, the

@@ -1,0 +1,170 @@
+//! Magazines: blocks of one size the top policy placed ahead of demand, one magazine per
+//! exact size, per thread.
+
+use crate::fasthash::FastMap;
+
+/// Requests of at most this many bytes may be served from a magazine: NumPy's small and
+/// mid-size arrays.
+pub const MAGAZINE_MAX_SIZE: u64 = 64 << 10;
+/// Sizes up to this have their magazine in a table indexed by size; larger ones in a map.
+pub const MAGAZINE_TABLE_SIZE: u64 = 1024;
+/// Bytes one magazine may cache: its depth is this many bytes of blocks, within
+/// [`MAGAZINE_MIN_DEPTH`]..=[`MAGAZINE_DEPTH`] blocks, so a 16-byte magazine holds 64
+/// blocks and a 64 KiB one 4.
+const MAGAZINE_BYTES: u64 = 256 << 10;
+/// Blocks a magazine holds at most before half of them are given back in one `free-many`.
+const MAGAZINE_DEPTH: usize = 64;
+const MAGAZINE_MIN_DEPTH: usize = 4;
+/// The most blocks fetched with one `malloc-many` when a magazine runs empty.
+const MAGAZINE_REFILL: u32 = 16;
+/// Bytes all magazines of one thread cache may hold together; past it, frees go to the
+/// policy. Thread ids are reused, so a handler has at most one more cache (the primary
+/// one, see [`Slots`]) than threads ever ran on it at once.
+pub const MAGAZINES_THREAD_BYTES: u64 = 16 << 20;
+
+/// How many blocks of `size` bytes a magazine holds before it spills.
+fn magazine_depth(size: u64) -> usize {
+    ((MAGAZINE_BYTES / size) as usize).clamp(MAGAZINE_MIN_DEPTH, MAGAZINE_DEPTH)
+}
+
+/// The most blocks of `size` bytes one refill asks for: a quarter of the depth.
+fn magazine_refill(size: u64) -> u32 {
+    (magazine_depth(size) as u32 / 4).clamp(1, MAGAZINE_REFILL)
+}
+
+/// Blocks of one size the top policy placed ahead of demand.
+#[derive(Debug)]
+pub struct Magazine {
+    pub blocks: Vec<u64>,
+    /// [`magazine_depth`] of its size, kept so that the hot path does not divide.
+    pub depth: usize,
+    /// Blocks the next refill asks for. It starts at one and doubles with every refill
+    /// up to [`magazine_refill`] (slow start): a size asked for once costs the policy one
+    /// block, not a batch the client never uses; a size in steady use soon gets full
+    /// batches.
+    next_refill: u32,
+}
+
+impl Magazine {
+    fn new(size: u64) -> Self {
+        Magazine {
+            blocks: Vec::new(),
+            depth: magazine_depth(size),
+            next_refill: 1,
+        }
+    }
+
+    /// How many blocks to ask the policy for now; grows the next refill.
+    pub fn refill_count(&mut self, size: u64) -> u32 {
+        let count = self.next_refill;
+        self.next_refill = (count * 2).min(magazine_refill(size));
+        count
+    }
+}
+
+/// One magazine per exact size up to [`MAGAZINE_MAX_SIZE`] (the ledger records exact
+/// sizes, and a block goes back with the size it was lent with).
+#[derive(Debug)]
+pub struct Magazines {
+    /// Sizes up to [`MAGAZINE_TABLE_SIZE`], indexed by size: the hot path. Built with
+    /// the cache, so that a lookup is one bounds check (which is also the size check).
+    pub(super) small: Box<[Magazine; MAGAZINE_TABLE_SIZE as usize + 1]>,
+    mid: FastMap<u64, Magazine>,
+    /// Bytes in all magazines' blocks.
+    pub cached_bytes: u64,
+}
+
+impl Default for Magazines {
+    fn default() -> Self {
+        Magazines::new()
+    }
+}
+
+impl Magazines {
+    pub fn new() -> Self {
+        Magazines {
+            small: (0..=MAGAZINE_TABLE_SIZE)
+                .map(|s| Magazine::new(s.max(1)))
+                .collect::<Box<[_]>>()
+                .try_into()
+                .expect("one magazine per size up to the table's"),
+            mid: FastMap::default(),
+            cached_bytes: 0,
+        }
+    }
+
+    #[inline(always)]
+    pub fn of_size(&mut self, size: u64) -> &mut Magazine {
+        if size <= MAGAZINE_TABLE_SIZE {
+            // The table's length is in its type, so this compare is the only check.
+            return &mut self.small[size as usize];
+        }
+        self.of_mid_size(size)
+    }
+
+    /// The magazine for `size` if it may take one more block: under the thread's byte
+    /// bound and its depth. `IN_PLACE` asks for a table size whose blocks have spare
+    /// capacity, so that the push neither calls nor allocates (see [`Reach`]).
+    #[inline(always)]
+    pub(super) fn with_room<const IN_PLACE: bool>(&mut self, size: u64) -> Option<&mut Magazine> {
+        if self.cached_bytes + size > MAGAZINES_THREAD_BYTES {
+            return None;
+        }
+        let magazine = match IN_PLACE {
+            true if size <= MAGAZINE_TABLE_SIZE => &mut self.small[size as usize],
+            true => return None,
+            false => self.of_size(size),
+        };
+        let len = magazine.blocks.len();
+        let room = len < magazine.depth && (!IN_PLACE || len < magazine.blocks.capacity());
+        room.then_some(magazine)
+    }
+
+    /// Out of line: a hash lookup inlined into the small sizes' path would spread it
+    /// over more instruction-cache lines.
+    #[inline(never)]
+    fn of_mid_size(&mut self, size: u64) -> &mut Magazine {
+        self.mid.entry(size).or_insert_with(|| Magazine::new(size))
+    }
+
+    /// Every non-empty magazine's blocks, emptying them, with their size.
+    pub fn drain(&mut self) -> Vec<(u64, Vec<u64>)> {
+        self.cached_bytes = 0;
+        let small = self
+            .small
+            .iter_mut()
+            .enumerate()
+            .map(|(s, m)| (s as u64, m));
+        let mid = self.mid.iter_mut().map(|(&s, m)| (s, m));
+        small
+            .chain(mid)
+            .filter(|(_, m)| !m.blocks.is_empty())
+            .map(|(size, m)| (size, std::mem::take(&mut m.blocks)))
+            .collect()
+    }
+
+    /// Every cached block with its size, for audits.
+    pub fn blocks(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let small = self.small.iter().enumerate().map(|(s, m)| (s as u64, m));
+        let mid = self.mid.iter().map(|(&s, m)| (s, m));
+        small
+            .chain(mid)
+            .flat_map(|(size, m)| m.blocks.iter().map(move |&a| (a, size)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn magazine_depth_is_bounded_by_bytes_and_refills_by_depth() {
+        assert_eq!(magazine_depth(16), MAGAZINE_DEPTH);
+        assert_eq!(magazine_depth(4096), 64);
+        assert_eq!(magazine_depth(16 << 10), 16);
+        assert_eq!(magazine_depth(64 << 10), MAGAZINE_MIN_DEPTH);
+        assert_eq!(magazine_refill(16), MAGAZINE_REFILL);
+        assert_eq!(magazine_refill(16 << 10), 4);
+        assert_eq!(magazine_refill(64 << 10), 1);
+    }
+}

@@ -1,0 +1,16 @@
+//! The host's books: what it has lent across each boundary of a chain (the [`ledger`]),
+//! and the per-thread caches in front of a handler ([`cache`]): magazines of blocks a
+//! policy placed ahead of demand, what each thread lent from them, and the protocol by
+//! which one thread may reach another's cache.
+//!
+//! A crate of its own, without the WebAssembly runtime, so that the machines that check
+//! lock-free code can run it: loom over the claim protocol (`--cfg allocbox_loom`, see
+//! `tests/loom.rs`), Miri over every structure (`cargo miri test`), and a thread
+//! sanitizer over the threaded tests.
+
+pub mod cache;
+#[cfg(test)]
+mod counting_alloc;
+pub mod fasthash;
+pub mod ledger;
+pub mod platform;
