@@ -29,8 +29,8 @@ fn main() -> anyhow::Result<()> {
         handler.free(Some(block), size)?;
     }
     handler.leak_check()?;
-    println!("{:#?}", handler.stats());
-    for link in handler.link_stats() {
+    println!("{:#?}", handler.stats().unwrap());
+    for link in handler.link_stats().unwrap() {
         println!(
             "{}: {} mallocs, peak {} bytes",
             link.name, link.mallocs, link.peak_bytes

@@ -260,6 +260,11 @@ pub enum LoadError {
     #[error("policy start-up failed: {0}")]
     Start(Box<Error>),
     /// A pooled runtime ([`crate::Runtime::pooled`]) has every slot in use.
+    #[error(
+        "cannot start threads to compile the policy in this forked process ({detail}); \
+         load it before forking, or in a process with fewer threads"
+    )]
+    NoCompilerThreads { detail: String },
     #[error("the runtime's instance pool is full ({detail}); end a handler first, or pool more")]
     PoolFull { detail: String },
     #[error("policy `{policy}` refused its configuration: {message}")]
@@ -330,6 +335,13 @@ pub enum Error {
     },
     #[error("policy `{policy}` was stopped earlier and takes no more calls; cause: {cause}")]
     Poisoned { policy: Arc<str>, cause: Arc<Error> },
+    /// The host cannot reach the handler's books or a thread's cache: no policy is at
+    /// fault.
+    #[error("handler `{handler}` cannot serve this call: {reason}")]
+    Unreachable {
+        handler: Arc<str>,
+        reason: allocbox_ledger::cache::Unreachable,
+    },
     #[error(transparent)]
     Client(#[from] ClientError),
 }
@@ -344,7 +356,23 @@ impl Error {
             | Error::MemoryLimit { policy, .. }
             | Error::WorkLimit { policy, .. }
             | Error::Poisoned { policy, .. } => Some(policy),
-            Error::Client(_) => None,
+            Error::Client(_) | Error::Unreachable { .. } => None,
+        }
+    }
+
+    /// A short stable name for what went wrong: a [`Rule::name`], a [`Bound::name`], or
+    /// `trap`, `timeout`, `memory-limit`, `client`, `unreachable`; a poisoning is named
+    /// by its cause.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Violation(v) => v.rule.name(),
+            Error::WorkLimit { bound, .. } => bound.name(),
+            Error::Trap { .. } => "trap",
+            Error::Timeout { .. } => "timeout",
+            Error::MemoryLimit { .. } => "memory-limit",
+            Error::Poisoned { cause, .. } => cause.kind(),
+            Error::Client(_) => "client",
+            Error::Unreachable { .. } => "unreachable",
         }
     }
 

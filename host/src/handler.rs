@@ -8,25 +8,23 @@ mod chain;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
-
 use crate::error::{ClientError, Error, InvariantBroken};
 use crate::ledger::{Ordered, TakeBack};
 use crate::link::{Link, PolicyInfo};
 use crate::memhandler::{MemHandler, Stats};
 use allocbox_ledger::cache::{
-    self as cache, MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, Magazines, Mine, Reach, Slots,
+    self as cache, Caches, MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, Magazines, Mine, Reach,
+    Unreachable,
 };
 pub use builder::HandlerBuilder;
-use chain::Chain;
+use chain::{Books, Chain, flush_magazines, refill, settle, shelve, unreachable};
 
 /// A NEP 49 data-memory handler whose placement decisions are made by a chain of
 /// sandboxed policies. `Send + Sync`: many threads may call it at once. A malloc served
 /// from the calling thread's magazine, and a free of such a block on that thread, touch
 /// only that thread's cache; everything else takes the chain's lock.
 pub struct Handler {
-    chain: Mutex<Chain>,
-    slots: Slots,
+    caches: Arc<Caches<Chain>>,
     info: PolicyInfo,
     names: Vec<Arc<str>>,
     fallback: Option<Arc<Handler>>,
@@ -60,6 +58,20 @@ impl Handler {
         &self.names
     }
 
+    /// The chain, locked, or why it cannot be.
+    fn lock(&self) -> Result<Books<'_>, Error> {
+        self.caches
+            .lock()
+            .map_err(|reason| self.unreachable(reason))
+    }
+
+    fn unreachable(&self, reason: Unreachable) -> Error {
+        Error::Unreachable {
+            handler: self.info.name.clone(),
+            reason,
+        }
+    }
+
     /// A block of at least `size` bytes, `None` when out of memory.
     #[inline]
     pub fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
@@ -71,10 +83,10 @@ impl Handler {
     /// from the chain (refilling the magazine on the way).
     #[inline]
     fn lend<const ZEROED: bool>(&self, size: u64) -> Result<Option<NonNull<u8>>, Error> {
-        let slot = self.slots.mine();
-        let from_magazine = self.slots.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
+        let mut mine = self.caches.mine();
+        let from_magazine = self.caches.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
         if from_magazine
-            && let Some(addr) = slot.with(|c| {
+            && let Some(addr) = mine.with(|c| {
                 let addr = c.take::<{ Reach::FULL }>(size)?;
                 count_request::<ZEROED>(&mut c.counts);
                 Some(addr)
@@ -82,7 +94,7 @@ impl Handler {
         {
             return Ok(to_ptr(zeroed_if::<ZEROED>(addr, size)));
         }
-        self.lend_from_chain::<ZEROED>(slot, size, from_magazine)
+        self.lend_from_chain::<ZEROED>(mine, size, from_magazine)
     }
 
     /// The most common magazine hits alone: a block from the calling thread's
@@ -94,10 +106,10 @@ impl Handler {
     #[inline]
     pub fn malloc_from_magazine(&self, size: usize) -> Option<NonNull<u8>> {
         let size = (size as u64).max(1);
-        if !self.slots.keeps_magazines() || size > MAGAZINE_TABLE_SIZE {
+        if !self.caches.keeps_magazines() || size > MAGAZINE_TABLE_SIZE {
             return None;
         }
-        let mine = self.slots.primary()?;
+        let mut mine = self.caches.primary()?;
         mine.try_with(|c| {
             let addr = c.take::<{ Reach::IN_PLACE }>(size)?;
             c.counts.mallocs += 1;
@@ -111,14 +123,14 @@ impl Handler {
     #[inline(never)]
     fn lend_from_chain<const ZEROED: bool>(
         &self,
-        slot: Mine<'_>,
+        mut mine: Mine<'_>,
         size: u64,
         from_magazine: bool,
     ) -> Result<Option<NonNull<u8>>, Error> {
-        let mut c = self.chain.lock();
+        let mut c = self.lock()?;
         if c.failure.is_some() {
+            count(&mut c, &mut mine, count_request::<ZEROED>);
             drop(c);
-            count(&slot, count_request::<ZEROED>);
             return self.reroute(|f| match ZEROED {
                 true => f.calloc(size as usize, 1),
                 false => f.malloc(size as usize),
@@ -126,15 +138,15 @@ impl Handler {
         }
         let answer = match (from_magazine, ZEROED) {
             // A block for a magazine comes from `malloc-many`: zeroed here.
-            (true, _) => c
-                .refill(&slot, size)
-                .map(|addr| zeroed_if::<ZEROED>(addr, size)),
+            (true, _) => {
+                refill(&mut c, &mut mine, size).map(|addr| zeroed_if::<ZEROED>(addr, size))
+            }
             (false, false) => c.head.malloc(size),
             // Magazines stopped since `calloc` looked (the chain failed meanwhile).
             (false, true) => c.head.calloc(size, 1),
         };
-        let answer = c.settle(&self.slots, answer);
-        count(&slot, |n| {
+        let answer = settle(&mut c, answer);
+        count(&mut c, &mut mine, |n| {
             count_request::<ZEROED>(n);
             if let Ok(addr) = answer {
                 n.served(addr, size);
@@ -151,21 +163,21 @@ impl Handler {
     pub fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error> {
         let size = (nelem as u64).saturating_mul(elsize as u64).max(1);
         if nelem.checked_mul(elsize).is_some()
-            && self.slots.keeps_magazines()
+            && self.caches.keeps_magazines()
             && size <= MAGAZINE_MAX_SIZE
         {
             return self.lend::<true>(size);
         }
-        let slot = self.slots.mine();
-        let mut c = self.chain.lock();
+        let mut mine = self.caches.mine();
+        let mut c = self.lock()?;
         if c.failure.is_some() {
+            count(&mut c, &mut mine, |n| n.callocs += 1);
             drop(c);
-            count(&slot, |n| n.callocs += 1);
             return self.reroute(|f| f.calloc(nelem, elsize));
         }
         let answer = c.head.calloc(nelem as u64, elsize as u64);
-        let answer = c.settle(&self.slots, answer);
-        count(&slot, |n| {
+        let answer = settle(&mut c, answer);
+        count(&mut c, &mut mine, |n| {
             n.callocs += 1;
             if let Ok(addr) = answer {
                 n.served(addr, size);
@@ -186,9 +198,9 @@ impl Handler {
         };
         let addr = ptr.as_ptr() as u64;
         let new = (new_size as u64).max(1);
-        let slot = self.slots.mine();
-        count(&slot, |n| n.reallocs += 1);
-        let mut c = self.chain.lock();
+        let mut mine = self.caches.mine();
+        let mut c = self.lock()?;
+        count(&mut c, &mut mine, |n| n.reallocs += 1);
         let Some(entry) = c.head.lent().get(addr) else {
             if c.rerouted.contains(&addr) {
                 drop(c);
@@ -200,7 +212,7 @@ impl Handler {
                 if let Some(moved) = moved {
                     // The block may have moved: the fallback now lends it at its new
                     // address, on this handler's behalf.
-                    let mut c = self.chain.lock();
+                    let mut c = self.lock()?;
                     c.rerouted.remove(&addr);
                     c.rerouted.insert(moved.as_ptr() as u64);
                 }
@@ -208,26 +220,23 @@ impl Handler {
             }
             return Err(ClientError::UnknownRealloc { addr }.into());
         };
-        if entry.cache.is_some() {
-            // Only the policy resizes: the block leaves its thread cache, and the client
-            // holds it straight from the policy from now on.
-            if !self.take_from_cache(&mut c, &slot, addr) {
-                return Err(ClientError::UnknownRealloc { addr }.into());
-            }
+        // Only the policy resizes: the block leaves its thread cache, and the client
+        // holds it straight from the policy from now on.
+        if entry.cache.is_some() && !self.take_from_cache(&mut c, &mut mine, addr)? {
+            return Err(ClientError::UnknownRealloc { addr }.into());
         }
         if c.failure.is_some() {
-            return self.move_to_fallback(c, &slot, addr, entry.size, new);
+            return self.move_to_fallback(c, &mut mine, addr, entry.size, new);
         }
         let answer = c.head.realloc(addr, entry.size, new);
-        let moved = c.settle(&self.slots, answer)?;
-        let mut t = slot.cache();
-        let counts = &mut t.counts;
-        if moved != 0 {
-            counts.take_back(entry.size);
-            counts.lend(new);
-        } else {
-            counts.failed += 1;
-        }
+        let moved = settle(&mut c, answer)?;
+        count(&mut c, &mut mine, |n| match moved {
+            0 => n.failed += 1,
+            _ => {
+                n.take_back(entry.size);
+                n.lend(new);
+            }
+        });
         Ok(to_ptr(moved))
     }
 
@@ -240,13 +249,13 @@ impl Handler {
         };
         // A block this thread's cache lent goes back into its magazine when there is
         // room; otherwise it takes the chain's path, still on the books.
-        let slot = self.slots.mine();
-        if self.slots.keeps_magazines()
-            && slot.with(|c| c.put_back::<{ Reach::FULL }>(ptr.as_ptr() as u64, size as u64))
+        let mut mine = self.caches.mine();
+        if self.caches.keeps_magazines()
+            && mine.with(|c| c.put_back::<{ Reach::FULL }>(ptr.as_ptr() as u64, size as u64))
         {
             return Ok(());
         }
-        self.free_to_chain(slot, ptr, size)
+        self.free_to_chain(mine, ptr, size)
     }
 
     /// The most common magazine frees alone: true when the block went back into the
@@ -256,10 +265,10 @@ impl Handler {
     pub fn free_to_magazine(&self, ptr: NonNull<u8>, size: usize) -> bool {
         // The size said is only a filter here (the recorded one is what counts): a block
         // said to be larger than the table's sizes is left to the full path.
-        if !self.slots.keeps_magazines() || size as u64 > MAGAZINE_TABLE_SIZE {
+        if !self.caches.keeps_magazines() || size as u64 > MAGAZINE_TABLE_SIZE {
             return false;
         }
-        let Some(mine) = self.slots.primary() else {
+        let Some(mut mine) = self.caches.primary() else {
             return false;
         };
         mine.try_with(|c| c.put_back::<{ Reach::IN_PLACE }>(ptr.as_ptr() as u64, size as u64))
@@ -269,14 +278,19 @@ impl Handler {
     /// A free the calling thread's magazine could not take.
     #[cold]
     #[inline(never)]
-    fn free_to_chain(&self, slot: Mine<'_>, ptr: NonNull<u8>, size: usize) -> Result<(), Error> {
+    fn free_to_chain(
+        &self,
+        mut mine: Mine<'_>,
+        ptr: NonNull<u8>,
+        size: usize,
+    ) -> Result<(), Error> {
         let addr = ptr.as_ptr() as u64;
-        let mut c = self.chain.lock();
+        let mut c = self.lock()?;
         let entry = match c.head.lent().get(addr) {
             Some(e) => e,
             None if c.rerouted.remove(&addr) => {
+                count(&mut c, &mut mine, |n| n.frees += 1);
                 drop(c);
-                count(&slot, |n| n.frees += 1);
                 let fallback = self
                     .fallback
                     .as_ref()
@@ -284,7 +298,7 @@ impl Handler {
                 return fallback.free(Some(ptr), size);
             }
             None => {
-                count(&slot, |n| n.frees += 1);
+                count(&mut c, &mut mine, |n| n.frees += 1);
                 return Err(match c.head.lent().why_unknown(addr) {
                     TakeBack::AlreadyFreed => ClientError::DoubleFree { addr },
                     _ => ClientError::UnknownBlock { addr },
@@ -294,8 +308,8 @@ impl Handler {
         };
         // A block in a thread cache that the cache has not lent sits in a magazine:
         // the client gave it back already.
-        if entry.cache.is_some() && !self.take_from_cache(&mut c, &slot, addr) {
-            count(&slot, |n| n.frees += 1);
+        if entry.cache.is_some() && !self.take_from_cache(&mut c, &mut mine, addr)? {
+            count(&mut c, &mut mine, |n| n.frees += 1);
             return Err(ClientError::DoubleFree { addr }.into());
         }
         if (size as u64).max(1) != entry.size {
@@ -305,38 +319,44 @@ impl Handler {
                 entry.size
             );
         }
-        count(&slot, |n| {
+        count(&mut c, &mut mine, |n| {
             n.frees += 1;
             n.freed(entry.size, size as u64);
         });
-        let answer = match self.slots.keeps_magazines() && entry.size <= MAGAZINE_MAX_SIZE {
-            true => c.shelve(&self.slots, &slot, addr, entry.size),
+        let answer = match self.caches.keeps_magazines() && entry.size <= MAGAZINE_MAX_SIZE {
+            true => shelve(&mut c, &mut mine, addr, entry.size),
             false => c.give_back(addr, entry.size),
         };
-        c.settle(&self.slots, answer).map(drop)
+        settle(&mut c, answer).map(drop)
     }
 
     /// Give every cached block back: every thread's magazines, then each policy's
     /// `trim`, top first.
     pub fn trim(&self) -> Result<(), Error> {
-        let mut c = self.chain.lock();
-        let flushed = c.flush_magazines(&self.slots);
-        c.settle(&self.slots, flushed)?;
+        let mut c = self.lock()?;
+        let flushed = flush_magazines(&mut c);
+        settle(&mut c, flushed)?;
         let trimmed = c.head.trim().map(|()| 0);
-        c.settle(&self.slots, trimmed).map(drop)
+        settle(&mut c, trimmed).map(drop)
     }
 
     /// A copy of the counters, every thread's included. Counts are exact. The peak is
     /// exact while one thread at a time uses the handler; with several at once it is the
     /// highest total seen when their counters are gathered (here and on each read).
-    pub fn stats(&self) -> Stats {
-        let mut c = self.chain.lock();
-        for slot in self.slots.iter() {
-            c.stats.fold(&mut slot.claim().counts);
+    pub fn stats(&self) -> Result<Stats, Error> {
+        let mut c = self.lock()?;
+        for slot in c.slots() {
+            let counts = c
+                .claim(slot)
+                .map(|mut cache| std::mem::take(&mut cache.counts));
+            match counts {
+                Ok(counts) => c.stats.fold(counts),
+                Err(reason) => return Err(unreachable(&c, reason)),
+            }
         }
         let mut stats = c.stats.clone();
         stats.budget_refusals = c.links().map(|l| l.stats().budget_refusals).sum();
-        stats
+        Ok(stats)
     }
 
     /// Check the host's own invariants, for tests and fuzzing: every block a link lent
@@ -345,8 +365,19 @@ impl Handler {
     /// (with [`HandlerBuilder::quarantine`]); each ledger's indexes agree; the thread
     /// caches hold exactly the blocks the ledger says they hold.
     pub fn audit(&self) -> Result<(), InvariantBroken> {
-        let c = self.chain.lock();
-        self.audit_caches(&c)?;
+        let unaudited = |reason| InvariantBroken {
+            link: format!("{} (thread caches)", self.info.name),
+            addr: 0,
+            size: 0,
+            what: match reason {
+                Unreachable::Stuck { .. } => "is in a thread cache whose thread stopped in a call",
+                Unreachable::ForkedMidCall => {
+                    "is out of reach: the process forked while another thread was in a call"
+                }
+            },
+        };
+        let mut c = self.caches.lock().map_err(unaudited)?;
+        self.audit_caches(&mut c).map_err(|e| e.either(unaudited))?;
         for link in c.links() {
             let broken = |addr, size, what| InvariantBroken {
                 link: link.name().to_string(),
@@ -393,7 +424,7 @@ impl Handler {
 
     /// Every block a thread cache holds is the top policy's, recorded with its size and
     /// that cache; every block the ledger gives a cache is in it.
-    fn audit_caches(&self, c: &Chain) -> Result<(), InvariantBroken> {
+    fn audit_caches(&self, c: &mut Books<'_>) -> Result<(), AuditError> {
         let broken = |addr, size, what| InvariantBroken {
             link: format!("{} (thread caches)", self.info.name),
             addr,
@@ -401,17 +432,22 @@ impl Handler {
             what,
         };
         let mut held = 0;
-        for slot in self.slots.iter() {
-            let t = slot.claim();
-            let in_magazines = t.magazines.iter().flat_map(Magazines::blocks);
-            for (addr, size) in t.lent.iter().chain(in_magazines) {
+        for slot in c.slots() {
+            let blocks: Vec<(u64, u64)> = c
+                .claim(slot)
+                .map(|t| {
+                    let in_magazines = t.magazines.iter().flat_map(Magazines::blocks);
+                    t.lent.iter().chain(in_magazines).collect()
+                })
+                .map_err(AuditError::Unreachable)?;
+            for (addr, size) in blocks {
                 let entry = c.head.lent().get(addr);
                 if entry.is_none_or(|e| e.size != size || e.cache != Some(slot.id)) {
-                    return Err(broken(
+                    return Err(AuditError::Broken(broken(
                         addr,
                         size,
                         "is in a thread cache the ledger does not name",
-                    ));
+                    )));
                 }
                 held += 1;
             }
@@ -426,18 +462,18 @@ impl Handler {
             true => Ok(()),
             false => {
                 let (addr, e) = named[0];
-                Err(broken(
+                Err(AuditError::Broken(broken(
                     addr,
                     e.size,
                     "is given to a thread cache that does not hold it",
-                ))
+                )))
             }
         }
     }
 
     /// The blocks the client holds, `(address, size)`, by address.
-    pub fn live_blocks(&self) -> Vec<(usize, usize)> {
-        let c = self.chain.lock();
+    pub fn live_blocks(&self) -> Result<Vec<(usize, usize)>, Error> {
+        let mut c = self.lock()?;
         let mut blocks: Vec<(usize, usize)> = c
             .head
             .lent()
@@ -445,29 +481,34 @@ impl Handler {
             .filter(|(_, e)| e.cache.is_none())
             .map(|(a, e)| (a as usize, e.size as usize))
             .collect();
-        for slot in self.slots.iter() {
-            let t = slot.claim();
-            blocks.extend(t.lent.iter().map(|(a, s)| (a as usize, s as usize)));
+        for slot in c.slots() {
+            let lent = c.claim(slot).map(|t| {
+                let lent = t.lent.iter().map(|(a, s)| (a as usize, s as usize));
+                lent.collect::<Vec<_>>()
+            });
+            blocks.extend(lent.map_err(|reason| self.unreachable(reason))?);
         }
         blocks.sort_unstable();
-        blocks
+        Ok(blocks)
     }
 
-    /// The size a live block was (re)allocated with.
+    /// The size a live block was (re)allocated with; `None` for a block the handler
+    /// has not lent, or cannot reach.
     pub fn block_size(&self, ptr: NonNull<u8>) -> Option<usize> {
         let addr = ptr.as_ptr() as u64;
-        let c = self.chain.lock();
+        let mut mine = self.caches.mine();
+        let mut c = self.lock().ok()?;
         let e = c.head.lent().get(addr)?;
         let size = match e.cache {
             None => e.size,
-            Some(id) => self.slots.cache_of(&self.slots.mine(), id).lent.get(addr)?,
+            Some(id) => c.cache_of(&mut mine, id).ok()?.lent.get(addr)?,
         };
         Some(size as usize)
     }
 
     /// Counters of every policy in the chain, top first.
-    pub fn link_stats(&self) -> Vec<crate::link::LinkStats> {
-        self.chain.lock().links().map(Link::stats).collect()
+    pub fn link_stats(&self) -> Result<Vec<crate::link::LinkStats>, Error> {
+        Ok(self.lock()?.links().map(Link::stats).collect())
     }
 
     /// Trim, then fail with a [`crate::error::Rule::Leak`] violation if the chain still holds memory
@@ -475,7 +516,7 @@ impl Handler {
     /// assertion).
     pub fn leak_check(&self) -> Result<(), Error> {
         self.trim()?;
-        let (blocks, bytes) = self.held_from_host();
+        let (blocks, bytes) = self.held_from_host()?;
         if blocks == 0 {
             return Ok(());
         }
@@ -490,29 +531,39 @@ impl Handler {
 
     /// Upstream blocks still held from the host's memory, `(blocks, bytes)`: after every
     /// block was freed and the handler trimmed, anything here is a leak.
-    pub fn held_from_host(&self) -> (usize, u64) {
-        let c = self.chain.lock();
+    pub fn held_from_host(&self) -> Result<(usize, u64), Error> {
+        let c = self.lock()?;
         let host = &c.bottom().lent;
-        (host.len(), host.bytes())
+        Ok((host.len(), host.bytes()))
     }
 
-    /// The failure that stopped this handler's chain, if any.
+    /// The failure that stopped this handler's chain, or that keeps it out of reach.
     pub fn failure(&self) -> Option<Arc<Error>> {
-        self.chain.lock().failure.clone()
+        match self.lock() {
+            Ok(c) => c.failure.clone(),
+            Err(unreachable) => Some(Arc::new(unreachable)),
+        }
     }
 
     /// Take a block the client holds out of the thread cache that lent it; the client
     /// holds it straight from the policy now. False when that cache has not lent it (it
     /// sits in a magazine).
-    fn take_from_cache(&self, c: &mut Chain, mine: &Mine<'_>, addr: u64) -> bool {
+    fn take_from_cache(
+        &self,
+        c: &mut Books<'_>,
+        mine: &mut Mine<'_>,
+        addr: u64,
+    ) -> Result<bool, Error> {
         let entry = c.head.lent().get(addr).expect("the caller found it");
         let holder = entry.cache.expect("the caller saw a thread cache");
-        let mut cache = self.slots.cache_of(mine, holder);
-        if cache.lent.remove(addr).is_none() {
-            return false;
+        let taken = c
+            .cache_of(mine, holder)
+            .map(|mut cache| cache.lent.remove(addr).is_some())
+            .map_err(|reason| self.unreachable(reason))?;
+        if taken {
+            c.head.lent_mut().set_cache(addr, None);
         }
-        c.head.lent_mut().set_cache(addr, None);
-        true
+        Ok(taken)
     }
 
     fn reroute(
@@ -520,13 +571,13 @@ impl Handler {
         f: impl FnOnce(&Handler) -> Result<Option<NonNull<u8>>, Error>,
     ) -> Result<Option<NonNull<u8>>, Error> {
         let Some(fallback) = &self.fallback else {
-            let c = self.chain.lock();
+            let c = self.lock()?;
             let cause = c.failure.clone().expect("rerouting only after a failure");
             return Err(poisoned(&cause));
         };
         let block = f(fallback)?;
         if let Some(p) = block {
-            self.chain.lock().rerouted.insert(p.as_ptr() as u64);
+            self.lock()?.rerouted.insert(p.as_ptr() as u64);
         }
         Ok(block)
     }
@@ -534,8 +585,8 @@ impl Handler {
     /// Realloc on a failed chain: copy the block into the fallback, then release it here.
     fn move_to_fallback(
         &self,
-        mut c: parking_lot::MutexGuard<'_, Chain>,
-        slot: &Mine<'_>,
+        mut c: Books<'_>,
+        mine: &mut Mine<'_>,
         addr: u64,
         old: u64,
         new: u64,
@@ -552,7 +603,7 @@ impl Handler {
         unsafe {
             std::ptr::copy_nonoverlapping(addr as *const u8, fresh.as_ptr(), old.min(new) as usize)
         };
-        slot.cache().counts.take_back(old);
+        count(&mut c, mine, |n| n.take_back(old));
         // The block was found with its size; a dead head only updates its books.
         let _ = c.head.free(addr, old);
         c.rerouted.insert(fresh.as_ptr() as u64);
@@ -582,9 +633,24 @@ fn zeroed_if<const ZEROED: bool>(addr: u64, size: u64) -> u64 {
     addr
 }
 
-/// Update the counters of the thread that owns `slot`.
-fn count(slot: &Mine<'_>, f: impl FnOnce(&mut cache::Counts)) {
-    f(&mut slot.cache().counts);
+/// Update the calling thread's counters.
+fn count(c: &mut Books<'_>, mine: &mut Mine<'_>, f: impl FnOnce(&mut cache::Counts)) {
+    f(&mut c.own(mine).counts);
+}
+
+/// Why an audit of the thread caches failed.
+enum AuditError {
+    Broken(InvariantBroken),
+    Unreachable(Unreachable),
+}
+
+impl AuditError {
+    fn either(self, unreachable: impl FnOnce(Unreachable) -> InvariantBroken) -> InvariantBroken {
+        match self {
+            AuditError::Broken(broken) => broken,
+            AuditError::Unreachable(reason) => unreachable(reason),
+        }
+    }
 }
 
 impl MemHandler for Handler {
@@ -610,7 +676,7 @@ impl MemHandler for Handler {
     fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error> {
         Handler::free(self, ptr, size)
     }
-    fn stats(&self) -> Stats {
+    fn stats(&self) -> Result<Stats, Error> {
         Handler::stats(self)
     }
     fn usable(&self) -> Result<(), Error> {

@@ -1,6 +1,7 @@
 #![doc = include_str!("../../README.md")]
 
 pub mod check;
+mod clock;
 mod compile_bounds;
 mod error;
 mod handler;

@@ -28,7 +28,8 @@ pub trait MemHandler: Send + Sync + fmt::Debug {
         new_size: usize,
     ) -> Result<Option<NonNull<u8>>, Error>;
     fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error>;
-    fn stats(&self) -> Stats;
+    /// The counters; an error when the handler cannot be reached to read them.
+    fn stats(&self) -> Result<Stats, Error>;
     /// Can this handler take new requests? A chain stopped by a violation cannot.
     fn usable(&self) -> Result<(), Error> {
         Ok(())
@@ -78,11 +79,10 @@ impl Stats {
 
 /// Gathering a thread cache's counters (`allocbox_ledger::cache::Counts`).
 impl Stats {
-    /// Add a thread's counters and reset them. The peak is exact while one thread at a
+    /// Add a thread's counters (taken from it, so they start again at zero). The peak is exact while one thread at a
     /// time uses the handler (between two folds only that thread moved the live total);
     /// with several threads at once it is each thread's peak over the total at its fold.
-    pub(crate) fn fold(&mut self, c: &mut Counts) {
-        let c = std::mem::take(c);
+    pub(crate) fn fold(&mut self, c: Counts) {
         self.mallocs += c.mallocs;
         self.callocs += c.callocs;
         self.reallocs += c.reallocs;
@@ -109,11 +109,11 @@ mod tests {
         c.lend(100);
         c.lend(50);
         c.take_back(100);
-        stats.fold(&mut c);
+        stats.fold(std::mem::take(&mut c));
         assert_eq!((stats.live_bytes, stats.peak_bytes), (50, 150));
         c.take_back(50);
         c.lend(10);
-        stats.fold(&mut c);
+        stats.fold(std::mem::take(&mut c));
         assert_eq!(
             (stats.live_bytes, stats.peak_bytes, stats.live_blocks),
             (10, 150, 1)
@@ -127,8 +127,8 @@ mod tests {
         let mut freer = Counts::default();
         taker.lend(64);
         freer.take_back(64);
-        stats.fold(&mut freer);
-        stats.fold(&mut taker);
+        stats.fold(std::mem::take(&mut freer));
+        stats.fold(std::mem::take(&mut taker));
         assert_eq!((stats.live_bytes, stats.live_blocks), (0, 0));
     }
 }

@@ -18,7 +18,7 @@ use plotters::prelude::*;
 
 use crate::fasthash::FastMap;
 use crate::handler::Handler;
-use crate::memhandler::MemHandler;
+use crate::memhandler::{MemHandler, Stats};
 use crate::trace::{Event, EventOp, Held, ReplayReport};
 
 /// The most samples a timeline keeps per series: events are sampled in windows of
@@ -135,16 +135,30 @@ fn ratio(held: u64, live: u64) -> Option<f64> {
     (live > 0).then(|| held as f64 / live as f64)
 }
 
+/// `handler`'s statistics, for a replay in this process: a handler whose calls all came
+/// from this process's live threads is always reachable.
+pub(crate) fn stats_of(handler: &dyn MemHandler) -> Stats {
+    handler
+        .stats()
+        .expect("a handler this process's live threads called is reachable")
+}
+
+fn held_from_host(handler: &Handler) -> (usize, u64) {
+    handler
+        .held_from_host()
+        .expect("a handler this process's live threads called is reachable")
+}
+
 /// What a wasm chain holds from the host's memory, for [`timeline`].
 pub fn chain_held(handler: &Handler) -> impl FnMut() -> u64 + '_ {
-    move || handler.held_from_host().1
+    move || held_from_host(handler).1
 }
 
 /// What a native handler ([`crate::NumpyDefault`]) holds from the C library, for
 /// [`timeline`]: its live bytes, which it counts as the C library's usable sizes (the
 /// blocks in its small-block cache are not counted).
 pub fn native_held(handler: &dyn MemHandler) -> impl FnMut() -> u64 + '_ {
-    move || handler.stats().live_bytes
+    move || stats_of(handler).live_bytes
 }
 
 /// Replay `events` through `handler` on this thread, in trace order (the recorded
@@ -252,7 +266,7 @@ pub fn timeline_counted(
     for (_, (p, size)) in live.drain() {
         let _ = handler.free(Some(p), size);
     }
-    replay.stats = handler.stats();
+    replay.stats = stats_of(handler);
     Timeline {
         label: label.to_string(),
         handler: handler.name().to_string(),

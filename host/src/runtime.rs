@@ -3,10 +3,9 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
 
+use allocbox_ledger::platform::fork;
 use parking_lot::Mutex;
 use wasmtime::component::{Component, Linker};
 use wasmtime::{
@@ -14,6 +13,7 @@ use wasmtime::{
     Store,
 };
 
+use crate::clock::{Clock, EPOCH_TICK};
 use crate::compile_bounds::CompileBounds;
 use crate::error::{Call, LoadError};
 use crate::link::bindings::{Policy as Bindings, PolicyPre};
@@ -33,9 +33,6 @@ pub const DEFAULT_POLICY_WAT: &str =
 /// is 100,000): the policy world defines no resource, and WASI's are bounded more tightly
 /// by `wasi::MAX_RESOURCES`.
 const MAX_COMPONENT_HANDLES: usize = 4096;
-
-/// How often the epoch advances; a call's time limit is rounded up to this.
-const EPOCH_TICK: Duration = Duration::from_millis(5);
 
 /// How every wasm binary, module or component, starts.
 const WASM_MAGIC: &[u8] = b"\0asm";
@@ -77,7 +74,7 @@ struct RuntimeInner {
     compiled: Mutex<HashMap<PolicyDigest, Compiled>>,
     /// Epoch ticks since the runtime started: host code inside imports reads it to
     /// keep the same time limits as wasm code.
-    clock: Arc<AtomicU64>,
+    clock: Arc<Clock>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -161,8 +158,7 @@ impl Runtime {
         )?;
         let mut hook_linker = Linker::new(&engine);
         crate::wasi::add_to_linker(&mut hook_linker)?;
-        let clock = Arc::new(AtomicU64::new(0));
-        start_epoch_ticker(&engine, clock.clone());
+        let clock = Clock::start(&engine);
         Ok(Runtime {
             inner: Arc::new(RuntimeInner {
                 engine,
@@ -254,8 +250,14 @@ impl Runtime {
     }
 
     fn compile(&self, binary: &[u8]) -> Result<Component, LoadError> {
-        Component::new(&self.inner.engine, binary)
-            .map_err(|e| LoadError::Invalid { detail: detail(&e) })
+        let compile = || {
+            Component::new(&self.inner.engine, binary)
+                .map_err(|e| LoadError::Invalid { detail: detail(&e) })
+        };
+        match forked_compiler_threads()? {
+            Some(threads) => threads.install(compile),
+            None => compile(),
+        }
     }
 
     /// Compile a component of the `hook` world (binary, or WAT as for policies) and
@@ -477,6 +479,36 @@ fn check_info(
     })
 }
 
+/// In a forked child, a pool of compiler threads of its own. wasmtime compiles on
+/// rayon's global pool, whose threads stayed in the parent: a job handed to it in the
+/// child would wait forever. None in a process that was never forked.
+fn forked_compiler_threads() -> Result<Option<Arc<rayon_core::ThreadPool>>, LoadError> {
+    static POOL: Mutex<Option<(u64, Arc<rayon_core::ThreadPool>)>> = Mutex::new(None);
+    let generation = fork::generation();
+    if generation == 0 {
+        return Ok(None);
+    }
+    let mut pool = POOL.lock();
+    if let Some((made_in, threads)) = pool.as_ref()
+        && *made_in == generation
+    {
+        return Ok(Some(Arc::clone(threads)));
+    }
+    // Built by an earlier generation, its threads are gone too; dropping it would only
+    // signal them.
+    if let Some(stale) = pool.take() {
+        std::mem::forget(stale);
+    }
+    let threads = rayon_core::ThreadPoolBuilder::new()
+        .build()
+        .map(Arc::new)
+        .map_err(|e| LoadError::NoCompilerThreads {
+            detail: e.to_string(),
+        })?;
+    *pool = Some((generation, Arc::clone(&threads)));
+    Ok(Some(threads))
+}
+
 /// The environment variable that says where compiled policies are kept between
 /// processes: a directory, or `off`.
 pub const COMPILE_CACHE_ENV: &str = "ALLOCBOX_COMPILE_CACHE";
@@ -550,23 +582,6 @@ fn sandbox_features(config: &mut Config) {
         | F::CM64
         | F::CM_FIXED_LENGTH_LISTS;
     config.wasm_features(off, false);
-}
-
-/// One thread per engine advances its epoch so that a call that runs too long traps, and
-/// `clock` with it for host code; it ends when the engine is dropped.
-fn start_epoch_ticker(engine: &Engine, clock: Arc<AtomicU64>) {
-    let weak = engine.weak();
-    std::thread::Builder::new()
-        .name("allocbox-epoch".into())
-        .spawn(move || {
-            while let Some(engine) = weak.upgrade() {
-                engine.increment_epoch();
-                clock.fetch_add(1, Ordering::Relaxed);
-                drop(engine);
-                std::thread::sleep(EPOCH_TICK);
-            }
-        })
-        .expect("spawning the epoch thread");
 }
 
 /// Turn file contents into component bytes, or say clearly why they are not one.

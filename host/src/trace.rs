@@ -272,7 +272,7 @@ pub fn replay_trace_counted(
         true => replay_on_one_thread(handler, events, done),
         false => replay_on_recorded_threads(handler, events, done),
     };
-    report.stats = handler.stats();
+    report.stats = crate::report::stats_of(handler);
     report
 }
 
@@ -532,7 +532,7 @@ impl MemHandler for Recorder {
         self.record('f', ptr, None, size);
         Ok(())
     }
-    fn stats(&self) -> Stats {
+    fn stats(&self) -> Result<Stats, Error> {
         self.inner.stats()
     }
     fn usable(&self) -> Result<(), Error> {

@@ -314,6 +314,8 @@ fn to_py(error: &Error) -> PyErr {
         Error::Violation(_) => ContractViolation::new_err(text),
         Error::Poisoned { .. } => PoisonedPolicy::new_err(text),
         Error::Client(_) => ClientError::new_err(text),
+        // No policy is at fault: the host cannot reach the handler (a fork mid-call).
+        Error::Unreachable { .. } => AllocboxError::new_err(text),
         _ => PoisonedPolicy::new_err(text),
     }
 }
@@ -348,7 +350,7 @@ impl Policy {
 
     /// Counters: calls, live/peak/total bytes, size corrections, magazine hits.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.bridge.handler.stats();
+        let s = self.bridge.handler.stats().map_err(|e| to_py(&e))?;
         let d = PyDict::new(py);
         for (k, v) in [
             ("mallocs", s.mallocs),
@@ -375,6 +377,7 @@ impl Policy {
             return Ok(Vec::new());
         };
         h.link_stats()
+            .map_err(|e| to_py(&e))?
             .into_iter()
             .map(|l| {
                 let d = PyDict::new(py);
@@ -392,11 +395,11 @@ impl Policy {
     }
 
     /// The live blocks, `(address, size)`, by address.
-    fn snapshot(&self) -> Vec<(usize, usize)> {
-        self.handler
-            .as_ref()
-            .map(|h| h.live_blocks())
-            .unwrap_or_default()
+    fn snapshot(&self) -> PyResult<Vec<(usize, usize)>> {
+        match &self.handler {
+            Some(h) => h.live_blocks().map_err(|e| to_py(&e)),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// Why the chain was stopped, or `None`.
@@ -672,8 +675,8 @@ mod tests {
         fn free(&self, _: Option<NonNull<u8>>, _: usize) -> Result<(), Error> {
             panic!("books half-updated")
         }
-        fn stats(&self) -> allocbox::Stats {
-            allocbox::Stats::default()
+        fn stats(&self) -> Result<allocbox::Stats, Error> {
+            Ok(allocbox::Stats::default())
         }
     }
 

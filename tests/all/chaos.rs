@@ -76,11 +76,11 @@ fn stream(seed: u64) -> Result<String, String> {
     };
     let outcome = drive(&h, &mut rng, OPS_PER_STREAM, CALL_TIME, links)?;
     if let Some(f) = fallback
-        && f.stats().live_blocks != 0
+        && f.stats().unwrap().live_blocks != 0
     {
         return Err(format!(
             "the fallback still lends {} blocks",
-            f.stats().live_blocks
+            f.stats().unwrap().live_blocks
         ));
     }
     Ok(outcome)

@@ -141,27 +141,14 @@ pub fn drive(
     }
     let _ = h.trim();
     h.audit().map_err(|e| e.to_string())?;
-    if h.failure().is_some() && h.held_from_host() != (0, 0) {
+    if h.failure().is_some() && h.held_from_host().unwrap() != (0, 0) {
         return Err(format!(
             "a stopped chain still holds {:?} from the host after its client let go: {:#?}",
-            h.held_from_host(),
-            h.link_stats()
+            h.held_from_host().unwrap(),
+            h.link_stats().unwrap()
         ));
     }
-    Ok(h.failure().map_or("alive".into(), |e| kind(&e).into()))
-}
-
-/// A short name for what stopped a chain.
-pub fn kind(e: &Error) -> &'static str {
-    match e {
-        Error::Violation(v) => v.rule.name(),
-        Error::WorkLimit { bound, .. } => bound.name(),
-        Error::Trap { .. } => "trap",
-        Error::Timeout { .. } => "timeout",
-        Error::MemoryLimit { .. } => "memory-limit",
-        Error::Poisoned { cause, .. } => kind(cause),
-        Error::Client(_) => "client",
-    }
+    Ok(h.failure().map_or("alive".into(), |e| e.kind().into()))
 }
 
 /// Run `f` on a client thread of its own.

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use allocbox::{Error, HandlerBuilder, Limits, LoadError, Runtime};
 
-use super::fuzz::{Rng, drive, kind};
+use super::fuzz::{Rng, drive};
 use super::support::*;
 
 const DEFAULT_MODULES: u64 = 300;
@@ -345,7 +345,7 @@ fn module_stream(runtime: &Runtime, seed: u64, bytes: &[u8]) -> Result<String, S
                 eprintln!("{seed}: {e}");
             }
             return match e.policy() {
-                Some("smith" | "<bytes>") => Ok(format!("refused at start: {}", kind(&e))),
+                Some("smith" | "<bytes>") => Ok(format!("refused at start: {}", e.kind())),
                 other => Err(format!("start failure names {other:?}: {e}")),
             };
         }

@@ -178,7 +178,7 @@ fn control_characters_in_a_policy_s_name_are_escaped_wherever_it_is_shown() {
         .build()
         .unwrap();
     assert_eq!(h.name(), "\\u{1b}]0;owned\\u{7}\\u{1b}[2J\\u{1b}[31mevil");
-    assert_eq!(h.link_stats()[0].name, h.name());
+    assert_eq!(h.link_stats().unwrap()[0].name, h.name());
 
     let dir = tempdir("escaped-name");
     let file = dir.join("evil.wat");

@@ -5,7 +5,7 @@
 //!
 //! A crate of its own, without the WebAssembly runtime, so that the machines that check
 //! lock-free code can run it: loom over the claim protocol (`--cfg allocbox_loom`, see
-//! `tests/loom.rs`), Miri over every structure (`cargo miri test`), and a thread
+//! `cache/models.rs`), Miri over every structure (`cargo miri test`), and a thread
 //! sanitizer over the threaded tests.
 
 pub mod cache;
@@ -14,3 +14,4 @@ mod counting_alloc;
 pub mod fasthash;
 pub mod ledger;
 pub mod platform;
+mod sync;

@@ -13,26 +13,19 @@ use super::script::Script;
 /// A broken rule, found by running a script.
 #[derive(Debug, Clone)]
 pub struct Finding {
-    /// A short stable name: a [`Rule::name`], a [`crate::Bound::name`], or `trap`,
-    /// `timeout`, `memory-limit`, `client`.
+    /// A short stable name: [`Error::kind`].
     pub rule: &'static str,
     pub message: String,
 }
 
 impl Finding {
     pub(super) fn from_error(e: &Error) -> Finding {
-        let rule = match e {
-            Error::Violation(v) => v.rule.name(),
-            Error::Trap { .. } => "trap",
-            Error::Timeout { .. } => "timeout",
-            Error::MemoryLimit { .. } => "memory-limit",
-            Error::WorkLimit { bound, .. } => bound.name(),
-            Error::Poisoned { cause, .. } => return Finding::from_error(cause),
-            Error::Client(_) => "client",
-        };
-        Finding {
-            rule,
-            message: e.to_string(),
+        match e {
+            Error::Poisoned { cause, .. } => Finding::from_error(cause),
+            _ => Finding {
+                rule: e.kind(),
+                message: e.to_string(),
+            },
         }
     }
 

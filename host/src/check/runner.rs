@@ -301,8 +301,10 @@ impl Subject<'_> {
         if finding.is_none() {
             finding = leak_check(&handler);
         }
-        self.budget_refusals
-            .fetch_add(handler.stats().budget_refusals, Ordering::Relaxed);
+        self.budget_refusals.fetch_add(
+            crate::report::stats_of(&handler).budget_refusals,
+            Ordering::Relaxed,
+        );
         (script, finding)
     }
 }

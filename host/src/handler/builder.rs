@@ -3,15 +3,13 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
-
 use super::{Chain, Handler};
 use crate::error::LoadError;
 use crate::link::{Limits, Upstream};
 use crate::memhandler::Stats;
 use crate::runtime::{Policy, Runtime};
 use crate::system::SystemMemory;
-use allocbox_ledger::cache::Slots;
+use allocbox_ledger::cache::Caches;
 
 /// Builds a [`Handler`] from policies, top of the chain first.
 #[derive(Debug)]
@@ -127,14 +125,20 @@ impl HandlerBuilder {
         names.push(head.name().clone());
         names.reverse();
         let info = head.info.clone();
+        // A fork waits for calls in other threads to end: they end within the call
+        // limit, and the time past it that the host needs to stop them.
+        let fork_patience = self.limits.call_time + std::time::Duration::from_secs(1);
         Ok(Handler {
-            chain: Mutex::new(Chain {
-                head,
-                stats: Stats::default(),
-                failure: None,
-                rerouted: HashSet::new(),
-            }),
-            slots: Slots::new(self.magazines && info.batch),
+            caches: Caches::new(
+                Chain {
+                    head,
+                    stats: Stats::default(),
+                    failure: None,
+                    rerouted: HashSet::new(),
+                },
+                self.magazines && info.batch,
+                fork_patience,
+            ),
             info,
             names,
             fallback: self.fallback,

@@ -1,5 +1,9 @@
 //! The chain behind a handler's lock: the top link (which owns the rest), the failure
 //! that stopped it, and the slow paths of the thread caches that need the policy.
+//!
+//! The slow paths take the books locked ([`Books`]): a thread cache is reached only
+//! through them, and a cache guard borrows them, so no policy is called while a cache
+//! is held.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -8,7 +12,7 @@ use crate::error::Error;
 use crate::link::{Link, Upstream};
 use crate::memhandler::Stats;
 use crate::system::SystemMemory;
-use allocbox_ledger::cache::{self, Mine, Slots};
+use allocbox_ledger::cache::{self, Locked, Mine, Unreachable};
 
 pub(super) struct Chain {
     pub(super) head: Link,
@@ -20,6 +24,9 @@ pub(super) struct Chain {
     /// Blocks the fallback handler served on this handler's behalf.
     pub(super) rerouted: HashSet<u64>,
 }
+
+/// The chain, locked, with the way to every thread cache.
+pub(super) type Books<'l> = Locked<'l, Chain>;
 
 impl Chain {
     /// Every link, top first.
@@ -41,152 +48,178 @@ impl Chain {
         }
     }
 
-    /// Finish a call into the chain: act on its failure, or on one deep down that the
-    /// head's guest saw as "none" and that travelled up beside the answer. The caller
-    /// holds no thread cache: a failure empties every cache.
-    #[inline]
-    pub(super) fn settle(
-        &mut self,
-        slots: &Slots,
-        answer: Result<u64, Error>,
-    ) -> Result<u64, Error> {
-        let below = self.head.take_unreported();
-        if below.is_none() && answer.is_ok() {
-            return answer;
-        }
-        self.settle_failure(slots, answer, below)
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn settle_failure(
-        &mut self,
-        slots: &Slots,
-        answer: Result<u64, Error>,
-        below: Option<Arc<Error>>,
-    ) -> Result<u64, Error> {
-        match (answer, below) {
-            // A failure below happened first: the call's own failure, if any, came after
-            // it (a guest that could not cope with "none", or ran out of the same time).
-            (Err(_), Some(cause)) => {
-                self.fail(slots, cause.clone());
-                Err((*cause).clone())
-            }
-            (Err(e), None) => {
-                self.fail(slots, Arc::new(e.clone()));
-                Err(e)
-            }
-            (Ok(addr), None) => Ok(addr),
-            (Ok(addr), Some(cause)) => {
-                self.fail(slots, cause.clone());
-                // A block that was served is good; "none" caused by the failure is not
-                // an answer, the failure is.
-                match addr {
-                    0 => Err((*cause).clone()),
-                    _ => Ok(addr),
-                }
-            }
-        }
-    }
-
-    pub(super) fn fail(&mut self, slots: &Slots, cause: Arc<Error>) {
-        if self.failure.is_none() {
-            self.failure = Some(cause);
-            slots.set_failed();
-            let _ = self.flush_magazines(slots);
-            self.head.retire(self.failure.as_ref().expect("just set"));
-        }
-    }
-
-    /// Fill `slot`'s empty magazine of `size` from the top policy and lend the client
-    /// one block of it. No policy is called while the cache is held.
-    pub(super) fn refill(&mut self, slot: &Mine<'_>, size: u64) -> Result<u64, Error> {
-        let count = {
-            let mut t = slot.cache();
-            let magazines = t.magazines.as_mut().expect("the handler keeps magazines");
-            let count = magazines.of_size(size).refill_count(size);
-            let room = cache::MAGAZINES_THREAD_BYTES.saturating_sub(magazines.cached_bytes);
-            if room < size * u64::from(count) {
-                // This thread's magazines are as full as allowed: the policy serves it.
-                return self.head.malloc(size);
-            }
-            count
-        };
-        let mut blocks = self.head.malloc_many(size, count)?;
-        let Some(first) = blocks.pop() else {
-            // The policy placed nothing in bulk; ask once the ordinary way.
-            return self.head.malloc(size);
-        };
-        for &addr in blocks.iter().chain([&first]) {
-            let named = self.head.lent_mut().set_cache(addr, Some(slot.id()));
-            assert!(named, "just admitted");
-        }
-        let mut t = slot.cache();
-        t.lent.insert(first, size);
-        let magazines = t.magazines.as_mut().expect("checked above");
-        magazines.cached_bytes += size * blocks.len() as u64;
-        magazines.of_size(size).blocks.extend(blocks);
-        Ok(first)
-    }
-
-    /// Put a block the client gave back into `slot`'s magazine, spilling half of a full
-    /// magazine to the policy first; past the thread's byte cap the policy takes it. No
-    /// policy is called while the cache is held.
-    pub(super) fn shelve(
-        &mut self,
-        slots: &Slots,
-        slot: &Mine<'_>,
-        addr: u64,
-        size: u64,
-    ) -> Result<u64, Error> {
-        if !slots.keeps_magazines() {
-            return self.give_back(addr, size);
-        }
-        let spill = {
-            let mut t = slot.cache();
-            let magazines = t.magazines.as_mut().expect("the handler keeps magazines");
-            let magazine = magazines.of_size(size);
-            let spill: Vec<u64> = match magazine.blocks.len() >= magazine.depth {
-                true => magazine.blocks.drain(magazine.depth / 2..).collect(),
-                false => Vec::new(),
-            };
-            magazines.cached_bytes -= size * spill.len() as u64;
-            spill
-        };
-        if !spill.is_empty()
-            && let Err(e) = self.head.free_many(spill, size)
-        {
-            // The client gave this block up; off the books of the now dead link.
-            let _ = self.head.free(addr, size);
-            return Err(e);
-        }
-        if slot.cache().keep(addr, size) {
-            let named = self.head.lent_mut().set_cache(addr, Some(slot.id()));
-            assert!(named, "the caller found it");
-            return Ok(0);
-        }
-        self.give_back(addr, size)
-    }
-
     /// Give a block back to the top policy.
     pub(super) fn give_back(&mut self, addr: u64, size: u64) -> Result<u64, Error> {
         self.head.free(addr, size).map(|()| 0)
     }
+}
 
-    /// Hand every thread's cached blocks back to the top policy.
-    pub(super) fn flush_magazines(&mut self, slots: &Slots) -> Result<u64, Error> {
-        let mut first_error = None;
-        for slot in slots.iter() {
-            let drained = match &mut slot.claim().magazines {
-                Some(magazines) => magazines.drain(),
-                None => continue,
-            };
-            for (size, blocks) in drained {
-                if let Err(e) = self.head.free_many(blocks, size) {
-                    first_error.get_or_insert(e);
-                }
+impl cache::Books for Chain {
+    fn thread_ended(c: &mut Books<'_>, cached: Vec<(u64, Vec<u64>)>, lent: Vec<u64>) {
+        for addr in lent {
+            let found = c.head.lent_mut().set_cache(addr, None);
+            debug_assert!(found, "a cache lends only blocks on the books");
+        }
+        let answer = give_back_cached(c, cached);
+        // A failure stops the chain for every thread; this one is ending.
+        let _ = settle(c, answer);
+    }
+}
+
+/// A thread cache that cannot be reached, as the handler's error.
+pub(super) fn unreachable(c: &Books<'_>, reason: Unreachable) -> Error {
+    Error::Unreachable {
+        handler: c.head.name().clone(),
+        reason,
+    }
+}
+
+/// Finish a call into the chain: act on its failure, or on one deep down that the
+/// head's guest saw as "none" and that travelled up beside the answer. A failure empties
+/// every cache.
+#[inline]
+pub(super) fn settle(c: &mut Books<'_>, answer: Result<u64, Error>) -> Result<u64, Error> {
+    let below = c.head.take_unreported();
+    if below.is_none() && answer.is_ok() {
+        return answer;
+    }
+    settle_failure(c, answer, below)
+}
+
+#[cold]
+#[inline(never)]
+fn settle_failure(
+    c: &mut Books<'_>,
+    answer: Result<u64, Error>,
+    below: Option<Arc<Error>>,
+) -> Result<u64, Error> {
+    match (answer, below) {
+        // A failure below happened first: the call's own failure, if any, came after it
+        // (a guest that could not cope with "none", or ran out of the same time).
+        (Err(_), Some(cause)) => {
+            fail(c, cause.clone());
+            Err((*cause).clone())
+        }
+        (Err(e), None) => {
+            fail(c, Arc::new(e.clone()));
+            Err(e)
+        }
+        (Ok(addr), None) => Ok(addr),
+        (Ok(addr), Some(cause)) => {
+            fail(c, cause.clone());
+            // A block that was served is good; "none" caused by the failure is not an
+            // answer, the failure is.
+            match addr {
+                0 => Err((*cause).clone()),
+                _ => Ok(addr),
             }
         }
-        first_error.map_or(Ok(0), Err)
     }
+}
+
+pub(super) fn fail(c: &mut Books<'_>, cause: Arc<Error>) {
+    if c.failure.is_none() {
+        c.failure = Some(cause);
+        c.stop_serving();
+        let _ = flush_magazines(c);
+        let Chain { head, failure, .. } = &mut **c;
+        head.retire(failure.as_ref().expect("just set"));
+    }
+}
+
+/// Fill `mine`'s empty magazine of `size` from the top policy and lend the client one
+/// block of it.
+pub(super) fn refill(c: &mut Books<'_>, mine: &mut Mine<'_>, size: u64) -> Result<u64, Error> {
+    let count = {
+        let mut t = c.own(mine);
+        let magazines = t.magazines.as_mut().expect("the handler keeps magazines");
+        let count = magazines.of_size(size).refill_count(size);
+        let room = cache::MAGAZINES_THREAD_BYTES.saturating_sub(magazines.cached_bytes);
+        // Past this thread's cap on cached bytes, the policy serves it.
+        (room >= size * u64::from(count)).then_some(count)
+    };
+    let Some(count) = count else {
+        return c.head.malloc(size);
+    };
+    let mut blocks = c.head.malloc_many(size, count)?;
+    let Some(first) = blocks.pop() else {
+        // The policy placed nothing in bulk; ask once the ordinary way.
+        return c.head.malloc(size);
+    };
+    for &addr in blocks.iter().chain([&first]) {
+        let named = c.head.lent_mut().set_cache(addr, Some(mine.id()));
+        assert!(named, "just admitted");
+    }
+    let mut t = c.own(mine);
+    t.lent.insert(first, size);
+    let magazines = t.magazines.as_mut().expect("checked above");
+    magazines.cached_bytes += size * blocks.len() as u64;
+    magazines.of_size(size).blocks.extend(blocks);
+    Ok(first)
+}
+
+/// Put a block the client gave back into `mine`'s magazine, spilling half of a full
+/// magazine to the policy first; past the thread's byte cap the policy takes it.
+pub(super) fn shelve(
+    c: &mut Books<'_>,
+    mine: &mut Mine<'_>,
+    addr: u64,
+    size: u64,
+) -> Result<u64, Error> {
+    let spill = {
+        let mut t = c.own(mine);
+        let magazines = t.magazines.as_mut().expect("the handler keeps magazines");
+        let magazine = magazines.of_size(size);
+        let spill: Vec<u64> = match magazine.blocks.len() >= magazine.depth {
+            true => magazine.blocks.drain(magazine.depth / 2..).collect(),
+            false => Vec::new(),
+        };
+        magazines.cached_bytes -= size * spill.len() as u64;
+        spill
+    };
+    if !spill.is_empty()
+        && let Err(e) = c.head.free_many(spill, size)
+    {
+        // The client gave this block up; off the books of the now dead link.
+        let _ = c.head.free(addr, size);
+        return Err(e);
+    }
+    if c.own(mine).keep(addr, size) {
+        let named = c.head.lent_mut().set_cache(addr, Some(mine.id()));
+        assert!(named, "the caller found it");
+        return Ok(0);
+    }
+    c.give_back(addr, size)
+}
+
+/// Hand every thread's cached blocks back to the top policy.
+pub(super) fn flush_magazines(c: &mut Books<'_>) -> Result<u64, Error> {
+    let mut first_error = None;
+    for slot in c.slots() {
+        let drained = c
+            .claim(slot)
+            .map(|mut cache| cache.magazines.as_mut().map(cache::Magazines::drain));
+        let drained = match drained {
+            Ok(drained) => drained.unwrap_or_default(),
+            Err(reason) => {
+                first_error.get_or_insert(unreachable(c, reason));
+                continue;
+            }
+        };
+        if let Err(e) = give_back_cached(c, drained) {
+            first_error.get_or_insert(e);
+        }
+    }
+    first_error.map_or(Ok(0), Err)
+}
+
+/// Give blocks a thread cache held back to the top policy, `(size, blocks)`.
+fn give_back_cached(c: &mut Books<'_>, cached: Vec<(u64, Vec<u64>)>) -> Result<u64, Error> {
+    let mut first_error = None;
+    for (size, blocks) in cached {
+        if let Err(e) = c.head.free_many(blocks, size) {
+            first_error.get_or_insert(e);
+        }
+    }
+    first_error.map_or(Ok(0), Err)
 }

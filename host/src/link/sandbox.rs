@@ -1,7 +1,7 @@
 //! What every guest store holds, policy or hook, and the bounds on a guest.
 
+use crate::clock::Clock;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use wasmtime::Trap;
@@ -75,7 +75,7 @@ pub(crate) struct Sandbox {
     pub(super) limiter: GuestBudget,
     wasi: GuestWasi,
     /// The runtime's tick count, advanced with the engine's epoch.
-    clock: Arc<AtomicU64>,
+    clock: Arc<Clock>,
     /// The tick at which the current call runs out of time: its wasm code, the host's
     /// work in its imports and the links below it included. 0 (passed) until a call
     /// arms it: a guest runs only under a deadline.
@@ -83,7 +83,7 @@ pub(crate) struct Sandbox {
 }
 
 impl Sandbox {
-    pub(crate) fn new(name: Arc<str>, limits: &Limits, clock: Arc<AtomicU64>) -> Self {
+    pub(crate) fn new(name: Arc<str>, limits: &Limits, clock: Arc<Clock>) -> Self {
         Sandbox {
             name,
             fault: None,
@@ -107,7 +107,7 @@ impl Sandbox {
     #[inline]
     pub(crate) fn begin_call(&mut self, ticks: u64, inherited: Option<u64>) -> u64 {
         self.limiter.hit = false;
-        let now = self.now();
+        let now = self.clock.now_ticking();
         self.deadline = inherited.unwrap_or(now + ticks);
         self.deadline.saturating_sub(now).max(1)
     }
@@ -115,7 +115,7 @@ impl Sandbox {
     /// The runtime's tick count now.
     #[inline]
     pub(crate) fn now(&self) -> u64 {
-        self.clock.load(Ordering::Relaxed)
+        self.clock.now()
     }
 
     /// The current call's deadline, in ticks.

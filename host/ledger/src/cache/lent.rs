@@ -87,4 +87,11 @@ impl Lent {
         let recent = self.recent.iter().copied().filter(|&(a, _)| a != 0);
         recent.chain(self.older.iter().map(|(&a, &s)| (a, s)))
     }
+
+    /// Every block's address, taking them all off the record.
+    pub fn take_all(&mut self) -> Vec<u64> {
+        let blocks = self.iter().map(|(addr, _)| addr).collect();
+        *self = Lent::default();
+        blocks
+    }
 }

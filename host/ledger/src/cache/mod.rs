@@ -14,10 +14,11 @@
 //! found through the ledger, and a double free of a block that is back in a magazine is
 //! still caught: the cache that holds it has not lent it.
 //!
-//! Order: a thread claims another thread's cache only while it holds the chain's lock,
-//! and a thread on its own fast path waits for nothing, so no two threads wait on each
-//! other.
+//! Order: a thread claims another thread's cache only while it holds the books' lock
+//! ([`Locked::claim`]), and a thread on its own fast path waits for nothing, so no two
+//! threads wait on each other.
 
+mod caches;
 mod counts;
 mod lent;
 mod magazine;
@@ -25,11 +26,13 @@ mod slot;
 mod slots;
 mod thread;
 
+#[cfg(not(allocbox_loom))]
+pub(crate) use caches::{AfterFork, Forkable};
+pub use caches::{Books, Caches, Locked};
 pub use counts::Counts;
 pub use lent::Lent;
 pub use magazine::{
     MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, MAGAZINES_THREAD_BYTES, Magazine, Magazines,
 };
-pub use slot::{CacheGuard, Mine, Slot};
-pub use slots::Slots;
+pub use slot::{CacheGuard, Mine, Slot, Unreachable};
 pub use thread::{Reach, ThreadCache};

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use thread_local::ThreadLocal;
 
 use super::magazine::Magazines;
-use super::slot::{CacheGuard, Mine, Slot};
+use super::slot::{Mine, Slot};
 use super::thread::ThreadCache;
 use crate::ledger::CacheId;
 use crate::platform::{barrier, thread_pointer};
@@ -96,16 +96,19 @@ impl Slots {
         )
     }
 
-    /// The cache named `id` (a ledger entry's holder), from `mine`'s thread: on the fast
-    /// path when it is the caller's own.
-    pub fn cache_of<'a>(&'a self, mine: &Mine<'a>, id: CacheId) -> CacheGuard<'a> {
-        if id == mine.id() {
-            return mine.cache();
+    /// The calling thread's slot, if it has one yet; makes none.
+    pub(super) fn existing_mine(&self) -> Option<&Slot> {
+        match self.primary() {
+            Some(mine) => Some(mine.slot()),
+            None => self.local.get(),
         }
+    }
+
+    /// The slot named `id` (a ledger entry's holder).
+    pub(super) fn named(&self, id: CacheId) -> &Slot {
         self.iter()
             .find(|s| s.id == id)
             .expect("a ledger names only caches that exist")
-            .claim()
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Slot> {

@@ -1,8 +1,10 @@
 //! What the thread caches need from the platform, each behind one function with a
-//! stand-in where the platform (or Miri) lacks it: asymmetric memory barriers, and the
-//! calling thread's thread pointer.
+//! stand-in where the platform (or Miri) lacks it: asymmetric memory barriers, the
+//! calling thread's thread pointer, and taking part in `fork`.
 
 pub mod barrier;
+#[cfg(not(allocbox_loom))]
+pub mod fork;
 
 /// Names the calling thread among the live ones: its thread pointer, which the
 /// platform's ABI keeps in a register for thread-local storage. Reading it costs one

@@ -1,0 +1,88 @@
+//! `fork` in a process whose handlers other threads call. Before the fork, the forking
+//! thread waits until no other thread is inside any handler's books or caches and keeps
+//! them out (the handler's own patience bounds the wait); after it, the parent lets them
+//! back in, and the child, whose only thread is the forking one, settles what the other
+//! threads left: see `Caches`' `Forkable` implementation.
+//!
+//! A child also lacks every other thread its parent ran, such as a runtime's clock:
+//! [`generation`] tells code that keeps such a thread to start it again.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, Once, PoisonError, Weak};
+
+use crate::cache::{AfterFork, Forkable};
+
+/// Every live handler's caches, in the order they were made.
+static FORKABLE: Mutex<Vec<Weak<dyn Forkable>>> = Mutex::new(Vec::new());
+
+/// How many forks separate this process from the first: 0 in it, 1 in its child, ...
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+type Held = (
+    MutexGuard<'static, Vec<Weak<dyn Forkable>>>,
+    Vec<Box<dyn AfterFork>>,
+);
+
+std::thread_local! {
+    /// What the forking thread holds from before the fork to after it, in the parent
+    /// and in the child (the same thread on both sides).
+    static HELD: RefCell<Option<Held>> = const { RefCell::new(None) };
+}
+
+/// How many forks separate this process from the first one. Code that keeps a thread of
+/// its own starts it again when this changed: a forked child has only the thread that
+/// forked.
+#[inline]
+pub fn generation() -> u64 {
+    GENERATION.load(Ordering::Relaxed)
+}
+
+/// Take part in every fork from now on, while `forkable` lives.
+pub(crate) fn register(forkable: Weak<dyn Forkable>) {
+    static HANDLERS: Once = Once::new();
+    // Miri runs no fork, and has no `pthread_atfork`.
+    #[cfg(not(miri))]
+    HANDLERS.call_once(|| {
+        // SAFETY: the three handlers are `extern "C"` functions with no arguments, as
+        // `pthread_atfork` requires, and live for the whole process.
+        let status = unsafe { libc::pthread_atfork(Some(prepare), Some(parent), Some(child)) };
+        assert_eq!(
+            status, 0,
+            "pthread_atfork refused its handlers: out of memory"
+        );
+    });
+    let mut all = FORKABLE.lock().unwrap_or_else(PoisonError::into_inner);
+    all.retain(|f| f.strong_count() > 0);
+    all.push(forkable);
+}
+
+extern "C" fn prepare() {
+    // Held until after the fork, so that no handler is made meanwhile and missed.
+    let all = FORKABLE.lock().unwrap_or_else(PoisonError::into_inner);
+    let held = all
+        .iter()
+        .filter_map(Weak::upgrade)
+        .map(Forkable::before_fork)
+        .collect();
+    HELD.with(|h| *h.borrow_mut() = Some((all, held)));
+}
+
+extern "C" fn parent() {
+    after_fork(false);
+}
+
+extern "C" fn child() {
+    GENERATION.fetch_add(1, Ordering::Relaxed);
+    after_fork(true);
+}
+
+fn after_fork(in_child: bool) {
+    let Some((all, held)) = HELD.with(|h| h.borrow_mut().take()) else {
+        return;
+    };
+    for after in held.into_iter().rev() {
+        after.after_fork(in_child);
+    }
+    drop(all);
+}

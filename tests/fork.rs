@@ -1,0 +1,385 @@
+//! `fork` in a process whose handlers other threads call: every child keeps every
+//! guarantee (call limits fire, no lock or flag another thread left blocks it, the books
+//! stay consistent), or refuses the handler with an error that says why.
+//!
+//! A test binary of its own, without libtest's harness: a forked child has only the
+//! thread that forked, so the fork comes from a process whose other threads are the
+//! ones each test starts. A child reports by its exit status; a child that does not end
+//! within `HANG` is a hang, killed and reported.
+
+use std::ptr::NonNull;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use allocbox::{Error, Handler, HandlerBuilder, Limits, Runtime};
+
+/// Far past anything a child does (milliseconds) or waits for (a call limit): a child
+/// still running then is hung.
+const HANG: Duration = Duration::from_secs(60);
+
+/// A test: its name, and the check that fails with a sentence.
+type Test = (&'static str, fn() -> Result<(), String>);
+
+fn main() {
+    let tests: [Test; 4] = [
+        (
+            "every_child_of_200_forks_amid_churning_threads_finishes_with_both_handlers",
+            every_child_of_200_forks_amid_churning_threads_finishes_with_both_handlers,
+        ),
+        (
+            "a_policy_that_loops_in_a_forked_child_is_stopped_at_its_time_limit",
+            a_policy_that_loops_in_a_forked_child_is_stopped_at_its_time_limit,
+        ),
+        (
+            "a_fork_during_another_thread_s_call_waits_for_it_and_the_child_sees_its_outcome",
+            a_fork_during_another_thread_s_call_waits_for_it_and_the_child_sees_its_outcome,
+        ),
+        (
+            "a_forked_child_loads_and_runs_a_policy_its_parent_never_loaded",
+            a_forked_child_loads_and_runs_a_policy_its_parent_never_loaded,
+        ),
+    ];
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let mut failed = 0;
+    for (name, test) in tests {
+        if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        match test() {
+            Ok(()) => println!("test {name} ... ok"),
+            Err(why) => {
+                println!("test {name} ... FAILED\n    {why}");
+                failed += 1;
+            }
+        }
+    }
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}
+
+fn system(magazines: bool) -> Handler {
+    let policy = Runtime::shared()
+        .load_file(allocbox_artifacts::SYSTEM.path())
+        .expect("loading system");
+    HandlerBuilder::new(Runtime::shared())
+        .link(&policy)
+        .magazines(magazines)
+        .build()
+        .expect("starting system")
+}
+
+/// Fork; in the child run `child` and end with its verdict, printed; in the parent wait
+/// for the child.
+fn in_child(child: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+    let code = in_child_ending(|| match child() {
+        Ok(()) => 0,
+        Err(why) => {
+            eprintln!("child {}: {why}", std::process::id());
+            1
+        }
+    })?;
+    match code {
+        0 => Ok(()),
+        _ => Err(format!("the child failed with exit status {code}")),
+    }
+}
+
+/// Fork; in the child run `child` and exit with the status it answers; in the parent
+/// wait for that status.
+fn in_child_ending(child: impl FnOnce() -> i32) -> Result<i32, String> {
+    // SAFETY: the child runs only `child` and then `_exit`s: no destructor or exit
+    // handler of the parent's state runs twice.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(format!("fork failed: {}", std::io::Error::last_os_error()));
+    }
+    if pid == 0 {
+        let code = child();
+        // SAFETY: ends the child at once, as `fork`'s child should.
+        unsafe { libc::_exit(code) };
+    }
+    wait_for(pid)
+}
+
+/// The exit status of child `pid`.
+fn wait_for(pid: libc::pid_t) -> Result<i32, String> {
+    let give_up = Instant::now() + HANG;
+    let mut status = 0;
+    loop {
+        // SAFETY: `pid` is a child of this process; `status` is a live out-parameter.
+        let ended = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if ended == pid {
+            break;
+        }
+        if Instant::now() >= give_up {
+            // SAFETY: killing and reaping our own child.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, &mut status, 0);
+            }
+            return Err(format!("child {pid} hung: still running after {HANG:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    match libc::WIFEXITED(status) {
+        true => Ok(libc::WEXITSTATUS(status)),
+        false => Err(format!(
+            "child {pid} did not exit (wait status {status:#x})"
+        )),
+    }
+}
+
+fn fill(p: NonNull<u8>, len: usize, byte: u8) {
+    // SAFETY: callers pass blocks of at least `len` bytes a handler lent them.
+    unsafe { std::ptr::write_bytes(p.as_ptr(), byte, len) }
+}
+
+fn holds(p: NonNull<u8>, len: usize, byte: u8) -> bool {
+    // SAFETY: as in `fill`.
+    unsafe { std::slice::from_raw_parts(p.as_ptr(), len) }
+        .iter()
+        .all(|&b| b == byte)
+}
+
+/// Threads that allocate, fill, check and free through `handlers` until `stop`, handing
+/// every fifth block to the next thread to free.
+fn churn(handlers: &[&Handler], stop: &AtomicBool, threads: usize) -> Result<(), String> {
+    let handed: Vec<Mutex<Vec<(usize, usize, usize)>>> =
+        (0..threads).map(|_| Mutex::new(Vec::new())).collect();
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|me| {
+                let handed = &handed;
+                s.spawn(move || -> Result<(), String> {
+                    let mut held: Vec<(usize, usize, usize)> = Vec::new();
+                    let mut n = me;
+                    while !stop.load(Ordering::Relaxed) {
+                        n = n
+                            .wrapping_mul(6364136223846793005)
+                            .wrapping_add(1442695040888963407);
+                        let which = (n >> 33) % handlers.len();
+                        let size = [16, 48, 1000, 4096, 70_000][(n >> 40) % 5];
+                        let h = handlers[which];
+                        let p = h
+                            .malloc(size)
+                            .map_err(|e| e.to_string())?
+                            .ok_or("out of memory")?;
+                        fill(p, size, me as u8);
+                        held.push((which, p.as_ptr() as usize, size));
+                        if held.len() > 32 || n % 3 == 0 {
+                            let (w, addr, size) = held.swap_remove((n >> 20) % held.len());
+                            let p = NonNull::new(addr as *mut u8).unwrap();
+                            if !holds(p, size, me as u8) {
+                                return Err(format!("a block of {size} bytes lost its bytes"));
+                            }
+                            match n % 5 {
+                                // The next thread frees it.
+                                0 => handed[(me + 1) % threads]
+                                    .lock()
+                                    .unwrap()
+                                    .push((w, addr, size)),
+                                _ => handlers[w].free(Some(p), size).map_err(|e| e.to_string())?,
+                            }
+                        }
+                        for (w, addr, size) in handed[me].lock().unwrap().drain(..) {
+                            let p = NonNull::new(addr as *mut u8);
+                            handlers[w].free(p, size).map_err(|e| e.to_string())?;
+                        }
+                    }
+                    for (w, addr, size) in held {
+                        handlers[w]
+                            .free(NonNull::new(addr as *mut u8), size)
+                            .map_err(|e| e.to_string())?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .try_for_each(|w| w.join().expect("a churning thread panicked"))
+    })?;
+    for (w, addr, size) in handed.into_iter().flat_map(|h| h.into_inner().unwrap()) {
+        handlers[w]
+            .free(NonNull::new(addr as *mut u8), size)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// What a child does with a handler it inherited: use it on every path, free a block
+/// the parent filled, and find the books consistent.
+fn use_in_child(h: &Handler, inherited: (usize, usize, u8)) -> Result<(), String> {
+    let (addr, size, byte) = inherited;
+    let inherited = NonNull::new(addr as *mut u8).unwrap();
+    if !holds(inherited, size, byte) {
+        return Err(format!(
+            "{}: a block the parent filled lost its bytes",
+            h.name()
+        ));
+    }
+    let mut blocks = Vec::new();
+    for size in [16, 16, 48, 1000, 4096, 70_000, 1 << 20] {
+        let p = h
+            .malloc(size)
+            .map_err(|e| e.to_string())?
+            .ok_or("out of memory")?;
+        fill(p, size, 0xC5);
+        blocks.push((p, size));
+    }
+    for (p, size) in blocks {
+        if !holds(p, size, 0xC5) {
+            return Err(format!("{}: a block lost its bytes", h.name()));
+        }
+        h.free(Some(p), size).map_err(|e| e.to_string())?;
+    }
+    h.free(Some(inherited), size).map_err(|e| e.to_string())?;
+    h.stats().map_err(|e| e.to_string())?;
+    h.audit().map_err(|e| e.to_string())?;
+    h.trim().map_err(|e| e.to_string())?;
+    h.audit().map_err(|e| e.to_string())
+}
+
+fn every_child_of_200_forks_amid_churning_threads_finishes_with_both_handlers() -> Result<(), String>
+{
+    let per_call = system(false);
+    let magazines = system(true);
+    let handlers = [&per_call, &magazines];
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let churning = s.spawn(|| churn(&handlers, &stop, 3));
+        let forked = (0..200).try_for_each(|round| {
+            // Blocks this thread filled before the fork, one per handler, freed by the
+            // child (and here).
+            let mut inherited = Vec::new();
+            for h in handlers {
+                let p = h.malloc(100).map_err(|e| e.to_string())?.unwrap();
+                fill(p, 100, round as u8);
+                inherited.push((p.as_ptr() as usize, 100, round as u8));
+            }
+            in_child(|| {
+                handlers
+                    .iter()
+                    .zip(&inherited)
+                    .try_for_each(|(h, &block)| use_in_child(h, block))
+            })
+            .map_err(|e| format!("fork {round}: {e}"))?;
+            for (h, (addr, size, _)) in handlers.iter().zip(inherited) {
+                h.free(NonNull::new(addr as *mut u8), size)
+                    .map_err(|e| e.to_string())?;
+            }
+            Ok::<(), String>(())
+        });
+        stop.store(true, Ordering::Relaxed);
+        let churned = churning.join().expect("the churning threads panicked");
+        forked.and(churned)
+    })?;
+    for h in handlers {
+        h.audit().map_err(|e| e.to_string())?;
+        h.leak_check().map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+fn a_policy_that_loops_in_a_forked_child_is_stopped_at_its_time_limit() -> Result<(), String> {
+    let policy = Runtime::shared()
+        .load_file(allocbox_artifacts::BROKEN.path())
+        .map_err(|e| e.to_string())?;
+    let h = HandlerBuilder::new(Runtime::shared())
+        .link_with(&policy, &[("fault", "loop-malloc")])
+        .limits(Limits {
+            call_time: Duration::from_millis(200),
+            ..Limits::default()
+        })
+        .build()
+        .map_err(|e| e.to_string())?;
+    // Used before the fork, so that the parent's clock thread is running then.
+    let p = h.malloc(64).map_err(|e| e.to_string())?;
+    h.free(p, 64).map_err(|e| e.to_string())?;
+    in_child(|| match h.malloc(13) {
+        Err(Error::Timeout { .. }) => Ok(()),
+        other => Err(format!("expected a time-out, got {other:?}")),
+    })
+}
+
+fn a_fork_during_another_thread_s_call_waits_for_it_and_the_child_sees_its_outcome()
+-> Result<(), String> {
+    /// The child's exit status when the fork came before the other thread's call began.
+    const TOO_EARLY: i32 = 2;
+    let policy = Runtime::shared()
+        .load_file(allocbox_artifacts::BROKEN.path())
+        .map_err(|e| e.to_string())?;
+    // The other thread reaches its call a moment after it says so; on a busy machine it
+    // may not have when the fork comes, and then the attempt is made again.
+    for _attempt in 0..10 {
+        let h = HandlerBuilder::new(Runtime::shared())
+            .link_with(&policy, &[("fault", "loop-malloc")])
+            .limits(Limits {
+                call_time: Duration::from_millis(300),
+                ..Limits::default()
+            })
+            .build()
+            .map_err(|e| e.to_string())?;
+        let calling = AtomicBool::new(false);
+        let code = std::thread::scope(|s| {
+            let looping = s.spawn(|| {
+                calling.store(true, Ordering::Relaxed);
+                h.malloc(13).map(|_| ())
+            });
+            while !calling.load(Ordering::Relaxed) {
+                std::thread::yield_now();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+            let code = in_child_ending(|| match h.malloc(64) {
+                Err(Error::Poisoned { cause, .. }) if matches!(*cause, Error::Timeout { .. }) => 0,
+                Ok(_) => TOO_EARLY,
+                other => {
+                    eprintln!("expected the chain stopped by the time-out, got {other:?}");
+                    1
+                }
+            })?;
+            match looping.join().expect("the looping thread panicked") {
+                Err(Error::Timeout { .. }) => Ok(code),
+                other => Err(format!("expected a time-out in the parent, got {other:?}")),
+            }
+        })?;
+        match code {
+            0 => return Ok(()),
+            TOO_EARLY => continue,
+            _ => return Err(format!("the child failed with exit status {code}")),
+        }
+    }
+    Err("in 10 attempts the fork never came during the other thread's call".into())
+}
+
+fn a_forked_child_loads_and_runs_a_policy_its_parent_never_loaded() -> Result<(), String> {
+    // The parent compiles (with the compiler's worker threads) before the fork.
+    let parent_runtime = Runtime::without_disk_cache().map_err(|e| e.to_string())?;
+    let policy = parent_runtime
+        .load_file(allocbox_artifacts::SYSTEM.path())
+        .map_err(|e| e.to_string())?;
+    let h = HandlerBuilder::new(&parent_runtime)
+        .link(&policy)
+        .build()
+        .map_err(|e| e.to_string())?;
+    let p = h.malloc(64).map_err(|e| e.to_string())?;
+    in_child(|| {
+        let runtime = Runtime::without_disk_cache().map_err(|e| e.to_string())?;
+        let policy = runtime
+            .load_file(allocbox_artifacts::SIZE_CLASSES.path())
+            .map_err(|e| e.to_string())?;
+        let fresh = HandlerBuilder::new(&runtime)
+            .link(&policy)
+            .build()
+            .map_err(|e| e.to_string())?;
+        let q = fresh.malloc(4096).map_err(|e| e.to_string())?;
+        fresh.free(q, 4096).map_err(|e| e.to_string())?;
+        fresh.leak_check().map_err(|e| e.to_string())
+    })?;
+    h.free(p, 64).map_err(|e| e.to_string())
+}
