@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use allocbox::{Error, Handler, HandlerBuilder, Limits, Runtime};
+use allocbox_ledger::cache::{Books, Caches, Locked, Unreachable};
 
 /// Far past anything a child does (milliseconds) or waits for (a call limit): a child
 /// still running then is hung.
@@ -22,7 +23,7 @@ const HANG: Duration = Duration::from_secs(60);
 type Test = (&'static str, fn() -> Result<(), String>);
 
 fn main() {
-    let tests: [Test; 4] = [
+    let tests: [Test; 6] = [
         (
             "every_child_of_200_forks_amid_churning_threads_finishes_with_both_handlers",
             every_child_of_200_forks_amid_churning_threads_finishes_with_both_handlers,
@@ -38,6 +39,14 @@ fn main() {
         (
             "a_forked_child_loads_and_runs_a_policy_its_parent_never_loaded",
             a_forked_child_loads_and_runs_a_policy_its_parent_never_loaded,
+        ),
+        (
+            "a_child_forked_while_another_thread_holds_the_books_refuses_them",
+            a_child_forked_while_another_thread_holds_the_books_refuses_them,
+        ),
+        (
+            "a_forked_child_gives_back_the_caches_of_the_threads_it_lacks",
+            a_forked_child_gives_back_the_caches_of_the_threads_it_lacks,
         ),
     ];
     let filter: Vec<String> = std::env::args()
@@ -382,4 +391,98 @@ fn a_forked_child_loads_and_runs_a_policy_its_parent_never_loaded() -> Result<()
         fresh.leak_check().map_err(|e| e.to_string())
     })?;
     h.free(p, 64).map_err(|e| e.to_string())
+}
+
+/// Books that keep what thread caches give back.
+#[derive(Debug, Default)]
+struct GivenBack {
+    cached: Vec<u64>,
+    lent: Vec<u64>,
+}
+
+impl Books for GivenBack {
+    fn thread_ended(locked: &mut Locked<'_, Self>, cached: Vec<(u64, Vec<u64>)>, lent: Vec<u64>) {
+        locked
+            .cached
+            .extend(cached.into_iter().flat_map(|(_, blocks)| blocks));
+        locked.lent.extend(lent);
+    }
+}
+
+/// Ledger level: a fork's preparation waits `patience` for the books, here held by
+/// another thread throughout; the child, which cannot know what that thread left
+/// half-done, refuses them, and the parent goes on.
+fn a_child_forked_while_another_thread_holds_the_books_refuses_them() -> Result<(), String> {
+    let caches = Caches::new(GivenBack::default(), true, Duration::from_millis(50));
+    let (holding, release) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+    std::thread::scope(|s| {
+        let holder = s.spawn(|| {
+            let _books = caches.lock().expect("the books are reachable");
+            holding.wait();
+            release.wait();
+        });
+        holding.wait();
+        let verdict = in_child(|| {
+            match caches.lock() {
+                Err(Unreachable::ForkedMidCall) => {}
+                Err(other) => return Err(format!("refused for another reason: {other}")),
+                Ok(_) => return Err("the child took books another thread held".into()),
+            }
+            match caches.keeps_magazines() {
+                false => Ok(()),
+                true => Err("the child still fills magazines of refused books".into()),
+            }
+        });
+        release.wait();
+        holder.join().expect("the holder panicked");
+        verdict
+    })?;
+    caches
+        .lock()
+        .map(drop)
+        .map_err(|e| format!("the parent lost its books: {e}"))
+}
+
+/// Ledger level: a thread with blocks in its cache exists only in the parent, so the
+/// child's first lock gives them back to its books; the forking thread's cache stays.
+fn a_forked_child_gives_back_the_caches_of_the_threads_it_lacks() -> Result<(), String> {
+    const SIZE: u64 = 16;
+    let caches = Caches::new(GivenBack::default(), true, Duration::from_secs(5));
+    let fill = |blocks: &[u64], lend: bool| {
+        let mut mine = caches.mine();
+        let mut books = caches.lock().expect("the books are reachable");
+        let mut cache = books.own(&mut mine);
+        for &block in blocks {
+            assert!(cache.keep(block, SIZE), "a magazine has room");
+        }
+        if lend {
+            let taken = cache.take::<false>(SIZE).expect("a block to lend");
+            assert_eq!(taken, *blocks.last().unwrap());
+        }
+    };
+    let (filled, end) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+    std::thread::scope(|s| {
+        let other = s.spawn(|| {
+            fill(&[0x1000, 0x2000, 0x3000], true);
+            filled.wait();
+            end.wait();
+        });
+        filled.wait();
+        fill(&[0x9000], false);
+        let verdict = in_child(|| {
+            let books = caches.lock().map_err(|e| e.to_string())?;
+            let (mut cached, lent) = (books.cached.clone(), books.lent.clone());
+            cached.sort_unstable();
+            match (cached.as_slice(), lent.as_slice()) {
+                ([0x1000, 0x2000], [0x3000]) => Ok(()),
+                _ => Err(format!(
+                    "the child's books got back cached {cached:x?} and lent {lent:x?}; \
+                     expected the other thread's two cached blocks and one lent block"
+                )),
+            }
+        });
+        end.wait();
+        other.join().expect("the other thread panicked");
+        verdict
+    })
 }

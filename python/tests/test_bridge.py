@@ -3,6 +3,7 @@ test_mem_policy.py) with wasm policies, and what a broken policy does inside Num
 
 import asyncio
 import gc
+import multiprocessing
 import os
 import threading
 
@@ -228,6 +229,62 @@ def test_realloc_without_the_gil_from_many_threads(size_classes):
     assert errors == []
     size_classes.raise_if_failed()
     assert size_classes.stats()["reallocs"] >= 800
+
+
+def _sum_of_squares_and_handler(n):
+    a = np.arange(float(n)) ** 2
+    return float(a.sum()), allocbox.handler_name(a)
+
+
+def test_a_fork_pool_computes_with_a_shipped_policy_while_the_parent_uses_it(size_classes):
+    stop = threading.Event()
+
+    def churn():
+        allocbox.set_handler(size_classes)
+        while not stop.is_set():
+            np.sort(np.arange(1000.0)[::-1])
+
+    # Another thread calls the policy throughout, so forks land amid its calls.
+    churner = threading.Thread(target=churn)
+    churner.start()
+    try:
+        with allocbox.use(size_classes):
+            with multiprocessing.get_context("fork").Pool(2) as pool:
+                results = pool.map_async(_sum_of_squares_and_handler, range(1, 400)).get(timeout=120)
+    finally:
+        stop.set()
+        churner.join()
+    assert results == [(float(sum(i * i for i in range(n))), "size-classes") for n in range(1, 400)]
+    size_classes.raise_if_failed()
+
+
+# The policy a forked pool worker allocates with: inherited through the fork (a policy
+# cannot be pickled to a worker).
+_FORKED_POLICY = None
+
+
+def _allocate_with_the_inherited_policy(size):
+    with allocbox.use(_FORKED_POLICY):
+        try:
+            np.ones(size, dtype=np.uint8)
+        except MemoryError:
+            return "MemoryError", _FORKED_POLICY.failure
+    return "allocated", None
+
+
+def test_a_forked_child_whose_policy_loops_gets_memory_error_at_its_limit():
+    global _FORKED_POLICY
+    _FORKED_POLICY = allocbox.load(guest("broken"), {"fault": "loop-malloc"}, call_time=0.2)
+    try:
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            # `loop-malloc` loops on a 13-byte malloc. A child with no clock of its own
+            # would loop until this timeout.
+            outcome, failure = pool.apply_async(_allocate_with_the_inherited_policy, (13,)).get(timeout=120)
+        assert outcome == "MemoryError"
+        assert "time limit" in failure, failure
+        assert _FORKED_POLICY.failure is None, "the parent's policy never ran"
+    finally:
+        _FORKED_POLICY = None
 
 
 def test_recording_writes_numpy_s_calls_as_a_trace(tmp_path, size_classes):

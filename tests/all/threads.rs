@@ -2,7 +2,6 @@
 //! and a block may be freed by any thread, with every client check still made.
 
 use std::ptr::NonNull;
-use std::sync::mpsc;
 
 use allocbox::{ClientError, Error, Handler};
 
@@ -97,78 +96,161 @@ fn a_block_taken_on_one_thread_is_resized_on_another_with_its_bytes() {
     h.leak_check().unwrap();
 }
 
-/// Threads take blocks, pass some to the next thread to free, free the rest themselves,
-/// while another thread reads statistics, audits and trims. Every block keeps its bytes,
-/// the books balance, and nothing leaks.
+/// How many worker threads the stress test keeps running at once, how many it starts
+/// in all, and the rounds each runs: a short run by default; set
+/// `ALLOCBOX_STRESS=long` for the long one (README, "Testing").
+fn stress_plan() -> (usize, usize, usize) {
+    match std::env::var("ALLOCBOX_STRESS").as_deref() {
+        Ok("long") => (32, 5_000, 2_000),
+        _ => (32, 320, 200),
+    }
+}
+
+/// 32 threads at a time on whatever cores there are, started and ended throughout,
+/// share a magazine handler and a per-call one: each takes blocks, fills them, hands
+/// some to another thread to free and frees the rest, checking every block's bytes,
+/// while another thread reads statistics, audits and trims. The books balance and
+/// nothing leaks.
 #[test]
-fn threads_handing_blocks_around_keep_every_block_and_the_books_balanced() {
-    const THREADS: usize = 3;
-    const ROUNDS: usize = 3000;
-    let h = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
-    let (senders, receivers): (Vec<_>, Vec<_>) = (0..THREADS)
-        .map(|_| mpsc::channel::<(usize, usize, u8)>())
-        .unzip();
-    let done = std::sync::atomic::AtomicBool::new(false);
+fn thirty_two_threads_starting_and_ending_keep_every_block_and_the_books_balanced() {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let (at_once, in_all, rounds) = stress_plan();
+    let handlers = [
+        handler(&allocbox_artifacts::SIZE_CLASSES, &[]),
+        handler(&allocbox_artifacts::SYSTEM, &[]),
+    ];
+    /// A block handed between threads: its handler, address, size and fill byte.
+    type Handed = (usize, usize, usize, u8);
+    // One mailbox per running place.
+    let mailboxes: Vec<Mutex<Vec<Handed>>> = (0..at_once).map(|_| Mutex::new(Vec::new())).collect();
+    let started = AtomicUsize::new(0);
+    let done = AtomicBool::new(false);
+    let check = |(w, addr, size, byte): (usize, usize, usize, u8)| {
+        assert!(
+            holds(ptr(addr).unwrap(), size, byte),
+            "a block lost its bytes"
+        );
+        handlers[w].free(ptr(addr), size).unwrap();
+    };
     std::thread::scope(|s| {
-        let workers: Vec<_> = receivers
-            .into_iter()
-            .enumerate()
-            .map(|(i, inbox)| {
-                let next = senders[(i + 1) % THREADS].clone();
-                let h = &h;
-                s.spawn(move || {
-                    let mut own = Vec::new();
-                    for round in 0..ROUNDS {
-                        let size = [16, 24, 64, 100, 1000, 5000, 70_000][(round + i) % 7];
-                        let byte = (round % 251) as u8;
-                        let p = h.malloc(size).unwrap().unwrap();
-                        fill(p, size, byte);
-                        let addr = p.as_ptr() as usize;
-                        match round % 3 {
-                            0 => next.send((addr, size, byte)).unwrap(),
-                            _ => own.push((addr, size, byte)),
-                        }
-                        if own.len() > 40 {
-                            for (addr, size, byte) in own.drain(..20) {
-                                assert!(holds(ptr(addr).unwrap(), size, byte));
-                                h.free(ptr(addr), size).unwrap();
-                            }
-                        }
-                        while let Ok((addr, size, byte)) = inbox.try_recv() {
-                            assert!(holds(ptr(addr).unwrap(), size, byte));
-                            h.free(ptr(addr), size).unwrap();
-                        }
-                    }
-                    drop(next);
-                    (own, inbox)
-                })
-            })
-            .collect();
-        s.spawn(|| {
-            while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                h.audit().unwrap();
-                let _ = h.stats().unwrap();
-                h.trim().unwrap();
+        let observer = s.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                for h in &handlers {
+                    h.audit().unwrap();
+                    let _ = h.stats().unwrap();
+                    h.trim().unwrap();
+                }
                 std::thread::yield_now();
             }
         });
-        let leftovers: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
-        done.store(true, std::sync::atomic::Ordering::Relaxed);
-        for (own, inbox) in leftovers {
-            for (addr, size, byte) in own.into_iter().chain(inbox.try_iter()) {
-                assert!(holds(ptr(addr).unwrap(), size, byte));
-                h.free(ptr(addr), size).unwrap();
-            }
+        // Each place runs threads one after another until `in_all` have started.
+        let places: Vec<_> = (0..at_once)
+            .map(|place| {
+                let (mailboxes, started, handlers, check) =
+                    (&mailboxes, &started, &handlers, &check);
+                s.spawn(move || {
+                    while started.fetch_add(1, Ordering::Relaxed) < in_all {
+                        std::thread::scope(|t| {
+                            t.spawn(|| {
+                                let mut own = Vec::new();
+                                let mut n = place as u64 + 1;
+                                for round in 0..rounds {
+                                    n = n
+                                        .wrapping_mul(6364136223846793005)
+                                        .wrapping_add(1442695040888963407);
+                                    let w = (n >> 60) as usize % 2;
+                                    let size = [16, 24, 64, 100, 1000, 5000, 70_000]
+                                        [(n >> 33) as usize % 7];
+                                    let byte = (round % 251) as u8;
+                                    let p = handlers[w].malloc(size).unwrap().unwrap();
+                                    fill(p, size, byte);
+                                    let block = (w, p.as_ptr() as usize, size, byte);
+                                    match n % 3 {
+                                        0 => mailboxes[(n >> 40) as usize % at_once]
+                                            .lock()
+                                            .unwrap()
+                                            .push(block),
+                                        _ => own.push(block),
+                                    }
+                                    if own.len() > 24 {
+                                        own.drain(..12).for_each(check);
+                                    }
+                                    let handed =
+                                        std::mem::take(&mut *mailboxes[place].lock().unwrap());
+                                    handed.into_iter().for_each(check);
+                                }
+                                // Half the threads leave their blocks to a later one.
+                                match n % 2 {
+                                    0 => own.into_iter().for_each(check),
+                                    _ => mailboxes[place].lock().unwrap().extend(own),
+                                }
+                            });
+                        });
+                    }
+                })
+            })
+            .collect();
+        for place in places {
+            place.join().unwrap();
         }
+        done.store(true, Ordering::Relaxed);
+        observer.join().unwrap();
     });
+    for mailbox in mailboxes {
+        mailbox.into_inner().unwrap().into_iter().for_each(check);
+    }
+    let mut mallocs = 0;
+    for h in &handlers {
+        h.audit().unwrap();
+        let stats = h.stats().unwrap();
+        assert_eq!((stats.live_blocks, stats.live_bytes), (0, 0));
+        assert_eq!(stats.frees, stats.mallocs);
+        assert!(h.failure().is_none());
+        mallocs += stats.mallocs;
+        h.leak_check().unwrap();
+    }
+    assert_eq!(mallocs, (in_all * rounds) as u64);
+    assert!(handlers[0].stats().unwrap().magazine_hits > 0);
+}
+
+/// A thread that ends gives the blocks in its magazines back to the policy then, not
+/// at the next trim; a block it lent stays the client's, freed from another thread.
+#[test]
+fn a_thread_that_ends_gives_its_magazines_back_to_the_policy() {
+    let h = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
+    // This thread's own cache first, so that the other thread's is not the primary one.
+    h.free(h.malloc(16).unwrap(), 16).unwrap();
+    let policy_lent = || h.link_stats().unwrap()[0].live_blocks;
+    let before = policy_lent();
+    let kept = std::thread::scope(|s| {
+        s.spawn(|| {
+            for size in [16, 48, 4096] {
+                let blocks: Vec<_> = (0..8).map(|_| h.malloc(size).unwrap()).collect();
+                for p in blocks {
+                    h.free(p, size).unwrap();
+                }
+            }
+            let kept = h.malloc(48).unwrap().unwrap();
+            fill(kept, 48, 0x3c);
+            assert!(
+                policy_lent() > before + 1,
+                "the thread's magazines hold blocks ahead of demand"
+            );
+            kept.as_ptr() as usize
+        })
+        .join()
+        .unwrap()
+    });
+    assert_eq!(
+        policy_lent(),
+        before + 1,
+        "only the client's block is still lent"
+    );
+    assert!(holds(ptr(kept).unwrap(), 48, 0x3c));
+    h.free(ptr(kept), 48).unwrap();
     h.audit().unwrap();
-    let stats = h.stats().unwrap();
-    assert_eq!((stats.live_blocks, stats.live_bytes), (0, 0));
-    assert_eq!(stats.mallocs, (THREADS * ROUNDS) as u64);
-    assert_eq!(stats.frees, stats.mallocs);
-    assert!(stats.magazine_hits > 0);
-    assert!(h.failure().is_none());
-    h.leak_check().unwrap();
+    assert_eq!(h.stats().unwrap().live_blocks, 0);
 }
 
 #[test]

@@ -467,6 +467,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "a measurement over 100,000 blocks; the other tests run them"
+    )]
     fn a_block_s_record_costs_at_most_the_ledger_entry_cost() {
         // Just below and just after each doubling of the address index, where a record
         // costs least and most, from a few blocks to over a hundred thousand (the cost
@@ -622,6 +626,13 @@ mod tests {
     }
 
     proptest::proptest! {
+        // Under Miri, a few cases (each is thousands of times slower there), and no
+        // failure file (Miri keeps the file system out).
+        #![proptest_config(proptest::test_runner::Config {
+            cases: if cfg!(miri) { 4 } else { 256 },
+            failure_persistence: if cfg!(miri) { None } else { proptest::test_runner::Config::default().failure_persistence },
+            ..proptest::test_runner::Config::default()
+        })]
         /// However lends, take-backs and range queries interleave (blocks lent and
         /// taken back between queries, in any order, addresses lent again, the waiting
         /// list filling up or scanned), every query answers as a plain scan of the live

@@ -22,6 +22,8 @@ mod caches;
 mod counts;
 mod lent;
 mod magazine;
+#[cfg(all(test, allocbox_loom))]
+mod models;
 mod slot;
 mod slots;
 mod thread;

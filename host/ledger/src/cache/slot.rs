@@ -7,10 +7,11 @@
 //! heavy barrier, and waits until `busy` is clear. The two barriers pair as two full
 //! fences would (Dekker's protocol with asymmetric fences): either the owner sees the
 //! claim and steps back (to wait on `held`), or the claimer sees the owner busy and
-//! waits. `tests/loom.rs` checks every interleaving of it, and that it fails without the
-//! light barrier.
+//! waits. The loom models in `models.rs` check every interleaving of it, and that it
+//! fails without the light barrier.
 
 use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
 
 use super::thread::ThreadCache;
 use crate::ledger::CacheId;
@@ -82,6 +83,7 @@ impl Slot {
     }
 
     /// Mark the owner's exit known; true if it was not before. Only the owner calls it.
+    #[cfg_attr(allocbox_loom, allow(dead_code))]
     pub(super) fn mark_exit_known(&self) -> bool {
         !self.exit_known.swap(true, Ordering::Relaxed)
     }
@@ -120,7 +122,7 @@ impl Slot {
             yield_now();
         }
         Ok(CacheGuard {
-            access: self.cache.access(),
+            access: ManuallyDrop::new(self.cache.access()),
             slot: self,
             held: Some(held),
             claimed: true,
@@ -132,8 +134,9 @@ impl Slot {
 #[derive(Debug)]
 pub struct CacheGuard<'a> {
     slot: &'a Slot,
-    /// Held while the guard lives: loom checks no other access overlaps it.
-    access: Access<ThreadCache>,
+    /// Held while the guard lives: loom checks no other access overlaps it. Ended
+    /// first in `drop`, before the flags let another thread in.
+    access: ManuallyDrop<Access<ThreadCache>>,
     /// `None` on the owner's fast path.
     held: Option<MutexGuard<'a, ()>>,
     claimed: bool,
@@ -167,6 +170,8 @@ impl std::ops::DerefMut for CacheGuard<'_> {
 
 impl Drop for CacheGuard<'_> {
     fn drop(&mut self) {
+        // SAFETY: `access` is not used again: this is the guard's end.
+        unsafe { ManuallyDrop::drop(&mut self.access) };
         if self.held.is_none() {
             debug_assert!(self.slot.busy.load(Ordering::Relaxed), "the owner entered");
             // Release: a later claimer that sees `busy` clear sees the owner's writes.
@@ -231,7 +236,7 @@ impl<'a> Mine<'a> {
         let held = (!self.enter()).then(|| slot.held.lock());
         CacheGuard {
             slot,
-            access: slot.cache.access(),
+            access: ManuallyDrop::new(slot.cache.access()),
             held,
             claimed: false,
         }

@@ -97,6 +97,7 @@ impl Slots {
     }
 
     /// The calling thread's slot, if it has one yet; makes none.
+    #[cfg_attr(allocbox_loom, allow(dead_code))]
     pub(super) fn existing_mine(&self) -> Option<&Slot> {
         match self.primary() {
             Some(mine) => Some(mine.slot()),

@@ -205,6 +205,10 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(
+        miri,
+        ignore = "a litmus test of the hardware, which Miri does not model"
+    )]
     fn a_light_and_a_heavy_barrier_forbid_both_sides_missing_each_other() {
         assert_eq!(store_buffering(20_000, light, heavy), 0);
     }
