@@ -43,9 +43,7 @@ pub struct Caches<C> {
     /// In a forked child, the cache of the thread that forked, which is not a ghost.
     survivor: std::sync::Mutex<Option<CacheId>>,
     /// How long a `fork` waits for other threads to leave the books and caches.
-    #[cfg_attr(allocbox_loom, allow(dead_code))]
     fork_patience: Duration,
-    #[cfg_attr(allocbox_loom, allow(dead_code))]
     this: Weak<Caches<C>>,
 }
 
@@ -109,7 +107,6 @@ impl<C: Books> Caches<C> {
     /// The thread that owned `id` ended: its magazines go back, and the blocks it lent
     /// are the books' own from now on, so that the thread that inherits the slot starts
     /// empty.
-    #[cfg_attr(allocbox_loom, allow(dead_code))]
     fn thread_ended(&self, id: CacheId) {
         let Ok(mut locked) = self.lock() else {
             return;

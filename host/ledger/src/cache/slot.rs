@@ -83,7 +83,6 @@ impl Slot {
     }
 
     /// Mark the owner's exit known; true if it was not before. Only the owner calls it.
-    #[cfg_attr(allocbox_loom, allow(dead_code))]
     pub(super) fn mark_exit_known(&self) -> bool {
         !self.exit_known.swap(true, Ordering::Relaxed)
     }

@@ -81,7 +81,11 @@ impl Slots {
             // Made before this call returns, so the owner's next `mine` finds it.
             return self.primary.get_or_init(|| self.new_slot());
         }
-        self.local.get_or(|| self.new_slot())
+        self.local.get_or(|| self.new_slot());
+        // thread_local 1.1.10 derives the reference `get_or` returns from a `&mut` to
+        // the new entry, which another thread's claim (reading `busy`) invalidates under
+        // both of Miri's aliasing models; `get` derives one from the shared entry.
+        self.local.get().expect("the slot was just made")
     }
 
     fn new_slot(&self) -> Slot {
@@ -97,7 +101,6 @@ impl Slots {
     }
 
     /// The calling thread's slot, if it has one yet; makes none.
-    #[cfg_attr(allocbox_loom, allow(dead_code))]
     pub(super) fn existing_mine(&self) -> Option<&Slot> {
         match self.primary() {
             Some(mine) => Some(mine.slot()),
