@@ -118,7 +118,7 @@ fn check_catches_every_broken_policy_names_the_rule_and_shrinks_it() {
             &options.limits,
         )
         .unwrap()
-        .unwrap_or_else(|| panic!("`{fault}`: the replay passed"));
+        .unwrap_or_else(|| panic!("`{fault}`: the replay of\n{script}\npassed"));
         assert_eq!(again.rule, *rule, "`{fault}` replay: {again}");
     }
 }

@@ -359,10 +359,11 @@ pub(super) fn run_in_order(handler: &Handler, script: &Script, order: &[usize]) 
     let turns: Vec<usize> = order.iter().copied().chain(0..threads).collect();
     let steps_of = |me: usize| turns.iter().enumerate().filter(move |&(_, &t)| t == me);
     std::thread::scope(|s| {
+        let mut clients = Vec::new();
         for (me, ops) in script.threads.iter().enumerate() {
             let (turn, moved, found, turns) = (&turn, &moved, &found, &turns);
             let steps: Vec<usize> = steps_of(me).map(|(step, _)| step).collect();
-            s.spawn(move || {
+            clients.push(s.spawn(move || {
                 // A thread that panics stops the others rather than leave them waiting
                 // for its turn for ever.
                 struct StopOnPanic<'a>(&'a Mutex<usize>, &'a Condvar);
@@ -401,7 +402,15 @@ pub(super) fn run_in_order(handler: &Handler, script: &Script, order: &[usize]) 
                 }
                 // After a failure the rest are released host-side, so nothing leaks.
                 let _ = client.free_all();
-            });
+            }));
+        }
+        // Joined, not left to the scope: a join waits for the thread's exit, where its
+        // cache goes back to the policy (calls that can fail), as in `run`; the end of a
+        // scope does not, and the leak check would race with it.
+        for client in clients {
+            if let Err(panic) = client.join() {
+                std::panic::resume_unwind(panic);
+            }
         }
     });
     let finding = found.into_inner().unwrap_or_else(|p| p.into_inner());
@@ -409,5 +418,10 @@ pub(super) fn run_in_order(handler: &Handler, script: &Script, order: &[usize]) 
 }
 
 pub(super) fn leak_check(handler: &Handler) -> Option<Finding> {
+    // A failure that no call returned is a finding too: a client thread that ended gave
+    // its cache back to the policy, which failed there.
+    if let Some(failure) = handler.failure() {
+        return Some(Finding::from_error(&failure));
+    }
     handler.leak_check().err().map(|e| Finding::from_error(&e))
 }
