@@ -47,6 +47,17 @@ fn owner_takes(slot: &Slot, count: usize) -> Vec<u64> {
         .collect()
 }
 
+/// A thread that claims `slot` and counts a free in it.
+fn claimer_counting_a_free(slot: &Arc<Slot>) -> thread::JoinHandle<()> {
+    let slot = Arc::clone(slot);
+    thread::spawn(move || {
+        slot.claim()
+            .expect("the owner leaves its fast path")
+            .counts
+            .frees += 1;
+    })
+}
+
 /// Every block is in exactly one place at the end: `places` together hold `blocks`.
 fn assert_each_block_once(blocks: &[u64], places: &[&[u64]]) {
     let mut found: Vec<u64> = places.iter().flat_map(|p| p.iter().copied()).collect();
@@ -58,15 +69,7 @@ fn assert_each_block_once(blocks: &[u64], places: &[&[u64]]) {
 fn models_the_owner_and_one_claimer_never_reach_the_cache_at_once() {
     loom::model(|| {
         let slot = slot_with(&[]);
-        let claimer = {
-            let slot = Arc::clone(&slot);
-            thread::spawn(move || {
-                slot.claim()
-                    .expect("the owner leaves its fast path")
-                    .counts
-                    .frees += 1;
-            })
-        };
+        let claimer = claimer_counting_a_free(&slot);
         let mut mine = Mine::of(&slot);
         for _ in 0..2 {
             mine.with(|cache| cache.counts.mallocs += 1);
@@ -80,22 +83,12 @@ fn models_the_owner_and_one_claimer_never_reach_the_cache_at_once() {
 #[test]
 fn models_the_owner_and_two_claimers_never_reach_the_cache_at_once() {
     let mut model = loom::model::Builder::new();
-    // Enough to interleave each claimer's claim with the owner's entry and exit; the
-    // full space of three threads is far larger and finds nothing a bound of 3 misses.
+    // Bounded to keep the run short: three preemptions still interleave each
+    // claimer's claim with the owner's entry and exit.
     model.preemption_bound = Some(3);
     model.check(|| {
         let slot = slot_with(&[]);
-        let claimers: Vec<_> = (0..2)
-            .map(|_| {
-                let slot = Arc::clone(&slot);
-                thread::spawn(move || {
-                    slot.claim()
-                        .expect("the owner leaves its fast path")
-                        .counts
-                        .frees += 1;
-                })
-            })
-            .collect();
+        let claimers: Vec<_> = (0..2).map(|_| claimer_counting_a_free(&slot)).collect();
         Mine::of(&slot).with(|cache| cache.counts.mallocs += 1);
         for claimer in claimers {
             claimer.join().unwrap();
