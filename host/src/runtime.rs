@@ -1,11 +1,25 @@
 //! Loading policy components and starting them: one `Engine` per runtime, one `Linker`
 //! filled once, one `Store` per policy instance.
+//!
+//! - [`engine`]: the engine's features, the compile cache on disk, compiler threads
+//!   after a fork;
+//! - [`componentize`]: component bytes from a component, a core module or WAT;
+//! - [`policy`]: a compiled [`Policy`] and the checks on what it says about itself.
+
+mod componentize;
+mod engine;
+mod policy;
+
+use componentize::{WASM_MAGIC, to_component_binary};
+pub use engine::{COMPILE_CACHE_ENV, compile_cache_dir};
+use engine::{compile_cache, forked_compiler_threads, sandbox_features};
+pub use policy::Policy;
+use policy::{PolicyMeta, check_info, source_language};
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
-use allocbox_ledger::platform::fork;
 use parking_lot::Mutex;
 use wasmtime::component::{Component, Linker};
 use wasmtime::{
@@ -17,7 +31,7 @@ use crate::clock::{Clock, EPOCH_TICK};
 use crate::compile_bounds::CompileBounds;
 use crate::error::{Call, LoadError};
 use crate::link::bindings::{Policy as Bindings, PolicyPre};
-use crate::link::{Limits, Link, LinkState, PolicyInfo, Sandbox, Upstream, classify};
+use crate::link::{Limits, Link, LinkState, Sandbox, Upstream, classify};
 
 /// The package and version of the WIT world this host speaks.
 pub const WORLD_PACKAGE: &str = "allocbox:policy";
@@ -33,9 +47,6 @@ pub const DEFAULT_POLICY_WAT: &str =
 /// is 100,000): the policy world defines no resource, and WASI's are bounded more tightly
 /// by `wasi::MAX_RESOURCES`.
 const MAX_COMPONENT_HANDLES: usize = 4096;
-
-/// How every wasm binary, module or component, starts.
-const WASM_MAGIC: &[u8] = b"\0asm";
 
 /// No bound: for a policy already loaded within bounds.
 const UNBOUNDED: CompileBounds = CompileBounds {
@@ -446,346 +457,5 @@ fn list_or_none(items: &[String]) -> String {
         "nothing".to_string()
     } else {
         items.join(", ")
-    }
-}
-
-/// Check what a policy says about itself (C1, C6).
-fn check_info(
-    info: crate::link::bindings::exports::allocbox::policy::lifecycle::Info,
-) -> Result<PolicyInfo, LoadError> {
-    if info.name.is_empty() || info.name.len() > 127 {
-        return Err(LoadError::BadName {
-            len: info.name.len(),
-        });
-    }
-    let name = crate::untrusted::escape(&info.name);
-    if info.version != 1 {
-        return Err(LoadError::BadVersion {
-            policy: name,
-            version: info.version,
-        });
-    }
-    if !info.alignment.is_power_of_two() {
-        return Err(LoadError::BadAlignment {
-            policy: name,
-            alignment: info.alignment,
-        });
-    }
-    Ok(PolicyInfo {
-        name: name.into(),
-        version: info.version,
-        alignment: info.alignment,
-        batch: info.batch,
-    })
-}
-
-/// In a forked child, a pool of compiler threads of its own. wasmtime compiles on
-/// rayon's global pool, whose threads stayed in the parent: a job handed to it in the
-/// child would wait forever. None in a process that was never forked.
-fn forked_compiler_threads() -> Result<Option<Arc<rayon_core::ThreadPool>>, LoadError> {
-    static POOL: Mutex<Option<(u64, Arc<rayon_core::ThreadPool>)>> = Mutex::new(None);
-    let generation = fork::generation();
-    if generation == 0 {
-        return Ok(None);
-    }
-    let mut pool = POOL.lock();
-    if let Some((made_in, threads)) = pool.as_ref()
-        && *made_in == generation
-    {
-        return Ok(Some(Arc::clone(threads)));
-    }
-    // Built by an earlier generation, its threads are gone too; dropping it would only
-    // signal them.
-    if let Some(stale) = pool.take() {
-        std::mem::forget(stale);
-    }
-    let threads = rayon_core::ThreadPoolBuilder::new()
-        .build()
-        .map(Arc::new)
-        .map_err(|e| LoadError::NoCompilerThreads {
-            detail: e.to_string(),
-        })?;
-    *pool = Some((generation, Arc::clone(&threads)));
-    Ok(Some(threads))
-}
-
-/// The environment variable that says where compiled policies are kept between
-/// processes: a directory, or `off`.
-pub const COMPILE_CACHE_ENV: &str = "ALLOCBOX_COMPILE_CACHE";
-
-/// Where compiled policies are kept between processes: `$ALLOCBOX_COMPILE_CACHE`
-/// (`off` for nowhere), else `$XDG_CACHE_HOME/allocbox`, else `~/.cache/allocbox`.
-///
-/// Compiling a large policy (an interpreter inside, as Python and JavaScript policies
-/// have) takes seconds; wasmtime's own cache keeps the machine code keyed by the
-/// component's bytes and the engine's configuration, so a later process loads it in
-/// milliseconds. The directory holds native code the host will run: it must be as
-/// trusted as the program itself (a per-user cache directory is).
-pub fn compile_cache_dir() -> Option<PathBuf> {
-    let from_env = |key| {
-        std::env::var_os(key)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    match from_env(COMPILE_CACHE_ENV) {
-        Some(dir) if dir.as_os_str() == "off" => None,
-        Some(dir) => Some(dir),
-        None => from_env("XDG_CACHE_HOME")
-            .or_else(|| from_env("HOME").map(|home| home.join(".cache")))
-            .map(|base| base.join("allocbox")),
-    }
-}
-
-/// wasmtime's compile cache in [`compile_cache_dir`]; none when there is no such
-/// directory or it cannot be used (loading then compiles every time, as without a cache).
-fn compile_cache() -> Option<wasmtime::Cache> {
-    let dir = compile_cache_dir()?;
-    let dir = std::path::absolute(&dir).unwrap_or(dir);
-    let mut config = wasmtime::CacheConfig::new();
-    config.with_directory(&dir);
-    wasmtime::Cache::new(config)
-        .inspect_err(|e| log::warn!("no compile cache in {}: {e:#}", dir.display()))
-        .ok()
-}
-
-/// Turn off every WebAssembly feature the policy and hook worlds do not need, so that
-/// the engine's surface a guest can reach is what the shipped policies' toolchains use
-/// (SECURITY.md lists each decision). On: the WebAssembly 2.0 core the toolchains emit
-/// (bulk memory, multi-value, reference types, SIMD, sign extension, saturating
-/// conversions, mutable globals, extended constants), tail calls and the component
-/// model's synchronous core. Off: threads and shared memory (a policy runs on one thread
-/// at a time), 64-bit and multiple memories, GC and typed function references,
-/// exceptions, stack switching, relaxed SIMD (results that vary by host CPU), wide
-/// arithmetic, custom page sizes, and the component model's async, threading, GC and
-/// later additions.
-fn sandbox_features(config: &mut Config) {
-    use wasmtime::WasmFeatures as F;
-    let off = F::THREADS
-        | F::SHARED_EVERYTHING_THREADS
-        | F::MEMORY64
-        | F::MULTI_MEMORY
-        | F::GC
-        | F::FUNCTION_REFERENCES
-        | F::EXCEPTIONS
-        | F::LEGACY_EXCEPTIONS
-        | F::STACK_SWITCHING
-        | F::RELAXED_SIMD
-        | F::WIDE_ARITHMETIC
-        | F::CUSTOM_PAGE_SIZES
-        | F::CM_ASYNC
-        | F::CM_ASYNC_STACKFUL
-        | F::CM_MORE_ASYNC_BUILTINS
-        | F::CM_THREADING
-        | F::CM_ERROR_CONTEXT
-        | F::CM_GC
-        | F::CM_MAP
-        | F::CM64
-        | F::CM_FIXED_LENGTH_LISTS;
-    config.wasm_features(off, false);
-}
-
-/// Turn file contents into component bytes, or say clearly why they are not one.
-fn to_component_binary(
-    bytes: &[u8],
-    world: &str,
-    bounds: &CompileBounds,
-) -> Result<Vec<u8>, LoadError> {
-    if bytes.starts_with(WASM_MAGIC) {
-        bounds.check_binary(bytes)?;
-        // Bytes 6..8 are the layer: 0 for a core module, 1 for a component. A core module
-        // written to the world's canonical ABI (what C, Zig, AssemblyScript or Go
-        // toolchains emit) is made a component here, as WAT is: no outside tool needed.
-        return match bytes.get(6..8) {
-            Some([1, 0]) => Ok(bytes.to_vec()),
-            Some([0, 0]) => componentize(bytes.to_vec(), world),
-            _ => Err(LoadError::Invalid {
-                detail: "unknown wasm binary layer".into(),
-            }),
-        };
-    }
-    let Ok(text) = std::str::from_utf8(bytes) else {
-        return Err(LoadError::NotWasm {
-            detail: "binary data without the `\\0asm` magic".into(),
-        });
-    };
-    bounds.check_text(bytes)?;
-    let looks_like_wat = text
-        .lines()
-        .map(str::trim_start)
-        .find(|l| !l.is_empty() && !l.starts_with(";;"))
-        .is_some_and(|l| l.starts_with('('));
-    let binary = wat::parse_str(text).map_err(|e| {
-        if looks_like_wat {
-            LoadError::Invalid { detail: detail(&e) }
-        } else {
-            LoadError::NotWasm {
-                detail: "text that is not WAT".into(),
-            }
-        }
-    })?;
-    bounds.check_binary(&binary)?;
-    match binary.get(6..8) {
-        Some([0, 0]) => componentize(binary, world),
-        _ => Ok(binary),
-    }
-}
-
-/// The `wasi_snapshot_preview1` that core modules get: a sandbox with nothing in it,
-/// see the file for what each call answers.
-const WASI_STUB_WAT: &str = include_str!("wasi_stub.wat");
-
-/// [`WASI_STUB_WAT`] in binary, with the world it imports from the host, built once per
-/// process.
-fn wasi_stub() -> &'static [u8] {
-    static STUB: OnceLock<Vec<u8>> = OnceLock::new();
-    STUB.get_or_init(|| {
-        let mut stub = wat::parse_str(WASI_STUB_WAT).expect("the WASI stub is valid WAT");
-        let mut resolve = wit_parser::Resolve::default();
-        let package = resolve
-            .push_str("sandbox.wit", crate::wasi::STUB_WIT)
-            .expect("the stub's WIT is valid");
-        let world = resolve
-            .select_world(&[package], Some("stub"))
-            .expect("the stub's WIT has its world");
-        wit_component::embed_component_metadata(
-            &mut stub,
-            &resolve,
-            world,
-            wit_component::StringEncoding::UTF8,
-            false,
-        )
-        .expect("the stub's imports are its world's");
-        stub
-    })
-}
-
-/// Make a core module (binary, or from WAT) a component of `world` (`policy` or
-/// `hook`), as `wasm-tools component new` would: embed the world's type information,
-/// then encode. The module must import and export the world's functions under their
-/// canonical-ABI names (`allocbox:policy/allocator@0.1.0#malloc`, ...).
-///
-/// It may also import `wasi_snapshot_preview1` (language runtimes such as Go's do even
-/// when they never print): those imports are served by allocbox's own stub adapter,
-/// which imports nothing but the module's memory and so grants nothing: clocks that
-/// carry no real time, a fixed random sequence, output dropped, no descriptors. A
-/// module that imports no WASI gets no adapter (wit-component skips an unused one).
-fn componentize(mut module: Vec<u8>, world: &str) -> Result<Vec<u8>, LoadError> {
-    let err = |e: anyhow::Error| LoadError::Componentize { detail: detail(&e) };
-    let mut resolve = wit_parser::Resolve::default();
-    let pkg = resolve.push_str("policy.wit", POLICY_WIT).map_err(err)?;
-    let world = resolve.select_world(&[pkg], Some(world)).map_err(err)?;
-    wit_component::embed_component_metadata(
-        &mut module,
-        &resolve,
-        world,
-        wit_component::StringEncoding::UTF8,
-        false,
-    )
-    .map_err(err)?;
-    wit_component::ComponentEncoder::default()
-        .module(&module)
-        .map_err(err)?
-        .adapter("wasi_snapshot_preview1", wasi_stub())
-        .map_err(err)?
-        .validate(true)
-        .encode()
-        .map_err(err)
-}
-
-/// A compiled policy component, checked against the policy world. Cheap to clone;
-/// start instances of it with [`crate::HandlerBuilder`].
-#[derive(Clone)]
-pub struct Policy {
-    pre: PolicyPre<LinkState>,
-    meta: Arc<PolicyMeta>,
-}
-
-struct PolicyMeta {
-    source: String,
-    /// The component binary, to compile the policy again for another runtime.
-    binary: Arc<[u8]>,
-    imports: Vec<String>,
-    exports: Vec<String>,
-    language: Option<String>,
-}
-
-/// The source language a policy's `producers` sections name, e.g. `Rust`, `C`: the
-/// first its own top-level section names (a core module or component that says what it
-/// was written in), else the first a core module inside names (a Rust component's main
-/// module says `Rust`, then `C11` for the libc linked into it); none when the toolchain
-/// says nothing.
-fn source_language(binary: &[u8]) -> Option<String> {
-    use wasmparser::{KnownCustom, Parser, Payload};
-    let (mut top, mut inner) = (Vec::new(), Vec::new());
-    let mut depth = 0usize;
-    for payload in Parser::new(0).parse_all(binary) {
-        let section = match payload {
-            Ok(Payload::Version { .. }) => {
-                depth += 1;
-                continue;
-            }
-            Ok(Payload::End(_)) => {
-                depth = depth.saturating_sub(1);
-                continue;
-            }
-            Ok(Payload::CustomSection(section)) => section,
-            Ok(_) => continue,
-            Err(_) => break,
-        };
-        let KnownCustom::Producers(fields) = section.as_known() else {
-            continue;
-        };
-        let found = if depth <= 1 { &mut top } else { &mut inner };
-        for field in fields.into_iter().flatten() {
-            if field.name != "language" {
-                continue;
-            }
-            found.extend(
-                field
-                    .values
-                    .into_iter()
-                    .flatten()
-                    .map(|v| v.name.to_string()),
-            );
-        }
-    }
-    top.into_iter()
-        .chain(inner)
-        .next()
-        .map(|language| crate::untrusted::escape(&language))
-}
-
-impl std::fmt::Debug for Policy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Policy")
-            .field("source", &self.meta.source)
-            .field("size", &self.size())
-            .field("imports", &self.meta.imports)
-            .field("exports", &self.meta.exports)
-            .finish()
-    }
-}
-
-impl Policy {
-    /// Where it was loaded from.
-    pub fn source(&self) -> &str {
-        &self.meta.source
-    }
-    /// Size of the component binary in bytes.
-    pub fn size(&self) -> usize {
-        self.meta.binary.len()
-    }
-    /// The names the component imports.
-    pub fn imports(&self) -> &[String] {
-        &self.meta.imports
-    }
-    /// The names the component exports.
-    pub fn exports(&self) -> &[String] {
-        &self.meta.exports
-    }
-    /// The source language the component's toolchain recorded (`producers` sections),
-    /// e.g. `Rust`; none when it recorded none.
-    pub fn language(&self) -> Option<&str> {
-        self.meta.language.as_deref()
     }
 }

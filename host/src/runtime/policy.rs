@@ -1,0 +1,137 @@
+//! A compiled policy ([`Policy`]) and what the host reads from it before it runs: its
+//! source language, and the checks on what it says about itself at `init`.
+
+use std::sync::Arc;
+
+use crate::error::LoadError;
+use crate::link::LinkState;
+use crate::link::PolicyInfo;
+use crate::link::bindings::PolicyPre;
+
+/// A compiled policy component, checked against the policy world. Cheap to clone;
+/// start instances of it with [`crate::HandlerBuilder`].
+#[derive(Clone)]
+pub struct Policy {
+    pub(super) pre: PolicyPre<LinkState>,
+    pub(super) meta: Arc<PolicyMeta>,
+}
+
+pub(super) struct PolicyMeta {
+    pub(super) source: String,
+    /// The component binary, to compile the policy again for another runtime.
+    pub(super) binary: Arc<[u8]>,
+    pub(super) imports: Vec<String>,
+    pub(super) exports: Vec<String>,
+    pub(super) language: Option<String>,
+}
+
+/// The source language a policy's `producers` sections name, e.g. `Rust`, `C`: the
+/// first its own top-level section names (a core module or component that says what it
+/// was written in), else the first a core module inside names (a Rust component's main
+/// module says `Rust`, then `C11` for the libc linked into it); none when the toolchain
+/// says nothing.
+pub(super) fn source_language(binary: &[u8]) -> Option<String> {
+    use wasmparser::{KnownCustom, Parser, Payload};
+    let (mut top, mut inner) = (Vec::new(), Vec::new());
+    let mut depth = 0usize;
+    for payload in Parser::new(0).parse_all(binary) {
+        let section = match payload {
+            Ok(Payload::Version { .. }) => {
+                depth += 1;
+                continue;
+            }
+            Ok(Payload::End(_)) => {
+                depth = depth.saturating_sub(1);
+                continue;
+            }
+            Ok(Payload::CustomSection(section)) => section,
+            Ok(_) => continue,
+            Err(_) => break,
+        };
+        let KnownCustom::Producers(fields) = section.as_known() else {
+            continue;
+        };
+        let found = if depth <= 1 { &mut top } else { &mut inner };
+        for field in fields.into_iter().flatten() {
+            if field.name != "language" {
+                continue;
+            }
+            found.extend(
+                field
+                    .values
+                    .into_iter()
+                    .flatten()
+                    .map(|v| v.name.to_string()),
+            );
+        }
+    }
+    top.into_iter()
+        .chain(inner)
+        .next()
+        .map(|language| crate::untrusted::escape(&language))
+}
+
+impl std::fmt::Debug for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Policy")
+            .field("source", &self.meta.source)
+            .field("size", &self.size())
+            .field("imports", &self.meta.imports)
+            .field("exports", &self.meta.exports)
+            .finish()
+    }
+}
+
+impl Policy {
+    /// Where it was loaded from.
+    pub fn source(&self) -> &str {
+        &self.meta.source
+    }
+    /// Size of the component binary in bytes.
+    pub fn size(&self) -> usize {
+        self.meta.binary.len()
+    }
+    /// The names the component imports.
+    pub fn imports(&self) -> &[String] {
+        &self.meta.imports
+    }
+    /// The names the component exports.
+    pub fn exports(&self) -> &[String] {
+        &self.meta.exports
+    }
+    /// The source language the component's toolchain recorded (`producers` sections),
+    /// e.g. `Rust`; none when it recorded none.
+    pub fn language(&self) -> Option<&str> {
+        self.meta.language.as_deref()
+    }
+}
+
+/// Check what a policy says about itself (C1, C6).
+pub(super) fn check_info(
+    info: crate::link::bindings::exports::allocbox::policy::lifecycle::Info,
+) -> Result<PolicyInfo, LoadError> {
+    if info.name.is_empty() || info.name.len() > 127 {
+        return Err(LoadError::BadName {
+            len: info.name.len(),
+        });
+    }
+    let name = crate::untrusted::escape(&info.name);
+    if info.version != 1 {
+        return Err(LoadError::BadVersion {
+            policy: name,
+            version: info.version,
+        });
+    }
+    if !info.alignment.is_power_of_two() {
+        return Err(LoadError::BadAlignment {
+            policy: name,
+            alignment: info.alignment,
+        });
+    }
+    Ok(PolicyInfo {
+        name: name.into(),
+        version: info.version,
+        alignment: info.alignment,
+        batch: info.batch,
+    })
+}
