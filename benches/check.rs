@@ -3,11 +3,11 @@
 //! 200,000 ops/s). Policies take turns within each round, so drift in a noisy machine
 //! spreads over all of them.
 //!
-//! Run: `cargo bench -p allocbox --bench check` (after `--`: `--cases N`, `--rounds R`).
+//! Run: `cargo bench -p allocbox-check --bench check` (after `--`: `--cases N`, `--rounds R`).
 
 use allocbox::Runtime;
-use allocbox::check::{CheckOptions, check};
 use allocbox_artifacts::{ARENA, Guest, SIZE_CLASSES, SYSTEM, WAT_PASSTHROUGH};
+use allocbox_check::{CheckOptions, check};
 
 const TARGET_OPS_PER_SECOND: f64 = 200_000.0;
 

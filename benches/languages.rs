@@ -3,14 +3,14 @@
 //! malloc+free pair through the policy (per operation) and, for policies that allow
 //! batching, through the host's magazines.
 //!
-//! Run: `cargo bench -p allocbox --bench languages` (`-- --quick` for a short run).
+//! Run: `cargo bench -p allocbox-check --bench languages` (`-- --quick` for a short run).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use allocbox::check::{CheckOptions, check};
 use allocbox::{HandlerBuilder, Policy, Runtime};
 use allocbox_artifacts::Guest;
+use allocbox_check::{CheckOptions, check};
 
 /// NumPy's most common request size.
 const SIZE: usize = 16;

@@ -4,12 +4,12 @@
 //! took to come up, and the length of the shrunk script against the shortest script
 //! that shows the bug.
 //!
-//! Run: `cargo bench -p allocbox --bench planted` (after `--`: `--time SECS`).
+//! Run: `cargo bench -p allocbox-check --bench planted` (after `--`: `--time SECS`).
 
 use std::time::Duration;
 
 use allocbox::Runtime;
-use allocbox::check::{CheckOptions, check};
+use allocbox_check::{CheckOptions, check};
 
 /// Each planted bug: the `broken` fault, what it is, and the fewest operations that show
 /// it (the script's own operations; the checker frees what is live at the end).

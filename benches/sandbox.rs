@@ -3,7 +3,7 @@
 //! against its budget. One row per attack; the tests prove each ends in the right typed
 //! error, this says how close to the bound it ends.
 //!
-//! Run: `cargo bench -p allocbox --bench sandbox` (it takes a minute and touches a few
+//! Run: `cargo bench -p allocbox-cli --bench sandbox` (it takes a minute and touches a few
 //! GiB of memory: the largest attacks work on 4 GiB blocks).
 
 use std::path::Path;

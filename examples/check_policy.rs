@@ -1,11 +1,11 @@
 //! Fuzzing a policy's handler contract from Rust, as a policy author would in a test:
-//! `allocbox::check::assert_contract(path, config)` in a `#[test]` is the one-liner; this
+//! `allocbox_check::assert_contract(path, config)` in a `#[test]` is the one-liner; this
 //! shows the report behind it.
 //!
-//! Run: `cargo run -p allocbox --example check_policy POLICY.wasm [KEY=VALUE]...`
+//! Run: `cargo run -p allocbox-check --example check_policy POLICY.wasm [KEY=VALUE]...`
 
 use allocbox::Runtime;
-use allocbox::check::{CheckOptions, check};
+use allocbox_check::{CheckOptions, check};
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);

@@ -1,6 +1,5 @@
 #![doc = include_str!("../../README.md")]
 
-pub mod check;
 mod clock;
 mod compile_bounds;
 mod error;
@@ -10,7 +9,6 @@ mod link;
 mod memhandler;
 mod native;
 pub mod nep49;
-pub mod report;
 mod runtime;
 mod system;
 pub mod trace;
@@ -31,4 +29,4 @@ pub use runtime::{
     COMPILE_CACHE_ENV, DEFAULT_POLICY_WAT, POLICY_WIT, Policy, Runtime, WORLD_PACKAGE,
     WORLD_VERSION, compile_cache_dir,
 };
-pub use system::{QUARANTINE_POISON, SYSTEM_ALIGNMENT};
+pub use system::{FRESH_MEMORY, QUARANTINE_POISON, SYSTEM_ALIGNMENT};

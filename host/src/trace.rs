@@ -1,6 +1,9 @@
 //! Allocation traces: record any handler's calls in the format of
 //! `shared/traces/README.md` (`op id size thread`, one event a line), and replay a trace
-//! through any handler, naming the event that fails.
+//! through any handler, naming the event that fails; [`timeline`] replays one for a
+//! report, event by event.
+
+pub mod timeline;
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -247,6 +250,14 @@ impl ReplayReport {
     }
 }
 
+/// `handler`'s statistics, for a replay in this process: a handler whose calls all came
+/// from this process's live threads is always reachable.
+fn stats_of(handler: &dyn MemHandler) -> Stats {
+    handler
+        .stats()
+        .expect("a handler this process's live threads called is reachable")
+}
+
 /// Replay `events` through `handler`. A trace recorded on one thread is replayed on
 /// this thread; a trace with several threads is replayed with one thread each, every
 /// event waiting for the event before it on the same block, so each block's life runs
@@ -272,7 +283,7 @@ pub fn replay_trace_counted(
         true => replay_on_one_thread(handler, events, done),
         false => replay_on_recorded_threads(handler, events, done),
     };
-    report.stats = crate::report::stats_of(handler);
+    report.stats = stats_of(handler);
     report
 }
 

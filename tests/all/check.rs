@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use allocbox::check::{self, CheckOptions, Script};
 use allocbox::{Limits, Runtime};
+use allocbox_check::{self as check, CheckOptions, Script};
 
 use super::support::*;
 

@@ -66,7 +66,7 @@ fn new_rust_policy_builds_with_its_readme_command_and_passes_check() {
     }
 
     // One target directory for every run, so that only the project itself is rebuilt.
-    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/new-policy");
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/new-policy");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
         .args(["build", "--release", "--target", "wasm32-wasip2"])
@@ -153,7 +153,7 @@ fn new_project_builds_and_passes_check(lang: &str, language: &str) {
         );
     }
 
-    let checkout = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let checkout = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let started = std::time::Instant::now();
     // By its path, as `./build.sh` runs it: `new` made it executable.
     let out = Command::new(project.join("build.sh"))

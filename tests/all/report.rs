@@ -1,11 +1,12 @@
 //! `allocbox report`: the timelines it collects, the page it writes, the CLI.
 
-use allocbox::report::{
-    MAX_POINTS, Timeline, chain_held, native_held, render_html, size_bucket, timeline,
-};
 use allocbox::trace::parse_trace;
+use allocbox::trace::timeline::{
+    MAX_POINTS, Timeline, chain_held, native_held, size_bucket, timeline,
+};
 use allocbox::{HandlerBuilder, Runtime};
 use allocbox::{MemHandler, NumpyDefault};
+use allocbox_cli::report::render_html;
 
 use super::support::*;
 
@@ -49,7 +50,7 @@ fn a_report_follows_live_bytes_sizes_and_held_memory_event_by_event() {
             "{label}"
         );
         assert!(t.peak_ratio.unwrap() >= 1.0, "{label}");
-        let mut sizes = [0u64; allocbox::report::SIZE_BUCKETS];
+        let mut sizes = [0u64; allocbox::trace::timeline::SIZE_BUCKETS];
         for size in [100, 1000, 5000, 10] {
             sizes[size_bucket(size)] += 1;
         }
@@ -115,7 +116,7 @@ fn a_failing_handler_s_first_failing_event_is_named_in_the_report() {
         page.contains("line 3: `f 2 8`"),
         "the event, by its Display"
     );
-    assert!(page.contains(&allocbox::report::escape_html(&error)));
+    assert!(page.contains(&allocbox_cli::report::escape_html(&error)));
     assert!(page.contains("double free"));
     assert_eq!(
         page.matches("failed at event 3<").count(),
@@ -247,7 +248,7 @@ fn the_report_page_renders_in_chromium() {
     };
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/traces/numpy-core-sample.txt.gz"
+        "/../../../shared/traces/numpy-core-sample.txt.gz"
     );
     let events = allocbox::trace::read_trace(path).unwrap_or_else(|e| {
         panic!("{path}: {e}: the NumPy trace lives in shared/ beside the repository")

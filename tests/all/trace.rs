@@ -156,7 +156,7 @@ fn a_bad_trace_line_is_a_syntax_error_with_its_number() {
 fn numpy_s_recorded_trace_replays_through_every_policy_without_violation() {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/traces/numpy-core-sample.txt.gz"
+        "/../../../shared/traces/numpy-core-sample.txt.gz"
     );
     let Ok(events) = read_trace(path) else {
         panic!("{path} is missing: the NumPy trace lives in shared/ beside the repository");

@@ -108,7 +108,7 @@ impl HandlerBuilder {
         };
         let mut host_memory = SystemMemory::new(self.host_memory_limit, self.quarantine);
         if self.checked {
-            host_memory.fill_fresh_with(crate::check::FRESH_MEMORY);
+            host_memory.fill_fresh_with(crate::system::FRESH_MEMORY);
         }
         let mut upstream = Upstream::System(Box::new(host_memory));
         let mut names = Vec::new();

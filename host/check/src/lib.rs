@@ -3,7 +3,7 @@
 //! shrinks a failure to a short, replayable script.
 //!
 //! The reference model is the list of live blocks and the bytes each must hold; the
-//! system under test is a fresh [`crate::Handler`] per case. A block is named by the
+//! system under test is a fresh [`allocbox::Handler`] per case. A block is named by the
 //! operation that made it (`b3 = malloc 64`, then `free b3`), and an operation on a block
 //! that is not live is skipped: every sequence is valid, and deleting an operation while
 //! shrinking never changes which block another one means.
@@ -11,11 +11,11 @@
 //! Where each part lives: `script` (the text form `allocbox replay` reads), `strategy`
 //! (drawing and shrinking scripts), `pattern` (the bytes every block holds), `model`
 //! (the live blocks and their bytes), `runner` (a script against a fresh handler),
-//! `report` (options and findings).
+//! `verdict` (options and findings).
 //!
 //! ```no_run
 //! // In a policy author's own `cargo test`:
-//! allocbox::check::assert_contract("target/wasm32-wasip2/release/my_policy.wasm", &[]);
+//! allocbox_check::assert_contract("target/wasm32-wasip2/release/my_policy.wasm", &[]);
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -26,24 +26,23 @@ use proptest::test_runner::{
     Config, FileFailurePersistence, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner,
 };
 
-use crate::error::LoadError;
-use crate::link::Limits;
-use crate::runtime::{Policy, Runtime};
+use allocbox::Limits;
+use allocbox::LoadError;
+use allocbox::{Policy, Runtime};
 
 mod model;
 mod pattern;
-pub(crate) use pattern::FRESH_MEMORY;
-mod report;
 mod runner;
 mod script;
 mod strategy;
+mod verdict;
 
-pub use report::{
-    CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS, MAX_SHRINK_TIME, Progress, ProgressFn,
-};
 use runner::Subject;
 pub use script::{Op, Script};
 use strategy::Scripts;
+pub use verdict::{
+    CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS, MAX_SHRINK_TIME, Progress, ProgressFn,
+};
 
 /// A proptest runner for one round of `cases` sequences from `seed`, persisting failing
 /// seeds where the options say.

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::error::{Error, Rule};
-use crate::link::Limits;
+use allocbox::Limits;
+use allocbox::{Error, Rule};
 
 use super::script::Script;
 

@@ -4,11 +4,6 @@
 /// The period of the byte pattern written into every block: prime, so that a copy from
 /// a wrong offset is seen unless the offset is a multiple of it.
 pub(super) const PERIOD: usize = 251;
-/// What fresh host memory holds in checked mode (`HandlerBuilder::checked`): a byte the
-/// pattern never holds (its bytes are `i ^ 0xA5` for `i < PERIOD`, and this is
-/// `255 ^ 0xA5`), so a block that should hold a client's bytes and holds fresh memory
-/// instead differs at its first byte, whatever memory held before.
-pub(crate) const FRESH_MEMORY: u8 = 0x5A;
 
 /// Blocks are filled and compared in chunks of this many bytes (a multiple of PERIOD).
 pub(super) const CHUNK: usize = PERIOD * 64;
@@ -36,8 +31,11 @@ pub(super) fn expected_at(expected: &'static [u8], from: usize) -> &'static [u8]
 mod tests {
     use super::*;
 
+    /// The pattern's bytes are `i ^ 0xA5` for `i < PERIOD`; fresh memory is `255 ^ 0xA5`,
+    /// so a block that should hold a client's bytes and holds fresh memory instead
+    /// differs at its first byte, whatever memory held before.
     #[test]
     fn fresh_memory_never_looks_like_a_client_s_bytes() {
-        assert!(!template().contains(&FRESH_MEMORY));
+        assert!(!template().contains(&allocbox::FRESH_MEMORY));
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use allocbox::check;
+use allocbox_check as check;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// How often a bar is redrawn from a counter another thread advances.

@@ -230,32 +230,32 @@ fn rust_wasm_path(name: &str) -> String {
 const SDK_FILES: &[(&str, &str)] = &[
     (
         "Cargo.toml",
-        include_str!("../../guest-handlers/sdk/Cargo.toml"),
+        include_str!("../../../guest-handlers/sdk/Cargo.toml"),
     ),
     (
         "src/lib.rs",
-        include_str!("../../guest-handlers/sdk/src/lib.rs"),
+        include_str!("../../../guest-handlers/sdk/src/lib.rs"),
     ),
     (
         "src/config.rs",
-        include_str!("../../guest-handlers/sdk/src/config.rs"),
+        include_str!("../../../guest-handlers/sdk/src/config.rs"),
     ),
     (
         "src/bytes.rs",
-        include_str!("../../guest-handlers/sdk/src/bytes.rs"),
+        include_str!("../../../guest-handlers/sdk/src/bytes.rs"),
     ),
     (
         "src/upstream.rs",
-        include_str!("../../guest-handlers/sdk/src/upstream.rs"),
+        include_str!("../../../guest-handlers/sdk/src/upstream.rs"),
     ),
     ("wit/policy.wit", allocbox::POLICY_WIT),
 ];
 
 /// The `template` guest: the policy a new Rust project starts from.
-const TEMPLATE_LIB: &str = include_str!("../../guest-handlers/template/src/lib.rs");
+const TEMPLATE_LIB: &str = include_str!("../../../guest-handlers/template/src/lib.rs");
 
 /// The toolchain allocbox and its SDK are built and tested with.
-const TOOLCHAIN: &str = include_str!("../../rust-toolchain.toml");
+const TOOLCHAIN: &str = include_str!("../../../rust-toolchain.toml");
 
 fn rust_project(name: &str) -> Vec<(String, String)> {
     let wasm = rust_wasm_path(name);
@@ -459,24 +459,24 @@ pub const PLACEHOLDER: &str = "policy_name";
 /// `(path in the project, text)` of each named file of `guest-handlers/new/$lang/`.
 macro_rules! template {
     ($lang:literal: $($file:literal),+ $(,)?) => {
-        &[$(($file, include_str!(concat!("../../guest-handlers/new/", $lang, "/", $file)))),+]
+        &[$(($file, include_str!(concat!("../../../guest-handlers/new/", $lang, "/", $file)))),+]
     };
 }
 
 /// Records the language in the module's `producers` section; every `build.sh` but Go's
 /// and JavaScript's runs it (the Go toolchain and componentize-js record the language
 /// themselves).
-const STAMP_LANGUAGE: &str = include_str!("../../guest-handlers/stamp_language.py");
+const STAMP_LANGUAGE: &str = include_str!("../../../guest-handlers/stamp_language.py");
 
 /// The `slab` policy's export renamer and npm lockfile: the AssemblyScript project pins
 /// the same packages.
-const SLAB_RENAME: &str = include_str!("../../guest-handlers/slab/rename.mjs");
-const SLAB_LOCK: &str = include_str!("../../guest-handlers/slab/package-lock.json");
+const SLAB_RENAME: &str = include_str!("../../../guest-handlers/slab/rename.mjs");
+const SLAB_LOCK: &str = include_str!("../../../guest-handlers/slab/package-lock.json");
 
 /// The `tracker` policy's build script (componentize-js's API) and npm lockfile: the
 /// JavaScript project builds the same way with the same packages.
-const TRACKER_BUILD: &str = include_str!("../../guest-handlers/tracker/build.mjs");
-const TRACKER_LOCK: &str = include_str!("../../guest-handlers/tracker/package-lock.json");
+const TRACKER_BUILD: &str = include_str!("../../../guest-handlers/tracker/build.mjs");
+const TRACKER_LOCK: &str = include_str!("../../../guest-handlers/tracker/package-lock.json");
 
 /// A template folder's files, the placeholder unreplaced: `(path, text)`.
 type TemplateFiles = &'static [(&'static str, &'static str)];
@@ -580,202 +580,4 @@ fn foreign_project(name: &str, lang: Lang) -> Vec<(String, String)> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_are_crate_names() {
-        for good in ["demo", "my-policy", "_x", "a1_b-2", &"p".repeat(64)] {
-            validate_name(good).unwrap();
-        }
-        for (bad, says) in [
-            ("", "empty"),
-            ("1st", "starts with '1'"),
-            ("-x", "starts with '-'"),
-            ("my policy", "contains ' '"),
-            ("a.b", "contains '.'"),
-            ("ünï", "contains"),
-            (&"p".repeat(65), "at most 64"),
-            ("fn", "reserves"),
-            ("allocbox-policy", "reserves"),
-        ] {
-            let e = validate_name(bad).unwrap_err().to_string();
-            assert!(e.contains(says), "{bad}: {e}");
-        }
-    }
-
-    #[test]
-    fn shipped_languages_parse_and_the_others_are_named() {
-        for (name, lang) in [
-            ("Rust", Lang::Rust),
-            ("wat", Lang::Wat),
-            ("c", Lang::C),
-            ("Zig", Lang::Zig),
-            ("assemblyscript", Lang::AssemblyScript),
-            ("AS", Lang::AssemblyScript),
-            ("python", Lang::Python),
-            ("py", Lang::Python),
-            ("go", Lang::Go),
-            ("js", Lang::Js),
-            ("JavaScript", Lang::Js),
-        ] {
-            assert_eq!(parse_lang(name), Ok(lang), "{name}");
-        }
-        let shipped = "rust, wat, c, zig, assemblyscript (as), python, go, js (javascript)";
-        let e = parse_lang("typescript").unwrap_err();
-        assert!(e.contains("not shipped yet") && e.contains(shipped), "{e}");
-        let e = parse_lang("cobol").unwrap_err();
-        assert!(e.contains("unknown language") && e.contains(shipped), "{e}");
-    }
-
-    const FOREIGN: [Lang; 6] = [
-        Lang::C,
-        Lang::Zig,
-        Lang::AssemblyScript,
-        Lang::Python,
-        Lang::Go,
-        Lang::Js,
-    ];
-
-    #[test]
-    fn template_projects_carry_the_name_everywhere_the_placeholder_was() {
-        let name = format!("My-Policy_{}", "n".repeat(54));
-        for lang in FOREIGN {
-            let files = foreign_project(&name, lang);
-            for (file, text) in &files {
-                assert!(!text.contains(PLACEHOLDER), "{lang:?} {file}");
-            }
-            let has = |file: &str, text: &str| {
-                files
-                    .iter()
-                    .any(|(f, t)| f.as_str() == file && t.contains(text))
-            };
-            // The policy says its name, build.sh writes NAME.wasm, and the README says so.
-            assert!(
-                files
-                    .iter()
-                    .any(|(f, t)| !f.ends_with(".md") && !f.ends_with(".sh") && t.contains(&name)),
-                "{lang:?}: no source names the policy"
-            );
-            assert!(has("build.sh", &format!("{name}.wasm")), "{lang:?}");
-            assert!(has("setup.sh", ""), "{lang:?}");
-            for command in [
-                "./setup.sh",
-                "./build.sh",
-                &format!("allocbox check {name}.wasm"),
-            ] {
-                assert!(
-                    has("README.md", command),
-                    "{lang:?}: README lacks `{command}`"
-                );
-            }
-            // Each build.sh stamps the language, except Go's and JavaScript's, whose
-            // toolchains record it.
-            let stamps = has("build.sh", "stamp_language.py");
-            assert_eq!(stamps, !matches!(lang, Lang::Go | Lang::Js), "{lang:?}");
-            assert_eq!(stamps, has("stamp_language.py", ""), "{lang:?}");
-        }
-    }
-
-    /// The value of `VAR=value` on a line of a shell script.
-    fn pin<'a>(script: &'a str, var: &str) -> &'a str {
-        script
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{var}=")))
-            .unwrap_or_else(|| panic!("no {var}= in\n{script}"))
-    }
-
-    #[test]
-    fn templates_pin_the_toolchains_of_the_repositorys_policies() {
-        let repo = [
-            (
-                Lang::Zig,
-                include_str!("../../guest-handlers/buddy/setup.sh"),
-                "ZIG_VERSION",
-            ),
-            (
-                Lang::Python,
-                include_str!("../../guest-handlers/limit/setup.sh"),
-                "VERSION",
-            ),
-            (
-                Lang::Go,
-                include_str!("../../guest-handlers/bump/setup.sh"),
-                "VERSION",
-            ),
-            (
-                Lang::AssemblyScript,
-                include_str!("../../guest-handlers/slab/setup.sh"),
-                "ASC_VERSION",
-            ),
-            (
-                Lang::Js,
-                include_str!("../../guest-handlers/tracker/setup.sh"),
-                "CJS_VERSION",
-            ),
-        ];
-        for (lang, repo_setup, var) in repo {
-            let (files, _) = foreign_files(lang);
-            let script = |name: &str| files.iter().find(|(f, _)| *f == name).unwrap().1;
-            let version = pin(repo_setup, var).trim_matches('"');
-            assert_eq!(
-                pin(script("setup.sh"), "VERSION"),
-                version,
-                "{lang:?} setup.sh"
-            );
-            assert_eq!(
-                pin(script("build.sh"), "VERSION"),
-                version,
-                "{lang:?} build.sh"
-            );
-        }
-        // C: the Debian packages the binning policy's setup.sh installs.
-        let binning = include_str!("../../guest-handlers/binning/setup.sh");
-        let (c, _) = foreign_files(Lang::C);
-        for package in [pin(binning, "CLANG_PKG"), pin(binning, "LLD_PKG")] {
-            let package = package.trim_matches('"');
-            assert!(
-                c.iter()
-                    .any(|(f, t)| *f == "setup.sh" && t.contains(package))
-            );
-        }
-        // AssemblyScript: the same dependency as slab, and slab's lockfile for it.
-        let slab = include_str!("../../guest-handlers/slab/package.json");
-        let (files, _) = foreign_files(Lang::AssemblyScript);
-        let package = files.iter().find(|(f, _)| *f == "package.json").unwrap().1;
-        let dependencies = |json: &str| {
-            serde_json::from_str::<serde_json::Value>(json).unwrap()["devDependencies"].clone()
-        };
-        assert_eq!(dependencies(package), dependencies(slab));
-        let lock: serde_json::Value = serde_json::from_str(&assemblyscript_lock()).unwrap();
-        assert_eq!(lock["packages"][""]["devDependencies"], dependencies(slab));
-        assert_eq!(lock["name"], "allocbox-policy");
-        assert_eq!(lock["packages"][""].get("license"), None);
-        // JavaScript: tracker's dependency and overrides, and tracker's lockfile for them.
-        let tracker = include_str!("../../guest-handlers/tracker/package.json");
-        let (files, _) = foreign_files(Lang::Js);
-        let package = files.iter().find(|(f, _)| *f == "package.json").unwrap().1;
-        let json = |json: &str| serde_json::from_str::<serde_json::Value>(json).unwrap();
-        for key in ["devDependencies", "overrides", "type"] {
-            assert_eq!(json(package)[key], json(tracker)[key], "{key}");
-        }
-        let lock = json(&js_lock());
-        assert_eq!(
-            lock["packages"][""]["devDependencies"],
-            json(tracker)["devDependencies"]
-        );
-        assert_eq!(lock["name"], "allocbox-policy");
-        assert_eq!(lock["packages"][""].get("license"), None);
-        assert_eq!(json(package)["name"], "allocbox-policy");
-    }
-
-    #[test]
-    fn the_renamed_passthrough_keeps_no_old_name() {
-        let text = wat_source(&"n".repeat(64));
-        assert!(!text.contains("passthrough"));
-        assert!(text.contains(&format!(
-            "(data (i32.const {WAT_NAME_AT}) \"{}\")",
-            "n".repeat(64)
-        )));
-    }
-}
+mod tests;

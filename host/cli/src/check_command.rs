@@ -1,0 +1,178 @@
+//! `allocbox check` and `allocbox replay`: the contract checker's findings, as text or
+//! JSON, and the scripts it saves for replaying them.
+
+use std::path::{Path, PathBuf};
+
+use allocbox::{Limits, Runtime};
+use allocbox_check::{self as check, CheckOptions, CheckReport, Script};
+use anyhow::{Context, Result};
+
+use crate::{Outcome, load, print_report, progress};
+
+pub(crate) struct CheckArgs {
+    pub(crate) policies: Vec<PathBuf>,
+    pub(crate) options: CheckOptions,
+    pub(crate) json: bool,
+    pub(crate) config: Vec<(String, String)>,
+}
+
+pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
+    let runtime = Runtime::shared();
+    let config: Vec<(&str, &str)> = args
+        .config
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let targets: Vec<Option<&PathBuf>> = if args.policies.is_empty() {
+        vec![None]
+    } else {
+        args.policies.iter().map(Some).collect()
+    };
+    let mut outcome = Outcome::Held;
+    for target in targets {
+        let policy = load(runtime, target)?;
+        let mut options = args.options.clone();
+        let label = target.map_or("built-in default".to_string(), |p| p.display().to_string());
+        let bar = progress::check_progress(&label, &options);
+        options.progress = bar.as_ref().map(progress::CheckBar::callback);
+        let report = check::check(runtime, &policy, &config, &options);
+        if let Some(bar) = bar {
+            bar.finish();
+        }
+        let report = report?;
+        let script_file = match &report.failure {
+            Some((_, script)) => save_script(&args.options, &report, script),
+            None => None,
+        };
+        if args.json {
+            print_report(&format!("{}\n", json_report(&report, &label)));
+        } else {
+            print_report(&text_report(
+                &report,
+                &label,
+                target,
+                script_file.as_deref(),
+            ));
+        }
+        if !report.passed() {
+            outcome = Outcome::Broken;
+        }
+    }
+    Ok(outcome)
+}
+
+fn save_script(options: &CheckOptions, report: &CheckReport, script: &Script) -> Option<PathBuf> {
+    let dir = options.regressions.as_ref()?;
+    let file = dir.join(format!("{}.script", report.policy));
+    let (finding, _) = report.failure.as_ref()?;
+    let text = format!(
+        "# allocbox replay script for `{}`\n# {finding}\n{script}",
+        report.policy
+    );
+    std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&file, text))
+        .ok()?;
+    Some(file)
+}
+
+fn text_report(
+    report: &CheckReport,
+    label: &str,
+    target: Option<&PathBuf>,
+    saved: Option<&Path>,
+) -> String {
+    let mut totals = format!(
+        "{} cases, {} operations in {:.2} s ({:.0} ops/s)",
+        report.cases,
+        report.ops,
+        report.elapsed.as_secs_f64(),
+        report.ops_per_second()
+    );
+    if report.budget_refusals > 0 {
+        totals += &format!(
+            "; {} upstream requests refused past the overhead budget",
+            report.budget_refusals
+        );
+    }
+    let Some((finding, script)) = &report.failure else {
+        return format!("{} ({label}): every rule held — {totals}\n", report.policy);
+    };
+    let mut out = format!("{} ({label}): BROKEN {finding}\n", report.policy);
+    out += &format!("  shrunk to {} operations", script.len());
+    if report.shrink_stopped_early {
+        out += &format!(
+            " (shrinking stopped after {} s: a shorter script may exist)",
+            check::MAX_SHRINK_TIME.as_secs()
+        );
+    }
+    out += ":\n";
+    for line in script.to_string().lines() {
+        out += &format!("    {line}\n");
+    }
+    if let Some(file) = saved {
+        let policy = target.map_or(String::new(), |p| format!(" {}", p.display()));
+        out += &format!("  replay: allocbox replay {}{policy}\n", file.display());
+    }
+    out += &format!("  ({totals}, shrinking included)\n");
+    out
+}
+
+fn json_report(report: &CheckReport, label: &str) -> serde_json::Value {
+    let (rule, message, script) = match &report.failure {
+        Some((f, s)) => (
+            Some(f.rule),
+            Some(f.message.clone()),
+            Some(
+                s.to_string()
+                    .lines()
+                    .map(str::to_string)
+                    .collect::<Vec<_>>(),
+            ),
+        ),
+        None => (None, None, None),
+    };
+    serde_json::json!({
+        "policy": report.policy,
+        "source": label,
+        "passed": report.passed(),
+        "cases": report.cases,
+        "operations": report.ops,
+        "seconds": report.elapsed.as_secs_f64(),
+        "operations_per_second": report.ops_per_second(),
+        "budget_refusals": report.budget_refusals,
+        "rule": rule,
+        "message": message,
+        "script": script,
+        "shrink_stopped_early": report.shrink_stopped_early,
+    })
+}
+
+pub(crate) fn run_replay(
+    script: PathBuf,
+    policy: Option<PathBuf>,
+    config: Vec<(String, String)>,
+    limits: Limits,
+) -> Result<Outcome> {
+    let runtime = Runtime::shared();
+    let text = std::fs::read_to_string(&script)
+        .with_context(|| format!("reading {}", script.display()))?;
+    let parsed = Script::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", script.display()))?;
+    let loaded = load(runtime, policy.as_ref())?;
+    let config: Vec<(&str, &str)> = config
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    match check::replay(runtime, &loaded, &config, &parsed, &limits)? {
+        None => {
+            print_report(&format!(
+                "every rule held over {} operations\n",
+                parsed.len()
+            ));
+            Ok(Outcome::Held)
+        }
+        Some(finding) => {
+            print_report(&format!("BROKEN {finding}\n"));
+            Ok(Outcome::Broken)
+        }
+    }
+}

@@ -1,0 +1,327 @@
+//! The `allocbox` command line.
+//!
+//! Exit status: 0 every rule held (or the command succeeded), 1 a rule was broken,
+//! 2 unusable input (a file that is not a policy, a bad configuration, a bad script).
+
+mod check_command;
+mod inspect;
+mod new_policy;
+mod progress;
+mod trace_command;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use allocbox::{CompileBound, CompileBounds, Limits, Policy, Runtime};
+use allocbox_check::CheckOptions;
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+
+use check_command::{CheckArgs, run_check, run_replay};
+use inspect::inspect;
+use trace_command::{ReportArgs, run_replay_trace, run_report};
+
+#[derive(Parser)]
+#[command(version, about = "Sandboxed, checkable NEP 49 allocation policies")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Allow a policy of this shape to be compiled, as NAME=N (repeatable): `functions`
+    /// [default: 65536], `code-bytes` [32 MiB], `function-bytes` [2 MiB], `data-bytes`
+    /// [32 MiB], `modules` [32], `text-bytes` (WAT) [16 MiB]. A policy past one is
+    /// refused before it is compiled.
+    #[arg(long = "compile-bound", global = true, value_parser = parse_compile_bound)]
+    compile_bounds: Vec<(CompileBound, u64)>,
+}
+
+/// The compile bounds of this run (`--compile-bound`), set once in `main`.
+static COMPILE_BOUNDS: std::sync::OnceLock<CompileBounds> = std::sync::OnceLock::new();
+
+fn parse_compile_bound(s: &str) -> Result<(CompileBound, u64)> {
+    let (name, value) = parse_key_value(s)?;
+    let Some(bound) = CompileBound::named(&name) else {
+        let names: Vec<&str> = CompileBound::ALL.iter().map(|b| b.name()).collect();
+        bail!(
+            "no compile bound is called `{name}`; the bounds are {}",
+            names.join(", ")
+        );
+    };
+    let value = value
+        .parse()
+        .with_context(|| format!("`{value}` is not a whole number for `{name}`"))?;
+    Ok((bound, value))
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Fuzz the handler contract of policies: random malloc/calloc/realloc/free sequences
+    /// with every check on; a failure is shrunk to a short replayable script. With no
+    /// file, checks the built-in default policy.
+    Check {
+        /// Policy components (.wasm) or WAT sources (.wat).
+        policies: Vec<PathBuf>,
+        /// Seconds to spend on each policy, in rounds of `--cases` sequences (every
+        /// fourth round long-lived instances of thousands of operations). Default 3,
+        /// unless `--cases` is given alone.
+        #[arg(long)]
+        time: Option<f64>,
+        /// Random sequences per round. Given without `--time`: run exactly this many.
+        #[arg(long)]
+        cases: Option<u32>,
+        /// Seed, for a run that repeats exactly.
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Most operations per sequence (per thread).
+        #[arg(long, default_value_t = 128)]
+        max_ops: usize,
+        /// Client threads calling one handler at once.
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        /// One JSON report per line instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Where failing seeds and scripts are kept.
+        #[arg(long, default_value = "proptest-regressions")]
+        regressions: PathBuf,
+        /// Configuration passed to every policy's `init`, as KEY=VALUE (repeatable).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
+    /// Replay an allocation trace (`op id size thread` lines, plain or gzip) through a
+    /// handler and report time per event, peak bytes, corrections and the first failing
+    /// event. Exit 1 if an event fails.
+    ReplayTrace {
+        trace: PathBuf,
+        /// The chain, top first: a policy file, `default` (NumPy's default handler,
+        /// natively) or `builtin` (the built-in default policy). Default: `default`.
+        #[arg(long = "policy", short = 'p')]
+        policies: Vec<String>,
+        /// Configuration for the top policy's `init`, as KEY=VALUE (repeatable).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
+    /// Replay an allocation trace through each handler, one event after another on one
+    /// thread, and write one self-contained HTML page comparing them: live and held bytes
+    /// over time, held/live, time per event, request sizes, the first failing event.
+    /// Prints a summary table (or JSON). Exit 1 if an event fails in any handler (the
+    /// page is still written).
+    Report {
+        /// The trace: `op id size thread` lines, plain or gzip.
+        trace: PathBuf,
+        /// A handler (repeatable, at least one): `default` (NumPy's default handler,
+        /// natively), `builtin` (the built-in default policy) or a policy file, each on
+        /// its own over the host's memory.
+        #[arg(long = "policy", short = 'p', required = true)]
+        policies: Vec<String>,
+        /// Where the HTML page is written.
+        #[arg(long, short = 'o')]
+        output: PathBuf,
+        /// Print the summary as JSON (an array, one object per handler).
+        #[arg(long)]
+        json: bool,
+        /// Configuration for every policy's `init`, as KEY=VALUE (repeatable; `default`
+        /// takes none).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
+    /// Run a script (one operation a line, as `check` prints it) through a policy with
+    /// every check on.
+    Replay {
+        script: PathBuf,
+        /// With no file, the built-in default policy.
+        policy: Option<PathBuf>,
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
+    /// Show what a policy is: name, version, alignment, world, imports, exports, size.
+    /// With no file, the built-in default policy.
+    Inspect {
+        /// A policy component (.wasm) or WAT source (.wat).
+        policy: Option<PathBuf>,
+        /// Configuration passed to the policy's `init`, as KEY=VALUE (repeatable).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+    },
+    /// Start a policy project in `./NAME` that builds with one command and passes `check`
+    /// as it stands; its README.md says how to build, check and test it.
+    New {
+        /// The policy's name: a crate name (letters, digits, `-`, `_`; 1..=64 bytes).
+        name: String,
+        /// `rust` (a cargo project over the allocbox-policy SDK), `wat` (WebAssembly
+        /// text, nothing to build), or `c`, `zig`, `assemblyscript` (`as`), `python`, `go`,
+        /// `js` (`javascript`) (a `./build.sh` project with a `./setup.sh` that installs
+        /// its toolchain).
+        #[arg(long, value_parser = new_policy::parse_lang)]
+        lang: new_policy::Lang,
+        /// The project's directory, instead of `./NAME`; it must not exist or be empty.
+        #[arg(long)]
+        path: Option<PathBuf>,
+    },
+}
+
+/// The bounds on every policy instance ([`Limits`]); each defaults to the library's.
+#[derive(Args, Debug, Clone, Default)]
+struct LimitArgs {
+    /// Longest one call into a policy may run, time in its imports included, in ms
+    /// [default: 1000; 250 for check and replay].
+    #[arg(long)]
+    call_time_ms: Option<u64>,
+    /// Most bytes of its own memory a policy may grow to [default: 128 MiB].
+    #[arg(long)]
+    guest_memory: Option<u64>,
+    /// Most blocks one malloc-many or free-many may ask of the host [default: 4096].
+    #[arg(long)]
+    batch_limit: Option<u32>,
+    /// Most bytes a policy may hold from upstream beyond what its client holds and asks
+    /// for; past it, upstream requests are answered out-of-memory [default: 256 MiB].
+    #[arg(long)]
+    overhead: Option<u64>,
+}
+
+impl LimitArgs {
+    fn limits(&self, call_time: Duration) -> Limits {
+        let defaults = Limits::default();
+        Limits {
+            call_time: self.call_time_ms.map_or(call_time, Duration::from_millis),
+            memory: self.guest_memory.unwrap_or(defaults.memory),
+            batch: self.batch_limit.unwrap_or(defaults.batch),
+            overhead: self.overhead.unwrap_or(defaults.overhead),
+            ..defaults
+        }
+    }
+}
+
+/// The call limit of checking runs: short, so a looping policy is found quickly.
+const CHECK_CALL_TIME: Duration = Duration::from_millis(250);
+/// How long `allocbox check` spends on a policy unless told otherwise.
+const DEFAULT_CHECK_TIME: Duration = Duration::from_secs(3);
+
+fn parse_key_value(s: &str) -> Result<(String, String)> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => bail!("expected KEY=VALUE, got `{s}`"),
+    }
+}
+
+pub(crate) fn load(runtime: &Runtime, path: Option<&PathBuf>) -> Result<Policy> {
+    let bounds = COMPILE_BOUNDS.get_or_init(CompileBounds::default);
+    Ok(match path {
+        Some(path) => runtime
+            .load_file_bounded(path, bounds)
+            .with_context(|| format!("`{}` cannot be loaded", path.display()))?,
+        None => runtime
+            .load_bounded(allocbox::DEFAULT_POLICY_WAT.as_bytes(), bounds)
+            .context("the built-in default policy")?,
+    })
+}
+
+/// A failed check exits 1; input that cannot be used exits 2.
+pub(crate) enum Outcome {
+    Held,
+    Broken,
+}
+
+/// Print to stdout; a reader that went away (`| head`) is not an error.
+pub(crate) fn print_report(text: &str) {
+    use std::io::Write;
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let mut bounds = CompileBounds::default();
+    for &(bound, value) in &cli.compile_bounds {
+        bounds.set(bound, value);
+    }
+    COMPILE_BOUNDS.set(bounds).expect("set once, here");
+    let result = match cli.command {
+        Command::Inspect { policy, config } => inspect(policy, config).map(|()| Outcome::Held),
+        Command::New { name, lang, path } => new_policy::create(&name, lang, path).map(|made| {
+            print_report(&format!(
+                "created `{name}` in {}\nnext: {}\n",
+                made.dir.display(),
+                made.next
+            ));
+            Outcome::Held
+        }),
+        Command::Check {
+            policies,
+            time,
+            cases,
+            seed,
+            max_ops,
+            threads,
+            json,
+            regressions,
+            config,
+            limits,
+        } => run_check(CheckArgs {
+            policies,
+            options: CheckOptions {
+                cases: cases.unwrap_or(64),
+                time: match (time, cases) {
+                    (Some(secs), _) => Some(Duration::from_secs_f64(secs.max(0.0))),
+                    (None, Some(_)) => None,
+                    (None, None) => Some(DEFAULT_CHECK_TIME),
+                },
+                seed,
+                max_ops,
+                threads,
+                regressions: Some(regressions),
+                limits: limits.limits(CHECK_CALL_TIME),
+                ..CheckOptions::default()
+            },
+            json,
+            config,
+        }),
+        Command::Replay {
+            script,
+            policy,
+            config,
+            limits,
+        } => run_replay(script, policy, config, limits.limits(CHECK_CALL_TIME)),
+        Command::Report {
+            trace,
+            policies,
+            output,
+            json,
+            config,
+            limits,
+        } => run_report(ReportArgs {
+            trace,
+            policies,
+            output,
+            json,
+            config,
+            limits: limits.limits(Limits::default().call_time),
+        }),
+        Command::ReplayTrace {
+            trace,
+            policies,
+            config,
+            limits,
+        } => run_replay_trace(
+            trace,
+            policies,
+            config,
+            limits.limits(Limits::default().call_time),
+        ),
+    };
+    match result {
+        Ok(Outcome::Held) => ExitCode::SUCCESS,
+        Ok(Outcome::Broken) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("allocbox: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! `allocbox replay-trace` and `allocbox report`: a recorded trace through handlers
+//! named on the command line.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use allocbox::trace::timeline::{chain_held, native_held, timeline_counted};
+use allocbox::{HandlerBuilder, Limits, Runtime};
+use allocbox_cli::report;
+use anyhow::{Context, Result, bail};
+
+use crate::{Outcome, load, print_report, progress};
+
+/// A handler named on the command line: NumPy's default natively, or a chain of policies.
+enum BuiltHandler {
+    Native(Arc<dyn allocbox::MemHandler>),
+    Chain(Arc<allocbox::Handler>),
+}
+
+impl BuiltHandler {
+    fn handler(&self) -> &dyn allocbox::MemHandler {
+        match self {
+            BuiltHandler::Native(h) => &**h,
+            BuiltHandler::Chain(h) => &**h,
+        }
+    }
+}
+
+/// The handler for `--policy` names, top first: none or `default` is NumPy's default
+/// handler (natively, a new one), else a chain of `builtin` and policy files; `config`
+/// goes to the top policy's `init`.
+fn build_handler(
+    policies: &[String],
+    config: &[(String, String)],
+    limits: Limits,
+) -> Result<BuiltHandler> {
+    let native = || BuiltHandler::Native(Arc::new(allocbox::NumpyDefault::new()));
+    Ok(match policies {
+        [] => native(),
+        [only] if only == "default" => native(),
+        chain => {
+            let runtime = Runtime::shared();
+            let mut builder = HandlerBuilder::new(runtime).limits(limits);
+            for (i, name) in chain.iter().enumerate() {
+                let policy = match name.as_str() {
+                    "builtin" => load(runtime, None)?,
+                    "default" => {
+                        bail!("`default` is the native handler; it cannot be a link of a chain")
+                    }
+                    path => load(runtime, Some(&PathBuf::from(path)))?,
+                };
+                let link_config: Vec<(&str, &str)> = if i == 0 {
+                    config
+                        .iter()
+                        .map(|(k, v)| (k.as_str(), v.as_str()))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                builder = builder.link_with(&policy, &link_config);
+            }
+            BuiltHandler::Chain(Arc::new(builder.build()?))
+        }
+    })
+}
+
+/// A trace file's events, under a spinner (a large trace takes seconds to read).
+fn read_trace(trace: &Path) -> Result<Vec<allocbox::trace::Event>> {
+    progress::spinning(&format!("reading {}", trace.display()), || {
+        allocbox::trace::read_trace(trace)
+    })
+    .with_context(|| trace.display().to_string())
+}
+
+pub(crate) fn run_replay_trace(
+    trace: PathBuf,
+    policies: Vec<String>,
+    config: Vec<(String, String)>,
+    limits: Limits,
+) -> Result<Outcome> {
+    let events = read_trace(&trace)?;
+    let built = build_handler(&policies, &config, limits)?;
+    let handler = built.handler();
+    let done = AtomicU64::new(0);
+    let report = progress::counting_events("replay", events.len() as u64, &done, || {
+        allocbox::trace::replay_trace_counted(handler, &events, &done)
+    });
+    let stats = &report.stats;
+    let threads = events
+        .iter()
+        .map(|e| e.thread)
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
+    let mut out = format!(
+        "trace      {} ({} events, replayed on {threads} thread{})\nhandler    {}\ntime       {:.2} s, {:.0} ns/event\n\
+         peak       {} bytes live\ncalls      {} malloc, {} calloc, {} realloc, {} free\n\
+         quirks     {} ids not allocated in the trace, {} free(NULL), {} wrong-size frees corrected\n\
+         none       {} requests answered out-of-memory\n\
+         budget     {} upstream requests refused past a policy's overhead budget\n",
+        trace.display(),
+        events.len(),
+        if threads == 1 { "" } else { "s" },
+        handler.name(),
+        report.elapsed.as_secs_f64(),
+        report.ns_per_event(),
+        stats.peak_bytes,
+        stats.mallocs,
+        stats.callocs,
+        stats.reallocs,
+        stats.frees,
+        report.unknown_ids,
+        report.null_frees,
+        stats.size_corrections,
+        report.out_of_memory,
+        stats.budget_refusals,
+    );
+    let outcome = match &report.failure {
+        None => {
+            out += "failures   none\n";
+            Outcome::Held
+        }
+        Some((event, error)) => {
+            out += &format!("FAILED     at {event}: {error}\n");
+            Outcome::Broken
+        }
+    };
+    print_report(&out);
+    Ok(outcome)
+}
+
+pub(crate) struct ReportArgs {
+    pub(crate) trace: PathBuf,
+    pub(crate) policies: Vec<String>,
+    pub(crate) output: PathBuf,
+    pub(crate) json: bool,
+    pub(crate) config: Vec<(String, String)>,
+    pub(crate) limits: Limits,
+}
+
+pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
+    let events = read_trace(&args.trace)?;
+    let mut timelines = Vec::new();
+    for name in &args.policies {
+        let built = build_handler(
+            std::slice::from_ref(name),
+            &args.config,
+            args.limits.clone(),
+        )?;
+        let done = AtomicU64::new(0);
+        let len = events.len() as u64;
+        let short = Path::new(name)
+            .file_name()
+            .map_or(name.into(), |f| f.to_string_lossy());
+        timelines.push(progress::counting_events(
+            &short,
+            len,
+            &done,
+            || match &built {
+                BuiltHandler::Native(h) => {
+                    timeline_counted(name, &**h, native_held(&**h), &events, &done)
+                }
+                BuiltHandler::Chain(h) => {
+                    timeline_counted(name, &**h, chain_held(h), &events, &done)
+                }
+            },
+        ));
+    }
+    let page = report::render_html(&args.trace.display().to_string(), &timelines);
+    std::fs::write(&args.output, page)
+        .with_context(|| format!("writing {}", args.output.display()))?;
+    if args.json {
+        let all: Vec<_> = timelines.iter().map(report::timeline_json).collect();
+        print_report(&format!("{}\n", serde_json::Value::Array(all)));
+    } else {
+        print_report(&report::summary_table(&timelines));
+    }
+    Ok(match timelines.iter().any(|t| t.replay.failure.is_some()) {
+        true => Outcome::Broken,
+        false => Outcome::Held,
+    })
+}

@@ -1,0 +1,262 @@
+//! How a handler serves a trace over time: [`timeline`] replays a trace through one
+//! handler on one thread in trace order, timing every event and sampling the bytes the
+//! client holds and the bytes the handler holds from the host (what `allocbox report`
+//! draws).
+//!
+//! Unlike [`crate::trace::replay_trace`] (the benchmark), a timeline ignores the
+//! recorded threads: a report is about the trace's timeline, so its events run one
+//! after another, each timed on its own.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::{Event, EventOp, Held, ReplayReport, stats_of};
+use crate::fasthash::FastMap;
+use crate::handler::Handler;
+use crate::memhandler::MemHandler;
+
+/// The most samples a timeline keeps per series: events are sampled in windows of
+/// `ceil(events / MAX_POINTS)`.
+pub const MAX_POINTS: usize = 2000;
+
+/// Request-size buckets: bucket 0 is size 0, bucket `b` is `2^(b-1) ..= 2^b - 1`.
+pub const SIZE_BUCKETS: usize = 65;
+
+/// One window of events of a [`Timeline`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample {
+    /// Events replayed up to the end of the window (the x of every chart).
+    pub end: u64,
+    /// The most bytes the client held at once during the window (the sizes it asked
+    /// for, summed over its live blocks).
+    pub live: u64,
+    /// The most bytes the handler held from the host at once during the window.
+    pub held: u64,
+    /// The highest `held / live` after an event of the window (`0` while the client
+    /// holds nothing).
+    pub ratio: f64,
+    /// Mean nanoseconds per event in the window.
+    pub ns_per_event: f64,
+    /// Median nanoseconds per event in the window: unlike the mean, not moved by the
+    /// odd event that waited for the OS.
+    pub ns_median: u32,
+}
+
+/// One handler's run through a trace, as a report shows it.
+#[derive(Debug)]
+pub struct Timeline {
+    /// What the handler was called on the command line (a policy file, `default`).
+    pub label: String,
+    /// The handler's own name (a chain's: its top policy's).
+    pub handler: String,
+    /// Counts, corrections, the handler's statistics and the first failure; `elapsed`
+    /// is the sum of the events' own times.
+    pub replay: ReplayReport,
+    /// Events per sample.
+    pub every: u64,
+    pub samples: Vec<Sample>,
+    /// Allocation requests (malloc, calloc, realloc) per size bucket ([`SIZE_BUCKETS`]).
+    pub sizes: [u64; SIZE_BUCKETS],
+    pub peak_live: u64,
+    pub peak_held: u64,
+    /// What the handler held from the host when the client held the most.
+    pub held_at_peak_live: u64,
+    /// The most held/live seen after any event, `None` if the client never held a
+    /// byte.
+    pub peak_ratio: Option<f64>,
+    /// Bytes live and held after the last replayed event (before the replay frees
+    /// what the trace left live).
+    pub final_live: u64,
+    pub final_held: u64,
+    /// Per-event time: median, 99th percentile and most, in nanoseconds.
+    pub ns_median: u64,
+    pub ns_p99: u64,
+    pub ns_max: u64,
+}
+
+impl Timeline {
+    /// Held/live at the end of the trace; `None` when the client held nothing then.
+    pub fn final_ratio(&self) -> Option<f64> {
+        ratio(self.final_held, self.final_live)
+    }
+
+    /// Held/live when the client held the most.
+    pub fn ratio_at_peak_live(&self) -> Option<f64> {
+        ratio(self.held_at_peak_live, self.peak_live)
+    }
+
+    /// The first failure, as the report words it: `line N: `op id size`: error`.
+    pub fn failure_text(&self) -> Option<String> {
+        self.replay
+            .failure
+            .as_ref()
+            .map(|(event, error)| format!("{event}: {error}"))
+    }
+}
+
+fn ratio(held: u64, live: u64) -> Option<f64> {
+    (live > 0).then(|| held as f64 / live as f64)
+}
+
+fn held_from_host(handler: &Handler) -> (usize, u64) {
+    handler
+        .held_from_host()
+        .expect("a handler this process's live threads called is reachable")
+}
+
+/// What a wasm chain holds from the host's memory, for [`timeline`].
+pub fn chain_held(handler: &Handler) -> impl FnMut() -> u64 + '_ {
+    move || held_from_host(handler).1
+}
+
+/// What a native handler ([`crate::NumpyDefault`]) holds from the C library, for
+/// [`timeline`]: its live bytes, which it counts as the C library's usable sizes (the
+/// blocks in its small-block cache are not counted).
+pub fn native_held(handler: &dyn MemHandler) -> impl FnMut() -> u64 + '_ {
+    move || stats_of(handler).live_bytes
+}
+
+/// Replay `events` through `handler` on this thread, in trace order (the recorded
+/// threads are ignored), timing every event and reading `held_from_host` after each.
+/// Stops at the first failing event, as [`crate::trace::replay_trace`] does; every
+/// block still live at the end is freed, so the handler is left empty.
+pub fn timeline(
+    label: &str,
+    handler: &dyn MemHandler,
+    held_from_host: impl FnMut() -> u64,
+    events: &[Event],
+) -> Timeline {
+    timeline_counted(label, handler, held_from_host, events, &AtomicU64::new(0))
+}
+
+/// [`timeline`], storing the events replayed so far in `done` after every sample window,
+/// so another thread can show progress.
+pub fn timeline_counted(
+    label: &str,
+    handler: &dyn MemHandler,
+    mut held_from_host: impl FnMut() -> u64,
+    events: &[Event],
+    done: &AtomicU64,
+) -> Timeline {
+    let every = events.len().div_ceil(MAX_POINTS).max(1) as u64;
+    let mut live: FastMap<u64, Held> = FastMap::default();
+    let mut replay = ReplayReport::default();
+    let mut sizes = [0u64; SIZE_BUCKETS];
+    let mut times: Vec<u32> = Vec::with_capacity(events.len());
+    let mut samples = Vec::with_capacity(MAX_POINTS + 1);
+    let mut window = Sample {
+        end: 0,
+        live: 0,
+        held: 0,
+        ratio: 0.0,
+        ns_per_event: 0.0,
+        ns_median: 0,
+    };
+    let mut window_ns = 0u64;
+    let (mut live_bytes, mut held) = (0u64, held_from_host());
+    let (mut peak_live, mut peak_held, mut held_at_peak_live) = (0, held, held);
+    let mut peak_ratio: Option<f64> = None;
+    for (i, event) in events.iter().enumerate() {
+        if event.op != EventOp::Free {
+            sizes[size_bucket(event.size)] += 1;
+        }
+        let before = live.get(&event.id).copied();
+        let start = Instant::now();
+        let after = replay.apply(handler, event, before);
+        let ns = start.elapsed().as_nanos().min(u32::MAX as u128) as u32;
+        match after {
+            Some(block) => drop(live.insert(event.id, block)),
+            None => drop(live.remove(&event.id)),
+        }
+        times.push(ns);
+        window_ns += u64::from(ns);
+        live_bytes =
+            live_bytes - before.map_or(0, |(_, s)| s as u64) + after.map_or(0, |(_, s)| s as u64);
+        held = held_from_host();
+        if live_bytes > peak_live {
+            (peak_live, held_at_peak_live) = (live_bytes, held);
+        }
+        peak_held = peak_held.max(held);
+        window.live = window.live.max(live_bytes);
+        window.held = window.held.max(held);
+        if let Some(r) = ratio(held, live_bytes) {
+            window.ratio = window.ratio.max(r);
+            peak_ratio = Some(peak_ratio.map_or(r, |p| p.max(r)));
+        }
+        let replayed = i as u64 + 1;
+        if replayed.is_multiple_of(every)
+            || replayed == events.len() as u64
+            || replay.failure.is_some()
+        {
+            done.store(replayed, Ordering::Relaxed);
+            let n = replayed - window.end;
+            samples.push(Sample {
+                end: replayed,
+                ns_per_event: window_ns as f64 / n as f64,
+                ..window
+            });
+            window = Sample {
+                end: replayed,
+                live: 0,
+                held: 0,
+                ratio: 0.0,
+                ns_per_event: 0.0,
+                ns_median: 0,
+            };
+            window_ns = 0;
+        }
+        if replay.failure.is_some() {
+            break;
+        }
+    }
+    replay.elapsed = Duration::from_nanos(times.iter().map(|&t| u64::from(t)).sum());
+    let mut start = 0;
+    for sample in &mut samples {
+        let window = &mut times[start..sample.end as usize];
+        sample.ns_median = *window.select_nth_unstable(window.len() / 2).1;
+        start = sample.end as usize;
+    }
+    let (ns_median, ns_p99, ns_max) = quantiles(&mut times);
+    drop(times);
+    for (_, (p, size)) in live.drain() {
+        let _ = handler.free(Some(p), size);
+    }
+    replay.stats = stats_of(handler);
+    Timeline {
+        label: label.to_string(),
+        handler: handler.name().to_string(),
+        replay,
+        every,
+        samples,
+        sizes,
+        peak_live,
+        peak_held,
+        held_at_peak_live,
+        peak_ratio,
+        final_live: live_bytes,
+        final_held: held,
+        ns_median,
+        ns_p99,
+        ns_max,
+    }
+}
+
+/// The bucket of a request of `size` bytes: 0 for 0, else the bit length of `size`.
+pub fn size_bucket(size: u64) -> usize {
+    (u64::BITS - size.leading_zeros()) as usize
+}
+
+/// Median, 99th percentile and most of `times` (reordered).
+fn quantiles(times: &mut [u32]) -> (u64, u64, u64) {
+    if times.is_empty() {
+        return (0, 0, 0);
+    }
+    let at = |times: &mut [u32], q: f64| {
+        let i = ((times.len() - 1) as f64 * q).round() as usize;
+        u64::from(*times.select_nth_unstable(i).1)
+    };
+    let median = at(times, 0.5);
+    let p99 = at(times, 0.99);
+    let max = u64::from(times.iter().copied().max().unwrap_or(0));
+    (median, p99, max)
+}
