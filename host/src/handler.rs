@@ -4,20 +4,20 @@
 
 mod builder;
 mod chain;
+mod inspect;
 
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crate::error::{ClientError, Error, InvariantBroken};
-use crate::ledger::{Ordered, TakeBack};
-use crate::link::{Link, PolicyInfo};
+use crate::error::{ClientError, Error};
+use crate::ledger::TakeBack;
+use crate::link::PolicyInfo;
 use crate::memhandler::{MemHandler, Stats};
 use allocbox_ledger::cache::{
-    self as cache, Caches, MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, Magazines, Mine, Reach,
-    Unreachable,
+    self as cache, Caches, MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, Mine, Reach, Unreachable,
 };
 pub use builder::HandlerBuilder;
-use chain::{Books, Chain, flush_magazines, refill, settle, shelve, unreachable};
+use chain::{Books, Chain, flush_magazines, refill, settle, shelve};
 
 /// A NEP 49 data-memory handler whose placement decisions are made by a chain of
 /// sandboxed policies. `Send + Sync`: many threads may call it at once. A malloc served
@@ -340,211 +340,6 @@ impl Handler {
         settle(&mut c, trimmed).map(drop)
     }
 
-    /// A copy of the counters, every thread's included. Counts are exact. The peak is
-    /// exact while one thread at a time uses the handler; with several at once it is the
-    /// highest total seen when their counters are gathered (here and on each read).
-    pub fn stats(&self) -> Result<Stats, Error> {
-        let mut c = self.lock()?;
-        for slot in c.slots() {
-            let counts = c
-                .claim(slot)
-                .map(|mut cache| std::mem::take(&mut cache.counts));
-            match counts {
-                Ok(counts) => c.stats.fold(counts),
-                Err(reason) => return Err(unreachable(&c, reason)),
-            }
-        }
-        let mut stats = c.stats.clone();
-        stats.budget_refusals = c.links().map(|l| l.stats().budget_refusals).sum();
-        Ok(stats)
-    }
-
-    /// Check the host's own invariants, for tests and fuzzing: every block a link lent
-    /// lies inside memory that link holds from its upstream, so every block a client
-    /// holds lies in live host memory; no client block lies in memory the host released
-    /// (with [`HandlerBuilder::quarantine`]); each ledger's indexes agree; the thread
-    /// caches hold exactly the blocks the ledger says they hold.
-    pub fn audit(&self) -> Result<(), InvariantBroken> {
-        let unaudited = |reason| InvariantBroken {
-            link: format!("{} (thread caches)", self.info.name),
-            addr: 0,
-            size: 0,
-            what: match reason {
-                Unreachable::Stuck { .. } => "is in a thread cache whose thread stopped in a call",
-                Unreachable::ForkedMidCall => {
-                    "is out of reach: the process forked while another thread was in a call"
-                }
-            },
-        };
-        let mut c = self.caches.lock().map_err(unaudited)?;
-        self.audit_caches(&mut c).map_err(|e| e.either(unaudited))?;
-        for link in c.links() {
-            let broken = |addr, size, what| InvariantBroken {
-                link: link.name().to_string(),
-                addr,
-                size,
-                what,
-            };
-            let lent = link.lent();
-            if let Err(what) = lent.check_consistent() {
-                return Err(broken(0, 0, what));
-            }
-            let upstream = link.upstream().lent().order_afresh();
-            for (addr, e) in lent.iter() {
-                if Ordered::from(&upstream).containing(addr, e.size).is_none() {
-                    return Err(broken(
-                        addr,
-                        e.size,
-                        "lies outside the memory its policy holds from upstream",
-                    ));
-                }
-                if let Some((released, _)) = c.bottom().released_overlapping(addr, e.size) {
-                    return Err(broken(
-                        addr,
-                        e.size,
-                        if released == addr {
-                            "was released to the system while lent"
-                        } else {
-                            "lies in memory released to the system"
-                        },
-                    ));
-                }
-            }
-        }
-        c.bottom()
-            .lent
-            .check_consistent()
-            .map_err(|what| InvariantBroken {
-                link: "host memory".into(),
-                addr: 0,
-                size: 0,
-                what,
-            })
-    }
-
-    /// Every block a thread cache holds is the top policy's, recorded with its size and
-    /// that cache; every block the ledger gives a cache is in it.
-    fn audit_caches(&self, c: &mut Books<'_>) -> Result<(), AuditError> {
-        let broken = |addr, size, what| InvariantBroken {
-            link: format!("{} (thread caches)", self.info.name),
-            addr,
-            size,
-            what,
-        };
-        let mut held = 0;
-        for slot in c.slots() {
-            let blocks: Vec<(u64, u64)> = c
-                .claim(slot)
-                .map(|t| {
-                    let in_magazines = t.magazines.iter().flat_map(Magazines::blocks);
-                    t.lent.iter().chain(in_magazines).collect()
-                })
-                .map_err(AuditError::Unreachable)?;
-            for (addr, size) in blocks {
-                let entry = c.head.lent().get(addr);
-                if entry.is_none_or(|e| e.size != size || e.cache != Some(slot.id)) {
-                    return Err(AuditError::Broken(broken(
-                        addr,
-                        size,
-                        "is in a thread cache the ledger does not name",
-                    )));
-                }
-                held += 1;
-            }
-        }
-        let named: Vec<_> = c
-            .head
-            .lent()
-            .iter()
-            .filter(|(_, e)| e.cache.is_some())
-            .collect();
-        match named.len() == held {
-            true => Ok(()),
-            false => {
-                let (addr, e) = named[0];
-                Err(AuditError::Broken(broken(
-                    addr,
-                    e.size,
-                    "is given to a thread cache that does not hold it",
-                )))
-            }
-        }
-    }
-
-    /// The blocks the client holds, `(address, size)`, by address.
-    pub fn live_blocks(&self) -> Result<Vec<(usize, usize)>, Error> {
-        let mut c = self.lock()?;
-        let mut blocks: Vec<(usize, usize)> = c
-            .head
-            .lent()
-            .iter()
-            .filter(|(_, e)| e.cache.is_none())
-            .map(|(a, e)| (a as usize, e.size as usize))
-            .collect();
-        for slot in c.slots() {
-            let lent = c.claim(slot).map(|t| {
-                let lent = t.lent.iter().map(|(a, s)| (a as usize, s as usize));
-                lent.collect::<Vec<_>>()
-            });
-            blocks.extend(lent.map_err(|reason| self.unreachable(reason))?);
-        }
-        blocks.sort_unstable();
-        Ok(blocks)
-    }
-
-    /// The size a live block was (re)allocated with; `None` for a block the handler
-    /// has not lent, or cannot reach.
-    pub fn block_size(&self, ptr: NonNull<u8>) -> Option<usize> {
-        let addr = ptr.as_ptr() as u64;
-        let mut mine = self.caches.mine();
-        let mut c = self.lock().ok()?;
-        let e = c.head.lent().get(addr)?;
-        let size = match e.cache {
-            None => e.size,
-            Some(id) => c.cache_of(&mut mine, id).ok()?.lent.get(addr)?,
-        };
-        Some(size as usize)
-    }
-
-    /// Counters of every policy in the chain, top first.
-    pub fn link_stats(&self) -> Result<Vec<crate::link::LinkStats>, Error> {
-        Ok(self.lock()?.links().map(Link::stats).collect())
-    }
-
-    /// Trim, then fail with a [`crate::error::Rule::Leak`] violation if the chain still holds memory
-    /// from the host — to be called once the client has freed everything (a test's last
-    /// assertion).
-    pub fn leak_check(&self) -> Result<(), Error> {
-        self.trim()?;
-        let (blocks, bytes) = self.held_from_host()?;
-        if blocks == 0 {
-            return Ok(());
-        }
-        Err(Error::Violation(crate::error::Violation {
-            policy: self.info.name.clone(),
-            call: crate::error::Call::Trim,
-            addr: 0,
-            size: bytes,
-            rule: crate::error::Rule::Leak { blocks, bytes },
-        }))
-    }
-
-    /// Upstream blocks still held from the host's memory, `(blocks, bytes)`: after every
-    /// block was freed and the handler trimmed, anything here is a leak.
-    pub fn held_from_host(&self) -> Result<(usize, u64), Error> {
-        let c = self.lock()?;
-        let host = &c.bottom().lent;
-        Ok((host.len(), host.bytes()))
-    }
-
-    /// The failure that stopped this handler's chain, or that keeps it out of reach.
-    pub fn failure(&self) -> Option<Arc<Error>> {
-        match self.lock() {
-            Ok(c) => c.failure.clone(),
-            Err(unreachable) => Some(Arc::new(unreachable)),
-        }
-    }
-
     /// Take a block the client holds out of the thread cache that lent it; the client
     /// holds it straight from the policy now. False when that cache has not lent it (it
     /// sits in a magazine).
@@ -636,21 +431,6 @@ fn zeroed_if<const ZEROED: bool>(addr: u64, size: u64) -> u64 {
 /// Update the calling thread's counters.
 fn count(c: &mut Books<'_>, mine: &mut Mine<'_>, f: impl FnOnce(&mut cache::Counts)) {
     f(&mut c.own(mine).counts);
-}
-
-/// Why an audit of the thread caches failed.
-enum AuditError {
-    Broken(InvariantBroken),
-    Unreachable(Unreachable),
-}
-
-impl AuditError {
-    fn either(self, unreachable: impl FnOnce(Unreachable) -> InvariantBroken) -> InvariantBroken {
-        match self {
-            AuditError::Broken(broken) => broken,
-            AuditError::Unreachable(reason) => unreachable(reason),
-        }
-    }
 }
 
 impl MemHandler for Handler {
