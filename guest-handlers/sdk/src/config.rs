@@ -9,11 +9,12 @@ use std::str::FromStr;
 /// rejected with an error that names them and lists the known ones.
 ///
 /// Errors are plain messages (`bad value `x` for `depth`: ...`); the SDK prefixes the
-/// policy's name.
+/// policy's name, unless the policy refused with [`refuse_verbatim`](Config::refuse_verbatim).
 #[derive(Debug, Clone, Default)]
 pub struct Config {
     pairs: Vec<(String, String)>,
     known: Vec<String>,
+    verbatim: Option<String>,
 }
 
 impl Config {
@@ -22,6 +23,7 @@ impl Config {
         Config {
             pairs,
             known: Vec::new(),
+            verbatim: None,
         }
     }
 
@@ -54,13 +56,25 @@ impl Config {
         T: FromStr,
         T::Err: Display,
     {
+        self.get_with(key, |value| {
+            value.parse().map_err(|e: T::Err| e.to_string())
+        })
+    }
+
+    /// The value of `key` read by `parse`, if it was given: for values that are not a
+    /// plain `FromStr` (a name from a list) or are checked on the way (a power of two).
+    /// `parse` gets the value trimmed and answers why it refuses one; the error then
+    /// reads `bad value `VALUE` for `KEY`: WHY`, with the value as given.
+    pub fn get_with<T>(
+        &mut self,
+        key: &str,
+        parse: impl FnOnce(&str) -> Result<T, String>,
+    ) -> Result<Option<T>, String> {
         match self.get_str(key)? {
             None => Ok(None),
-            Some(value) => value
-                .trim()
-                .parse()
+            Some(value) => parse(value.trim())
                 .map(Some)
-                .map_err(|e| format!("bad value `{value}` for `{key}`: {e}")),
+                .map_err(|why| format!("bad value `{value}` for `{key}`: {why}")),
         }
     }
 
@@ -99,6 +113,22 @@ impl Config {
     /// Every pair not taken yet, for a policy that accepts keys it cannot list in advance.
     pub fn take_rest(&mut self) -> Vec<(String, String)> {
         std::mem::take(&mut self.pairs)
+    }
+
+    /// Refuse the configuration with exactly `message`, without the policy's name in
+    /// front; return what this returns as `init`'s `Err`. For a refusal a program reads
+    /// (a test fixture's report of what its sandbox showed it), not a person. It wins
+    /// over everything else: `init` fails with `message` whatever it returns, and keys
+    /// left unread are not looked at.
+    pub fn refuse_verbatim(&mut self, message: impl Into<String>) -> String {
+        let message = message.into();
+        self.verbatim = Some(message.clone());
+        message
+    }
+
+    /// The message given to [`refuse_verbatim`](Config::refuse_verbatim), if it was.
+    pub(crate) fn take_verbatim(&mut self) -> Option<String> {
+        self.verbatim.take()
     }
 
     /// `Err` naming the first key nobody took, and the keys that are known.
@@ -154,6 +184,32 @@ mod tests {
             c.get::<u32>("depth"),
             Err("`depth` given more than once".into())
         );
+    }
+
+    #[test]
+    fn a_parser_of_its_own_says_why_it_refuses() {
+        fn power_of_two(value: &str) -> Result<u64, String> {
+            match value.parse::<u64>() {
+                Ok(n) if n.is_power_of_two() => Ok(n),
+                _ => Err("want a power of two".into()),
+            }
+        }
+        let mut c = config(&[("alignment", " 64 "), ("chunk", "48")]);
+        assert_eq!(c.get_with("alignment", power_of_two), Ok(Some(64)));
+        assert_eq!(
+            c.get_with("chunk", power_of_two),
+            Err("bad value `48` for `chunk`: want a power of two".into())
+        );
+        assert_eq!(c.get_with("missing", power_of_two), Ok(None));
+        assert_eq!(c.finish(), Ok(()));
+    }
+
+    #[test]
+    fn a_verbatim_refusal_is_kept_for_the_sdk() {
+        let mut c = config(&[("probe", "yes")]);
+        assert_eq!(c.take_verbatim(), None);
+        assert_eq!(c.refuse_verbatim("probe: env=[]"), "probe: env=[]");
+        assert_eq!(c.take_verbatim(), Some("probe: env=[]".into()));
     }
 
     #[test]

@@ -28,11 +28,17 @@
 //!   methods take `&self` and keep mutable state in `Cell`/`RefCell` fields; the one
 //!   instance is made by [`Policy::init`] and kept by the code [`export_policy!`] writes.
 //! - [`Config`] reads typed `init` settings; keys the policy did not read are rejected
-//!   for it, with an error naming them.
+//!   for it, with an error naming them. An `init` error reaches the embedder prefixed
+//!   with the policy's name.
 //! - [`upstream`] is the allocator below this policy; [`bytes`] reads and writes the bytes
 //!   of blocks the policy holds and has not lent (headers, free lists).
 //! - [`Info`] is what the policy promises: alignment and whether the host may batch.
 //!   Its name is the policy crate's package name unless `export_policy!` is given one.
+//!
+//! Test fixtures that break the contract on purpose, so that the host's tests see it
+//! caught, find their levers here too: [`Info::name`] and [`Info::version`] to describe
+//! themselves wrongly, [`Config::refuse_verbatim`] for an `init` error read by a program,
+//! and [`bindings`] for raw imports.
 
 pub mod bytes;
 mod config;
@@ -51,11 +57,13 @@ pub mod bindings {
     });
 }
 
-/// What a policy promises the host, besides its name (see [`export_policy!`]).
+/// What a policy tells the host about itself in its answer to `init`.
 ///
 /// `Info::new()` is the promise of a policy that hands out whole upstream blocks:
 /// 16-byte alignment (the host's own upstream aligns every block to 16) and batching
-/// allowed.
+/// allowed. The name and version are the SDK's to fill in (the name [`export_policy!`]
+/// was given, contract version 1); [`Info::name`] and [`Info::version`] replace them only
+/// for a test fixture that lies about itself, to check that the host refuses the lie.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Info {
     /// Every block the policy returns is aligned to this power of two. Default 16.
@@ -63,14 +71,25 @@ pub struct Info {
     /// The host may fetch blocks ahead with `malloc_many` and return frees late with
     /// `free_many`. A policy that must see every call one by one says false. Default true.
     pub batch: bool,
+    /// The name the host is told, if not the one [`export_policy!`] was given (which
+    /// still prefixes `init` errors). Default `None`.
+    pub name: Option<&'static str>,
+    /// The handler contract version the policy speaks. Default [`Info::VERSION`], the
+    /// only one the host accepts.
+    pub version: u8,
 }
 
 impl Info {
-    /// 16-byte alignment, batching allowed.
+    /// The handler contract version this SDK implements (`wit/policy.wit`).
+    pub const VERSION: u8 = 1;
+
+    /// 16-byte alignment, batching allowed, the exported name, contract version 1.
     pub const fn new() -> Info {
         Info {
             alignment: 16,
             batch: true,
+            name: None,
+            version: Info::VERSION,
         }
     }
 
@@ -82,6 +101,21 @@ impl Info {
     /// Allow (true) or forbid (false) the host's batching.
     pub const fn batch(self, batch: bool) -> Info {
         Info { batch, ..self }
+    }
+
+    /// Tell the host `name` instead of the exported name. The host refuses a name that is
+    /// not 1..=127 bytes: this is for fixtures that test that it does.
+    pub const fn name(self, name: &'static str) -> Info {
+        Info {
+            name: Some(name),
+            ..self
+        }
+    }
+
+    /// Claim contract `version` instead of [`Info::VERSION`]. The host refuses any other:
+    /// this is for fixtures that test that it does.
+    pub const fn version(self, version: u8) -> Info {
+        Info { version, ..self }
     }
 }
 
@@ -248,15 +282,48 @@ pub mod __private {
         fn with<R>(f: impl FnOnce(&Slot<Self::Policy>) -> R) -> R;
     }
 
-    /// Implements the generated export traits by delegating to the instance.
+    /// Implements the generated export traits by delegating to the instance. Every
+    /// method is a static call into the policy's own (monomorphised) method: no boxing,
+    /// no `dyn`, no allocation beyond what the policy's method makes.
     pub struct Export<I>(PhantomData<I>);
 
     fn policy<I: Instance, R>(f: impl FnOnce(&I::Policy) -> R) -> R {
         I::with(|slot| match slot.get() {
             Some(policy) => f(policy),
-            // The host always calls `init` first; anything else is a host bug.
-            None => panic!("{}: called before init", I::NAME),
+            None => before_init(I::NAME),
         })
+    }
+
+    // Out of line and cold: the host always calls `init` first, so this is a host bug,
+    // and the check on every call stays one load and one branch.
+    #[cold]
+    #[inline(never)]
+    fn before_init(name: &str) -> ! {
+        panic!("{name}: called before init")
+    }
+
+    /// The policy `P` made from `pairs`, and the record that answers the host's `init`;
+    /// or the error that does, prefixed with `name` unless the policy refused verbatim.
+    pub fn start<P: Policy>(
+        name: &'static str,
+        pairs: Vec<(String, String)>,
+    ) -> Result<(P, lifecycle::Info), String> {
+        let mut config = Config::new(pairs);
+        let made = P::init(&mut config);
+        if let Some(verbatim) = config.take_verbatim() {
+            return Err(verbatim);
+        }
+        let policy = made
+            .and_then(|p| config.finish().map(|()| p))
+            .map_err(|e| format!("{name}: {e}"))?;
+        let info = policy.info();
+        let record = lifecycle::Info {
+            name: info.name.unwrap_or(name).into(),
+            version: info.version,
+            alignment: info.alignment,
+            batch: info.batch,
+        };
+        Ok((policy, record))
     }
 
     impl<I: Instance> allocator::Guest for Export<I> {
@@ -287,22 +354,92 @@ pub mod __private {
 
     impl<I: Instance> lifecycle::Guest for Export<I> {
         fn init(config: Vec<(String, String)>) -> Result<lifecycle::Info, String> {
-            let name = I::NAME;
-            let mut config = Config::new(config);
-            let made = I::Policy::init(&mut config).and_then(|p| config.finish().map(|()| p));
-            let policy = made.map_err(|e| format!("{name}: {e}"))?;
-            let info = policy.info();
-            I::with(|slot| slot.set(policy)).map_err(|_| format!("{name}: init called twice"))?;
-            Ok(lifecycle::Info {
-                name: name.into(),
-                version: 1,
-                alignment: info.alignment,
-                batch: info.batch,
-            })
+            let (policy, record) = start::<I::Policy>(I::NAME, config)?;
+            I::with(|slot| slot.set(policy))
+                .map_err(|_| format!("{}: init called twice", I::NAME))?;
+            Ok(record)
         }
 
         fn trim() {
             policy::<I, _>(|p| p.trim())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::__private::start;
+    use super::*;
+    use bindings::exports::allocbox::policy::lifecycle;
+
+    /// A policy that only answers `init`; its allocator is never called natively.
+    struct Fixture {
+        info: Info,
+    }
+
+    impl Policy for Fixture {
+        fn init(config: &mut Config) -> Result<Self, String> {
+            let info = Info::new().alignment(config.get_or("alignment", 16)?);
+            match config.get_str("lie")?.as_deref() {
+                None => Ok(Fixture { info }),
+                Some("name") => Ok(Fixture {
+                    info: info.name("another"),
+                }),
+                Some("version") => Ok(Fixture {
+                    info: info.version(2),
+                }),
+                Some("verbatim") => Err(config.refuse_verbatim("report: as is")),
+                Some(other) => Err(format!("no lie `{other}`")),
+            }
+        }
+        fn info(&self) -> Info {
+            self.info
+        }
+        fn malloc(&self, _size: u64) -> u64 {
+            unreachable!("not called natively")
+        }
+        fn free(&self, _ptr: u64, _size: u64) {
+            unreachable!("not called natively")
+        }
+    }
+
+    fn start_with(pairs: &[(&str, &str)]) -> Result<lifecycle::Info, String> {
+        let pairs = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        start::<Fixture>("fixture", pairs).map(|(_, record)| record)
+    }
+
+    #[test]
+    fn the_record_names_the_export_and_contract_version_1() {
+        let record = start_with(&[("alignment", "64")]).unwrap();
+        assert_eq!(record.name, "fixture");
+        assert_eq!(record.version, Info::VERSION);
+        assert_eq!(record.alignment, 64);
+        assert!(record.batch);
+    }
+
+    #[test]
+    fn a_fixture_can_claim_another_name_or_version() {
+        assert_eq!(start_with(&[("lie", "name")]).unwrap().name, "another");
+        assert_eq!(start_with(&[("lie", "version")]).unwrap().version, 2);
+    }
+
+    #[test]
+    fn errors_are_prefixed_with_the_name_unless_verbatim() {
+        assert_eq!(
+            start_with(&[("lie", "x")]).unwrap_err(),
+            "fixture: no lie `x`"
+        );
+        assert_eq!(
+            start_with(&[("colour", "red")]).unwrap_err(),
+            "fixture: unknown config key `colour` (value `red`); known: alignment, lie"
+        );
+        // A verbatim refusal wins over keys left unread.
+        assert_eq!(
+            start_with(&[("lie", "verbatim"), ("colour", "red")]).unwrap_err(),
+            "report: as is"
+        );
     }
 }
