@@ -24,13 +24,7 @@
 //! bits 12..0:  (user - raw) / 16  (where the upstream block starts)
 //! ```
 
-wit_bindgen::generate!({ path: "../../wit", world: "policy" });
-
-use std::cell::Cell;
-
-use allocbox::policy::{allocator as upstream, bytes};
-use exports::allocbox::policy::allocator::Guest as Allocator;
-use exports::allocbox::policy::lifecycle::{Guest as Lifecycle, Info};
+use allocbox_policy::{Config, Info, Policy, bytes, export_policy, upstream};
 
 /// Bytes reserved before every user block; NEP 49's example uses 64 as well.
 const HEADER: u64 = 64;
@@ -52,31 +46,34 @@ const DEFAULT_ALIGNMENT: u64 = 64;
 const MIN_ALIGNMENT: u64 = 16;
 const MAX_ALIGNMENT: u64 = 65536;
 
-thread_local! {
-    // Guests are single-threaded; a thread-local is just a static without `unsafe`.
-    static ALIGNMENT: Cell<u64> = const { Cell::new(DEFAULT_ALIGNMENT) };
+struct Aligned {
+    alignment: u64,
 }
 
-fn alignment() -> u64 {
-    ALIGNMENT.with(Cell::get)
-}
-
-/// What we ask upstream for to serve `size` bytes, or `None` for a size no header can
-/// describe (and no memory could hold).
-fn padded(size: u64) -> Option<u64> {
-    if size > MAX_SIZE {
-        return None;
+impl Aligned {
+    /// What we ask upstream for to serve `size` bytes, or `None` for a size no header
+    /// can describe (and no memory could hold).
+    fn padded(&self, size: u64) -> Option<u64> {
+        if size > MAX_SIZE {
+            return None;
+        }
+        size.checked_add(self.alignment)?.checked_add(HEADER)
     }
-    size.checked_add(alignment())?.checked_add(HEADER)
-}
 
-/// Turns a fresh upstream block into the user address and writes its header.
-fn place(raw: u64, size: u64) -> u64 {
-    let align = alignment();
-    let user = (raw + HEADER + align - 1) & !(align - 1);
-    let word = ((size ^ MAGIC) << OFFSET_BITS) | ((user - raw) / 16);
-    bytes::write_u64(user - AT_WORD, word);
-    user
+    /// Turns a fresh upstream block into the user address and writes its header.
+    fn place(&self, raw: u64, size: u64) -> u64 {
+        let align = self.alignment;
+        let user = (raw + HEADER + align - 1) & !(align - 1);
+        let word = ((size ^ MAGIC) << OFFSET_BITS) | ((user - raw) / 16);
+        bytes::write_u64(user - AT_WORD, word);
+        user
+    }
+
+    fn release(&self, user: u64, size: u64, op: &str) {
+        let raw = header(user, size, op);
+        let total = self.padded(size).expect("size was padded when allocated");
+        upstream::free(raw, total);
+    }
 }
 
 /// Reads the header of `user` and checks it against the size the caller gave; returns the
@@ -95,109 +92,78 @@ fn header(user: u64, size: u64, op: &str) -> u64 {
     user - (word & ((1 << OFFSET_BITS) - 1)) * 16
 }
 
-fn release(user: u64, size: u64, op: &str) {
-    let raw = header(user, size, op);
-    let total = padded(size).expect("size was padded when allocated");
-    upstream::free(raw, total);
-}
-
-struct Aligned;
-
-impl Allocator for Aligned {
-    fn malloc(size: u64) -> u64 {
-        let Some(total) = padded(size) else { return 0 };
-        match upstream::malloc(total) {
-            0 => 0,
-            raw => place(raw, size),
-        }
-    }
-
-    fn calloc(nelem: u64, elsize: u64) -> u64 {
-        let Some(size) = nelem.checked_mul(elsize) else {
-            return 0;
-        };
-        let Some(total) = padded(size) else { return 0 };
-        // The whole padded block comes back zeroed; the header lies outside the user range.
-        match upstream::calloc(1, total) {
-            0 => 0,
-            raw => place(raw, size),
-        }
-    }
-
-    fn realloc(ptr: u64, old_size: u64, new_size: u64) -> u64 {
-        if ptr == 0 {
-            return Self::malloc(new_size);
-        }
-        // Check the header before allocating, so a bad call fails without side effects.
-        header(ptr, old_size, "realloc");
-        let new = Self::malloc(new_size);
-        if new == 0 {
-            return 0;
-        }
-        bytes::copy(new, ptr, old_size.min(new_size));
-        release(ptr, old_size, "realloc");
-        new
-    }
-
-    fn free(ptr: u64, size: u64) {
-        if ptr != 0 {
-            release(ptr, size, "free");
-        }
-    }
-
-    fn malloc_many(size: u64, count: u32) -> Vec<u64> {
-        (0..count)
-            .map(|_| Self::malloc(size))
-            .take_while(|&p| p != 0)
-            .collect()
-    }
-
-    fn free_many(ptrs: Vec<u64>, size: u64) {
-        for ptr in ptrs {
-            Self::free(ptr, size);
-        }
-    }
-}
-
 fn parse_alignment(value: &str) -> Result<u64, String> {
-    match value.trim().parse::<u64>() {
+    match value.parse::<u64>() {
         Ok(a) if a.is_power_of_two() && (MIN_ALIGNMENT..=MAX_ALIGNMENT).contains(&a) => Ok(a),
         _ => Err(format!(
-            "aligned: bad value `{value}` for `alignment`: \
-             want a power of two in {MIN_ALIGNMENT}..={MAX_ALIGNMENT}"
+            "want a power of two in {MIN_ALIGNMENT}..={MAX_ALIGNMENT}"
         )),
     }
 }
 
-impl Lifecycle for Aligned {
-    fn init(config: Vec<(String, String)>) -> Result<Info, String> {
-        let mut align = None;
-        for (key, value) in &config {
-            match key.as_str() {
-                "alignment" if align.is_some() => {
-                    return Err("aligned: `alignment` given more than once".into());
-                }
-                "alignment" => align = Some(parse_alignment(value)?),
-                _ => {
-                    return Err(format!(
-                        "aligned: unknown config key `{key}` (value `{value}`); known: alignment"
-                    ));
-                }
-            }
-        }
-        let align = align.unwrap_or(DEFAULT_ALIGNMENT);
-        ALIGNMENT.with(|a| a.set(align));
-        Ok(Info {
-            name: "aligned".into(),
-            version: 1,
-            alignment: align,
-            // NEP 49's example exists to see every call; no host-side magazines.
-            batch: false,
-        })
+impl Policy for Aligned {
+    fn init(config: &mut Config) -> Result<Self, String> {
+        let alignment = config
+            .get_with("alignment", parse_alignment)?
+            .unwrap_or(DEFAULT_ALIGNMENT);
+        Ok(Aligned { alignment })
     }
 
-    // Nothing is cached: every free goes straight back upstream.
-    fn trim() {}
+    fn info(&self) -> Info {
+        // NEP 49's example exists to see every call; no host-side magazines.
+        Info::new().alignment(self.alignment).batch(false)
+    }
+
+    fn malloc(&self, size: u64) -> u64 {
+        let Some(total) = self.padded(size) else {
+            return 0;
+        };
+        match upstream::malloc(total) {
+            0 => 0,
+            raw => self.place(raw, size),
+        }
+    }
+
+    fn calloc(&self, nelem: u64, elsize: u64) -> u64 {
+        let Some(size) = nelem.checked_mul(elsize) else {
+            return 0;
+        };
+        let Some(total) = self.padded(size) else {
+            return 0;
+        };
+        // The whole padded block comes back zeroed; the header lies outside the user range.
+        match upstream::calloc(1, total) {
+            0 => 0,
+            raw => self.place(raw, size),
+        }
+    }
+
+    fn realloc(&self, ptr: u64, old_size: u64, new_size: u64) -> u64 {
+        if ptr == 0 {
+            return self.malloc(new_size);
+        }
+        // Check the header before allocating, so a bad call fails without side effects.
+        header(ptr, old_size, "realloc");
+        let new = self.malloc(new_size);
+        if new == 0 {
+            return 0;
+        }
+        bytes::copy(new, ptr, old_size.min(new_size));
+        self.release(ptr, old_size, "realloc");
+        new
+    }
+
+    fn free(&self, ptr: u64, size: u64) {
+        if ptr != 0 {
+            self.release(ptr, size, "free");
+        }
+    }
+
+    // `malloc_many` and `free_many` are never called (batch is false); the defaults
+    // loop over `malloc` and `free` should a host call them anyway.
+
+    // Nothing is cached: every free goes straight back upstream, so the default `trim`
+    // (nothing) is right.
 }
 
-export!(Aligned);
+export_policy!(Aligned, name = "aligned");
