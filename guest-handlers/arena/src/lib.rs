@@ -17,14 +17,10 @@
 //! When a chunk is too full for the next block its tail is left unused; the chunk still
 //! goes back upstream once all its blocks are free.
 
-wit_bindgen::generate!({ path: "../../wit", world: "policy" });
-
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 
-use allocbox::policy::{allocator as upstream, bytes};
-use exports::allocbox::policy::allocator::Guest as Allocator;
-use exports::allocbox::policy::lifecycle::{Guest as Lifecycle, Info};
+use allocbox_policy::{Config, Policy, bytes, export_policy, upstream};
 
 const SMALL_STEP: u64 = 16;
 const SMALL_MAX: u64 = 1024;
@@ -202,29 +198,49 @@ impl Arena {
     }
 }
 
-thread_local! {
-    // Guests are single-threaded; a thread-local is just a static without `unsafe`.
-    // Upstream cannot call back into us, so holding the borrow across its calls is fine;
-    // no borrow is held across a call to our own exports.
-    static ARENA: RefCell<Arena> = RefCell::new(Arena::new(DEFAULT_CHUNK));
+/// The policy: the arena behind a `RefCell`, since the SDK lends it as `&self`. Upstream
+/// cannot call back into us, so holding the borrow across its calls is fine; no borrow is
+/// held across a call to our own methods.
+struct ArenaPolicy {
+    arena: RefCell<Arena>,
 }
 
-fn with_arena<R>(f: impl FnOnce(&mut Arena) -> R) -> R {
-    ARENA.with(|a| f(&mut a.borrow_mut()))
+impl ArenaPolicy {
+    fn with<R>(&self, f: impl FnOnce(&mut Arena) -> R) -> R {
+        f(&mut self.arena.borrow_mut())
+    }
 }
 
-struct ArenaPolicy;
+fn parse_chunk_size(value: &str) -> Result<u64, String> {
+    match value.parse::<u64>() {
+        Ok(c) if c.is_power_of_two() && (MIN_CHUNK..=MAX_CHUNK).contains(&c) => Ok(c),
+        _ => Err(format!(
+            "want a power of two in bytes, {MIN_CHUNK}..={MAX_CHUNK}"
+        )),
+    }
+}
 
-impl Allocator for ArenaPolicy {
-    fn malloc(size: u64) -> u64 {
-        with_arena(|a| a.malloc(size))
+impl Policy for ArenaPolicy {
+    fn init(config: &mut Config) -> Result<Self, String> {
+        let chunk = config
+            .get_with("chunk-size", parse_chunk_size)?
+            .unwrap_or(DEFAULT_CHUNK);
+        Ok(ArenaPolicy {
+            arena: RefCell::new(Arena::new(chunk)),
+        })
     }
 
-    fn calloc(nelem: u64, elsize: u64) -> u64 {
+    // The default `info` holds: every block is 16-aligned, and batching is welcome.
+
+    fn malloc(&self, size: u64) -> u64 {
+        self.with(|a| a.malloc(size))
+    }
+
+    fn calloc(&self, nelem: u64, elsize: u64) -> u64 {
         let Some(size) = nelem.checked_mul(elsize) else {
             return 0;
         };
-        with_arena(|a| {
+        self.with(|a| {
             if a.is_large(size) {
                 let ptr = upstream::calloc(nelem, elsize);
                 return a.lend_large(ptr, size);
@@ -238,11 +254,11 @@ impl Allocator for ArenaPolicy {
         })
     }
 
-    fn realloc(ptr: u64, old_size: u64, new_size: u64) -> u64 {
+    fn realloc(&self, ptr: u64, old_size: u64, new_size: u64) -> u64 {
         if ptr == 0 {
-            return Self::malloc(new_size);
+            return self.malloc(new_size);
         }
-        with_arena(|a| {
+        self.with(|a| {
             match (a.is_large(old_size), a.is_large(new_size)) {
                 (true, true) => {
                     let new = upstream::realloc(ptr, old_size, new_size);
@@ -265,14 +281,14 @@ impl Allocator for ArenaPolicy {
         })
     }
 
-    fn free(ptr: u64, size: u64) {
+    fn free(&self, ptr: u64, size: u64) {
         if ptr != 0 {
-            with_arena(|a| a.free(ptr, size));
+            self.with(|a| a.free(ptr, size));
         }
     }
 
-    fn malloc_many(size: u64, count: u32) -> Vec<u64> {
-        with_arena(|a| {
+    fn malloc_many(&self, size: u64, count: u32) -> Vec<u64> {
+        self.with(|a| {
             if a.is_large(size) {
                 let ptrs = upstream::malloc_many(size, count);
                 for &ptr in &ptrs {
@@ -287,8 +303,8 @@ impl Allocator for ArenaPolicy {
         })
     }
 
-    fn free_many(ptrs: Vec<u64>, size: u64) {
-        with_arena(|a| {
+    fn free_many(&self, ptrs: Vec<u64>, size: u64) {
+        self.with(|a| {
             if a.is_large(size) {
                 for &ptr in &ptrs {
                     a.forget_large(ptr, size);
@@ -299,47 +315,10 @@ impl Allocator for ArenaPolicy {
             }
         });
     }
-}
 
-fn parse_chunk_size(value: &str) -> Result<u64, String> {
-    match value.trim().parse::<u64>() {
-        Ok(c) if c.is_power_of_two() && (MIN_CHUNK..=MAX_CHUNK).contains(&c) => Ok(c),
-        _ => Err(format!(
-            "arena: bad value `{value}` for `chunk-size`: want a power of two in bytes, \
-             {MIN_CHUNK}..={MAX_CHUNK}"
-        )),
+    fn trim(&self) {
+        self.with(Arena::trim);
     }
 }
 
-impl Lifecycle for ArenaPolicy {
-    fn init(config: Vec<(String, String)>) -> Result<Info, String> {
-        let mut chunk = None;
-        for (key, value) in &config {
-            match key.as_str() {
-                "chunk-size" if chunk.is_some() => {
-                    return Err("arena: `chunk-size` given more than once".into());
-                }
-                "chunk-size" => chunk = Some(parse_chunk_size(value)?),
-                _ => {
-                    return Err(format!(
-                        "arena: unknown config key `{key}` (value `{value}`); known: chunk-size"
-                    ));
-                }
-            }
-        }
-        let chunk = chunk.unwrap_or(DEFAULT_CHUNK);
-        with_arena(|a| *a = Arena::new(chunk));
-        Ok(Info {
-            name: "arena".into(),
-            version: 1,
-            alignment: 16,
-            batch: true,
-        })
-    }
-
-    fn trim() {
-        with_arena(Arena::trim);
-    }
-}
-
-export!(ArenaPolicy);
+export_policy!(ArenaPolicy, name = "arena");

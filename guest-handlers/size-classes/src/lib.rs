@@ -15,13 +15,9 @@
 //! handing it out again and finally freeing it upstream with the bucket's size both keep
 //! the host's rules.
 
-wit_bindgen::generate!({ path: "../../wit", world: "policy" });
-
 use std::cell::RefCell;
 
-use allocbox::policy::{allocator as upstream, bytes};
-use exports::allocbox::policy::allocator::Guest as Allocator;
-use exports::allocbox::policy::lifecycle::{Guest as Lifecycle, Info};
+use allocbox_policy::{Config, Policy, bytes, export_policy, upstream};
 
 /// Sizes `1..NBUCKETS` are cached, as in NumPy.
 const NBUCKETS: u64 = 1024;
@@ -98,26 +94,53 @@ impl Cache {
     }
 }
 
-thread_local! {
-    // Guests are single-threaded; a thread-local is just a static without `unsafe`.
-    // No borrow is held across a call to our own exports, so the RefCell never panics.
-    static CACHE: RefCell<Cache> = RefCell::new(Cache {
-        depth: DEFAULT_DEPTH,
-        buckets: vec![Vec::new(); NBUCKETS as usize],
-        large_limit: 0,
-        large: Vec::new(),
-    });
+/// The policy: the cache behind a `RefCell`, since the SDK lends it as `&self`. No
+/// borrow is held across a call to our own methods, so the `RefCell` never panics.
+struct SizeClasses {
+    cache: RefCell<Cache>,
 }
 
-fn with_cache<R>(f: impl FnOnce(&mut Cache) -> R) -> R {
-    CACHE.with(|c| f(&mut c.borrow_mut()))
+impl SizeClasses {
+    fn with<R>(&self, f: impl FnOnce(&mut Cache) -> R) -> R {
+        f(&mut self.cache.borrow_mut())
+    }
 }
 
-struct SizeClasses;
+/// A count of at most `max`, for `config.get_with`.
+fn count_up_to(max: usize) -> impl FnOnce(&str) -> Result<usize, String> {
+    move |value| match value.parse::<usize>() {
+        Ok(n) if n <= max => Ok(n),
+        _ => Err(format!("want an integer in 0..={max}")),
+    }
+}
 
-impl Allocator for SizeClasses {
-    fn malloc(size: u64) -> u64 {
-        let (hit, stale) = with_cache(|c| match c.take(size) {
+impl Policy for SizeClasses {
+    fn init(config: &mut Config) -> Result<Self, String> {
+        let depth = config
+            .get_with("bucket-depth", count_up_to(MAX_DEPTH))?
+            .unwrap_or(DEFAULT_DEPTH);
+        let large_limit = config
+            .get_with("large-cache", count_up_to(MAX_LARGE_CACHE))?
+            .unwrap_or(0);
+        let mut buckets = vec![Vec::new(); NBUCKETS as usize];
+        for bucket in &mut buckets[1..] {
+            bucket.reserve_exact(depth);
+        }
+        Ok(SizeClasses {
+            cache: RefCell::new(Cache {
+                depth,
+                buckets,
+                large_limit,
+                large: Vec::new(),
+            }),
+        })
+    }
+
+    // The default `info` holds: blocks are whole upstream blocks, which the host aligns
+    // to 16, and batching is what makes this policy fast.
+
+    fn malloc(&self, size: u64) -> u64 {
+        let (hit, stale) = self.with(|c| match c.take(size) {
             Some(ptr) => (Some(ptr), Vec::new()),
             None => (None, c.smaller_large(size)),
         });
@@ -127,11 +150,11 @@ impl Allocator for SizeClasses {
         hit.unwrap_or_else(|| upstream::malloc(size))
     }
 
-    fn calloc(nelem: u64, elsize: u64) -> u64 {
+    fn calloc(&self, nelem: u64, elsize: u64) -> u64 {
         // Large zeroed blocks come fresh from upstream: untouched zero pages cost less
         // than clearing a cached block.
         if let Some(size) = nelem.checked_mul(elsize).filter(|&s| s < LARGE)
-            && let Some(ptr) = with_cache(|c| c.take(size))
+            && let Some(ptr) = self.with(|c| c.take(size))
         {
             // A recycled block still holds its previous owner's bytes.
             bytes::fill(ptr, size, 0);
@@ -141,35 +164,35 @@ impl Allocator for SizeClasses {
         upstream::calloc(nelem, elsize)
     }
 
-    fn realloc(ptr: u64, old_size: u64, new_size: u64) -> u64 {
+    fn realloc(&self, ptr: u64, old_size: u64, new_size: u64) -> u64 {
         if ptr == 0 {
-            return Self::malloc(new_size);
+            return self.malloc(new_size);
         }
         if old_size >= NBUCKETS && new_size >= NBUCKETS {
             // A block handed out is a plain upstream block of its size, whichever cache
             // it came from.
             return upstream::realloc(ptr, old_size, new_size);
         }
-        let new = Self::malloc(new_size);
+        let new = self.malloc(new_size);
         if new == 0 {
             return 0;
         }
         bytes::copy(new, ptr, old_size.min(new_size));
-        Self::free(ptr, old_size);
+        self.free(ptr, old_size);
         new
     }
 
-    fn free(ptr: u64, size: u64) {
+    fn free(&self, ptr: u64, size: u64) {
         if ptr == 0 {
             return;
         }
-        if let Some((ptr, size)) = with_cache(|c| c.keep(ptr, size)) {
+        if let Some((ptr, size)) = self.with(|c| c.keep(ptr, size)) {
             upstream::free(ptr, size);
         }
     }
 
-    fn malloc_many(size: u64, count: u32) -> Vec<u64> {
-        let mut ptrs = with_cache(|c| match c.bucket(size) {
+    fn malloc_many(&self, size: u64, count: u32) -> Vec<u64> {
+        let mut ptrs = self.with(|c| match c.bucket(size) {
             Some(bucket) => {
                 let n = bucket.len().min(count as usize);
                 bucket.split_off(bucket.len() - n)
@@ -183,9 +206,9 @@ impl Allocator for SizeClasses {
         ptrs
     }
 
-    fn free_many(mut ptrs: Vec<u64>, size: u64) {
+    fn free_many(&self, mut ptrs: Vec<u64>, size: u64) {
         ptrs.retain(|&p| p != 0);
-        with_cache(|c| {
+        self.with(|c| {
             let depth = c.depth;
             if let Some(bucket) = c.bucket(size) {
                 let n = depth.saturating_sub(bucket.len()).min(ptrs.len());
@@ -196,57 +219,10 @@ impl Allocator for SizeClasses {
             upstream::free_many(&ptrs, size);
         }
     }
-}
 
-fn parse_count(key: &str, value: &str, max: usize) -> Result<usize, String> {
-    match value.trim().parse::<usize>() {
-        Ok(d) if d <= max => Ok(d),
-        _ => Err(format!(
-            "size-classes: bad value `{value}` for `{key}`: want an integer in 0..={max}"
-        )),
-    }
-}
-
-impl Lifecycle for SizeClasses {
-    fn init(config: Vec<(String, String)>) -> Result<Info, String> {
-        let mut depth = None;
-        let mut large = None;
-        for (key, value) in &config {
-            let (slot, max) = match key.as_str() {
-                "bucket-depth" => (&mut depth, MAX_DEPTH),
-                "large-cache" => (&mut large, MAX_LARGE_CACHE),
-                _ => {
-                    return Err(format!(
-                        "size-classes: unknown config key `{key}` (value `{value}`); \
-                         known: bucket-depth, large-cache"
-                    ));
-                }
-            };
-            if slot.is_some() {
-                return Err(format!("size-classes: `{key}` given more than once"));
-            }
-            *slot = Some(parse_count(key, value, max)?);
-        }
-        let depth = depth.unwrap_or(DEFAULT_DEPTH);
-        with_cache(|c| {
-            c.depth = depth;
-            c.large_limit = large.unwrap_or(0);
-            for bucket in &mut c.buckets[1..] {
-                bucket.reserve_exact(depth);
-            }
-        });
-        Ok(Info {
-            name: "size-classes".into(),
-            version: 1,
-            // Blocks are whole upstream blocks, which the host aligns to 16.
-            alignment: 16,
-            batch: true,
-        })
-    }
-
-    fn trim() {
+    fn trim(&self) {
         // Upstream cannot call back into us, so holding the borrow across its calls is fine.
-        with_cache(|c| {
+        self.with(|c| {
             for (size, bucket) in c.buckets.iter_mut().enumerate().skip(1) {
                 if !bucket.is_empty() {
                     upstream::free_many(bucket, size as u64);
@@ -260,4 +236,4 @@ impl Lifecycle for SizeClasses {
     }
 }
 
-export!(SizeClasses);
+export_policy!(SizeClasses, name = "size-classes");
