@@ -8,16 +8,15 @@
 //! `malloc` and `free`, so a fault shows whichever way the host asks, and `batch` is
 //! false (except for `trap-malloc-many` and `trap-free-many`, which need the host to
 //! batch).
-
-wit_bindgen::generate!({ path: "../../wit", world: "policy" });
+//!
+//! `fault=probe-sandbox` is no fault: `init` refuses with a report of what the sandbox
+//! lets a guest see, which the host's tests read.
 
 use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::hint::black_box;
 
-use allocbox::policy::{allocator as upstream, bytes};
-use exports::allocbox::policy::allocator::Guest as Allocator;
-use exports::allocbox::policy::lifecycle::{Guest as Lifecycle, Info};
+use allocbox_policy::{Config, Info, Policy, bytes, export_policy, upstream};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Fault {
@@ -175,59 +174,121 @@ const FAULTS: &[(&str, Fault)] = &[
     ("init-err", Fault::InitErr),
 ];
 
-const OVERLAP_BLOCK: u64 = 4096;
+/// Not in [`FAULTS`]: it breaks no rule, and the list is what a bad `fault` is told.
+const PROBE_SANDBOX: &str = "probe-sandbox";
 
-thread_local! {
-    // Guests are single-threaded; thread-locals are just statics without `unsafe`.
-    static FAULT: Cell<Fault> = const { Cell::new(Fault::None) };
-    /// Blocks `malloc` returned moved off their upstream block: returned -> (upstream, size),
-    /// so that `free` can still give back what it got, should the host ever let it.
-    static MOVED: RefCell<BTreeMap<u64, (u64, u64)>> = const { RefCell::new(BTreeMap::new()) };
-    /// `overlap`: the one upstream block every small `malloc` returns.
-    static SHARED: Cell<u64> = const { Cell::new(0) };
-    /// `scribble`: the last block `malloc` returned, while it is still lent out.
-    static LAST: Cell<u64> = const { Cell::new(0) };
-    /// `free-other`: blocks returned and not yet freed, `(ptr, size)`, oldest first.
-    static LENT: RefCell<Vec<(u64, u64)>> = const { RefCell::new(Vec::new()) };
-    /// `grow-memory`: keeps every hoarded buffer reachable.
-    static HOARD: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
-    /// `malloc` calls so far, for the faults that start after a count.
-    static MALLOCS: Cell<u64> = const { Cell::new(0) };
-    /// `free` calls so far, for `leak-after-200`.
-    static FREES: Cell<u64> = const { Cell::new(0) };
-    /// The last block `malloc` answered, for `overlap-after-200`.
-    static PREVIOUS: Cell<u64> = const { Cell::new(0) };
-    /// `stale-after-trim`'s free list: `(address, size)`.
-    static FREE_LIST: RefCell<Vec<(u64, u64)>> = const { RefCell::new(Vec::new()) };
+/// The value of `fault`, or `None` for [`PROBE_SANDBOX`].
+fn parse_fault(name: &str) -> Result<Option<Fault>, String> {
+    if name == PROBE_SANDBOX {
+        return Ok(None);
+    }
+    match FAULTS.iter().find(|(known, _)| *known == name) {
+        Some(&(_, fault)) => Ok(Some(fault)),
+        None => {
+            let known: Vec<&str> = FAULTS.iter().map(|(known, _)| *known).collect();
+            Err(format!("unknown fault; known: {}", known.join(", ")))
+        }
+    }
 }
 
-fn fault() -> Fault {
-    FAULT.with(Cell::get)
+const OVERLAP_BLOCK: u64 = 4096;
+
+/// Whatever state the faults need; each field serves the faults named.
+struct Broken {
+    fault: Fault,
+    /// Blocks `malloc` returned moved off their upstream block: returned -> (upstream,
+    /// size), so that `free` can still give back what it got, should the host ever let it.
+    moved: RefCell<BTreeMap<u64, (u64, u64)>>,
+    /// `overlap`: the one upstream block every small `malloc` returns.
+    shared: Cell<u64>,
+    /// `scribble`: the last block `malloc` returned, while it is still lent out.
+    last: Cell<u64>,
+    /// `free-other`: blocks returned and not yet freed, `(ptr, size)`, oldest first.
+    lent: RefCell<Vec<(u64, u64)>>,
+    /// `grow-memory`: keeps every hoarded buffer reachable.
+    hoard: RefCell<Vec<Vec<u8>>>,
+    /// `malloc` calls so far, for the faults that start after a count.
+    mallocs: Cell<u64>,
+    /// `free` calls so far, for `leak-after-200`.
+    frees: Cell<u64>,
+    /// The last block `malloc` answered, for `overlap-after-200`.
+    previous: Cell<u64>,
+    /// `stale-after-trim`'s free list: `(address, size)`.
+    free_list: RefCell<Vec<(u64, u64)>>,
 }
 
 fn trap(what: &str) -> ! {
     panic!("broken: fault `trap-{what}`: trapping on purpose")
 }
 
-/// A block of `size` bytes from the free list of the faults that keep one.
-fn listed(size: u64) -> Option<u64> {
-    FREE_LIST.with(|l| {
-        let mut l = l.borrow_mut();
-        let at = l.iter().position(|&(_, s)| s == size)?;
-        Some(l.swap_remove(at).0)
-    })
+impl Broken {
+    fn new(fault: Fault) -> Broken {
+        Broken {
+            fault,
+            moved: RefCell::new(BTreeMap::new()),
+            shared: Cell::new(0),
+            last: Cell::new(0),
+            lent: RefCell::new(Vec::new()),
+            hoard: RefCell::new(Vec::new()),
+            mallocs: Cell::new(0),
+            frees: Cell::new(0),
+            previous: Cell::new(0),
+            free_list: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// A block of `size` bytes from the free list of the faults that keep one.
+    fn listed(&self, size: u64) -> Option<u64> {
+        let mut list = self.free_list.borrow_mut();
+        let at = list.iter().position(|&(_, s)| s == size)?;
+        Some(list.swap_remove(at).0)
+    }
+
+    fn moved(&self, ptr: u64, upstream_ptr: u64, upstream_size: u64) -> u64 {
+        self.moved
+            .borrow_mut()
+            .insert(ptr, (upstream_ptr, upstream_size));
+        ptr
+    }
+
+    /// Counts one more call in `counter` and says how many came before it.
+    fn count(counter: &Cell<u64>) -> u64 {
+        counter.replace(counter.get() + 1)
+    }
 }
 
-fn moved(ptr: u64, upstream_ptr: u64, upstream_size: u64) -> u64 {
-    MOVED.with(|m| m.borrow_mut().insert(ptr, (upstream_ptr, upstream_size)));
-    ptr
-}
+impl Policy for Broken {
+    fn init(config: &mut Config) -> Result<Self, String> {
+        let fault = match config.get_with("fault", parse_fault)? {
+            None => Fault::None,
+            Some(Some(fault)) => fault,
+            Some(None) => return Err(config.refuse_verbatim(probe_sandbox())),
+        };
+        if fault == Fault::InitErr {
+            return Err(config.refuse_verbatim("refusing: test fault"));
+        }
+        Ok(Broken::new(fault))
+    }
 
-struct Broken;
+    // The faults of `init`'s answer live here, after the SDK has refused unknown keys,
+    // as they came after the configuration was checked before the SDK.
+    fn info(&self) -> Info {
+        let info = Info::new().batch(matches!(
+            self.fault,
+            Fault::None | Fault::TrapMallocMany | Fault::TrapFreeMany
+        ));
+        match self.fault {
+            Fault::TrapInit => trap("init"),
+            Fault::BadName => info.name("x".repeat(200).leak()),
+            Fault::EmptyName => info.name(""),
+            Fault::BadVersion => info.version(2),
+            Fault::BadAlignment => info.alignment(24),
+            _ => info,
+        }
+    }
 
-impl Allocator for Broken {
-    fn malloc(size: u64) -> u64 {
-        match fault() {
+    fn malloc(&self, size: u64) -> u64 {
+        match self.fault {
             Fault::TrapMalloc => trap("malloc"),
             Fault::LoopMalloc if size == 13 => {
                 // `black_box` is opaque to the optimiser, so the loop cannot be removed.
@@ -238,43 +299,43 @@ impl Allocator for Broken {
             }
             Fault::GrowMemory => loop {
                 let buffer = black_box(vec![1u8; 1 << 20]);
-                HOARD.with(|h| h.borrow_mut().push(buffer));
+                self.hoard.borrow_mut().push(buffer);
             },
             Fault::Outside => match upstream::malloc(size) {
                 0 => 0,
-                p => moved(p + size.next_multiple_of(16) + (64 << 10), p, size),
+                p => self.moved(p + size.next_multiple_of(16) + (64 << 10), p, size),
             },
             Fault::Overlap if size <= OVERLAP_BLOCK => {
-                if SHARED.with(Cell::get) == 0 {
-                    SHARED.with(|s| s.set(upstream::malloc(OVERLAP_BLOCK)));
+                if self.shared.get() == 0 {
+                    self.shared.set(upstream::malloc(OVERLAP_BLOCK));
                 }
-                SHARED.with(Cell::get)
+                self.shared.get()
             }
             Fault::Misaligned => match size.checked_add(16).map(upstream::malloc) {
                 None | Some(0) => 0,
-                Some(p) => moved(p + 8, p, size + 16),
+                Some(p) => self.moved(p + 8, p, size + 16),
             },
-            Fault::MisalignedAfter300 if MALLOCS.with(|m| m.replace(m.get() + 1)) >= 300 => {
+            Fault::MisalignedAfter300 if Broken::count(&self.mallocs) >= 300 => {
                 match size.checked_add(16).map(upstream::malloc) {
                     None | Some(0) => 0,
-                    Some(p) => moved(p + 8, p, size + 16),
+                    Some(p) => self.moved(p + 8, p, size + 16),
                 }
             }
             Fault::OffByOne if size > 1 => match upstream::malloc(size - 1) {
                 0 => 0,
-                p => moved(p, p, size - 1),
+                p => self.moved(p, p, size - 1),
             },
             Fault::FreeOther => {
                 let ptr = upstream::malloc(size);
                 if ptr != 0 {
-                    LENT.with(|l| l.borrow_mut().push((ptr, size)));
+                    self.lent.borrow_mut().push((ptr, size));
                 }
                 ptr
             }
             Fault::Scribble => {
                 let ptr = upstream::malloc(size);
                 if ptr != 0 {
-                    let previous = LAST.with(|l| l.replace(ptr));
+                    let previous = self.last.replace(ptr);
                     if previous != 0 {
                         bytes::write_u64(previous, 0x5C21_BB1E_5C21_BB1E);
                     }
@@ -282,7 +343,7 @@ impl Allocator for Broken {
                 ptr
             }
             Fault::ScribbleBeside | Fault::ScribbleStale => {
-                let chunk = match LAST.with(Cell::get) {
+                let chunk = match self.last.get() {
                     0 => upstream::malloc(4096),
                     chunk => chunk,
                 };
@@ -290,23 +351,23 @@ impl Allocator for Broken {
                     return 0;
                 }
                 let middle = chunk + 2048;
-                if LAST.with(|l| l.replace(chunk)) == 0 {
+                if self.last.replace(chunk) == 0 {
                     bytes::write_u64(middle, 1);
                     return chunk;
                 }
-                if fault() == Fault::ScribbleBeside {
+                if self.fault == Fault::ScribbleBeside {
                     bytes::write_u64(middle, 2);
                 }
                 bytes::write_u64(chunk, 0x5C21_BB1E_5C21_BB1E);
                 0
             }
             Fault::ScribbleAfterFree => {
-                let chunk = match LAST.with(Cell::get) {
+                let chunk = match self.last.get() {
                     0 => upstream::malloc(4096),
                     chunk => chunk,
                 };
-                LAST.with(|l| l.set(chunk));
-                let carved = MALLOCS.with(|m| m.replace(m.get() + 1));
+                self.last.set(chunk);
+                let carved = Broken::count(&self.mallocs);
                 if chunk == 0 || size > 64 || carved >= 4096 / 64 {
                     return 0;
                 }
@@ -322,30 +383,32 @@ impl Allocator for Broken {
                 upstream::malloc(size)
             }
             Fault::StaleAfterTrim | Fault::RecycledCallocDirty | Fault::DuplicateSlot => {
-                listed(size).unwrap_or_else(|| upstream::malloc(size))
+                self.listed(size).unwrap_or_else(|| upstream::malloc(size))
             }
             Fault::ClassRounding if (17..=24).contains(&size) => upstream::malloc(16),
             Fault::PageOffByOne if size == 4096 => upstream::malloc(4095),
             Fault::OverlapAfter200 => {
-                let count = MALLOCS.with(|m| m.replace(m.get() + 1));
-                let previous = PREVIOUS.with(Cell::get);
+                let count = Broken::count(&self.mallocs);
+                let previous = self.previous.get();
                 if count >= 200 && previous != 0 {
                     return previous;
                 }
                 let ptr = upstream::malloc(size);
-                PREVIOUS.with(|p| p.set(ptr));
+                self.previous.set(ptr);
                 ptr
             }
             _ => upstream::malloc(size),
         }
     }
 
-    fn calloc(nelem: u64, elsize: u64) -> u64 {
-        match fault() {
+    fn calloc(&self, nelem: u64, elsize: u64) -> u64 {
+        match self.fault {
             Fault::TrapCalloc => trap("calloc"),
             Fault::RecycledCallocDirty => match nelem.checked_mul(elsize) {
                 None => 0,
-                Some(size) => listed(size).unwrap_or_else(|| upstream::calloc(nelem, elsize)),
+                Some(size) => self
+                    .listed(size)
+                    .unwrap_or_else(|| upstream::calloc(nelem, elsize)),
             },
             Fault::CallocDirty => {
                 let Some(size) = nelem.checked_mul(elsize) else {
@@ -361,8 +424,8 @@ impl Allocator for Broken {
         }
     }
 
-    fn realloc(ptr: u64, old_size: u64, new_size: u64) -> u64 {
-        match fault() {
+    fn realloc(&self, ptr: u64, old_size: u64, new_size: u64) -> u64 {
+        match self.fault {
             Fault::TrapRealloc => trap("realloc"),
             Fault::ReallocLoses if ptr != 0 => {
                 let new = upstream::malloc(new_size);
@@ -398,8 +461,8 @@ impl Allocator for Broken {
             }
             Fault::Scribble => {
                 let new = upstream::realloc(ptr, old_size, new_size);
-                if new != 0 && ptr != 0 && LAST.with(Cell::get) == ptr {
-                    LAST.with(|l| l.set(new));
+                if new != 0 && ptr != 0 && self.last.get() == ptr {
+                    self.last.set(new);
                 }
                 new
             }
@@ -407,11 +470,12 @@ impl Allocator for Broken {
         }
     }
 
-    fn free(ptr: u64, size: u64) {
-        if let Some((up, up_size)) = MOVED.with(|m| m.borrow_mut().remove(&ptr)) {
+    fn free(&self, ptr: u64, size: u64) {
+        let moved = self.moved.borrow_mut().remove(&ptr);
+        if let Some((up, up_size)) = moved {
             return upstream::free(up, up_size);
         }
-        match fault() {
+        match self.fault {
             Fault::TrapFree => trap("free"),
             Fault::WrongSizeFree => upstream::free(ptr, size + 1),
             Fault::DoubleFree => {
@@ -425,22 +489,22 @@ impl Allocator for Broken {
             }
             Fault::Leak if size >= 64 => {}
             Fault::StaleAfterTrim | Fault::RecycledCallocDirty => {
-                FREE_LIST.with(|l| l.borrow_mut().push((ptr, size)));
+                self.free_list.borrow_mut().push((ptr, size));
             }
-            Fault::DuplicateSlot => FREE_LIST.with(|l| {
-                let mut l = l.borrow_mut();
-                l.push((ptr, size));
+            Fault::DuplicateSlot => {
+                let mut list = self.free_list.borrow_mut();
+                list.push((ptr, size));
                 if size.is_multiple_of(16) {
-                    l.push((ptr, size));
+                    list.push((ptr, size));
                 }
-            }),
-            Fault::LeakAfter200 if FREES.with(|f| f.replace(f.get() + 1)) >= 200 => {}
+            }
+            Fault::LeakAfter200 if Broken::count(&self.frees) >= 200 => {}
             Fault::FreeOther => {
-                let other = LENT.with(|l| {
-                    let mut l = l.borrow_mut();
-                    l.retain(|&(p, _)| p != ptr);
-                    l.first().copied()
-                });
+                let other = {
+                    let mut lent = self.lent.borrow_mut();
+                    lent.retain(|&(p, _)| p != ptr);
+                    lent.first().copied()
+                };
                 upstream::free(ptr, size);
                 // Gives back memory the client still holds: the host must refuse.
                 if let Some((p, s)) = other {
@@ -448,10 +512,10 @@ impl Allocator for Broken {
                 }
             }
             // The shared block stays with us until `trim`.
-            Fault::Overlap if ptr == SHARED.with(Cell::get) => {}
+            Fault::Overlap if ptr == self.shared.get() => {}
             Fault::Scribble => {
-                if LAST.with(Cell::get) == ptr {
-                    LAST.with(|l| l.set(0));
+                if self.last.get() == ptr {
+                    self.last.set(0);
                 }
                 upstream::free(ptr, size);
             }
@@ -459,22 +523,46 @@ impl Allocator for Broken {
         }
     }
 
-    fn malloc_many(size: u64, count: u32) -> Vec<u64> {
-        match fault() {
+    fn malloc_many(&self, size: u64, count: u32) -> Vec<u64> {
+        match self.fault {
             Fault::TrapMallocMany => trap("malloc-many"),
             Fault::None | Fault::TrapFreeMany => upstream::malloc_many(size, count),
             _ => (0..count)
-                .map(|_| Self::malloc(size))
+                .map(|_| self.malloc(size))
                 .take_while(|&p| p != 0)
                 .collect(),
         }
     }
 
-    fn free_many(ptrs: Vec<u64>, size: u64) {
-        match fault() {
+    fn free_many(&self, ptrs: Vec<u64>, size: u64) {
+        match self.fault {
             Fault::TrapFreeMany => trap("free-many"),
             Fault::None | Fault::TrapMallocMany => upstream::free_many(&ptrs, size),
-            _ => ptrs.into_iter().for_each(|p| Self::free(p, size)),
+            _ => ptrs.into_iter().for_each(|p| self.free(p, size)),
+        }
+    }
+
+    fn trim(&self) {
+        match self.fault {
+            Fault::TrapTrim => trap("trim"),
+            Fault::StaleAfterTrim => {
+                // The bug: the blocks go back upstream and stay on the list.
+                for (ptr, size) in self.free_list.borrow().clone() {
+                    upstream::free(ptr, size);
+                }
+            }
+            Fault::RecycledCallocDirty | Fault::DuplicateSlot => {
+                for (ptr, size) in self.free_list.take() {
+                    upstream::free(ptr, size);
+                }
+            }
+            Fault::Overlap => {
+                let shared = self.shared.replace(0);
+                if shared != 0 {
+                    upstream::free(shared, OVERLAP_BLOCK);
+                }
+            }
+            _ => {}
         }
     }
 }
@@ -502,83 +590,4 @@ fn probe_sandbox() -> String {
     )
 }
 
-impl Lifecycle for Broken {
-    fn init(config: Vec<(String, String)>) -> Result<Info, String> {
-        if config
-            .iter()
-            .any(|(k, v)| k == "fault" && v == "probe-sandbox")
-        {
-            return Err(probe_sandbox());
-        }
-        let mut chosen = None;
-        for (key, value) in &config {
-            match key.as_str() {
-                "fault" if chosen.is_some() => {
-                    return Err("broken: `fault` given more than once".into());
-                }
-                "fault" => {
-                    let Some(&(_, f)) = FAULTS.iter().find(|(name, _)| name == value) else {
-                        let known: Vec<&str> = FAULTS.iter().map(|(name, _)| *name).collect();
-                        return Err(format!(
-                            "broken: bad value `{value}` for `fault`: unknown fault; known: {}",
-                            known.join(", ")
-                        ));
-                    };
-                    chosen = Some(f);
-                }
-                _ => {
-                    return Err(format!(
-                        "broken: unknown config key `{key}` (value `{value}`); known: fault"
-                    ));
-                }
-            }
-        }
-        let fault = chosen.unwrap_or(Fault::None);
-        FAULT.with(|f| f.set(fault));
-        let mut info = Info {
-            name: "broken".into(),
-            version: 1,
-            alignment: 16,
-            batch: matches!(
-                fault,
-                Fault::None | Fault::TrapMallocMany | Fault::TrapFreeMany
-            ),
-        };
-        match fault {
-            Fault::TrapInit => trap("init"),
-            Fault::BadName => info.name = "x".repeat(200),
-            Fault::EmptyName => info.name = String::new(),
-            Fault::BadVersion => info.version = 2,
-            Fault::BadAlignment => info.alignment = 24,
-            Fault::InitErr => return Err("refusing: test fault".into()),
-            _ => {}
-        }
-        Ok(info)
-    }
-
-    fn trim() {
-        match fault() {
-            Fault::TrapTrim => trap("trim"),
-            Fault::StaleAfterTrim => {
-                // The bug: the blocks go back upstream and stay on the list.
-                for (ptr, size) in FREE_LIST.with(|l| l.borrow().clone()) {
-                    upstream::free(ptr, size);
-                }
-            }
-            Fault::RecycledCallocDirty | Fault::DuplicateSlot => {
-                for (ptr, size) in FREE_LIST.with(|l| std::mem::take(&mut *l.borrow_mut())) {
-                    upstream::free(ptr, size);
-                }
-            }
-            Fault::Overlap => {
-                let shared = SHARED.with(|s| s.replace(0));
-                if shared != 0 {
-                    upstream::free(shared, OVERLAP_BLOCK);
-                }
-            }
-            _ => {}
-        }
-    }
-}
-
-export!(Broken);
+export_policy!(Broken, name = "broken");

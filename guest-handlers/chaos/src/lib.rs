@@ -8,14 +8,10 @@
 //! It never checks what the host lets it do: the host must survive, and its client lose
 //! nothing, whatever this policy tries. The host's tests drive it (`tests/all/chaos.rs`).
 
-wit_bindgen::generate!({ path: "../../wit", world: "policy" });
-
 use std::cell::RefCell;
 use std::hint::black_box;
 
-use allocbox::policy::{allocator as upstream, bytes};
-use exports::allocbox::policy::allocator::Guest as Allocator;
-use exports::allocbox::policy::lifecycle::{Guest as Lifecycle, Info};
+use allocbox_policy::{Config, Info, Policy, bytes, export_policy, upstream};
 
 /// Blocks remembered in each list; older ones are forgotten (bounds the guest's memory).
 const REMEMBERED: usize = 64;
@@ -34,11 +30,6 @@ struct Chaos {
     transit: Option<(u64, u64)>,
     /// Guest memory kept to grow towards the cap.
     hoard: Vec<Vec<u8>>,
-}
-
-thread_local! {
-    // Guests are single-threaded; a thread-local is a static without `unsafe`.
-    static CHAOS: RefCell<Chaos> = RefCell::new(Chaos::default());
 }
 
 fn remember<T>(list: &mut Vec<T>, item: T) {
@@ -288,22 +279,53 @@ impl Chaos {
     }
 }
 
-fn with<R>(f: impl FnOnce(&mut Chaos) -> R) -> R {
-    CHAOS.with(|c| f(&mut c.borrow_mut()))
+/// The policy: the stream and what it remembers behind a `RefCell`, since the SDK lends
+/// it as `&self`. Upstream cannot call back into us, so holding the borrow across its
+/// calls is fine; `free_many` calls `free` only with no borrow held.
+struct ChaosPolicy {
+    chaos: RefCell<Chaos>,
+    /// Drawn from the stream in `init`, so a seed replays the host's choice too.
+    batch: bool,
 }
 
-struct Policy;
+impl ChaosPolicy {
+    fn with<R>(&self, f: impl FnOnce(&mut Chaos) -> R) -> R {
+        f(&mut self.chaos.borrow_mut())
+    }
+}
 
-impl Allocator for Policy {
-    fn malloc(size: u64) -> u64 {
-        with(|c| {
+impl Policy for ChaosPolicy {
+    fn init(config: &mut Config) -> Result<Self, String> {
+        let seed = config.get_or("seed", 0u64)?;
+        let hostility = config.get_or("hostility", 150u64)?;
+        if hostility > 1000 {
+            return Err(format!("`hostility` is per mille, got {hostility}"));
+        }
+        let mut chaos = Chaos {
+            state: seed,
+            hostility,
+            ..Chaos::default()
+        };
+        let batch = chaos.below(2) == 0;
+        Ok(ChaosPolicy {
+            chaos: RefCell::new(chaos),
+            batch,
+        })
+    }
+
+    fn info(&self) -> Info {
+        Info::new().batch(self.batch)
+    }
+
+    fn malloc(&self, size: u64) -> u64 {
+        self.with(|c| {
             c.mischief();
             c.answer(size)
         })
     }
 
-    fn calloc(nelem: u64, elsize: u64) -> u64 {
-        with(|c| {
+    fn calloc(&self, nelem: u64, elsize: u64) -> u64 {
+        self.with(|c| {
             c.mischief();
             if c.hostile() {
                 // Not zeroed, or an overflowing product wrapped.
@@ -319,8 +341,8 @@ impl Allocator for Policy {
         })
     }
 
-    fn realloc(ptr: u64, old_size: u64, new_size: u64) -> u64 {
-        with(|c| {
+    fn realloc(&self, ptr: u64, old_size: u64, new_size: u64) -> u64 {
+        self.with(|c| {
             c.transit = (ptr != 0).then_some((ptr, old_size));
             c.mischief();
             let q = c.realloc(ptr, old_size, new_size);
@@ -329,8 +351,8 @@ impl Allocator for Policy {
         })
     }
 
-    fn free(ptr: u64, size: u64) {
-        with(|c| {
+    fn free(&self, ptr: u64, size: u64) {
+        self.with(|c| {
             c.mischief();
             if c.hostile() && c.below(2) == 0 {
                 // Keep it, or give back something else as well.
@@ -347,8 +369,8 @@ impl Allocator for Policy {
         })
     }
 
-    fn malloc_many(size: u64, count: u32) -> Vec<u64> {
-        with(|c| {
+    fn malloc_many(&self, size: u64, count: u32) -> Vec<u64> {
+        self.with(|c| {
             c.mischief();
             let extra = u64::from(c.hostile());
             let mut blocks: Vec<u64> = (0..u64::from(count) + extra)
@@ -363,49 +385,10 @@ impl Allocator for Policy {
         })
     }
 
-    fn free_many(ptrs: Vec<u64>, size: u64) {
-        for ptr in ptrs {
-            Self::free(ptr, size);
-        }
-    }
-}
+    // `free_many` is the default: `free` for each block, each with its own mischief.
 
-impl Lifecycle for Policy {
-    fn init(config: Vec<(String, String)>) -> Result<Info, String> {
-        with(|c| {
-            *c = Chaos {
-                hostility: 150,
-                ..Chaos::default()
-            };
-            for (key, value) in &config {
-                let number = value
-                    .parse::<u64>()
-                    .map_err(|e| format!("chaos: bad value `{value}` for `{key}`: {e}"))?;
-                match key.as_str() {
-                    "seed" => c.state = number,
-                    "hostility" if number <= 1000 => c.hostility = number,
-                    "hostility" => {
-                        return Err(format!("chaos: `hostility` is per mille, got {number}"));
-                    }
-                    _ => {
-                        return Err(format!(
-                            "chaos: unknown config key `{key}`; known: seed, hostility"
-                        ));
-                    }
-                }
-            }
-            let batch = c.below(2) == 0;
-            Ok(Info {
-                name: "chaos".into(),
-                version: 1,
-                alignment: 16,
-                batch,
-            })
-        })
-    }
-
-    fn trim() {
-        with(|c| {
+    fn trim(&self) {
+        self.with(|c| {
             c.mischief();
             let lent: Vec<u64> = c.lent.iter().map(|b| b.2).collect();
             let held = c.held.clone();
@@ -421,4 +404,4 @@ impl Lifecycle for Policy {
     }
 }
 
-export!(Policy);
+export_policy!(ChaosPolicy, name = "chaos");
