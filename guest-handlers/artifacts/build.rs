@@ -1,5 +1,5 @@
-//! Builds every Rust guest policy in `guest-handlers/` into a component and generates
-//! constants naming them, so tests never hard-code paths. A missing wasm32-wasip2 target
+//! Builds every guest in `guest-handlers/` (the policies, the test fixtures and the Rust
+//! template) and generates constants naming them, so tests never hard-code paths. A missing wasm32-wasip2 target
 //! does not fail this build: the test that needs a guest reports it, with the command
 //! that installs it.
 
@@ -8,32 +8,38 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Guest crates and whether they are good policies (every good one is fuzzed and tested).
-const RUST_GUESTS: &[(&str, bool)] = &[
-    ("system", true),
-    ("aligned", true),
-    ("size-classes", true),
-    ("arena", true),
-    ("template", true),
-    ("broken", false),
-    ("chaos", false),
-    ("sandbox-probe", false),
+/// Guest crates of the guest workspace: `(name, folder, good)`, good meaning a policy
+/// (every good one is fuzzed and tested) rather than a fixture. The crate is
+/// `policy-<name>`; its constant is the name in capitals.
+const RUST_GUESTS: &[(&str, &str, bool)] = &[
+    ("system", "policies/rust/system", true),
+    ("aligned", "policies/rust/aligned", true),
+    ("size-classes", "policies/rust/size-classes", true),
+    ("arena", "policies/rust/arena", true),
+    ("template", "templates/rust", true),
+    ("broken", "fixtures/broken", false),
+    ("chaos", "fixtures/chaos", false),
+    ("sandbox-probe", "fixtures/sandbox-probe", false),
 ];
 
-/// Hand-written WAT policies: loaded from source at run time, no toolchain needed.
-const WAT_GUESTS: &[&str] = &["passthrough"];
+/// Hand-written WAT policies, `(name, folder)`: `<folder>/<name>.wat`, loaded from source
+/// at run time, no toolchain needed.
+const WAT_GUESTS: &[(&str, &str)] = &[("passthrough", "policies/wat/passthrough")];
 
-/// Policies in other languages: `(folder, language)`. Each folder has `setup.sh` (installs
-/// its toolchain; `.ci/setup` runs them all) and `build.sh OUT`, which exits 3 with the
-/// install command when the toolchain is missing. All are good policies.
-const FOREIGN_GUESTS: &[(&str, &str)] = &[
-    ("binning", "C"),
-    ("buddy", "Zig"),
-    ("slab", "AssemblyScript"),
-    ("limit", "Python"),
-    ("bump", "Go"),
-    ("tracker", "JavaScript"),
+/// Policies in other languages: `(name, folder, language)`. Each folder has `setup.sh`
+/// (installs its toolchain; `.ci/setup` runs them all) and `build.sh OUT`, which exits 3
+/// with the install command when the toolchain is missing. All are good policies.
+const FOREIGN_GUESTS: &[(&str, &str, &str)] = &[
+    ("binning", "policies/c/binning", "C"),
+    ("buddy", "policies/zig/buddy", "Zig"),
+    ("slab", "policies/assemblyscript/slab", "AssemblyScript"),
+    ("limit", "policies/python/limit", "Python"),
+    ("bump", "policies/go/bump", "Go"),
+    ("tracker", "policies/js/tracker", "JavaScript"),
 ];
+
+/// What every foreign guest's `setup.sh` and `build.sh` source or run.
+const SCRIPTS: &str = "scripts";
 
 fn main() {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
@@ -51,8 +57,8 @@ fn main() {
         "cargo:rerun-if-changed={}",
         guests.join("Cargo.lock").display()
     );
-    for (name, _) in RUST_GUESTS {
-        println!("cargo:rerun-if-changed={}", guests.join(name).display());
+    for (_, folder, _) in RUST_GUESTS {
+        println!("cargo:rerun-if-changed={}", guests.join(folder).display());
     }
     // The policy SDK (a library, not a policy) that guests such as `template` build on.
     println!("cargo:rerun-if-changed={}", guests.join("sdk").display());
@@ -62,9 +68,9 @@ fn main() {
     // Built after the Rust guests, into the same directory: cargo creates it.
     let foreign: Vec<(&str, Option<String>)> = FOREIGN_GUESTS
         .iter()
-        .map(|(name, _)| {
+        .map(|(name, folder, _)| {
             let file = out_dir.join(format!("policy_{name}.wasm"));
-            (*name, build_foreign(&guests.join(name), &file).err())
+            (*name, build_foreign(&guests, folder, &file).err())
         })
         .collect();
 
@@ -76,7 +82,7 @@ fn main() {
     )
     .unwrap();
     writeln!(code, "pub const BUILD_ERROR: Option<&str> = {error:?};").unwrap();
-    for (name, _) in RUST_GUESTS {
+    for (name, _, _) in RUST_GUESTS {
         let file = out_dir.join(format!("policy_{}.wasm", name.replace('-', "_")));
         let ident = name.replace('-', "_").to_uppercase();
         writeln!(code, "/// The `{name}` policy component.").unwrap();
@@ -87,7 +93,7 @@ fn main() {
         )
         .unwrap();
     }
-    for ((name, language), (_, error)) in FOREIGN_GUESTS.iter().zip(&foreign) {
+    for ((name, _, language), (_, error)) in FOREIGN_GUESTS.iter().zip(&foreign) {
         let file = out_dir.join(format!("policy_{name}.wasm"));
         let ident = name.to_uppercase();
         writeln!(code, "/// The `{name}` policy, written in {language}.").unwrap();
@@ -98,8 +104,8 @@ fn main() {
         )
         .unwrap();
     }
-    for name in WAT_GUESTS {
-        let file = guests.join(name).join(format!("{name}.wat"));
+    for (name, folder) in WAT_GUESTS {
+        let file = guests.join(folder).join(format!("{name}.wat"));
         let ident = format!("WAT_{}", name.replace('-', "_").to_uppercase());
         writeln!(
             code,
@@ -115,14 +121,14 @@ fn main() {
     }
     let good: Vec<String> = RUST_GUESTS
         .iter()
-        .filter(|(_, good)| *good)
-        .map(|(n, _)| n.replace('-', "_").to_uppercase())
+        .filter(|(_, _, good)| *good)
+        .map(|(n, _, _)| n.replace('-', "_").to_uppercase())
         .chain(
             WAT_GUESTS
                 .iter()
-                .map(|n| format!("WAT_{}", n.to_uppercase())),
+                .map(|(n, _)| format!("WAT_{}", n.to_uppercase())),
         )
-        .chain(FOREIGN_GUESTS.iter().map(|(n, _)| n.to_uppercase()))
+        .chain(FOREIGN_GUESTS.iter().map(|(n, _, _)| n.to_uppercase()))
         .collect();
     writeln!(code, "/// Every good policy, in every language.").unwrap();
     writeln!(code, "pub const GOOD: &[Guest] = &[{}];", good.join(", ")).unwrap();
@@ -187,12 +193,14 @@ fn build_guests(guests: &Path, target_dir: &Path) -> Result<(), String> {
     Err(format!("guest build failed:\n{}", tail.join("\n")))
 }
 
-/// Build one foreign-language guest with its `build.sh` into `out`, unless `out` is newer
-/// than every source file (the toolchains are slow to start; some take seconds per build).
-fn build_foreign(dir: &Path, out: &Path) -> Result<(), String> {
-    let mut sources = source_files(dir);
-    // Every build.sh records its language with this.
-    sources.push(dir.parent().unwrap().join("stamp_language.py"));
+/// Build the foreign-language guest in `guests/folder` with its `build.sh` into `out`,
+/// unless `out` is newer than every source file (the toolchains are slow to start; some
+/// take seconds per build).
+fn build_foreign(guests: &Path, folder: &str, out: &Path) -> Result<(), String> {
+    let dir = guests.join(folder);
+    let mut sources = source_files(&dir);
+    // Every build.sh sources the shared toolchain script and stamps its language with it.
+    sources.extend(source_files(&guests.join(SCRIPTS)));
     for file in &sources {
         println!("cargo:rerun-if-changed={}", file.display());
     }

@@ -41,7 +41,7 @@ pub const POLICY_WIT: &str = include_str!("../../wit/policy.wit");
 /// The built-in default policy: the hand-written WAT `passthrough`, which needs no wasm
 /// toolchain to build.
 pub const DEFAULT_POLICY_WAT: &str =
-    include_str!("../../guest-handlers/passthrough/passthrough.wat");
+    include_str!("../../guest-handlers/policies/wat/passthrough/passthrough.wat");
 
 /// Resource handles a guest's component instances may hold at once (wasmtime's default
 /// is 100,000): the policy world defines no resource, and WASI's are bounded more tightly

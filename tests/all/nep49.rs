@@ -199,7 +199,7 @@ fn exclusive() -> std::sync::MutexGuard<'static, ()> {
 #[test]
 fn a_wasm_hook_counts_every_event_in_its_sandbox() {
     let _exclusive = exclusive();
-    let source = include_str!("../../guest-handlers/counting-hook/counting-hook.wat");
+    let source = include_str!("../../guest-handlers/hooks/wat/counting-hook/counting-hook.wat");
     let hook = WasmHook::start(
         Runtime::shared(),
         source.as_bytes(),

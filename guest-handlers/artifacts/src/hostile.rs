@@ -2,7 +2,7 @@
 //! tests and its benchmark (`benches/sandbox.rs`) run against the host.
 
 /// The hand-written `passthrough` policy, the start of every variant.
-pub const PASSTHROUGH_WAT: &str = include_str!("../../passthrough/passthrough.wat");
+pub const PASSTHROUGH_WAT: &str = include_str!("../../policies/wat/passthrough/passthrough.wat");
 
 /// The hand-written `passthrough` policy with `from` replaced by `to` in its source: a
 /// hostile variant a few lines away from a good policy.

@@ -4,7 +4,7 @@
 //! Nothing here is a second copy of a policy: the Rust project is the `template` guest's
 //! source over a vendored copy of the `allocbox-policy` SDK crate, the WAT project is the
 //! built-in `passthrough` policy renamed, and the projects in other languages are the
-//! template folders `guest-handlers/new/<lang>/`, all embedded from `guest-handlers/`
+//! template folders `guest-handlers/templates/<lang>/`, all embedded from `guest-handlers/`
 //! when allocbox is built.
 //!
 //! A template folder is a project named `policy_name` ([`PLACEHOLDER`]): `new` writes
@@ -252,7 +252,7 @@ const SDK_FILES: &[(&str, &str)] = &[
 ];
 
 /// The `template` guest: the policy a new Rust project starts from.
-const TEMPLATE_LIB: &str = include_str!("../../../guest-handlers/template/src/lib.rs");
+const TEMPLATE_LIB: &str = include_str!("../../../guest-handlers/templates/rust/src/lib.rs");
 
 /// The toolchain allocbox and its SDK are built and tested with.
 const TOOLCHAIN: &str = include_str!("../../../rust-toolchain.toml");
@@ -416,7 +416,7 @@ pub fn wat_source(name: &str) -> String {
         if from != OLD {
             assert_eq!(
                 n, 1,
-                "passthrough.wat changed: `{from}` occurs {n} times; update host/src/new_policy.rs"
+                "passthrough.wat changed: `{from}` occurs {n} times; update host/cli/src/new_policy.rs"
             );
         }
         text = text.replace(from, &to);
@@ -453,30 +453,33 @@ failure to a short script that `allocbox replay` repeats.
     ]
 }
 
-/// The word the template folders `guest-handlers/new/<lang>/` use for the policy's name.
+/// The word the template folders `guest-handlers/templates/<lang>/` use for the policy's name.
 pub const PLACEHOLDER: &str = "policy_name";
 
-/// `(path in the project, text)` of each named file of `guest-handlers/new/$lang/`.
+/// `(path in the project, text)` of each named file of `guest-handlers/templates/$lang/`.
 macro_rules! template {
     ($lang:literal: $($file:literal),+ $(,)?) => {
-        &[$(($file, include_str!(concat!("../../../guest-handlers/new/", $lang, "/", $file)))),+]
+        &[$(($file, include_str!(concat!("../../../guest-handlers/templates/", $lang, "/", $file)))),+]
     };
 }
 
 /// Records the language in the module's `producers` section; every `build.sh` but Go's
 /// and JavaScript's runs it (the Go toolchain and componentize-js record the language
 /// themselves).
-const STAMP_LANGUAGE: &str = include_str!("../../../guest-handlers/stamp_language.py");
+const STAMP_LANGUAGE: &str = include_str!("../../../guest-handlers/scripts/stamp_language.py");
 
 /// The `slab` policy's export renamer and npm lockfile: the AssemblyScript project pins
 /// the same packages.
-const SLAB_RENAME: &str = include_str!("../../../guest-handlers/slab/rename.mjs");
-const SLAB_LOCK: &str = include_str!("../../../guest-handlers/slab/package-lock.json");
+const SLAB_RENAME: &str =
+    include_str!("../../../guest-handlers/policies/assemblyscript/slab/rename.mjs");
+const SLAB_LOCK: &str =
+    include_str!("../../../guest-handlers/policies/assemblyscript/slab/package-lock.json");
 
 /// The `tracker` policy's build script (componentize-js's API) and npm lockfile: the
 /// JavaScript project builds the same way with the same packages.
-const TRACKER_BUILD: &str = include_str!("../../../guest-handlers/tracker/build.mjs");
-const TRACKER_LOCK: &str = include_str!("../../../guest-handlers/tracker/package-lock.json");
+const TRACKER_BUILD: &str = include_str!("../../../guest-handlers/policies/js/tracker/build.mjs");
+const TRACKER_LOCK: &str =
+    include_str!("../../../guest-handlers/policies/js/tracker/package-lock.json");
 
 /// A template folder's files, the placeholder unreplaced: `(path, text)`.
 type TemplateFiles = &'static [(&'static str, &'static str)];
@@ -559,7 +562,7 @@ fn template_lock(policy: &str, lock: &str) -> String {
         let n = lock.matches(&from).count();
         assert_eq!(
             n, times,
-            "guest-handlers/{policy}/package-lock.json changed: `{from}` occurs {n} times; update host/src/new_policy.rs"
+            "the `{policy}` policy's package-lock.json changed: `{from}` occurs {n} times; update host/cli/src/new_policy.rs"
         );
         lock = lock.replace(&from, to);
     }

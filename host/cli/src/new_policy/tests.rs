@@ -110,27 +110,27 @@ fn templates_pin_the_toolchains_of_the_repositorys_policies() {
     let repo = [
         (
             Lang::Zig,
-            include_str!("../../../../guest-handlers/buddy/setup.sh"),
+            include_str!("../../../../guest-handlers/policies/zig/buddy/setup.sh"),
             "ZIG_VERSION",
         ),
         (
             Lang::Python,
-            include_str!("../../../../guest-handlers/limit/setup.sh"),
+            include_str!("../../../../guest-handlers/policies/python/limit/setup.sh"),
             "VERSION",
         ),
         (
             Lang::Go,
-            include_str!("../../../../guest-handlers/bump/setup.sh"),
+            include_str!("../../../../guest-handlers/policies/go/bump/setup.sh"),
             "VERSION",
         ),
         (
             Lang::AssemblyScript,
-            include_str!("../../../../guest-handlers/slab/setup.sh"),
+            include_str!("../../../../guest-handlers/policies/assemblyscript/slab/setup.sh"),
             "ASC_VERSION",
         ),
         (
             Lang::Js,
-            include_str!("../../../../guest-handlers/tracker/setup.sh"),
+            include_str!("../../../../guest-handlers/policies/js/tracker/setup.sh"),
             "CJS_VERSION",
         ),
     ];
@@ -150,7 +150,7 @@ fn templates_pin_the_toolchains_of_the_repositorys_policies() {
         );
     }
     // C: the Debian packages the binning policy's setup.sh installs.
-    let binning = include_str!("../../../../guest-handlers/binning/setup.sh");
+    let binning = include_str!("../../../../guest-handlers/policies/c/binning/setup.sh");
     let (c, _) = foreign_files(Lang::C);
     for package in [pin(binning, "CLANG_PKG"), pin(binning, "LLD_PKG")] {
         let package = package.trim_matches('"');
@@ -160,7 +160,7 @@ fn templates_pin_the_toolchains_of_the_repositorys_policies() {
         );
     }
     // AssemblyScript: the same dependency as slab, and slab's lockfile for it.
-    let slab = include_str!("../../../../guest-handlers/slab/package.json");
+    let slab = include_str!("../../../../guest-handlers/policies/assemblyscript/slab/package.json");
     let (files, _) = foreign_files(Lang::AssemblyScript);
     let package = files.iter().find(|(f, _)| *f == "package.json").unwrap().1;
     let dependencies = |json: &str| {
@@ -172,7 +172,7 @@ fn templates_pin_the_toolchains_of_the_repositorys_policies() {
     assert_eq!(lock["name"], "allocbox-policy");
     assert_eq!(lock["packages"][""].get("license"), None);
     // JavaScript: tracker's dependency and overrides, and tracker's lockfile for them.
-    let tracker = include_str!("../../../../guest-handlers/tracker/package.json");
+    let tracker = include_str!("../../../../guest-handlers/policies/js/tracker/package.json");
     let (files, _) = foreign_files(Lang::Js);
     let package = files.iter().find(|(f, _)| *f == "package.json").unwrap().1;
     let json = |json: &str| serde_json::from_str::<serde_json::Value>(json).unwrap();
