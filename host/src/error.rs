@@ -277,6 +277,12 @@ pub enum LoadError {
     BadAlignment { policy: String, alignment: u64 },
     #[error("a handler needs at least one policy")]
     EmptyChain,
+    /// Checked mode's upstream could not reserve its address space.
+    #[error(
+        "the contract checker could not reserve address space for its upstream ({detail}); \
+         raise the process's address-space limit (`ulimit -v`)"
+    )]
+    CheckerMemory { detail: String },
 }
 
 /// A client broke the sized-free rule or freed something it does not own. The handler is

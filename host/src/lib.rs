@@ -27,6 +27,6 @@ pub use native::NumpyDefault;
 pub use nep49::Buffer;
 pub use runtime::{
     COMPILE_CACHE_ENV, DEFAULT_POLICY_WAT, POLICY_WIT, Policy, Runtime, WORLD_PACKAGE,
-    WORLD_VERSION, compile_cache_dir,
+    WORLD_VERSION, cache_dir, compile_cache_dir,
 };
-pub use system::{FRESH_MEMORY, QUARANTINE_POISON, SYSTEM_ALIGNMENT};
+pub use system::{Adversary, FRESH_MEMORY, Injected, QUARANTINE_POISON, Refusal, SYSTEM_ALIGNMENT};

@@ -5,9 +5,15 @@
 //! to `dealloc`/`realloc` is always the one the block was allocated with — the sized-free
 //! rule is what makes this memory-safe.
 
+mod adversary;
+
 use std::alloc::{self, Layout};
 use std::collections::{BTreeMap, VecDeque};
 use std::ptr::NonNull;
+use std::sync::Arc;
+
+use adversary::Arena;
+pub use adversary::{Adversary, Injected, Refusal};
 
 use crate::ledger::{Ledger, TakeBack};
 
@@ -100,6 +106,9 @@ pub(crate) struct SystemMemory {
     /// Most bytes lent at once; requests past it are "none".
     limit: u64,
     quarantine: Quarantine,
+    /// The contract checker's upstream, in place of the C allocator
+    /// ([`crate::HandlerBuilder::adversary`]).
+    checker: Option<(Arc<Adversary>, Arena)>,
 }
 
 impl SystemMemory {
@@ -114,7 +123,19 @@ impl SystemMemory {
                 capacity: quarantine,
                 ..Quarantine::default()
             },
+            checker: None,
         }
+    }
+
+    /// Lend from `adversary`'s arena instead of the C allocator; false when the arena's
+    /// address space cannot be reserved. Called before anything is lent.
+    pub(crate) fn serve_adversarially(&mut self, adversary: Arc<Adversary>) -> bool {
+        debug_assert!(self.lent.is_empty(), "set before the first block");
+        let Some(arena) = Arena::new(adversary.seed()) else {
+            return false;
+        };
+        self.checker = Some((adversary, arena));
+        true
     }
 
     /// Fill every fresh block with `byte` (see [`SystemMemory::fresh`]).
@@ -134,8 +155,8 @@ impl SystemMemory {
         let q = &mut self.quarantine;
         if size > q.capacity {
             // SAFETY: the caller took `ptr` off the books: it was allocated here with
-            // exactly `size` bytes at SYSTEM_ALIGNMENT and is released once.
-            unsafe { dealloc(ptr, size) };
+            // exactly `size` bytes and is released once.
+            unsafe { give_back(&mut self.checker, ptr, size) };
             return;
         }
         // SAFETY: as above, the block is live host memory of `size` bytes that no one
@@ -150,7 +171,7 @@ impl SystemMemory {
             q.bytes -= oldest_size;
             // SAFETY: quarantined blocks were allocated here with exactly their size
             // and left the books when quarantined; each leaves the quarantine once.
-            unsafe { dealloc(oldest, oldest_size) };
+            unsafe { give_back(&mut self.checker, oldest, oldest_size) };
         }
     }
 
@@ -178,13 +199,30 @@ impl SystemMemory {
         let Some(layout) = Self::layout(size).filter(|_| self.within_limit(size)) else {
             return 0;
         };
-        // SAFETY: `layout` has a non-zero size (sizes are normalised to at least 1).
-        let ptr = unsafe {
-            if zeroed {
-                alloc::alloc_zeroed(layout)
-            } else {
-                alloc::alloc(layout)
+        let ptr = match &mut self.checker {
+            Some((adversary, arena)) => {
+                if adversary.refuses(size) {
+                    return 0;
+                }
+                let Some(addr) = arena.alloc(size) else {
+                    return 0;
+                };
+                if zeroed {
+                    // SAFETY: the arena just placed `size` bytes at `addr`, inside its
+                    // reservation and under no other block; they may hold a freed
+                    // block's bytes.
+                    unsafe { std::ptr::write_bytes(addr as *mut u8, 0, size as usize) };
+                }
+                addr as *mut u8
             }
+            // SAFETY: `layout` has a non-zero size (sizes are normalised to at least 1).
+            None => unsafe {
+                if zeroed {
+                    alloc::alloc_zeroed(layout)
+                } else {
+                    alloc::alloc(layout)
+                }
+            },
         };
         let Some(block) = NonNull::new(ptr) else {
             return 0;
@@ -214,6 +252,9 @@ impl SystemMemory {
         else {
             return Ok(0);
         };
+        if self.checker.is_some() {
+            return Ok(self.realloc_adversarially(ptr, old, new));
+        }
         if self.quarantine.capacity > 0 || new_layout.align() != old_layout.align() {
             // Move by hand: so that the old memory goes through the quarantine, or
             // because `alloc::realloc` keeps the old alignment, and the block must be
@@ -257,6 +298,45 @@ impl SystemMemory {
         Ok(moved as u64)
     }
 
+    /// [`SystemMemory::realloc`] from the checker's arena: in place or moved, at the
+    /// seed's choice, and refused when the checker says so.
+    fn realloc_adversarially(&mut self, ptr: u64, old: u64, new: u64) -> u64 {
+        let (adversary, arena) = self.checker.as_mut().expect("the checker serves");
+        if adversary.refuses(new) {
+            return 0;
+        }
+        let moved = if arena.resize_in_place(ptr, old, new) {
+            ptr
+        } else {
+            let Some(moved) = arena.alloc(new) else {
+                return 0;
+            };
+            // SAFETY: `ptr` is a live block of `old` bytes and `moved` a block of `new`
+            // bytes the arena just placed under no other block, so they do not overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    ptr as *const u8,
+                    moved as *mut u8,
+                    old.min(new) as usize,
+                )
+            };
+            moved
+        };
+        if let Some(byte) = self.fresh
+            && new > old
+        {
+            // SAFETY: `moved` is now a block of `new` bytes; its bytes past `old` are
+            // new and held by no one.
+            unsafe { std::ptr::write_bytes((moved + old) as *mut u8, byte, (new - old) as usize) };
+        }
+        self.lent.remove(ptr);
+        if moved != ptr {
+            self.release(ptr, old);
+        }
+        self.lent.insert(moved, new);
+        moved
+    }
+
     pub(crate) fn free(&mut self, ptr: u64, size: u64) -> Result<(), TakeBack> {
         self.lent.take_back(ptr, size)?;
         // The ledger proved `ptr` is live and was allocated with exactly `size` bytes; it
@@ -266,12 +346,18 @@ impl SystemMemory {
     }
 }
 
-/// Give a block back to the global allocator.
+/// Give a block back to the checker's arena, if the memory serves from one, else to
+/// the global allocator.
 ///
 /// # Safety
-/// `ptr` was allocated by [`SystemMemory`] with exactly `size` bytes (so with
-/// `SystemMemory::layout(size)`), is no longer used by anyone, and is released once.
-unsafe fn dealloc(ptr: u64, size: u64) {
+/// `ptr` was allocated by this [`SystemMemory`] with exactly `size` bytes (so, from the
+/// global allocator, with `SystemMemory::layout(size)`), is no longer used by anyone,
+/// and is released once.
+unsafe fn give_back(checker: &mut Option<(Arc<Adversary>, Arena)>, ptr: u64, size: u64) {
+    if let Some((_, arena)) = checker {
+        arena.free(ptr, size);
+        return;
+    }
     let layout = SystemMemory::layout(size).expect("a lent block has a valid layout");
     // SAFETY: the caller's contract: allocated with this layout, released once.
     unsafe { alloc::dealloc(ptr as *mut u8, layout) };
@@ -284,12 +370,12 @@ impl Drop for SystemMemory {
         for (addr, entry) in self.lent.drain() {
             // SAFETY: each entry is a live block allocated here with exactly its size;
             // draining removed it from the books, so it is freed once.
-            unsafe { dealloc(addr, entry.size) };
+            unsafe { give_back(&mut self.checker, addr, entry.size) };
         }
         for (addr, size) in self.quarantine.order.drain(..) {
             // SAFETY: quarantined blocks were allocated here with exactly their size and
             // are off the books; draining releases each once.
-            unsafe { dealloc(addr, size) };
+            unsafe { give_back(&mut self.checker, addr, size) };
         }
     }
 }

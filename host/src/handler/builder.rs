@@ -8,7 +8,7 @@ use crate::error::LoadError;
 use crate::link::{Limits, Upstream};
 use crate::memhandler::Stats;
 use crate::runtime::{Policy, Runtime};
-use crate::system::SystemMemory;
+use crate::system::{Adversary, SystemMemory};
 use allocbox_ledger::cache::Caches;
 
 /// Builds a [`Handler`] from policies, top of the chain first.
@@ -21,6 +21,7 @@ pub struct HandlerBuilder {
     quarantine: u64,
     magazines: bool,
     checked: bool,
+    adversary: Option<Arc<Adversary>>,
     fallback: Option<Arc<Handler>>,
 }
 
@@ -35,6 +36,7 @@ impl HandlerBuilder {
             quarantine: 0,
             magazines: true,
             checked: false,
+            adversary: None,
             fallback: None,
         }
     }
@@ -86,11 +88,21 @@ impl HandlerBuilder {
     /// Deep checks, for the contract checker: a `calloc` answer that is not zero is a
     /// violation of C3 that stops the policy, where the production path zeroes it
     /// (memory the policy got zeroed from upstream in the same call is not rescanned);
-    /// and fresh host memory holds a fixed byte that no client pattern holds, so that a
-    /// block answered without the client's bytes shows, whatever the heap held before.
-    /// Default: false.
+    /// fresh host memory holds [`crate::FRESH_MEMORY`], a byte no client pattern holds,
+    /// so that a block answered without the client's bytes shows; and the bottom of the
+    /// chain is the checker's own upstream, no kinder than the contract (see
+    /// [`HandlerBuilder::adversary`]; seed 0 unless one is given). Default: false.
     pub fn checked(mut self, on: bool) -> Self {
         self.checked = on;
+        self
+    }
+
+    /// In checked mode, the checker's upstream that `adversary` controls: blocks aligned
+    /// to 16 bytes and to more only by chance, addresses and in-place growth drawn from
+    /// its seed (the same requests get the same addresses in every process, so a failure
+    /// replays), and requests refused when it says so.
+    pub fn adversary(mut self, adversary: Arc<Adversary>) -> Self {
+        self.adversary = Some(adversary);
         self
     }
 
@@ -109,6 +121,12 @@ impl HandlerBuilder {
         let mut host_memory = SystemMemory::new(self.host_memory_limit, self.quarantine);
         if self.checked {
             host_memory.fill_fresh_with(crate::system::FRESH_MEMORY);
+            let adversary = self.adversary.unwrap_or_else(|| Adversary::new(0));
+            if !host_memory.serve_adversarially(adversary) {
+                return Err(LoadError::CheckerMemory {
+                    detail: std::io::Error::last_os_error().to_string(),
+                });
+            }
         }
         let mut upstream = Upstream::System(Box::new(host_memory));
         let mut names = Vec::new();

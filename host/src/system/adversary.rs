@@ -1,0 +1,473 @@
+//! The contract checker's upstream ([`crate::HandlerBuilder::adversary`]): host memory
+//! that is no kinder than the contract, with every choice drawn from a seed.
+//!
+//! The host's real memory is kinder than the contract promises: glibc puts blocks of a
+//! page and more on a cache line, reuses addresses in a pattern of its own, and never
+//! runs out. A policy can come to rely on any of that and pass every check on one host
+//! and fail on the next. Here instead:
+//!
+//! - every block starts 16 bytes past a random multiple of 16 inside a window of 256
+//!   bytes (small blocks) or a page (the rest), so a block is aligned to exactly what the
+//!   contract promises and to more only by chance;
+//! - blocks come from one address-space reservation of their own, at the same address
+//!   in every process where it is free, and are placed by the seed alone: the same
+//!   requests get the same addresses, so a check's failure replays;
+//! - an address comes back into use at once or much later, at the seed's choice, and a
+//!   `realloc` grows in place or moves, at the seed's choice;
+//! - requests are refused on purpose ([`Adversary::refuse_next`],
+//!   [`Adversary::refuse_every`], [`Adversary::refuse_above`]) so a policy's
+//!   out-of-memory paths run, and each refusal is kept so a report can name it.
+//!
+//! What fresh and grown memory holds is [`super::SystemMemory`]'s business, as on the
+//! production path.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+/// Where the reservation goes when that address is free: far from where the kernel
+/// places mappings and the heap, so that it usually is.
+const PREFERRED_BASE: u64 = 0x4000_0000_0000;
+/// The reservation: address space only (`MAP_NORESERVE`), its pages made as they are
+/// touched, and all the memory the upstream has: a check's blocks add up to a few
+/// hundred MiB at most, and past it requests are "none", as a machine's memory runs out
+/// (a shrinking script's sizes halve down from 2^63; each one that fits is filled).
+const RESERVATION: u64 = 1 << 30;
+/// A smaller reservation, where the large one is refused (`ulimit -v`).
+const SMALL_RESERVATION: u64 = 256 << 20;
+/// Below this size a block's offset varies within 256 bytes, from it within a page.
+const SMALL_BLOCK: u64 = 4096;
+/// Free ranges looked at before a block is placed at the end instead.
+const FIT_TRIES: usize = 8;
+/// Freed ranges at least this large give their whole pages back to the kernel.
+const RETURN_PAGES_FROM: u64 = 64 << 10;
+const PAGE: u64 = 4096;
+
+/// The contract checker's control of its upstream: shared between the checker, which
+/// asks for refusals, and the handler's host memory, which makes them. Every choice of
+/// the upstream is drawn from [`Adversary::seed`].
+#[derive(Debug)]
+pub struct Adversary {
+    seed: u64,
+    refuse_next: AtomicBool,
+    /// 0: off.
+    refuse_every: AtomicU32,
+    /// `u64::MAX`: off.
+    refuse_above: AtomicU64,
+    requests: AtomicU64,
+    refused: Mutex<Vec<Refusal>>,
+}
+
+/// Why a request was refused on purpose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Injected {
+    /// [`Adversary::refuse_next`].
+    Next,
+    /// [`Adversary::refuse_every`].
+    Every(u32),
+    /// [`Adversary::refuse_above`].
+    Above(u64),
+}
+
+/// An upstream request the checker refused on purpose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    /// The request's number, counting from 1: every `malloc`, `calloc` and `realloc`
+    /// that reached the host's memory, each block of a batch on its own.
+    pub request: u64,
+    /// The bytes asked for.
+    pub size: u64,
+    pub why: Injected,
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let why = match self.why {
+            Injected::Next => "`oom next`".to_string(),
+            Injected::Every(n) => format!("`oom every {n}`"),
+            Injected::Above(size) => format!("`oom above {size}`"),
+        };
+        write!(
+            f,
+            "upstream request {} ({} bytes) was refused on purpose by {why}",
+            self.request, self.size
+        )
+    }
+}
+
+impl Adversary {
+    /// An upstream drawing every choice from `seed`, refusing nothing yet.
+    pub fn new(seed: u64) -> Arc<Adversary> {
+        Arc::new(Adversary {
+            seed,
+            refuse_next: AtomicBool::new(false),
+            refuse_every: AtomicU32::new(0),
+            refuse_above: AtomicU64::new(u64::MAX),
+            requests: AtomicU64::new(0),
+            refused: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Refuse the next request, whatever it is.
+    pub fn refuse_next(&self) {
+        self.refuse_next.store(true, Ordering::Relaxed);
+    }
+
+    /// From now on refuse every `n`th request, counting from the first request ever
+    /// made; 0 stops it.
+    pub fn refuse_every(&self, n: u32) {
+        self.refuse_every.store(n, Ordering::Relaxed);
+    }
+
+    /// From now on refuse every request for more than `size` bytes.
+    pub fn refuse_above(&self, size: u64) {
+        self.refuse_above.store(size, Ordering::Relaxed);
+    }
+
+    /// Every request refused on purpose so far, oldest first.
+    pub fn refused(&self) -> Vec<Refusal> {
+        self.refused.lock().clone()
+    }
+
+    /// Requests made so far.
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Ordering::Relaxed)
+    }
+
+    /// Count a request for `size` bytes and say whether it is refused.
+    pub(super) fn refuses(&self, size: u64) -> bool {
+        let request = self.requests.fetch_add(1, Ordering::Relaxed) + 1;
+        let every = self.refuse_every.load(Ordering::Relaxed);
+        let why = if self.refuse_next.swap(false, Ordering::Relaxed) {
+            Injected::Next
+        } else if every > 0 && request.is_multiple_of(u64::from(every)) {
+            Injected::Every(every)
+        } else if size > self.refuse_above.load(Ordering::Relaxed) {
+            Injected::Above(self.refuse_above.load(Ordering::Relaxed))
+        } else {
+            return false;
+        };
+        self.refused.lock().push(Refusal { request, size, why });
+        true
+    }
+}
+
+/// Blocks placed in one address-space reservation by a seeded generator. Offsets,
+/// not addresses, are what it decides; only the base depends on the process.
+#[derive(Debug)]
+pub(super) struct Arena {
+    base: u64,
+    mapped: u64,
+    len: u64,
+    /// Every offset at or past this is free.
+    top: u64,
+    /// Free ranges below `top`: start offset to end offset, never touching each other.
+    free: BTreeMap<u64, u64>,
+    rng: u64,
+}
+
+impl Arena {
+    /// Reserve the address space; `None` when the process may not have even the small
+    /// reservation.
+    pub(super) fn new(seed: u64) -> Option<Arena> {
+        let (mapped, base) = [RESERVATION, SMALL_RESERVATION]
+            .into_iter()
+            .find_map(|len| Some((len, reserve(len)?)))?;
+        Some(Arena {
+            base,
+            mapped,
+            len: mapped,
+            top: 0,
+            free: BTreeMap::new(),
+            rng: seed ^ 0x9E37_79B9_7F4A_7C15,
+        })
+    }
+
+    /// splitmix64: the seed's stream of choices.
+    fn next(&mut self) -> u64 {
+        self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn chance(&mut self) -> bool {
+        self.next() & 1 == 0
+    }
+
+    /// Where in its window a block of `size` bytes starts: a multiple of 16, and in the
+    /// window's first 16-byte step only one time in 16 (small) or 256 (the rest).
+    fn skew(&mut self, size: u64) -> (u64, u64) {
+        let window = if size < SMALL_BLOCK { 256 } else { PAGE };
+        (window, 16 * (self.next() % (window / 16)))
+    }
+
+    /// Place a block of `size` bytes; its address, or `None` when it does not fit.
+    pub(super) fn alloc(&mut self, size: u64) -> Option<u64> {
+        let (window, skew) = self.skew(size);
+        let offset = match self.chance() {
+            true => self
+                .fit(size, window, skew)
+                .or_else(|| self.bump(size, window, skew)),
+            false => self
+                .bump(size, window, skew)
+                .or_else(|| self.fit(size, window, skew)),
+        }?;
+        Some(self.base + offset)
+    }
+
+    /// The first offset at or past `from` that is `skew` past a multiple of `window`.
+    fn placed(from: u64, window: u64, skew: u64) -> Option<u64> {
+        let start = (from / window).checked_mul(window)?.checked_add(skew)?;
+        if start >= from {
+            Some(start)
+        } else {
+            start.checked_add(window)
+        }
+    }
+
+    /// A place in a free range, looking at a few from a random one on.
+    fn fit(&mut self, size: u64, window: u64, skew: u64) -> Option<u64> {
+        if self.free.is_empty() {
+            return None;
+        }
+        let from = self.next() % self.top.max(1);
+        let found = self
+            .free
+            .range(from..)
+            .chain(self.free.range(..from))
+            .take(FIT_TRIES)
+            .find_map(|(&start, &end)| {
+                let at = Self::placed(start, window, skew)?;
+                (at.checked_add(size)? <= end).then_some((start, end, at))
+            });
+        let (start, end, at) = found?;
+        self.free.remove(&start);
+        if start < at {
+            self.free.insert(start, at);
+        }
+        if at + size < end {
+            self.free.insert(at + size, end);
+        }
+        Some(at)
+    }
+
+    /// A place at the end of everything placed so far.
+    fn bump(&mut self, size: u64, window: u64, skew: u64) -> Option<u64> {
+        let at = Self::placed(self.top, window, skew)?;
+        let end = at.checked_add(size).filter(|&end| end <= self.len)?;
+        if self.top < at {
+            self.release(self.top, at);
+        }
+        self.top = end;
+        Some(at)
+    }
+
+    /// Give the block at `addr` of `size` bytes back.
+    pub(super) fn free(&mut self, addr: u64, size: u64) {
+        let start = addr - self.base;
+        self.release(start, start + size);
+    }
+
+    /// Whether the block at `addr` of `old` bytes can grow to `new` bytes where it is,
+    /// and if the seed says so, grow it; a shrink in place is always possible.
+    pub(super) fn resize_in_place(&mut self, addr: u64, old: u64, new: u64) -> bool {
+        if !self.chance() {
+            return false;
+        }
+        let (start, old_end) = (addr - self.base, addr - self.base + old);
+        let Some(new_end) = start.checked_add(new) else {
+            return false;
+        };
+        if new_end <= old_end {
+            self.release(new_end, old_end);
+            return true;
+        }
+        if old_end == self.top {
+            if new_end > self.len {
+                return false;
+            }
+            self.top = new_end;
+            return true;
+        }
+        match self.free.get(&old_end) {
+            Some(&end) if new_end <= end => {
+                self.free.remove(&old_end);
+                if new_end < end {
+                    self.free.insert(new_end, end);
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Make `[start, end)` free, joined to the free ranges it touches; the whole pages
+    /// of a large one go back to the kernel.
+    fn release(&mut self, mut start: u64, mut end: u64) {
+        if start >= end {
+            return;
+        }
+        if let Some((&before, &before_end)) = self.free.range(..start).next_back()
+            && before_end == start
+        {
+            self.free.remove(&before);
+            start = before;
+        }
+        if let Some(after_end) = self.free.remove(&end) {
+            end = after_end;
+        }
+        if end == self.top {
+            self.top = start;
+        } else {
+            self.free.insert(start, end);
+        }
+        if end - start >= RETURN_PAGES_FROM {
+            let first = start.next_multiple_of(PAGE);
+            let last = end / PAGE * PAGE;
+            if first < last {
+                // SAFETY: `[first, last)` lies inside the reservation and inside a range
+                // no block occupies; dropping its pages only makes them read as zero
+                // when next touched.
+                unsafe {
+                    libc::madvise(
+                        (self.base + first) as *mut libc::c_void,
+                        (last - first) as usize,
+                        libc::MADV_DONTNEED,
+                    )
+                };
+            }
+        }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: the reservation was mapped by `reserve` with exactly this address and
+        // length; the host memory that owned the arena released every block first.
+        unsafe { libc::munmap(self.base as *mut libc::c_void, self.mapped as usize) };
+    }
+}
+
+/// Map `len` bytes of address space, at [`PREFERRED_BASE`] when that range is free.
+fn reserve(len: u64) -> Option<u64> {
+    let prot = libc::PROT_READ | libc::PROT_WRITE;
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: a new anonymous mapping that replaces nothing (NOREPLACE); its range
+        // is this arena's alone until `Drop` unmaps it.
+        let at = unsafe {
+            libc::mmap(
+                PREFERRED_BASE as *mut libc::c_void,
+                len as usize,
+                prot,
+                flags | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        if at as u64 == PREFERRED_BASE {
+            return Some(PREFERRED_BASE);
+        }
+        if at != libc::MAP_FAILED {
+            // A kernel that ignores the flag put it elsewhere: take what it gave.
+            return Some(at as u64);
+        }
+    }
+    // SAFETY: a new anonymous mapping wherever the kernel puts it.
+    let at = unsafe { libc::mmap(std::ptr::null_mut(), len as usize, prot, flags, -1, 0) };
+    (at != libc::MAP_FAILED).then_some(at as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocks(seed: u64) -> Vec<u64> {
+        let mut arena = Arena::new(seed).unwrap();
+        let mut out = Vec::new();
+        let mut live = Vec::new();
+        for i in 0..200u64 {
+            let size = 1 + i * 37 % 9000;
+            let addr = arena.alloc(size).unwrap();
+            out.push(addr - arena.base);
+            live.push((addr, size));
+            if i % 3 == 0 {
+                let (addr, size) = live.swap_remove((i as usize * 7) % live.len());
+                arena.free(addr, size);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_same_seed_places_the_same_requests_at_the_same_offsets() {
+        assert_eq!(blocks(7), blocks(7));
+        assert_ne!(blocks(7), blocks(8));
+    }
+
+    #[test]
+    fn blocks_are_16_aligned_and_rarely_more() {
+        let mut arena = Arena::new(1).unwrap();
+        let addrs: Vec<u64> = (0..400).map(|_| arena.alloc(5000).unwrap()).collect();
+        assert!(addrs.iter().all(|a| a % 16 == 0));
+        let line_aligned = addrs.iter().filter(|&&a| a % 64 == 0).count();
+        assert!(line_aligned < 200, "{line_aligned} of 400 on a cache line");
+        let page_aligned = addrs.iter().filter(|&&a| a % 4096 == 0).count();
+        assert!(page_aligned < 20, "{page_aligned} of 400 on a page");
+    }
+
+    #[test]
+    fn placed_blocks_never_overlap_and_freed_space_is_used_again() {
+        let mut arena = Arena::new(3).unwrap();
+        let mut live: Vec<(u64, u64)> = Vec::new();
+        for i in 0..2000u64 {
+            if i % 2 == 1 && !live.is_empty() {
+                let (addr, size) = live.swap_remove((i as usize * 13) % live.len());
+                arena.free(addr, size);
+                continue;
+            }
+            let size = 1 + (i * 7919) % 20_000;
+            let addr = arena.alloc(size).unwrap();
+            for &(other, other_size) in &live {
+                assert!(addr + size <= other || other + other_size <= addr);
+            }
+            live.push((addr, size));
+        }
+        assert!(
+            arena.top < 64 << 20,
+            "reuse keeps the arena small: {}",
+            arena.top
+        );
+    }
+
+    #[test]
+    fn refusals_follow_the_plan_and_are_kept() {
+        let adversary = Adversary::new(0);
+        adversary.refuse_every(3);
+        let refused: Vec<bool> = (0..6).map(|_| adversary.refuses(8)).collect();
+        assert_eq!(refused, [false, false, true, false, false, true]);
+        adversary.refuse_every(0);
+        adversary.refuse_above(100);
+        adversary.refuse_next();
+        assert!(adversary.refuses(8), "the next one");
+        assert!(!adversary.refuses(100));
+        assert!(adversary.refuses(101));
+        let kept = adversary.refused();
+        assert_eq!(kept.len(), 4);
+        assert_eq!(kept[2].why, Injected::Next);
+        assert_eq!(
+            kept[3].to_string(),
+            "upstream request 9 (101 bytes) was refused on purpose by `oom above 100`"
+        );
+    }
+}
