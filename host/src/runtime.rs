@@ -11,7 +11,7 @@ mod engine;
 mod policy;
 
 use componentize::{WASM_MAGIC, to_component_binary};
-pub use engine::{COMPILE_CACHE_ENV, compile_cache_dir};
+pub use engine::{COMPILE_CACHE_ENV, cache_dir, compile_cache_dir};
 use engine::{compile_cache, forked_compiler_threads, sandbox_features};
 pub use policy::Policy;
 use policy::{PolicyMeta, check_info, source_language};

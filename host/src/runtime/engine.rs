@@ -44,8 +44,24 @@ pub(super) fn forked_compiler_threads() -> Result<Option<Arc<rayon_core::ThreadP
 /// processes: a directory, or `off`.
 pub const COMPILE_CACHE_ENV: &str = "ALLOCBOX_COMPILE_CACHE";
 
+/// allocbox's directory in the user's cache: `$XDG_CACHE_HOME/allocbox`, else
+/// `~/.cache/allocbox`; none when neither variable is set.
+pub fn cache_dir() -> Option<PathBuf> {
+    from_env("XDG_CACHE_HOME")
+        .or_else(|| from_env("HOME").map(|home| home.join(".cache")))
+        .map(|base| base.join("allocbox"))
+}
+
+/// A non-empty environment variable, as a path.
+fn from_env(key: &str) -> Option<PathBuf> {
+    std::env::var_os(key)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
 /// Where compiled policies are kept between processes: `$ALLOCBOX_COMPILE_CACHE`
-/// (`off` for nowhere), else `$XDG_CACHE_HOME/allocbox`, else `~/.cache/allocbox`.
+/// (`off` for nowhere), else `compiled` in [`cache_dir`] (wasmtime's cache manages that
+/// directory alone: it cleans up what it finds there).
 ///
 /// Compiling a large policy (an interpreter inside, as Python and JavaScript policies
 /// have) takes seconds; wasmtime's own cache keeps the machine code keyed by the
@@ -53,17 +69,10 @@ pub const COMPILE_CACHE_ENV: &str = "ALLOCBOX_COMPILE_CACHE";
 /// milliseconds. The directory holds native code the host will run: it must be as
 /// trusted as the program itself (a per-user cache directory is).
 pub fn compile_cache_dir() -> Option<PathBuf> {
-    let from_env = |key| {
-        std::env::var_os(key)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
     match from_env(COMPILE_CACHE_ENV) {
         Some(dir) if dir.as_os_str() == "off" => None,
         Some(dir) => Some(dir),
-        None => from_env("XDG_CACHE_HOME")
-            .or_else(|| from_env("HOME").map(|home| home.join(".cache")))
-            .map(|base| base.join("allocbox")),
+        None => cache_dir().map(|dir| dir.join("compiled")),
     }
 }
 
