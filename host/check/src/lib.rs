@@ -18,7 +18,7 @@
 //! allocbox_check::assert_contract("target/wasm32-wasip2/release/my_policy.wasm", &[]);
 //! ```
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -37,11 +37,12 @@ mod script;
 mod strategy;
 mod verdict;
 
-use runner::Subject;
+use runner::{Refusals, Subject};
 pub use script::{Op, Script};
 use strategy::Scripts;
 pub use verdict::{
-    CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS, MAX_SHRINK_TIME, Progress, ProgressFn,
+    CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS, MAX_SHRINK_TIME, Progress,
+    ProgressFn, default_regressions_dir,
 };
 
 /// A proptest runner for one round of `cases` sequences from `seed`, persisting failing
@@ -96,14 +97,15 @@ pub fn check(
         Some((policy, pool)) => (pool, policy),
         None => (runtime, policy),
     };
-    let subject = Subject {
+    let mut subject = Subject {
         runtime,
         policy,
         config,
         limits: &options.limits,
-        budget_refusals: AtomicU64::new(0),
+        upstream_seed: 0,
+        refusals: Refusals::default(),
     };
-    let name = subject.start()?.name().to_string();
+    let name = subject.start()?.0.name().to_string();
 
     let cases = AtomicU64::new(0);
     let ops = AtomicU64::new(0);
@@ -121,6 +123,7 @@ pub fn check(
             false => (options.cases, options.max_ops.max(1)),
         };
         let seed = base_seed.wrapping_add(round.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        subject.upstream_seed = seed;
         let mut runner = round_runner(options, &name, round_cases, seed);
         let strategy = Scripts {
             threads: options.threads.max(1),
@@ -128,6 +131,9 @@ pub fn check(
             shapes: !long,
         };
         let first_failure = std::sync::OnceLock::new();
+        // The case shrinking settles on is the last that failed: its script and finding
+        // are kept as it runs, so the verdict is what was seen, not a run again.
+        let last_failure = std::sync::Mutex::new(None);
         let outcome = runner.run(&strategy, |threads| {
             let (script, finding) = subject.run(&threads);
             let ops = ops.fetch_add(script.len() as u64, Ordering::Relaxed) + script.len() as u64;
@@ -145,28 +151,32 @@ pub fn check(
                 None => Ok(()),
                 Some(f) => {
                     first_failure.get_or_init(Instant::now);
-                    Err(TestCaseError::fail(f.to_string()))
+                    let reason = TestCaseError::fail(f.to_string());
+                    *last_failure.lock().unwrap_or_else(|p| p.into_inner()) = Some((f, script));
+                    Err(reason)
                 }
             }
         });
+        let last_failure = last_failure.into_inner().unwrap_or_else(|p| p.into_inner());
         shrink_stopped_early = first_failure
             .get()
             .zip(options.shrink_time)
             .is_some_and(|(at, limit)| at.elapsed() >= limit);
         time_to_failure = first_failure.get().map(|at| at.duration_since(start));
-        failure = match outcome {
-            Ok(()) => None,
-            Err(TestError::Fail(_, minimal)) => {
-                // Run the minimal case once more for its resolved script and finding.
-                let (script, finding) = subject.run(&minimal);
+        failure = match (outcome, last_failure) {
+            (Ok(()), _) => None,
+            (Err(TestError::Fail(..)), Some((finding, script))) => {
                 let script = script.with_names_in_order();
-                let finding = finding.unwrap_or_else(|| Finding {
-                    rule: "flaky",
-                    message: "the shrunk case passed when run again (threads?)".into(),
-                });
-                Some((finding, script))
+                Some((confirmed(&subject, finding, &script)?, script))
             }
-            Err(TestError::Abort(reason)) => Some((
+            (Err(TestError::Fail(reason, _)), None) => Some((
+                Finding {
+                    rule: "aborted",
+                    message: reason.to_string(),
+                },
+                Script::default(),
+            )),
+            (Err(TestError::Abort(reason)), _) => Some((
                 Finding {
                     rule: "aborted",
                     message: reason.to_string(),
@@ -189,7 +199,8 @@ pub fn check(
         cases: cases.into_inner() as u32,
         ops: ops.into_inner(),
         elapsed: start.elapsed(),
-        budget_refusals: subject.budget_refusals.into_inner(),
+        budget_refusals: subject.refusals.budget.into_inner(),
+        injected_refusals: subject.refusals.injected.into_inner(),
         failure,
         shrink_stopped_early,
         time_to_failure,
@@ -209,9 +220,10 @@ pub fn replay(
         policy,
         config,
         limits,
-        budget_refusals: AtomicU64::new(0),
+        upstream_seed: script.upstream_seed,
+        refusals: Refusals::default(),
     };
-    let handler = subject.start()?;
+    let (handler, adversary) = subject.start()?;
     // Operations reach the handler in the recorded order; a script without one runs its
     // threads one after the other.
     let sections: Vec<usize>;
@@ -226,7 +238,46 @@ pub fn replay(
             &sections
         }
     };
-    Ok(runner::run_in_order(&handler, script, order))
+    Ok(runner::run_in_order(&handler, &adversary, script, order))
+}
+
+/// The finding of a shrunk script, once it has been replayed as `allocbox replay` runs
+/// it. One client thread's script fails the same way every time (the checker's upstream
+/// places every block by its seed); several threads' may not, and such a script is
+/// `flaky`.
+fn confirmed(
+    subject: &Subject<'_>,
+    finding: Finding,
+    script: &Script,
+) -> Result<Finding, LoadError> {
+    let again = replay(
+        subject.runtime,
+        subject.policy,
+        subject.config,
+        script,
+        subject.limits,
+    )?;
+    if again.as_ref().is_some_and(|f| f.rule == finding.rule) {
+        return Ok(finding);
+    }
+    let seen = again.map_or("passed".to_string(), |f| format!("found {f}"));
+    Ok(match script.threads.len() {
+        1 => Finding {
+            message: format!(
+                "{} (replaying the script {seen}: the checker's upstream should have made \
+                 it fail the same way; please report this)",
+                finding.message
+            ),
+            ..finding
+        },
+        _ => Finding {
+            rule: "flaky",
+            message: format!(
+                "{finding}, but the script {seen} when replayed in the order its threads \
+                 reached the handler: the failure depends on timing"
+            ),
+        },
+    })
 }
 
 /// For a policy author's `#[test]`: check the component at `path` with the default
@@ -238,7 +289,7 @@ pub fn assert_contract(path: impl AsRef<Path>, config: &[(&str, &str)]) {
         .load_file(path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let options = CheckOptions {
-        regressions: Some(PathBuf::from("proptest-regressions")),
+        regressions: default_regressions_dir(),
         ..CheckOptions::default()
     };
     let report = check(runtime, &policy, config, &options).unwrap_or_else(|e| panic!("{e}"));
@@ -344,19 +395,23 @@ mod tests {
                         nelem: u64::MAX,
                         elsize: 2,
                     },
+                    Op::OomNext,
+                    Op::OomEvery { n: 3 },
+                    Op::OomAbove { size: 4096 },
                     Op::ReallocNew { block: 1, size: 0 },
                 ],
             ],
             order: Vec::new(),
+            upstream_seed: 77,
         };
         assert_eq!(Script::parse(&script.to_string()).unwrap(), script);
         let interleaved = Script {
-            order: vec![0, 1, 1, 0, 0, 0],
+            order: vec![0, 1, 1, 0, 0, 0, 1, 1, 1],
             ..script
         };
         let text = interleaved.to_string();
         assert!(
-            text.starts_with("t0 b0 = malloc 8\nt1 b0 = calloc"),
+            text.starts_with("upstream seed 77\nt0 b0 = malloc 8\nt1 b0 = calloc"),
             "{text}"
         );
         assert_eq!(Script::parse(&text).unwrap(), interleaved);

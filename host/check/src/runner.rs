@@ -4,7 +4,9 @@
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use allocbox::Limits;
+use std::sync::Arc;
+
+use allocbox::{Adversary, Limits};
 use allocbox::{Error, LoadError, Rule};
 use allocbox::{Handler, HandlerBuilder};
 use allocbox::{Policy, Runtime};
@@ -18,6 +20,8 @@ use allocbox_ledger::fasthash::FastMap;
 /// Runs one client's operations against a handler and checks every answer.
 pub(super) struct Client<'h> {
     pub(super) handler: &'h Handler,
+    /// The checker's upstream under the handler, which `oom` operations instruct.
+    adversary: &'h Adversary,
     pub(super) live: Vec<Live>,
     /// Where each named block is in `live`.
     pub(super) named: FastMap<BlockId, usize>,
@@ -32,9 +36,10 @@ pub(super) struct Client<'h> {
 unsafe impl Send for Client<'_> {}
 
 impl<'h> Client<'h> {
-    pub(super) fn new(handler: &'h Handler, thread: usize) -> Self {
+    pub(super) fn new(handler: &'h Handler, adversary: &'h Adversary, thread: usize) -> Self {
         Client {
             handler,
+            adversary,
             live: Vec::new(),
             named: FastMap::default(),
             next_phase: thread * 67,
@@ -162,6 +167,18 @@ impl<'h> Client<'h> {
                 self.ran.push(*op);
                 self.free_slot(slot)?;
             }
+            Op::OomNext | Op::OomEvery { .. } | Op::OomAbove { .. } => {
+                self.ran.push(*op);
+                match *op {
+                    Op::OomNext => self.adversary.refuse_next(),
+                    Op::OomEvery { n } => self
+                        .adversary
+                        .refuse_every(u32::try_from(n).unwrap_or(u32::MAX)),
+                    Op::OomAbove { size } => self.adversary.refuse_above(size),
+                    _ => unreachable!("matched above"),
+                }
+                return Ok(());
+            }
             Op::Trim => {
                 self.ran.push(Op::Trim);
                 h.trim().map_err(err)?;
@@ -239,24 +256,53 @@ pub(super) struct Subject<'a> {
     pub(super) policy: &'a Policy,
     pub(super) config: &'a [(&'a str, &'a str)],
     pub(super) limits: &'a Limits,
+    /// The seed of the checker's upstream for every case.
+    pub(super) upstream_seed: u64,
     /// Summed over the cases run.
-    pub(super) budget_refusals: AtomicU64,
+    pub(super) refusals: Refusals,
+}
+
+/// Upstream requests refused on purpose, summed over the cases run.
+#[derive(Debug, Default)]
+pub(super) struct Refusals {
+    /// Past the overhead budget: the impossible sizes the checker asks for.
+    pub(super) budget: AtomicU64,
+    /// By `oom` operations.
+    pub(super) injected: AtomicU64,
 }
 
 impl Subject<'_> {
-    pub(super) fn start(&self) -> Result<Handler, LoadError> {
-        HandlerBuilder::new(self.runtime)
+    /// A fresh handler over a fresh checker's upstream from the subject's seed.
+    pub(super) fn start(&self) -> Result<(Handler, Arc<Adversary>), LoadError> {
+        let adversary = Adversary::new(self.upstream_seed);
+        let handler = HandlerBuilder::new(self.runtime)
             .link_with(self.policy, self.config)
             .limits(self.limits.clone())
             .checked(true)
-            .build()
+            .adversary(Arc::clone(&adversary))
+            .build()?;
+        Ok((handler, adversary))
+    }
+
+    /// Count what was refused on purpose in a case that ran on `handler`.
+    fn count_refusals(&self, handler: &Handler, adversary: &Adversary) {
+        // A handler the checker's own threads called is reachable; were it not, the leak
+        // check has said so already.
+        if let Ok(stats) = handler.stats() {
+            self.refusals
+                .budget
+                .fetch_add(stats.budget_refusals, Ordering::Relaxed);
+        }
+        self.refusals
+            .injected
+            .fetch_add(adversary.refused().len() as u64, Ordering::Relaxed);
     }
 
     /// Run `threads` (one op list per client thread), then free everything, trim, and
     /// look for leaks. Returns the resolved script and the first finding.
     pub(super) fn run(&self, threads: &[Vec<Op>]) -> (Script, Option<Finding>) {
-        let handler = match self.start() {
-            Ok(h) => h,
+        let (handler, adversary) = match self.start() {
+            Ok(started) => started,
             Err(e) => {
                 let finding = Finding {
                     rule: "start",
@@ -269,15 +315,15 @@ impl Subject<'_> {
         // in can be written down and replayed.
         let clock = AtomicU64::new(0);
         let results: Vec<Ran> = if threads.len() == 1 {
-            vec![run_client(&handler, 0, &threads[0], &clock)]
+            vec![run_client(&handler, &adversary, 0, &threads[0], &clock)]
         } else {
             std::thread::scope(|s| {
                 let running: Vec<_> = threads
                     .iter()
                     .enumerate()
                     .map(|(t, ops)| {
-                        let (handler, clock) = (&handler, &clock);
-                        s.spawn(move || run_client(handler, t, ops, clock))
+                        let (handler, adversary, clock) = (&handler, &*adversary, &clock);
+                        s.spawn(move || run_client(handler, adversary, t, ops, clock))
                     })
                     .collect();
                 running
@@ -286,7 +332,10 @@ impl Subject<'_> {
                     .collect()
             })
         };
-        let mut script = Script::default();
+        let mut script = Script {
+            upstream_seed: self.upstream_seed,
+            ..Script::default()
+        };
         let mut finding = None;
         let mut turns = Vec::new();
         for (thread, ran) in results.into_iter().enumerate() {
@@ -301,13 +350,8 @@ impl Subject<'_> {
         if finding.is_none() {
             finding = leak_check(&handler);
         }
-        // A handler the checker's own threads called is reachable; were it not, the leak
-        // check has said so already.
-        if let Ok(stats) = handler.stats() {
-            self.budget_refusals
-                .fetch_add(stats.budget_refusals, Ordering::Relaxed);
-        }
-        (script, finding)
+        self.count_refusals(&handler, &adversary);
+        (script, finding.map(|f| f.after_refusals(&adversary)))
     }
 }
 
@@ -319,8 +363,14 @@ pub(super) struct Ran {
     finding: Option<Finding>,
 }
 
-pub(super) fn run_client(handler: &Handler, thread: usize, ops: &[Op], clock: &AtomicU64) -> Ran {
-    let mut client = Client::new(handler, thread);
+pub(super) fn run_client(
+    handler: &Handler,
+    adversary: &Adversary,
+    thread: usize,
+    ops: &[Op],
+    clock: &AtomicU64,
+) -> Ran {
+    let mut client = Client::new(handler, adversary, thread);
     let mut tickets = Vec::new();
     let mut finding = None;
     for op in ops {
@@ -350,7 +400,12 @@ pub(super) fn run_client(handler: &Handler, thread: usize, ops: &[Op], clock: &A
 /// Run a script's threads on one handler, each on a thread of its own, taking turns in
 /// `order` (the thread of each operation in turn), so the handler sees exactly the
 /// recorded sequence; then each thread frees what it holds, in thread order.
-pub(super) fn run_in_order(handler: &Handler, script: &Script, order: &[usize]) -> Option<Finding> {
+pub(super) fn run_in_order(
+    handler: &Handler,
+    adversary: &Adversary,
+    script: &Script,
+    order: &[usize],
+) -> Option<Finding> {
     use std::sync::{Condvar, Mutex};
     const STOPPED: usize = usize::MAX;
     let turn = Mutex::new(0usize);
@@ -378,7 +433,7 @@ pub(super) fn run_in_order(handler: &Handler, script: &Script, order: &[usize]) 
                     }
                 }
                 let _stop = StopOnPanic(turn, moved);
-                let mut client = Client::new(handler, me);
+                let mut client = Client::new(handler, adversary, me);
                 let mut ops = ops.iter();
                 for step in steps {
                     let mut now = turn.lock().unwrap_or_else(|p| p.into_inner());
@@ -416,7 +471,9 @@ pub(super) fn run_in_order(handler: &Handler, script: &Script, order: &[usize]) 
         }
     });
     let finding = found.into_inner().unwrap_or_else(|p| p.into_inner());
-    finding.or_else(|| leak_check(handler))
+    finding
+        .or_else(|| leak_check(handler))
+        .map(|f| f.after_refusals(adversary))
 }
 
 pub(super) fn leak_check(handler: &Handler) -> Option<Finding> {

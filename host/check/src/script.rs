@@ -1,5 +1,7 @@
 //! The text form of a check case: client operations and scripts of them, one thread
-//! per section, that `allocbox replay` reads back.
+//! per section, that `allocbox replay` reads back. Besides the client's calls a script
+//! says what the checker's upstream does: its seed, and where it runs out of memory
+//! (`oom` lines).
 
 use std::fmt;
 
@@ -30,6 +32,15 @@ pub enum Op {
     /// stay correct across it at any point of its life, not only once everything is
     /// freed.
     Trim,
+    /// `oom next`: the upstream refuses the next request the policy makes, whatever it
+    /// is (one block of a batch included).
+    OomNext,
+    /// `oom every N`: from here on the upstream refuses every `N`th request, counting
+    /// from the first of the case.
+    OomEvery { n: u64 },
+    /// `oom above SIZE`: from here on the upstream refuses every request for more than
+    /// `SIZE` bytes.
+    OomAbove { size: u64 },
 }
 
 impl fmt::Display for Op {
@@ -45,6 +56,9 @@ impl fmt::Display for Op {
             Op::Realloc { block, size } => write!(f, "realloc b{block} {size}"),
             Op::Free { block } => write!(f, "free b{block}"),
             Op::Trim => write!(f, "trim"),
+            Op::OomNext => write!(f, "oom next"),
+            Op::OomEvery { n } => write!(f, "oom every {n}"),
+            Op::OomAbove { size } => write!(f, "oom above {size}"),
         }
     }
 }
@@ -81,6 +95,9 @@ impl std::str::FromStr for Op {
             }),
             ["free", b] => Ok(Op::Free { block: name(b)? }),
             ["trim"] => Ok(Op::Trim),
+            ["oom", "next"] => Ok(Op::OomNext),
+            ["oom", "every", n] => Ok(Op::OomEvery { n: num(n)? }),
+            ["oom", "above", size] => Ok(Op::OomAbove { size: num(size)? }),
             _ => Err(format!("not an operation: `{line}`")),
         }
     }
@@ -93,7 +110,9 @@ impl Op {
         match (*self, field) {
             (Op::Malloc { size, .. }, 0)
             | (Op::ReallocNew { size, .. }, 0)
-            | (Op::Realloc { size, .. }, 0) => Some(size),
+            | (Op::Realloc { size, .. }, 0)
+            | (Op::OomAbove { size }, 0) => Some(size),
+            (Op::OomEvery { n }, 0) => Some(n),
             (Op::Calloc { nelem, .. }, 0) => Some(nelem),
             (Op::Calloc { elsize, .. }, 1) => Some(elsize),
             _ => None,
@@ -108,7 +127,7 @@ impl Op {
             | Op::ReallocNew { block, .. }
             | Op::Realloc { block, .. }
             | Op::Free { block } => Some(block),
-            Op::Trim => None,
+            Op::Trim | Op::OomNext | Op::OomEvery { .. } | Op::OomAbove { .. } => None,
         }
     }
 
@@ -117,7 +136,9 @@ impl Op {
         match (self, field) {
             (Op::Malloc { size, .. }, 0)
             | (Op::ReallocNew { size, .. }, 0)
-            | (Op::Realloc { size, .. }, 0) => *size = value,
+            | (Op::Realloc { size, .. }, 0)
+            | (Op::OomAbove { size }, 0) => *size = value,
+            (Op::OomEvery { n }, 0) => *n = value,
             (Op::Calloc { nelem, .. }, 0) => *nelem = value,
             (Op::Calloc { elsize, .. }, 1) => *elsize = value,
             _ => {}
@@ -134,6 +155,9 @@ pub struct Script {
     /// of each operation, in turn. Empty when no order was recorded (one thread, or a
     /// script written with `thread` sections).
     pub order: Vec<usize>,
+    /// The seed of the checker's upstream ([`allocbox::Adversary`]), which places every
+    /// block: written `upstream seed N`, first; a script without the line ran with 0.
+    pub upstream_seed: u64,
 }
 
 impl Script {
@@ -166,12 +190,20 @@ impl Script {
         let mut script = Script {
             threads: vec![Vec::new()],
             order: Vec::new(),
+            upstream_seed: 0,
         };
         let mut sections = false;
         for (n, line) in text.lines().enumerate() {
             let line = line.trim();
             let at = |e: String| format!("line {}: {e}", n + 1);
             if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            if let Some(seed) = line.strip_prefix("upstream seed ") {
+                script.upstream_seed = seed
+                    .trim()
+                    .parse()
+                    .map_err(|e| at(format!("`{seed}`: {e}")))?;
                 continue;
             }
             if line == "thread" {
@@ -229,6 +261,9 @@ const MAX_THREADS: usize = 256;
 
 impl fmt::Display for Script {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.upstream_seed != 0 {
+            writeln!(f, "upstream seed {}", self.upstream_seed)?;
+        }
         if !self.order.is_empty() {
             let mut next = vec![0; self.threads.len()];
             for &thread in &self.order {

@@ -55,14 +55,19 @@ pub(super) enum Shape {
     /// A few large blocks (16 KiB to 256 KiB) grown and shrunk, past the page and the
     /// 64 KiB class limits where policies switch to their large-block paths.
     GrowShrink,
+    /// The general mix with the upstream running out of memory: one request refused
+    /// here and there (`oom next`), and from the start, half the time, every `N`th
+    /// request or every request above a size.
+    OutOfMemory,
 }
 
-/// Thirteen sequences in twenty are the general mix; the shapes share the rest, large
+/// Eleven sequences in twenty are the general mix; the shapes share the rest, large
 /// blocks least (each of their operations moves or fills hundreds of kilobytes). Bursts
 /// and alternations stay at or below 64 KiB so a sequence holds a few megabytes at most.
 pub(super) fn draw_shape(rng: &mut TestRng) -> Shape {
     match rng.random_range(0..20u32) {
-        0..13 => Shape::Mixed,
+        0..11 => Shape::Mixed,
+        11..13 => Shape::OutOfMemory,
         13..15 => Shape::Burst(boundary_size(rng, 16)),
         15..17 => Shape::Alternating(boundary_size(rng, 16), boundary_size(rng, 16)),
         17..19 => Shape::ReallocChain,
@@ -70,7 +75,9 @@ pub(super) fn draw_shape(rng: &mut TestRng) -> Shape {
     }
 }
 
-/// `calloc` arguments: mostly small products, some zero counts, some that overflow.
+/// `calloc` arguments: mostly small products; a quarter arrays of 8-byte elements of
+/// every size [`draw_size`] draws up to 2 MiB (`np.zeros` of float64, where pages and
+/// large-block paths begin); some zero counts, some that overflow.
 pub(super) fn draw_calloc(rng: &mut TestRng, block: BlockId) -> Op {
     const ZERO: [(u64, u64); 3] = [(0, 8), (8, 0), (0, 0)];
     const OVERFLOW: [(u64, u64); 3] = [
@@ -79,7 +86,8 @@ pub(super) fn draw_calloc(rng: &mut TestRng, block: BlockId) -> Op {
         (u64::MAX, u64::MAX),
     ];
     let (n, e) = match rng.random_range(0..8u32) {
-        0..6 => (rng.random_range(1..=64), rng.random_range(1..=64)),
+        0..4 => (rng.random_range(1..=64), rng.random_range(1..=64)),
+        4..6 => (draw_size(rng).min(2 << 20).div_ceil(8), 8),
         6 => ZERO[rng.random_range(0..ZERO.len())],
         _ => OVERFLOW[rng.random_range(0..OVERFLOW.len())],
     };
@@ -123,6 +131,10 @@ pub(super) fn draw_op(rng: &mut TestRng, drawing: &mut Drawing, shape: Shape) ->
     };
     match shape {
         Shape::Mixed => draw_mixed_op(rng, drawing),
+        Shape::OutOfMemory => match roll {
+            0..8 => Op::OomNext,
+            _ => draw_mixed_op(rng, drawing),
+        },
         Shape::Burst(size) => match roll {
             0..55 => Op::Malloc {
                 size,
@@ -209,6 +221,21 @@ fn draw_mixed_op(rng: &mut TestRng, drawing: &mut Drawing) -> Op {
     }
 }
 
+/// A refusal that stands from the start of an out-of-memory sequence, half the time:
+/// every `N`th request (from every second to every 64th), or every request above a size
+/// where size classes and pages begin and end.
+fn draw_standing_oom(rng: &mut TestRng) -> Option<Op> {
+    match rng.random_range(0..4u32) {
+        0 => Some(Op::OomEvery {
+            n: rng.random_range(2..=64),
+        }),
+        1 => Some(Op::OomAbove {
+            size: boundary_size(rng, 20),
+        }),
+        _ => None,
+    }
+}
+
 /// Sequences of operations, one per client thread, drawn straight from the RNG.
 ///
 /// proptest's `vec(prop_oneof![..])` builds a value tree per operation, and building
@@ -237,8 +264,13 @@ impl Strategy for Scripts {
                     true => draw_shape(rng),
                     false => Shape::Mixed,
                 };
-                (0..len)
-                    .map(|_| draw_op(rng, &mut drawing, shape))
+                let standing = match shape {
+                    Shape::OutOfMemory => draw_standing_oom(rng),
+                    _ => None,
+                };
+                standing
+                    .into_iter()
+                    .chain((0..len).map(|_| draw_op(rng, &mut drawing, shape)))
                     .collect()
             })
             .collect();

@@ -5,8 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use allocbox::Limits;
-use allocbox::{Error, Rule};
+use allocbox::{Adversary, Error, Limits, Rule};
 
 use super::script::Script;
 
@@ -36,6 +35,17 @@ impl Finding {
                 "policy `{policy}` broke the contract in `{call}` at {addr:#x} ({size} bytes): {rule}"
             ),
         }
+    }
+}
+
+impl Finding {
+    /// The finding, saying which upstream request the checker refused last before it:
+    /// where a policy's out-of-memory path went wrong.
+    pub(super) fn after_refusals(mut self, adversary: &Adversary) -> Finding {
+        if let Some(last) = adversary.refused().last() {
+            self.message += &format!(" (after {last})");
+        }
+        self
     }
 }
 
@@ -72,7 +82,8 @@ pub struct CheckOptions {
     pub threads: usize,
     /// Bounds on the policy; default [`Limits::default`] with a 250 ms call limit.
     pub limits: Limits,
-    /// Where failing seeds persist (`proptest-regressions/<policy>.txt`). Default none.
+    /// Where failing seeds persist (`<dir>/<policy>.txt`, retried first by later runs).
+    /// Default none; the command line keeps them in [`default_regressions_dir`].
     pub regressions: Option<PathBuf>,
     /// Called after every finished case.
     pub progress: Option<Arc<ProgressFn>>,
@@ -144,8 +155,12 @@ pub struct CheckReport {
     pub ops: u64,
     pub elapsed: Duration,
     /// Upstream requests answered "none" for passing the policy's overhead budget
-    /// ([`Limits::overhead`]), over every case.
+    /// ([`Limits::overhead`]), over every case: the impossible sizes the checker asks
+    /// for on purpose, unless the policy hoards.
     pub budget_refusals: u64,
+    /// Upstream requests the checker refused on purpose (`oom` operations), over every
+    /// case, to run the policy's out-of-memory paths.
+    pub injected_refusals: u64,
     /// The first broken rule, with the shrunk script that shows it.
     pub failure: Option<(Finding, Script)>,
     /// Shrinking the failure ran out of time ([`CheckOptions::shrink_time`]): the script
@@ -165,4 +180,11 @@ impl CheckReport {
     pub fn ops_per_second(&self) -> f64 {
         self.ops as f64 / self.elapsed.as_secs_f64().max(1e-9)
     }
+}
+
+/// Where the command line keeps failing seeds and scripts unless told otherwise:
+/// `regressions` in allocbox's cache directory ([`allocbox::cache_dir`]), so a check run
+/// inside a policy's source tree writes nothing there.
+pub fn default_regressions_dir() -> Option<PathBuf> {
+    allocbox::cache_dir().map(|dir| dir.join("regressions"))
 }

@@ -45,7 +45,10 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
             None => None,
         };
         if args.json {
-            print_report(&format!("{}\n", json_report(&report, &label)));
+            print_report(&format!(
+                "{}\n",
+                json_report(&report, &label, script_file.as_deref())
+            ));
         } else {
             print_report(&text_report(
                 &report,
@@ -88,11 +91,8 @@ fn text_report(
         report.elapsed.as_secs_f64(),
         report.ops_per_second()
     );
-    if report.budget_refusals > 0 {
-        totals += &format!(
-            "; {} upstream requests refused past the overhead budget",
-            report.budget_refusals
-        );
+    if let Some(refused) = refused_on_purpose(report) {
+        totals += &format!("; {refused}");
     }
     let Some((finding, script)) = &report.failure else {
         return format!("{} ({label}): every rule held — {totals}\n", report.policy);
@@ -117,7 +117,29 @@ fn text_report(
     out
 }
 
-fn json_report(report: &CheckReport, label: &str) -> serde_json::Value {
+/// What the checker refused on purpose, and what for, so that it does not read like a
+/// fault of the policy.
+fn refused_on_purpose(report: &CheckReport) -> Option<String> {
+    let parts: Vec<String> = [
+        (report.injected_refusals, "injected by `oom` operations"),
+        (
+            report.budget_refusals,
+            "past the overhead budget, for impossible sizes",
+        ),
+    ]
+    .into_iter()
+    .filter(|&(n, _)| n > 0)
+    .map(|(n, why)| format!("{n} {why}"))
+    .collect();
+    (!parts.is_empty()).then(|| {
+        format!(
+            "out-of-memory paths run by refusing upstream requests on purpose ({})",
+            parts.join(", ")
+        )
+    })
+}
+
+fn json_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> serde_json::Value {
     let (rule, message, script) = match &report.failure {
         Some((f, s)) => (
             Some(f.rule),
@@ -140,10 +162,12 @@ fn json_report(report: &CheckReport, label: &str) -> serde_json::Value {
         "seconds": report.elapsed.as_secs_f64(),
         "operations_per_second": report.ops_per_second(),
         "budget_refusals": report.budget_refusals,
+        "injected_refusals": report.injected_refusals,
         "rule": rule,
         "message": message,
         "script": script,
         "shrink_stopped_early": report.shrink_stopped_early,
+        "script_file": saved.map(|file| file.display().to_string()),
     })
 }
 

@@ -81,9 +81,10 @@ enum Command {
         /// One JSON report per line instead of text.
         #[arg(long)]
         json: bool,
-        /// Where failing seeds and scripts are kept.
-        #[arg(long, default_value = "proptest-regressions")]
-        regressions: PathBuf,
+        /// Where failing seeds and scripts are kept [default: `regressions` in the user's
+        /// cache directory, `~/.cache/allocbox/regressions`]; the report names the file.
+        #[arg(long, value_name = "DIR")]
+        regressions: Option<PathBuf>,
         /// Configuration passed to every policy's `init`, as KEY=VALUE (repeatable).
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
@@ -276,7 +277,7 @@ fn main() -> ExitCode {
                 seed,
                 max_ops,
                 threads,
-                regressions: Some(regressions),
+                regressions: regressions.or_else(allocbox_check::default_regressions_dir),
                 limits: limits.limits(CHECK_CALL_TIME),
                 ..CheckOptions::default()
             },
