@@ -22,9 +22,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use proptest::test_runner::{
-    Config, FileFailurePersistence, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner,
-};
+use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
 
 use allocbox::Limits;
 use allocbox::LoadError;
@@ -34,11 +32,13 @@ mod model;
 mod pattern;
 mod runner;
 mod script;
+mod seeds;
 mod strategy;
 mod verdict;
 
 use runner::{Refusals, Subject};
 pub use script::{Op, Script};
+use seeds::SeedFile;
 use strategy::Scripts;
 pub use verdict::{
     CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS, MAX_SHRINK_TIME, Progress,
@@ -60,10 +60,7 @@ fn round_runner(options: &CheckOptions, policy: &str, cases: u32, seed: u64) -> 
         ..Config::default()
     };
     if let Some(dir) = &options.regressions {
-        let file = dir.join(format!("{policy}.txt"));
-        // proptest wants a 'static path; one small string per distinct path is kept.
-        let file: &'static str = Box::leak(file.display().to_string().into_boxed_str());
-        config.failure_persistence = Some(Box::new(FileFailurePersistence::Direct(file)));
+        config.failure_persistence = Some(Box::new(SeedFile::new(dir, policy)));
     }
     let mut seed_bytes = [0u8; 32];
     seed_bytes[..8].copy_from_slice(&seed.to_le_bytes());
