@@ -361,3 +361,36 @@ fn check_writes_nothing_into_the_folder_it_runs_in() {
     assert!(left.is_empty(), "{left:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `trusts-alignment` breaks the rule only where the upstream's block is not on a cache
+/// line: the address layout decides. The checker's upstream lays blocks out by its seed,
+/// so whatever the seed, the verdict names the rule, and the script it prints fails the
+/// same way when replayed, never `flaky`.
+#[test]
+fn a_bug_the_address_layout_decides_gets_a_verdict_that_replays_whatever_the_seed() {
+    let policy = load(&allocbox_artifacts::BROKEN);
+    let config = [("fault", "trusts-alignment")];
+    for seed in 1..=4 {
+        let options = CheckOptions {
+            seed: Some(seed),
+            ..options()
+        };
+        let report = check::check(Runtime::shared(), &policy, &config, &options).unwrap();
+        let (finding, script) = report.failure.expect("trusts-alignment is found");
+        assert_eq!(
+            finding.rule, "misaligned",
+            "seed {seed}: {finding}\n{script}"
+        );
+        let replayed = Script::parse(&script.to_string()).unwrap();
+        let again = check::replay(
+            Runtime::shared(),
+            &policy,
+            &config,
+            &replayed,
+            &options.limits,
+        )
+        .unwrap()
+        .unwrap_or_else(|| panic!("seed {seed}: the replay of\n{script}\npassed"));
+        assert_eq!(again.rule, "misaligned", "seed {seed}: {again}");
+    }
+}
