@@ -26,6 +26,16 @@ pub fn fill(at: u64, len: u64, byte: u8) {
     imports::fill(at, len, byte)
 }
 
+/// `ptr`, a block of `len` bytes the policy holds and has not lent, with every byte set
+/// to 0: what `calloc` answers. 0 (no block) stays 0.
+#[inline]
+pub fn zeroed(ptr: u64, len: u64) -> u64 {
+    if ptr != 0 {
+        fill(ptr, len, 0);
+    }
+    ptr
+}
+
 /// Copy `len` bytes from `src` to `dst`; the ranges may overlap.
 #[inline]
 pub fn copy(dst: u64, src: u64, len: u64) {

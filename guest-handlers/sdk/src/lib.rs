@@ -153,17 +153,13 @@ pub trait Policy: Sized + 'static {
     fn malloc(&self, size: u64) -> u64;
 
     /// A zero-filled block of `nelem * elsize` bytes, or 0 (also when the product
-    /// overflows). Default: `malloc` then [`bytes::fill`] with 0; forward to
+    /// overflows). Default: `malloc` then [`bytes::zeroed`]; forward to
     /// [`upstream::calloc`] instead where you can, fresh pages are zero already.
     fn calloc(&self, nelem: u64, elsize: u64) -> u64 {
         let Some(size) = nelem.checked_mul(elsize) else {
             return 0;
         };
-        let ptr = self.malloc(size);
-        if ptr != 0 {
-            bytes::fill(ptr, size, 0);
-        }
-        ptr
+        bytes::zeroed(self.malloc(size), size)
     }
 
     /// Resize the block at `ptr` (of `old_size` bytes) to `new_size`, keeping its first

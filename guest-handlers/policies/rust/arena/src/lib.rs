@@ -245,12 +245,8 @@ impl Policy for ArenaPolicy {
                 let ptr = upstream::calloc(nelem, elsize);
                 return a.lend_large(ptr, size);
             }
-            let ptr = a.small(size);
-            if ptr != 0 {
-                // Recycled blocks and fresh chunks both hold stale bytes.
-                bytes::fill(ptr, size, 0);
-            }
-            ptr
+            // Recycled blocks and fresh chunks both hold stale bytes.
+            bytes::zeroed(a.small(size), size)
         })
     }
 

@@ -157,8 +157,7 @@ impl Policy for SizeClasses {
             && let Some(ptr) = self.with(|c| c.take(size))
         {
             // A recycled block still holds its previous owner's bytes.
-            bytes::fill(ptr, size, 0);
-            return ptr;
+            return bytes::zeroed(ptr, size);
         }
         // Upstream handles an overflowing product too (it returns 0).
         upstream::calloc(nelem, elsize)
