@@ -259,12 +259,13 @@ pub enum LoadError {
     },
     #[error("policy start-up failed: {0}")]
     Start(Box<Error>),
-    /// A pooled runtime ([`crate::Runtime::pooled`]) has every slot in use.
+    /// A forked child could not start threads of its own to compile on.
     #[error(
         "cannot start threads to compile the policy in this forked process ({detail}); \
          load it before forking, or in a process with fewer threads"
     )]
     NoCompilerThreads { detail: String },
+    /// A pooled runtime ([`crate::Runtime::pooled`]) has every slot in use.
     #[error("the runtime's instance pool is full ({detail}); end a handler first, or pool more")]
     PoolFull { detail: String },
     #[error("policy `{policy}` refused its configuration: {message}")]

@@ -94,6 +94,22 @@ const CORPUS: &[(&str, &str)] = &[
     ("oom-leaks-batch", "leak"),
 ];
 
+/// `script`, printed and parsed back, is the same script, and replaying it breaks `rule`.
+fn assert_replays_to(
+    policy: &allocbox::Policy,
+    config: &[(&str, &str)],
+    script: &Script,
+    limits: &Limits,
+    rule: &str,
+) {
+    let replayed = Script::parse(&script.to_string()).unwrap();
+    assert_eq!(&replayed, script);
+    let again = check::replay(Runtime::shared(), policy, config, &replayed, limits)
+        .unwrap()
+        .unwrap_or_else(|| panic!("{config:?}: the replay of\n{script}\npassed"));
+    assert_eq!(again.rule, rule, "{config:?} replay: {again}");
+}
+
 #[test]
 fn check_catches_every_broken_policy_names_the_rule_and_shrinks_it() {
     let policy = load(&allocbox_artifacts::BROKEN);
@@ -115,18 +131,7 @@ fn check_catches_every_broken_policy_names_the_rule_and_shrinks_it() {
             script.len()
         );
         // The printed script replays to the same broken rule.
-        let replayed = Script::parse(&script.to_string()).unwrap();
-        assert_eq!(replayed, script);
-        let again = check::replay(
-            Runtime::shared(),
-            &policy,
-            &config,
-            &replayed,
-            &options.limits,
-        )
-        .unwrap()
-        .unwrap_or_else(|| panic!("`{fault}`: the replay of\n{script}\npassed"));
-        assert_eq!(again.rule, *rule, "`{fault}` replay: {again}");
+        assert_replays_to(&policy, &config, &script, &options.limits, rule);
     }
 }
 
@@ -381,16 +386,6 @@ fn a_bug_the_address_layout_decides_gets_a_verdict_that_replays_whatever_the_see
             finding.rule, "misaligned",
             "seed {seed}: {finding}\n{script}"
         );
-        let replayed = Script::parse(&script.to_string()).unwrap();
-        let again = check::replay(
-            Runtime::shared(),
-            &policy,
-            &config,
-            &replayed,
-            &options.limits,
-        )
-        .unwrap()
-        .unwrap_or_else(|| panic!("seed {seed}: the replay of\n{script}\npassed"));
-        assert_eq!(again.rule, "misaligned", "seed {seed}: {again}");
+        assert_replays_to(&policy, &config, &script, &options.limits, "misaligned");
     }
 }
