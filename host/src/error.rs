@@ -182,8 +182,10 @@ impl Bound {
 impl fmt::Display for Bound {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Bound::Batch => "batch bound (blocks in one malloc-many or free-many, Limits::batch)",
-            Bound::ReadLength => "read bound (bytes in one bytes.read, Limits::memory)",
+            Bound::Batch => "batch bound (blocks in one malloc-many or free-many; `--batch-limit`)",
+            Bound::ReadLength => {
+                "read bound (bytes in one bytes.read: no more than the guest-memory budget)"
+            }
             Bound::Resources => "resource bound (WASI streams, pollables and errors held at once)",
             Bound::Objects => {
                 "object bound (core instances, linear memories and tables one policy creates)"

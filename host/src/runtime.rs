@@ -228,7 +228,9 @@ impl Runtime {
     /// Load `bytes`, named `source` in errors. The shape is checked on every load, a
     /// policy already compiled included, so a bound means the same whatever was loaded
     /// before.
-    fn load_named(
+    /// [`Runtime::load_bounded`], naming the policy `source` (a shipped name, a file) in
+    /// errors until it names itself at `init`.
+    pub fn load_named(
         &self,
         bytes: &[u8],
         source: &str,
@@ -245,7 +247,8 @@ impl Runtime {
                 bounds.check_text(bytes)?;
             }
             bounds.check_binary(&binary)?;
-            return Ok(policy);
+            // The same bytes under another name are that name's policy in errors.
+            return Ok(policy.named(source));
         }
         let binary = to_component_binary(bytes, "policy", bounds)?;
         let component = self.compile(&binary)?;

@@ -16,6 +16,7 @@ pub struct Policy {
     pub(super) meta: Arc<PolicyMeta>,
 }
 
+#[derive(Clone)]
 pub(super) struct PolicyMeta {
     pub(super) source: String,
     /// The component binary, to compile the policy again for another runtime.
@@ -83,6 +84,20 @@ impl std::fmt::Debug for Policy {
 }
 
 impl Policy {
+    /// The same compiled policy, loaded from `source`.
+    pub(super) fn named(self, source: &str) -> Policy {
+        if self.meta.source == source {
+            return self;
+        }
+        Policy {
+            meta: Arc::new(PolicyMeta {
+                source: source.to_string(),
+                ..(*self.meta).clone()
+            }),
+            ..self
+        }
+    }
+
     /// Where it was loaded from.
     pub fn source(&self) -> &str {
         &self.meta.source
