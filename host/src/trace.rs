@@ -51,10 +51,17 @@ pub enum EventOp {
 /// A trace that could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
-    #[error("reading the trace: {0}")]
-    Io(#[from] std::io::Error),
+    /// The OS error is the message itself, not a cause printed after it again.
+    #[error("cannot read the trace: {0}")]
+    Io(std::io::Error),
     #[error("line {line}: {message}")]
     Syntax { line: u32, message: String },
+}
+
+impl From<std::io::Error> for TraceError {
+    fn from(error: std::io::Error) -> TraceError {
+        TraceError::Io(error)
+    }
 }
 
 /// Read a trace (plain text, or gzip when the file starts with the gzip magic).
@@ -95,7 +102,13 @@ pub fn parse_trace(mut input: impl BufRead) -> Result<Vec<Event>, TraceError> {
             Some("c") => EventOp::Calloc,
             Some("r") => EventOp::Realloc,
             Some("f") => EventOp::Free,
-            other => return Err(bad(format!("unknown operation {other:?}"))),
+            Some(other) => {
+                return Err(bad(format!(
+                    "`{other}` is not an operation: a line is `m`, `c`, `r` or `f`, then id, \
+                     size and (optionally) thread"
+                )));
+            }
+            None => unreachable!("a line that is not empty has a first word"),
         };
         let mut number = |what: &str| -> Result<u64, TraceError> {
             let w = words.next().ok_or_else(|| bad(format!("missing {what}")))?;
@@ -145,9 +158,24 @@ pub struct ReplayReport {
     pub out_of_memory: u64,
     /// The first event that failed and why; the replay stops there.
     pub failure: Option<(Event, Error)>,
+    /// What a chain still held from the host after the replay freed every block and
+    /// trimmed it: a leak ([`leak_after_replay`]). Set by whoever replayed a chain.
+    pub leak: Option<Error>,
+}
+
+/// After a replay that freed every block of the trace, the leak of `handler`'s chain if it
+/// has one: it is trimmed, and whatever it still holds from the host is named, as
+/// `allocbox check` names it. A failing trim is the answer too.
+pub fn leak_after_replay(handler: &crate::Handler) -> Option<Error> {
+    handler.trim().and_then(|()| handler.leak_check()).err()
 }
 
 impl ReplayReport {
+    /// The first event that failed, else the leak found after the last one.
+    pub fn failed(&self) -> bool {
+        self.failure.is_some() || self.leak.is_some()
+    }
+
     pub fn ns_per_event(&self) -> f64 {
         self.elapsed.as_nanos() as f64 / self.events.max(1) as f64
     }

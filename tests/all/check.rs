@@ -205,8 +205,19 @@ fn an_operation_on_a_block_that_is_not_live_is_skipped_so_any_deletion_leaves_a_
     let policy = load(&allocbox_artifacts::SYSTEM);
     // b1 was never made (its malloc was shrunk away), b0 is freed twice: the operations
     // on blocks that are not live are skipped, not sent to the handler.
-    let script =
-        Script::parse("b0 = malloc 64\nrealloc b1 10\nfree b0\nfree b0\nfree b1\n").unwrap();
+    // What shrinking makes by deleting operations; a script a user writes with such
+    // lines is refused when it is read (see `scripts_refuse_blocks_not_made_or_freed`).
+    use check::Op::{Free, Malloc, Realloc};
+    let script = Script {
+        threads: vec![vec![
+            Malloc { block: 0, size: 64 },
+            Realloc { block: 1, size: 10 },
+            Free { block: 0 },
+            Free { block: 0 },
+            Free { block: 1 },
+        ]],
+        ..Script::default()
+    };
     let finding =
         check::replay(Runtime::shared(), &policy, &[], &script, &options().limits).unwrap();
     assert!(finding.is_none(), "{finding:?}");
@@ -388,4 +399,26 @@ fn a_bug_the_address_layout_decides_gets_a_verdict_that_replays_whatever_the_see
         );
         assert_replays_to(&policy, &config, &script, &options.limits, "misaligned");
     }
+}
+
+/// A script names a block by the operation that made it; a line that uses a block never
+/// made, or one already freed, is a mistake in the script, refused with its line.
+#[test]
+fn scripts_refuse_blocks_not_made_or_freed() {
+    let err = Script::parse("b0 = malloc 8\nfree b1\n").unwrap_err();
+    assert!(
+        err.contains("line 2") && err.contains("b1 was never made"),
+        "{err}"
+    );
+    let err = Script::parse("b0 = malloc 8\nfree b0\nrealloc b0 16\n").unwrap_err();
+    assert!(
+        err.contains("line 3") && err.contains("freed on line 2"),
+        "{err}"
+    );
+    let err = Script::parse("t0 b0 = malloc 8\nt1 free b0\n").unwrap_err();
+    assert!(
+        err.contains("line 2") && err.contains("b0 was never made"),
+        "{err}"
+    );
+    Script::parse("b0 = malloc 8\nfree b0\nb0 = malloc 4\nfree b0\n").unwrap();
 }

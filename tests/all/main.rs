@@ -2,6 +2,7 @@
 
 mod support;
 
+mod bad_input;
 mod chain;
 mod chaos;
 mod check;

@@ -193,6 +193,8 @@ impl Script {
             upstream_seed: 0,
         };
         let mut sections = false;
+        // Every operation with its line and thread, for `check_blocks`.
+        let mut lines = Vec::new();
         for (n, line) in text.lines().enumerate() {
             let line = line.trim();
             let at = |e: String| format!("line {}: {e}", n + 1);
@@ -223,6 +225,7 @@ impl Script {
                     ));
                 }
                 let op = line.parse().map_err(at)?;
+                lines.push((n + 1, script.threads.len() - 1, op));
                 script
                     .threads
                     .last_mut()
@@ -249,11 +252,54 @@ impl Script {
             if script.threads.len() <= thread {
                 script.threads.resize_with(thread + 1, Vec::new);
             }
+            lines.push((n + 1, thread, op));
             script.threads[thread].push(op);
             script.order.push(thread);
         }
+        check_blocks(&lines)?;
         Ok(script)
     }
+}
+
+/// Each block an operation names was made earlier on its thread and not freed since: a
+/// user's script that says otherwise has a mistake, which this names with its line.
+/// (Scripts the checker prints always pass: it records only operations on live blocks.)
+fn check_blocks(ops: &[(usize, usize, Op)]) -> Result<(), String> {
+    use std::collections::HashMap;
+    // Per thread: each block's state, and the line that made it so.
+    let mut blocks: HashMap<(usize, BlockId), (bool, usize)> = HashMap::new();
+    for &(line, thread, op) in ops {
+        let makes = matches!(
+            op,
+            Op::Malloc { .. } | Op::Calloc { .. } | Op::ReallocNew { .. }
+        );
+        let mut named = op;
+        let Some(block) = named.block_mut().copied() else {
+            continue;
+        };
+        if makes {
+            blocks.insert((thread, block), (true, line));
+            continue;
+        }
+        match blocks.get(&(thread, block)) {
+            None => {
+                return Err(format!(
+                    "line {line}: `{op}`: b{block} was never made (a block is made by \
+                     `bN = malloc`, `calloc` or `realloc -` on the same thread)"
+                ));
+            }
+            Some(&(false, freed)) => {
+                return Err(format!(
+                    "line {line}: `{op}`: b{block} was freed on line {freed}"
+                ));
+            }
+            Some(_) => {}
+        }
+        if matches!(op, Op::Free { .. }) {
+            blocks.insert((thread, block), (false, line));
+        }
+    }
+    Ok(())
 }
 
 /// The most client threads a script may name.

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use allocbox::{Limits, Runtime};
 use allocbox_check::{self as check, CheckOptions, CheckReport, Script};
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 
 use crate::{Outcome, load, print_report, progress};
 
@@ -178,8 +178,18 @@ pub(crate) fn run_replay(
     limits: Limits,
 ) -> Result<Outcome> {
     let runtime = Runtime::shared();
-    let text = std::fs::read_to_string(&script)
-        .with_context(|| format!("reading {}", script.display()))?;
+    let bytes =
+        std::fs::read(&script).with_context(|| format!("cannot read `{}`", script.display()))?;
+    let text = String::from_utf8(bytes)
+        .ok()
+        .filter(|text| !text.starts_with("\0asm") && !text.trim_start().starts_with('('));
+    let Some(text) = text else {
+        bail!(
+            "`{}` is a policy or binary data, not a script (one operation a line): the \
+             script comes first, then the policy (`allocbox replay SCRIPT [POLICY]`)",
+            script.display()
+        );
+    };
     let parsed = Script::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", script.display()))?;
     let loaded = load(runtime, policy.as_ref())?;
     let config: Vec<(&str, &str)> = config

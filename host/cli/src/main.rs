@@ -67,16 +67,16 @@ enum Command {
         #[arg(long)]
         time: Option<f64>,
         /// Random sequences per round. Given without `--time`: run exactly this many.
-        #[arg(long)]
+        #[arg(long, value_parser = at_least_one::<u32>)]
         cases: Option<u32>,
         /// Seed, for a run that repeats exactly.
         #[arg(long)]
         seed: Option<u64>,
         /// Most operations per sequence (per thread).
-        #[arg(long, default_value_t = 128)]
+        #[arg(long, default_value_t = 128, value_parser = at_least_one::<usize>)]
         max_ops: usize,
         /// Client threads calling one handler at once.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, value_parser = client_threads)]
         threads: usize,
         /// One JSON report per line instead of text.
         #[arg(long)]
@@ -93,7 +93,8 @@ enum Command {
     },
     /// Replay an allocation trace (`op id size thread` lines, plain or gzip) through a
     /// handler and report time per event, peak bytes, corrections and the first failing
-    /// event. Exit 1 if an event fails.
+    /// event. Exit 1 if an event fails, or if a policy still holds host memory once every
+    /// block is freed and it is trimmed (a leak).
     ReplayTrace {
         trace: PathBuf,
         /// The chain, top first: a policy file, `default` (NumPy's default handler,
@@ -109,8 +110,8 @@ enum Command {
     /// Replay an allocation trace through each handler, one event after another on one
     /// thread, and write one self-contained HTML page comparing them: live and held bytes
     /// over time, held/live, time per event, request sizes, the first failing event.
-    /// Prints a summary table (or JSON). Exit 1 if an event fails in any handler (the
-    /// page is still written).
+    /// Prints a summary table (or JSON). Exit 1 if an event fails in any handler, or a
+    /// policy leaks (the page is still written).
     Report {
         /// The trace: `op id size thread` lines, plain or gzip.
         trace: PathBuf,
@@ -174,17 +175,19 @@ enum Command {
 struct LimitArgs {
     /// Longest one call into a policy may run, time in its imports included, in ms
     /// [default: 1000; 250 for check and replay].
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one::<u64>)]
     call_time_ms: Option<u64>,
-    /// Most bytes of its own memory a policy may grow to [default: 128 MiB].
-    #[arg(long)]
+    /// Most bytes of its own memory a policy may grow to, as bytes or with a unit
+    /// (`64MiB`, `1GiB`) [default: 128 MiB].
+    #[arg(long, value_parser = byte_size)]
     guest_memory: Option<u64>,
     /// Most blocks one malloc-many or free-many may ask of the host [default: 4096].
-    #[arg(long)]
+    #[arg(long, value_parser = at_least_one::<u32>)]
     batch_limit: Option<u32>,
     /// Most bytes a policy may hold from upstream beyond what its client holds and asks
-    /// for; past it, upstream requests are answered out-of-memory [default: 256 MiB].
-    #[arg(long)]
+    /// for, as bytes or with a unit; past it, upstream requests are answered
+    /// out-of-memory [default: 256 MiB].
+    #[arg(long, value_parser = byte_size)]
     overhead: Option<u64>,
 }
 
@@ -206,6 +209,55 @@ const CHECK_CALL_TIME: Duration = Duration::from_millis(250);
 /// How long `allocbox check` spends on a policy unless told otherwise.
 const DEFAULT_CHECK_TIME: Duration = Duration::from_secs(3);
 
+/// A count that must be 1 or more: a check of 0 cases or 0 threads checks nothing.
+fn at_least_one<T>(s: &str) -> Result<T>
+where
+    T: std::str::FromStr + PartialOrd + From<u8>,
+{
+    match s.parse::<T>() {
+        Ok(n) if n >= T::from(1) => Ok(n),
+        _ => bail!("`{s}` is not a whole number of at least 1"),
+    }
+}
+
+/// Client threads: 1 to the most a script can name.
+fn client_threads(s: &str) -> Result<usize> {
+    const MOST: usize = 256;
+    match at_least_one::<usize>(s)? {
+        n if n <= MOST => Ok(n),
+        _ => bail!("`{s}` threads: at most {MOST} client threads"),
+    }
+}
+
+/// Bytes, written as a number with an optional unit: `B`, `KiB`, `MiB`, `GiB`, `TiB`
+/// (and `K`, `M`, `G`, `T` for the same), `KB`, `MB`, `GB`, `TB` (powers of 1000); a
+/// space may stand between.
+fn byte_size(s: &str) -> Result<u64> {
+    let text = s.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "KiB" => 1 << 10,
+        "M" | "MiB" => 1 << 20,
+        "G" | "GiB" => 1 << 30,
+        "T" | "TiB" => 1 << 40,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        other => bail!("`{other}` is not a unit of bytes in `{s}`: use B, KiB, MiB, GiB or TiB"),
+    };
+    number
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .filter(|&n| n > 0)
+        .with_context(|| format!("`{s}` is not a size of at least 1 byte"))
+}
+
 fn parse_key_value(s: &str) -> Result<(String, String)> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
@@ -220,8 +272,8 @@ pub(crate) fn load(runtime: &Runtime, path: Option<&PathBuf>) -> Result<Policy> 
             .load_file_bounded(path, bounds)
             .with_context(|| format!("`{}` cannot be loaded", path.display()))?,
         None => runtime
-            .load_bounded(allocbox::DEFAULT_POLICY_WAT.as_bytes(), bounds)
-            .context("the built-in default policy")?,
+            .load_named(allocbox::DEFAULT_POLICY_WAT.as_bytes(), "builtin", bounds)
+            .context("the built-in default policy cannot be loaded")?,
     })
 }
 

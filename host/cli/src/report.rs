@@ -113,6 +113,7 @@ pub fn timeline_json(timeline: &Timeline) -> serde_json::Value {
         "out_of_memory": timeline.replay.out_of_memory,
         "unknown_ids": timeline.replay.unknown_ids,
         "failure": failure,
+        "leak": timeline.replay.leak.as_ref().map(ToString::to_string),
     })
 }
 
@@ -257,6 +258,12 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline]) -> String {
     html += "<h2>First failure</h2>\n<ul class=\"failures\">\n";
     for t in timelines {
         let _ = match &t.replay.failure {
+            None if t.replay.leak.is_some() => writeln!(
+                html,
+                "<li class=\"failed\"><b>{}</b>: a leak, after the last event:<br><code>{}</code></li>",
+                escape_html(&t.label),
+                escape_html(&t.failure_text().unwrap_or_default()),
+            ),
             None => writeln!(html, "<li><b>{}</b>: none</li>", escape_html(&t.label)),
             Some((event, error)) => writeln!(
                 html,

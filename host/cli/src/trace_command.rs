@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
+use allocbox::trace::leak_after_replay;
 use allocbox::trace::timeline::{chain_held, native_held, timeline_counted};
 use allocbox::{HandlerBuilder, Limits, Runtime};
 use allocbox_cli::report;
@@ -83,9 +84,12 @@ pub(crate) fn run_replay_trace(
     let built = build_handler(&policies, &config, limits)?;
     let handler = built.handler();
     let done = AtomicU64::new(0);
-    let report = progress::counting_events("replay", events.len() as u64, &done, || {
+    let mut report = progress::counting_events("replay", events.len() as u64, &done, || {
         allocbox::trace::replay_trace_counted(handler, &events, &done)
     });
+    if let (None, BuiltHandler::Chain(chain)) = (&report.failure, &built) {
+        report.leak = leak_after_replay(chain);
+    }
     let stats = &report.stats;
     let threads = events
         .iter()
@@ -115,13 +119,17 @@ pub(crate) fn run_replay_trace(
         report.out_of_memory,
         stats.budget_refusals,
     );
-    let outcome = match &report.failure {
-        None => {
-            out += "failures   none\n";
+    let outcome = match (&report.failure, &report.leak) {
+        (None, None) => {
+            out += "failures   none (and nothing held from the host once every block was freed)\n";
             Outcome::Held
         }
-        Some((event, error)) => {
+        (Some((event, error)), _) => {
             out += &format!("FAILED     at {event}: {error}\n");
+            Outcome::Broken
+        }
+        (None, Some(leak)) => {
+            out += &format!("FAILED     after the last event, every block freed: {leak}\n");
             Outcome::Broken
         }
     };
@@ -152,19 +160,16 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         let short = Path::new(name)
             .file_name()
             .map_or(name.into(), |f| f.to_string_lossy());
-        timelines.push(progress::counting_events(
-            &short,
-            len,
-            &done,
-            || match &built {
-                BuiltHandler::Native(h) => {
-                    timeline_counted(name, &**h, native_held(&**h), &events, &done)
-                }
-                BuiltHandler::Chain(h) => {
-                    timeline_counted(name, &**h, chain_held(h), &events, &done)
-                }
-            },
-        ));
+        let mut timeline = progress::counting_events(&short, len, &done, || match &built {
+            BuiltHandler::Native(h) => {
+                timeline_counted(name, &**h, native_held(&**h), &events, &done)
+            }
+            BuiltHandler::Chain(h) => timeline_counted(name, &**h, chain_held(h), &events, &done),
+        });
+        if let (None, BuiltHandler::Chain(chain)) = (&timeline.replay.failure, &built) {
+            timeline.replay.leak = leak_after_replay(chain);
+        }
+        timelines.push(timeline);
     }
     let page = report::render_html(&args.trace.display().to_string(), &timelines);
     std::fs::write(&args.output, page)
@@ -175,7 +180,7 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
     } else {
         print_report(&report::summary_table(&timelines));
     }
-    Ok(match timelines.iter().any(|t| t.replay.failure.is_some()) {
+    Ok(match timelines.iter().any(|t| t.replay.failed()) {
         true => Outcome::Broken,
         false => Outcome::Held,
     })

@@ -85,12 +85,14 @@ impl Timeline {
         ratio(self.held_at_peak_live, self.peak_live)
     }
 
-    /// The first failure, as the report words it: `line N: `op id size`: error`.
+    /// The first failure, as the report words it: `line N: `op id size`: error`, or the
+    /// leak found after the last event.
     pub fn failure_text(&self) -> Option<String> {
-        self.replay
-            .failure
-            .as_ref()
-            .map(|(event, error)| format!("{event}: {error}"))
+        match (&self.replay.failure, &self.replay.leak) {
+            (Some((event, error)), _) => Some(format!("{event}: {error}")),
+            (None, Some(leak)) => Some(format!("after the last event: {leak}")),
+            (None, None) => None,
+        }
     }
 }
 

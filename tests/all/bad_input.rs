@@ -1,0 +1,159 @@
+//! Bad input to the `allocbox` command: each kind is refused with exit 2 and a sentence
+//! that names the input and what to do, and nothing runs on it.
+
+use super::support::*;
+
+/// Run the command in a fresh directory of its own; its exit code and everything it said.
+fn run(name: &str, args: &[&str]) -> (i32, String, std::path::PathBuf) {
+    let dir = tempdir(name);
+    let (code, out) = allocbox_cli(args, &dir);
+    (code, out, dir)
+}
+
+#[test]
+fn counts_of_zero_and_too_many_threads_are_refused() {
+    for (flag, value, says) in [
+        ("--cases", "0", "at least 1"),
+        ("--max-ops", "0", "at least 1"),
+        ("--threads", "0", "at least 1"),
+        ("--threads", "1000", "at most 256"),
+        ("--call-time-ms", "0", "at least 1"),
+        ("--batch-limit", "0", "at least 1"),
+    ] {
+        let (code, out, _) = run("zero-counts", &["check", flag, value]);
+        assert_eq!(code, 2, "{flag} {value}: {out}");
+        assert!(
+            out.contains(says) && out.contains(value),
+            "{flag} {value}: {out}"
+        );
+    }
+}
+
+#[test]
+fn byte_sizes_take_the_units_the_help_shows_and_refuse_others() {
+    let (code, out, _) = run(
+        "byte-units",
+        &[
+            "check",
+            "--cases",
+            "2",
+            "--guest-memory",
+            "128MiB",
+            "--overhead",
+            "64 MiB",
+        ],
+    );
+    assert_eq!(code, 0, "{out}");
+    for bad in ["12XB", "MiB", "0", "-5"] {
+        let (code, out, _) = run("byte-units-bad", &["check", "--guest-memory", bad]);
+        assert_eq!(code, 2, "{bad}: {out}");
+        assert!(out.contains(bad), "{bad}: {out}");
+    }
+}
+
+#[test]
+fn replay_with_its_arguments_swapped_says_which_comes_first() {
+    let policy = allocbox_artifacts::SYSTEM.path();
+    let (code, out, dir) = run("swapped", &["replay", policy]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("the script comes first"), "{out}");
+    let script = dir.join("script.txt");
+    std::fs::write(&script, "b0 = malloc 8\n").unwrap();
+    let (code, out) = allocbox_cli(&["replay", policy, script.to_str().unwrap()], &dir);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("the script comes first"), "{out}");
+}
+
+#[test]
+fn replay_refuses_a_script_that_frees_a_block_never_made_or_freed_twice() {
+    let dir = tempdir("undefined-block");
+    for (text, says) in [
+        ("b0 = malloc 8\nfree b1\n", "line 2"),
+        ("b0 = malloc 8\nfree b0\nfree b0\n", "freed on line 2"),
+    ] {
+        let script = dir.join("script.txt");
+        std::fs::write(&script, text).unwrap();
+        let (code, out) = allocbox_cli(&["replay", script.to_str().unwrap()], &dir);
+        assert_eq!(code, 2, "{out}");
+        assert!(out.contains(says) && out.contains("script.txt"), "{out}");
+    }
+}
+
+#[test]
+fn a_missing_trace_is_named_once_and_a_bad_line_names_its_word() {
+    let (code, out, dir) = run("no-trace", &["replay-trace", "nope.trace"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("nope.trace"), "{out}");
+    assert_eq!(out.matches("No such file").count(), 1, "{out}");
+    let trace = dir.join("bad.trace");
+    std::fs::write(&trace, "m 1 8\nb0 1 8\n").unwrap();
+    let (code, out) = allocbox_cli(&["replay-trace", trace.to_str().unwrap()], &dir);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("line 2") && out.contains("`b0` is not an operation"),
+        "{out}"
+    );
+}
+
+#[test]
+fn the_built_in_policy_is_named_builtin_when_it_refuses_its_configuration() {
+    let (code, out, _) = run("builtin-config", &["inspect", "-c", "foo=bar"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("policy `builtin` refused its configuration"),
+        "{out}"
+    );
+    assert!(!out.contains("<bytes>"), "{out}");
+}
+
+/// A policy that keeps blocks it was given back holds host memory after every block of
+/// the trace was freed and it was trimmed: `replay-trace` and `report` fail on it.
+#[test]
+fn replay_trace_and_report_fail_a_policy_that_leaks() {
+    let dir = tempdir("leak");
+    let trace = dir.join("leak.trace");
+    std::fs::write(&trace, "m 1 100\nf 1 100\nm 2 8\nf 2 8\n").unwrap();
+    let broken = allocbox_artifacts::BROKEN.path();
+    let trace = trace.to_str().unwrap();
+    let (code, out) = allocbox_cli(
+        &["replay-trace", trace, "-p", broken, "-c", "fault=leak"],
+        &dir,
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("FAILED     after the last event") && out.contains("leak"),
+        "{out}"
+    );
+    let page = dir.join("leak.html");
+    let (code, out) = allocbox_cli(
+        &[
+            "report",
+            trace,
+            "-p",
+            broken,
+            "-c",
+            "fault=leak",
+            "-o",
+            page.to_str().unwrap(),
+        ],
+        &dir,
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("after the last event"), "{out}");
+    let html = std::fs::read_to_string(&page).unwrap();
+    assert!(
+        html.contains("a leak, after the last event"),
+        "the page shows it"
+    );
+    // A policy that gives everything back passes both.
+    let (code, out) = allocbox_cli(
+        &[
+            "replay-trace",
+            trace,
+            "-p",
+            allocbox_artifacts::SYSTEM.path(),
+        ],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+}
