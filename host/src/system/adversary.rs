@@ -6,8 +6,8 @@
 //! runs out. A policy can come to rely on any of that and pass every check on one host
 //! and fail on the next. Here instead:
 //!
-//! - every block starts 16 bytes past a random multiple of 16 inside a window of 256
-//!   bytes (small blocks) or a page (the rest), so a block is aligned to exactly what the
+//! - every block starts at a random multiple of 16 inside a window of a cache line
+//!   (small blocks) or a page (the rest), so a block is aligned to exactly what the
 //!   contract promises and to more only by chance;
 //! - blocks come from one address-space reservation of their own, at the same address
 //!   in every process where it is free, and are placed by the seed alone: the same
@@ -38,8 +38,13 @@ const PREFERRED_BASE: u64 = 0x4000_0000_0000;
 const RESERVATION: u64 = 1 << 30;
 /// A smaller reservation, where the large one is refused (`ulimit -v`).
 const SMALL_RESERVATION: u64 = 256 << 20;
-/// Below this size a block's offset varies within 256 bytes, from it within a page.
+/// Below this size a block's offset varies within [`SMALL_WINDOW`] bytes, from it
+/// within a page.
 const SMALL_BLOCK: u64 = 4096;
+/// A cache line: small blocks land on one a quarter of the time, and the gap before a
+/// block averages half of it, so that a block costs the host about what the C
+/// allocator's chunk would (`footprint`), which the overhead budget counts.
+const SMALL_WINDOW: u64 = 64;
 /// Free ranges looked at before a block is placed at the end instead.
 const FIT_TRIES: usize = 8;
 /// Freed ranges at least this large give their whole pages back to the kernel.
@@ -203,10 +208,10 @@ impl Arena {
         self.next() & 1 == 0
     }
 
-    /// Where in its window a block of `size` bytes starts: a multiple of 16, and in the
-    /// window's first 16-byte step only one time in 16 (small) or 256 (the rest).
+    /// Where in its window a block of `size` bytes starts: a multiple of 16, and at the
+    /// window's start only one time in 4 (small) or 256 (the rest).
     fn skew(&mut self, size: u64) -> (u64, u64) {
-        let window = if size < SMALL_BLOCK { 256 } else { PAGE };
+        let window = if size < SMALL_BLOCK { SMALL_WINDOW } else { PAGE };
         (window, 16 * (self.next() % (window / 16)))
     }
 
