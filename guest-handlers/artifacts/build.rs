@@ -119,6 +119,31 @@ fn main() {
         )
         .unwrap();
     }
+    // The policies the wheel and the command line ship: the crates marked
+    // `[package.metadata.allocbox] ship = true`, with their descriptions.
+    let shipped: Vec<String> = RUST_GUESTS
+        .iter()
+        .filter_map(|(name, folder, _)| {
+            let manifest = std::fs::read_to_string(guests.join(folder).join("Cargo.toml")).ok()?;
+            let description = shipped_description(&manifest)?;
+            Some(format!(
+                "({name:?}, {description:?}, {})",
+                name.replace('-', "_").to_uppercase()
+            ))
+        })
+        .collect();
+    writeln!(
+        code,
+        "/// The shipped policies: `(name, description, guest)`, from each crate's \
+         `[package.metadata.allocbox] ship = true`."
+    )
+    .unwrap();
+    writeln!(
+        code,
+        "pub const SHIPPED: &[(&str, &str, Guest)] = &[{}];",
+        shipped.join(", ")
+    )
+    .unwrap();
     let good: Vec<String> = RUST_GUESTS
         .iter()
         .filter(|(_, _, good)| *good)
@@ -258,4 +283,23 @@ fn source_files(dir: &Path) -> Vec<PathBuf> {
     }
     found.sort();
     found
+}
+
+/// The `description` of a guest crate whose manifest marks it shipped
+/// (`[package.metadata.allocbox]` with `ship = true`); none for the others.
+fn shipped_description(manifest: &str) -> Option<String> {
+    let marked = manifest
+        .split("[package.metadata.allocbox]")
+        .nth(1)?
+        .lines()
+        .take_while(|line| !line.trim_start().starts_with('['))
+        .any(|line| line.split_whitespace().collect::<String>() == "ship=true");
+    let description = manifest.lines().find_map(|line| {
+        let value = line
+            .strip_prefix("description")?
+            .trim_start()
+            .strip_prefix('=')?;
+        Some(value.trim().trim_matches('"').to_string())
+    })?;
+    marked.then_some(description)
 }

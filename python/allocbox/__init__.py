@@ -59,16 +59,19 @@ def policies():
 
 
 def _source(source):
-    """A shipped policy's name becomes its packaged component; paths and bytes stay."""
+    """A shipped policy's name becomes its packaged component (`builtin` the built-in
+    policy's source, as on the command line); paths and bytes stay."""
     if isinstance(source, str) and not os.path.exists(source):
         shipped = policies()
+        if source == "builtin":
+            return DEFAULT_POLICY_WAT.encode()
         if source in shipped:
             # An extension module is never imported from a zip: the package is on disk.
             return str(resources.files(__name__) / "policies" / f"{source}.wasm")
         if os.sep not in source and "." not in source:
             raise LoadError(
-                f"no shipped policy or file named {source!r}; shipped: "
-                + (", ".join(sorted(shipped)) or "none (this build carries no policies)")
+                f"no shipped policy or file named {source!r}; shipped: builtin, "
+                + (", ".join(sorted(shipped)) or "and no other (this build carries none)")
             )
     return source
 

@@ -45,6 +45,14 @@ def test_an_unknown_policy_name_is_a_load_error_naming_the_shipped_ones():
         allocbox.load("no/such/policy.wasm")
 
 
+def test_builtin_is_a_name_as_on_the_command_line():
+    policy = allocbox.load("builtin")
+    with allocbox.use(policy):
+        a = np.ones(100)
+    assert a.sum() == 100.0
+    assert allocbox.handler_name(a) == policy.name
+
+
 def test_shipped_policies_chain_by_name():
     chain = allocbox.load_chain(("aligned", {"alignment": "128"}), "size-classes")
     with allocbox.use(chain):

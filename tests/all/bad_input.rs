@@ -157,3 +157,50 @@ fn replay_trace_and_report_fail_a_policy_that_leaks() {
     );
     assert_eq!(code, 0, "{out}");
 }
+
+/// Python's names for the shipped policies work on the command line too, wherever a
+/// policy is named; a name that is neither a file nor shipped lists what is.
+#[test]
+fn a_shipped_name_works_wherever_a_policy_is_named_and_an_unknown_one_lists_them() {
+    let dir = tempdir("shipped-names");
+    let (code, out) = allocbox_cli(&["check", "size-classes", "--cases", "4"], &dir);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.starts_with("size-classes (size-classes): every rule held"),
+        "{out}"
+    );
+    let (code, out) = allocbox_cli(&["inspect", "arena"], &dir);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("language   Rust"), "{out}");
+    let script = dir.join("script.txt");
+    std::fs::write(&script, "b0 = malloc 8\nfree b0\n").unwrap();
+    let (code, out) = allocbox_cli(&["replay", script.to_str().unwrap(), "system"], &dir);
+    assert_eq!(code, 0, "{out}");
+    let trace = dir.join("small.trace");
+    std::fs::write(&trace, "m 1 8\nf 1 8\n").unwrap();
+    let trace = trace.to_str().unwrap();
+    let (code, out) = allocbox_cli(&["replay-trace", trace, "-p", "aligned"], &dir);
+    assert_eq!(code, 0, "{out}");
+    let page = dir.join("r.html");
+    let (code, out) = allocbox_cli(
+        &[
+            "report",
+            trace,
+            "-p",
+            "size-classes",
+            "-p",
+            "builtin",
+            "-o",
+            page.to_str().unwrap(),
+        ],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = allocbox_cli(&["check", "sise-classes"], &dir);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("no file or shipped policy is called `sise-classes`")
+            && out.contains("size-classes"),
+        "{out}"
+    );
+}

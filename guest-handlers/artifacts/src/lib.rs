@@ -25,6 +25,15 @@ impl Guest {
         self.path
     }
 
+    /// The component's path, or why it could not be built: for a build script that
+    /// must carry on without it.
+    pub fn built(&self) -> Result<&'static str, &'static str> {
+        match self.error {
+            Some(err) => Err(err),
+            None => Ok(self.path),
+        }
+    }
+
     /// The file's bytes.
     pub fn bytes(&self) -> Vec<u8> {
         let path = self.path();

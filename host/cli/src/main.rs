@@ -59,7 +59,8 @@ enum Command {
     /// with every check on; a failure is shrunk to a short replayable script. With no
     /// file, checks the built-in default policy.
     Check {
-        /// Policy components (.wasm) or WAT sources (.wat).
+        /// Policies: shipped ones by name (`system`, `aligned`, `size-classes`, `arena`,
+        /// `builtin`), components (.wasm) or WAT sources (.wat).
         policies: Vec<PathBuf>,
         /// Seconds to spend on each policy, in rounds of `--cases` sequences (every
         /// fourth round long-lived instances of thousands of operations). Default 3,
@@ -97,8 +98,9 @@ enum Command {
     /// block is freed and it is trimmed (a leak).
     ReplayTrace {
         trace: PathBuf,
-        /// The chain, top first: a policy file, `default` (NumPy's default handler,
-        /// natively) or `builtin` (the built-in default policy). Default: `default`.
+        /// The chain, top first: a shipped policy's name (`size-classes`, ...), a policy
+        /// file, `default` (NumPy's default handler, natively) or `builtin` (the built-in
+        /// default policy). Default: `default`.
         #[arg(long = "policy", short = 'p')]
         policies: Vec<String>,
         /// Configuration for the top policy's `init`, as KEY=VALUE (repeatable).
@@ -116,8 +118,8 @@ enum Command {
         /// The trace: `op id size thread` lines, plain or gzip.
         trace: PathBuf,
         /// A handler (repeatable, at least one): `default` (NumPy's default handler,
-        /// natively), `builtin` (the built-in default policy) or a policy file, each on
-        /// its own over the host's memory.
+        /// natively), a shipped policy's name (`size-classes`, ..., `builtin`) or a policy
+        /// file, each on its own over the host's memory.
         #[arg(long = "policy", short = 'p', required = true)]
         policies: Vec<String>,
         /// Where the HTML page is written.
@@ -137,7 +139,8 @@ enum Command {
     /// every check on.
     Replay {
         script: PathBuf,
-        /// With no file, the built-in default policy.
+        /// A shipped policy's name or a policy file; with none, the built-in default
+        /// policy.
         policy: Option<PathBuf>,
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
@@ -147,7 +150,7 @@ enum Command {
     /// Show what a policy is: name, version, alignment, world, imports, exports, size.
     /// With no file, the built-in default policy.
     Inspect {
-        /// A policy component (.wasm) or WAT source (.wat).
+        /// A shipped policy's name, a policy component (.wasm) or WAT source (.wat).
         policy: Option<PathBuf>,
         /// Configuration passed to the policy's `init`, as KEY=VALUE (repeatable).
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
@@ -265,16 +268,53 @@ fn parse_key_value(s: &str) -> Result<(String, String)> {
     }
 }
 
+mod shipped {
+    include!(concat!(env!("OUT_DIR"), "/shipped.rs"));
+}
+
+/// A policy named on the command line: a file, a shipped policy by its name (the same
+/// names as in Python: `size-classes`, ...), or `builtin`; none is `builtin`. A file
+/// of a shipped policy's name in the working directory wins.
 pub(crate) fn load(runtime: &Runtime, path: Option<&PathBuf>) -> Result<Policy> {
     let bounds = COMPILE_BOUNDS.get_or_init(CompileBounds::default);
-    Ok(match path {
-        Some(path) => runtime
-            .load_file_bounded(path, bounds)
-            .with_context(|| format!("`{}` cannot be loaded", path.display()))?,
-        None => runtime
-            .load_named(allocbox::DEFAULT_POLICY_WAT.as_bytes(), "builtin", bounds)
-            .context("the built-in default policy cannot be loaded")?,
-    })
+    let name = path
+        .and_then(|p| p.to_str())
+        .filter(|_| !path.is_some_and(|p| p.exists()));
+    let embedded = match name {
+        None if path.is_some() => None,
+        None | Some("builtin") => Some(("builtin", allocbox::DEFAULT_POLICY_WAT.as_bytes())),
+        Some(name) => shipped::SHIPPED
+            .iter()
+            .find(|(shipped, _, _)| *shipped == name)
+            .map(|&(name, _, bytes)| (name, bytes)),
+    };
+    if let Some((name, bytes)) = embedded {
+        return runtime
+            .load_named(bytes, name, bounds)
+            .with_context(|| format!("the shipped policy `{name}` cannot be loaded"));
+    }
+    let path = path.expect("no path is builtin");
+    let looks_like_a_name = path.components().count() == 1 && path.extension().is_none();
+    if looks_like_a_name && !path.exists() {
+        bail!(
+            "no file or shipped policy is called `{}`; shipped: {}",
+            path.display(),
+            shipped_names()
+        );
+    }
+    runtime
+        .load_file_bounded(path, bounds)
+        .with_context(|| format!("`{}` cannot be loaded", path.display()))
+}
+
+/// The names a policy can be given by, for a message.
+fn shipped_names() -> String {
+    let mut names = vec!["builtin"];
+    names.extend(shipped::SHIPPED.iter().map(|(name, _, _)| *name));
+    match shipped::SHIPPED_MISSING {
+        Some(why) => format!("{} (this build carries no other: {why})", names.join(", ")),
+        None => names.join(", "),
+    }
 }
 
 /// A failed check exits 1; input that cannot be used exits 2.
