@@ -41,7 +41,7 @@ impl fmt::Display for Call {
     }
 }
 
-/// A rule of the handler contract (DESIGN.md §1) that a policy broke.
+/// A rule of the handler contract (`ARCHITECTURE.md`, "The contract") that a policy broke.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Rule {
     /// C6: a returned block is not inside one block the policy got from upstream.
@@ -144,7 +144,8 @@ impl fmt::Display for Rule {
             }
             Rule::Leak { blocks, bytes } => write!(
                 f,
-                "leak: {blocks} upstream blocks ({bytes} bytes) still held after free-all and trim"
+                "{blocks} upstream blocks ({bytes} bytes) still held after the client freed \
+                 every block and the policy was trimmed"
             ),
             Rule::TooManyBlocks { asked, got } => {
                 write!(f, "malloc-many returned {got} blocks for {asked} asked")
@@ -195,8 +196,7 @@ impl fmt::Display for Bound {
 }
 
 /// A policy broke the handler contract. The policy instance is stopped (poisoned).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("policy `{policy}` broke the contract in `{call}` at {addr:#x} ({size} bytes): {rule}")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Violation {
     pub policy: Arc<str>,
     pub call: Call,
@@ -204,6 +204,35 @@ pub struct Violation {
     pub size: u64,
     pub rule: Rule,
 }
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Violation {
+            policy,
+            call,
+            addr,
+            size,
+            rule,
+        } = self;
+        // A leak is found after the last call, not in one, and at no one address.
+        if let Rule::Leak { .. } = rule {
+            return write!(f, "policy `{policy}` leaks: {rule}");
+        }
+        // The batch calls are the host's own, made for a client's malloc or free.
+        let whose = match call {
+            Call::MallocMany => " (the host refilling its thread caches for a malloc)",
+            Call::FreeMany => " (the host giving its thread caches' blocks back)",
+            _ => "",
+        };
+        write!(
+            f,
+            "policy `{policy}` broke the contract in `{call}`{whose} at {addr:#x} ({size} \
+             bytes): {rule}"
+        )
+    }
+}
+
+impl std::error::Error for Violation {}
 
 /// The host's own bookkeeping is wrong: a bug in allocbox, never a policy's fault.
 /// Reported by [`crate::Handler::audit`].

@@ -294,7 +294,7 @@ fn the_overhead_budget_bounds_what_tiny_hoarded_blocks_really_cost_the_host() {
     );
     // The hoard is within the budget, and a leak once the client freed everything.
     assert_eq!(code, 1, "{out}");
-    assert!(out.contains("leak: 209715 upstream blocks"), "{out}");
+    assert!(out.contains("leaks: 209715 upstream blocks"), "{out}");
     let grew_kib = hoarding.saturating_sub(plain);
     assert!(
         grew_kib <= (budget >> 10) + (8 << 10),
