@@ -211,7 +211,11 @@ impl Arena {
     /// Where in its window a block of `size` bytes starts: a multiple of 16, and at the
     /// window's start only one time in 4 (small) or 256 (the rest).
     fn skew(&mut self, size: u64) -> (u64, u64) {
-        let window = if size < SMALL_BLOCK { SMALL_WINDOW } else { PAGE };
+        let window = if size < SMALL_BLOCK {
+            SMALL_WINDOW
+        } else {
+            PAGE
+        };
         (window, 16 * (self.next() % (window / 16)))
     }
 
