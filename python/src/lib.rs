@@ -634,6 +634,14 @@ fn set_handler(py: Python<'_>, handler: Option<&Bound<'_, PyAny>>) -> PyResult<P
     }
 }
 
+/// Run the `allocbox` command line (`argv[0]` the program's name) in this process and
+/// return its exit status. Python's own signal handlers run only between bytecodes, so
+/// the caller restores the default SIGINT first, for Ctrl-C to stop a long check.
+#[pyfunction]
+fn run_command(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> u8 {
+    py.detach(|| allocbox_cli::run(argv))
+}
+
 #[pymodule]
 fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -642,6 +650,7 @@ fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_handler, m)?)?;
     m.add_function(wrap_pyfunction!(get_handler, m)?)?;
     m.add_function(wrap_pyfunction!(native_default, m)?)?;
+    m.add_function(wrap_pyfunction!(run_command, m)?)?;
     m.add("AllocboxError", py.get_type::<AllocboxError>())?;
     m.add("LoadError", py.get_type::<LoadError>())?;
     m.add("ContractViolation", py.get_type::<ContractViolation>())?;

@@ -5,6 +5,7 @@ import asyncio
 import gc
 import multiprocessing
 import os
+import pathlib
 import threading
 
 import numpy as np
@@ -361,3 +362,47 @@ def test_the_native_default_serves_numpy_through_the_same_bridge():
     del small, grown
     gc.collect()
     native.raise_if_failed()
+
+
+def _command(*args, cwd):
+    """`python -m allocbox ARGS`, as a user runs it: exit status and all output."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "allocbox", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_python_dash_m_allocbox_checks_a_shipped_policy_by_name(tmp_path):
+    code, out = _command("check", "size-classes", "--cases", "8", "--regressions", str(tmp_path), cwd=tmp_path)
+    assert code == 0, out
+    assert out.startswith("size-classes: every rule held"), out
+
+
+def test_the_command_reports_a_trace_and_refuses_bad_input_with_a_sentence(tmp_path):
+    trace = tmp_path / "small.trace"
+    trace.write_text("# a test\nm 1 64 1\nc 2 4096 1\nr 1 200 1\nf 1 200 1\nf 2 4096 1\n")
+    code, out = _command("report", str(trace), "-p", "size-classes", "-p", "default", "-o", "r.html", cwd=tmp_path)
+    assert code == 0, out
+    assert (tmp_path / "r.html").read_text().startswith("<!DOCTYPE html>")
+    code, out = _command("report", str(trace), "-p", "size-clases", "-o", "r.html", cwd=tmp_path)
+    assert code == 2
+    assert "no file or shipped policy is called `size-clases`" in out, out
+
+
+@pytest.mark.skipif(not os.environ.get("ALLOCBOX_TEST_INSTALLED"), reason="develop build")
+def test_the_wheel_installs_the_allocbox_command(tmp_path):
+    import subprocess
+    import sys
+    import sysconfig
+
+    command = pathlib.Path(sysconfig.get_path("scripts")) / "allocbox"
+    assert command.exists(), f"{command} was not installed"
+    done = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("allocbox "), done
+    done = subprocess.run(
+        [command, "inspect", "arena"], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and "language   Rust" in done.stdout, done

@@ -94,10 +94,16 @@ fn text_report(
     if let Some(refused) = refused_on_purpose(report) {
         totals += &format!("; {refused}");
     }
-    let Some((finding, script)) = &report.failure else {
-        return format!("{} ({label}): every rule held — {totals}\n", report.policy);
+    // A shipped policy named by its name is not named twice.
+    let named = if label == report.policy {
+        label.to_string()
+    } else {
+        format!("{} ({label})", report.policy)
     };
-    let mut out = format!("{} ({label}): BROKEN {finding}\n", report.policy);
+    let Some((finding, script)) = &report.failure else {
+        return format!("{named}: every rule held — {totals}\n");
+    };
+    let mut out = format!("{named}: BROKEN {finding}\n");
     out += &format!("  shrunk to {} operations", script.len());
     if report.shrink_stopped_early {
         out += &format!(

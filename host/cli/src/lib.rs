@@ -1,4 +1,448 @@
-//! The `allocbox` command's library part: what its integration tests reach without
-//! running the binary.
+//! The `allocbox` command line, as a library: the binary, the Python wheel's `allocbox`
+//! command and the integration tests all run [`run`].
 
 pub mod report;
+
+mod check_command;
+mod inspect;
+mod new_policy;
+mod progress;
+mod trace_command;
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use allocbox::{CompileBound, CompileBounds, Limits, Policy, Runtime};
+use allocbox_check::CheckOptions;
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+
+use check_command::{CheckArgs, run_check, run_replay};
+use inspect::inspect;
+use trace_command::{ReportArgs, run_replay_trace, run_report};
+
+#[derive(Parser)]
+#[command(
+    name = "allocbox",
+    version,
+    about = "Sandboxed, checkable NEP 49 allocation policies"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Allow a policy of this shape to be compiled, as NAME=N (repeatable): `functions`
+    /// [default: 65536], `code-bytes` [32 MiB], `function-bytes` [2 MiB], `data-bytes`
+    /// [32 MiB], `modules` [32], `text-bytes` (WAT) [16 MiB]. A policy past one is
+    /// refused before it is compiled.
+    #[arg(long = "compile-bound", global = true, value_parser = parse_compile_bound)]
+    compile_bounds: Vec<(CompileBound, u64)>,
+}
+
+/// The compile bounds of this process (`--compile-bound`), set by its first [`run`].
+static COMPILE_BOUNDS: std::sync::OnceLock<CompileBounds> = std::sync::OnceLock::new();
+
+fn parse_compile_bound(s: &str) -> Result<(CompileBound, u64)> {
+    let (name, value) = parse_key_value(s)?;
+    let Some(bound) = CompileBound::named(&name) else {
+        let names: Vec<&str> = CompileBound::ALL.iter().map(|b| b.name()).collect();
+        bail!(
+            "no compile bound is called `{name}`; the bounds are {}",
+            names.join(", ")
+        );
+    };
+    let value = value
+        .parse()
+        .with_context(|| format!("`{value}` is not a whole number for `{name}`"))?;
+    Ok((bound, value))
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Fuzz the handler contract of policies: random malloc/calloc/realloc/free sequences
+    /// with every check on; a failure is shrunk to a short replayable script. With no
+    /// file, checks the built-in default policy.
+    Check {
+        /// Policies: shipped ones by name (`system`, `aligned`, `size-classes`, `arena`,
+        /// `builtin`), components (.wasm) or WAT sources (.wat).
+        policies: Vec<PathBuf>,
+        /// Seconds to spend on each policy, in rounds of `--cases` sequences (every
+        /// fourth round long-lived instances of thousands of operations). Default 3,
+        /// unless `--cases` is given alone.
+        #[arg(long)]
+        time: Option<f64>,
+        /// Random sequences per round. Given without `--time`: run exactly this many.
+        #[arg(long, value_parser = at_least_one::<u32>)]
+        cases: Option<u32>,
+        /// Seed, for a run that repeats exactly.
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Most operations per sequence (per thread).
+        #[arg(long, default_value_t = 128, value_parser = at_least_one::<usize>)]
+        max_ops: usize,
+        /// Client threads calling one handler at once.
+        #[arg(long, default_value_t = 1, value_parser = client_threads)]
+        threads: usize,
+        /// One JSON report per line instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Where failing seeds and scripts are kept [default: `regressions` in the user's
+        /// cache directory, `~/.cache/allocbox/regressions`]; the report names the file.
+        #[arg(long, value_name = "DIR")]
+        regressions: Option<PathBuf>,
+        /// Configuration passed to every policy's `init`, as KEY=VALUE (repeatable).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
+    /// Replay an allocation trace (`op id size thread` lines, plain or gzip) through a
+    /// handler and report time per event, peak bytes, corrections and the first failing
+    /// event. Exit 1 if an event fails, or if a policy still holds host memory once every
+    /// block is freed and it is trimmed (a leak).
+    ReplayTrace {
+        trace: PathBuf,
+        /// The chain, top first: a shipped policy's name (`size-classes`, ...), a policy
+        /// file, `default` (NumPy's default handler, natively) or `builtin` (the built-in
+        /// default policy). Default: `default`.
+        #[arg(long = "policy", short = 'p')]
+        policies: Vec<String>,
+        /// Configuration for the top policy's `init`, as KEY=VALUE (repeatable).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
+    /// Replay an allocation trace through each handler, one event after another on one
+    /// thread, and write one self-contained HTML page comparing them: live and held bytes
+    /// over time, held/live, time per event, request sizes, the first failing event.
+    /// Prints a summary table (or JSON). Exit 1 if an event fails in any handler, or a
+    /// policy leaks (the page is still written).
+    Report {
+        /// The trace: `op id size thread` lines, plain or gzip.
+        trace: PathBuf,
+        /// A handler (repeatable, at least one): `default` (NumPy's default handler,
+        /// natively), a shipped policy's name (`size-classes`, ..., `builtin`) or a policy
+        /// file, each on its own over the host's memory.
+        #[arg(long = "policy", short = 'p', required = true)]
+        policies: Vec<String>,
+        /// Where the HTML page is written.
+        #[arg(long, short = 'o')]
+        output: PathBuf,
+        /// Print the summary as JSON (an array, one object per handler).
+        #[arg(long)]
+        json: bool,
+        /// Configuration for every policy's `init`, as KEY=VALUE (repeatable; `default`
+        /// takes none).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
+    /// Run a script (one operation a line, as `check` prints it) through a policy with
+    /// every check on.
+    Replay {
+        script: PathBuf,
+        /// A shipped policy's name or a policy file; with none, the built-in default
+        /// policy.
+        policy: Option<PathBuf>,
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
+    /// Show what a policy is: name, version, alignment, world, imports, exports, size.
+    /// With no file, the built-in default policy.
+    Inspect {
+        /// A shipped policy's name, a policy component (.wasm) or WAT source (.wat).
+        policy: Option<PathBuf>,
+        /// Configuration passed to the policy's `init`, as KEY=VALUE (repeatable).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+    },
+    /// Start a policy project in `./NAME` that builds with one command and passes `check`
+    /// as it stands; its README.md says how to build, check and test it.
+    New {
+        /// The policy's name: a crate name (letters, digits, `-`, `_`; 1..=64 bytes).
+        name: String,
+        /// `rust` (a cargo project over the allocbox-policy SDK), `wat` (WebAssembly
+        /// text, nothing to build), or `c`, `zig`, `assemblyscript` (`as`), `python`, `go`,
+        /// `js` (`javascript`) (a `./build.sh` project with a `./setup.sh` that installs
+        /// its toolchain).
+        #[arg(long, value_parser = new_policy::parse_lang)]
+        lang: new_policy::Lang,
+        /// The project's directory, instead of `./NAME`; it must not exist or be empty.
+        #[arg(long)]
+        path: Option<PathBuf>,
+    },
+}
+
+/// The bounds on every policy instance ([`Limits`]); each defaults to the library's.
+#[derive(Args, Debug, Clone, Default)]
+struct LimitArgs {
+    /// Longest one call into a policy may run, time in its imports included, in ms
+    /// [default: 1000; 250 for check and replay].
+    #[arg(long, value_parser = at_least_one::<u64>)]
+    call_time_ms: Option<u64>,
+    /// Most bytes of its own memory a policy may grow to, as bytes or with a unit
+    /// (`64MiB`, `1GiB`) [default: 128 MiB].
+    #[arg(long, value_parser = byte_size)]
+    guest_memory: Option<u64>,
+    /// Most blocks one malloc-many or free-many may ask of the host [default: 4096].
+    #[arg(long, value_parser = at_least_one::<u32>)]
+    batch_limit: Option<u32>,
+    /// Most bytes a policy may hold from upstream beyond what its client holds and asks
+    /// for, as bytes or with a unit; past it, upstream requests are answered
+    /// out-of-memory [default: 256 MiB].
+    #[arg(long, value_parser = byte_size)]
+    overhead: Option<u64>,
+}
+
+impl LimitArgs {
+    fn limits(&self, call_time: Duration) -> Limits {
+        let defaults = Limits::default();
+        Limits {
+            call_time: self.call_time_ms.map_or(call_time, Duration::from_millis),
+            memory: self.guest_memory.unwrap_or(defaults.memory),
+            batch: self.batch_limit.unwrap_or(defaults.batch),
+            overhead: self.overhead.unwrap_or(defaults.overhead),
+            ..defaults
+        }
+    }
+}
+
+/// The call limit of checking runs: short, so a looping policy is found quickly.
+const CHECK_CALL_TIME: Duration = Duration::from_millis(250);
+/// How long `allocbox check` spends on a policy unless told otherwise.
+const DEFAULT_CHECK_TIME: Duration = Duration::from_secs(3);
+
+/// A count that must be 1 or more: a check of 0 cases or 0 threads checks nothing.
+fn at_least_one<T>(s: &str) -> Result<T>
+where
+    T: std::str::FromStr + PartialOrd + From<u8>,
+{
+    match s.parse::<T>() {
+        Ok(n) if n >= T::from(1) => Ok(n),
+        _ => bail!("`{s}` is not a whole number of at least 1"),
+    }
+}
+
+/// Client threads: 1 to the most a script can name.
+fn client_threads(s: &str) -> Result<usize> {
+    const MOST: usize = 256;
+    match at_least_one::<usize>(s)? {
+        n if n <= MOST => Ok(n),
+        _ => bail!("`{s}` threads: at most {MOST} client threads"),
+    }
+}
+
+/// Bytes, written as a number with an optional unit: `B`, `KiB`, `MiB`, `GiB`, `TiB`
+/// (and `K`, `M`, `G`, `T` for the same), `KB`, `MB`, `GB`, `TB` (powers of 1000); a
+/// space may stand between.
+fn byte_size(s: &str) -> Result<u64> {
+    let text = s.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "KiB" => 1 << 10,
+        "M" | "MiB" => 1 << 20,
+        "G" | "GiB" => 1 << 30,
+        "T" | "TiB" => 1 << 40,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        other => bail!("`{other}` is not a unit of bytes in `{s}`: use B, KiB, MiB, GiB or TiB"),
+    };
+    number
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .filter(|&n| n > 0)
+        .with_context(|| format!("`{s}` is not a size of at least 1 byte"))
+}
+
+fn parse_key_value(s: &str) -> Result<(String, String)> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => bail!("expected KEY=VALUE, got `{s}`"),
+    }
+}
+
+mod shipped {
+    include!(concat!(env!("OUT_DIR"), "/shipped.rs"));
+}
+
+/// A policy named on the command line: a file, a shipped policy by its name (the same
+/// names as in Python: `size-classes`, ...), or `builtin`; none is `builtin`. A file
+/// of a shipped policy's name in the working directory wins.
+pub(crate) fn load(runtime: &Runtime, path: Option<&PathBuf>) -> Result<Policy> {
+    let bounds = COMPILE_BOUNDS.get_or_init(CompileBounds::default);
+    let name = path
+        .and_then(|p| p.to_str())
+        .filter(|_| !path.is_some_and(|p| p.exists()));
+    let embedded = match name {
+        None if path.is_some() => None,
+        None | Some("builtin") => Some(("builtin", allocbox::DEFAULT_POLICY_WAT.as_bytes())),
+        Some(name) => shipped::SHIPPED
+            .iter()
+            .find(|(shipped, _, _)| *shipped == name)
+            .map(|&(name, _, bytes)| (name, bytes)),
+    };
+    if let Some((name, bytes)) = embedded {
+        return runtime
+            .load_named(bytes, name, bounds)
+            .with_context(|| format!("the shipped policy `{name}` cannot be loaded"));
+    }
+    let path = path.expect("no path is builtin");
+    let looks_like_a_name = path.components().count() == 1 && path.extension().is_none();
+    if looks_like_a_name && !path.exists() {
+        bail!(
+            "no file or shipped policy is called `{}`; shipped: {}",
+            path.display(),
+            shipped_names()
+        );
+    }
+    runtime
+        .load_file_bounded(path, bounds)
+        .with_context(|| format!("`{}` cannot be loaded", path.display()))
+}
+
+/// The names a policy can be given by, for a message.
+fn shipped_names() -> String {
+    let mut names = vec!["builtin"];
+    names.extend(shipped::SHIPPED.iter().map(|(name, _, _)| *name));
+    match shipped::SHIPPED_MISSING {
+        Some(why) => format!("{} (this build carries no other: {why})", names.join(", ")),
+        None => names.join(", "),
+    }
+}
+
+/// A failed check exits 1; input that cannot be used exits 2.
+pub(crate) enum Outcome {
+    Held,
+    Broken,
+}
+
+/// Print to stdout; a reader that went away (`| head`) is not an error.
+pub(crate) fn print_report(text: &str) {
+    use std::io::Write;
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
+}
+
+/// Run the command line `args` (the program's name first, as [`std::env::args_os`]
+/// gives it) and return the exit status: 0 every rule held (or the command succeeded),
+/// 1 a rule was broken, 2 unusable input. The `allocbox` binary and the Python wheel's
+/// `allocbox` command both run this.
+pub fn run<I, T>(args: I) -> u8
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Help and version are printed to stdout and succeed; a usage error is
+            // printed to stderr and exits 2, as clap's own `exit` would.
+            let _ = e.print();
+            return u8::try_from(e.exit_code()).unwrap_or(2);
+        }
+    };
+    let mut bounds = CompileBounds::default();
+    for &(bound, value) in &cli.compile_bounds {
+        bounds.set(bound, value);
+    }
+    // A second run in one process (from Python) keeps the first run's bounds only if
+    // they are the same; a different set is a usage error, not a silent mix.
+    if *COMPILE_BOUNDS.get_or_init(|| bounds) != bounds {
+        eprintln!(
+            "allocbox: --compile-bound differs from an earlier command in this process; \
+             run each set of bounds in a process of its own"
+        );
+        return 2;
+    }
+    let result = match cli.command {
+        Command::Inspect { policy, config } => inspect(policy, config).map(|()| Outcome::Held),
+        Command::New { name, lang, path } => new_policy::create(&name, lang, path).map(|made| {
+            print_report(&format!(
+                "created `{name}` in {}\nnext: {}\n",
+                made.dir.display(),
+                made.next
+            ));
+            Outcome::Held
+        }),
+        Command::Check {
+            policies,
+            time,
+            cases,
+            seed,
+            max_ops,
+            threads,
+            json,
+            regressions,
+            config,
+            limits,
+        } => run_check(CheckArgs {
+            policies,
+            options: CheckOptions {
+                cases: cases.unwrap_or(64),
+                time: match (time, cases) {
+                    (Some(secs), _) => Some(Duration::from_secs_f64(secs.max(0.0))),
+                    (None, Some(_)) => None,
+                    (None, None) => Some(DEFAULT_CHECK_TIME),
+                },
+                seed,
+                max_ops,
+                threads,
+                regressions: regressions.or_else(allocbox_check::default_regressions_dir),
+                limits: limits.limits(CHECK_CALL_TIME),
+                ..CheckOptions::default()
+            },
+            json,
+            config,
+        }),
+        Command::Replay {
+            script,
+            policy,
+            config,
+            limits,
+        } => run_replay(script, policy, config, limits.limits(CHECK_CALL_TIME)),
+        Command::Report {
+            trace,
+            policies,
+            output,
+            json,
+            config,
+            limits,
+        } => run_report(ReportArgs {
+            trace,
+            policies,
+            output,
+            json,
+            config,
+            limits: limits.limits(Limits::default().call_time),
+        }),
+        Command::ReplayTrace {
+            trace,
+            policies,
+            config,
+            limits,
+        } => run_replay_trace(
+            trace,
+            policies,
+            config,
+            limits.limits(Limits::default().call_time),
+        ),
+    };
+    match result {
+        Ok(Outcome::Held) => 0,
+        Ok(Outcome::Broken) => 1,
+        Err(e) => {
+            eprintln!("allocbox: {e:#}");
+            2
+        }
+    }
+}

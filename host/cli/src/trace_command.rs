@@ -5,10 +5,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
+use crate::report;
 use allocbox::trace::leak_after_replay;
 use allocbox::trace::timeline::{chain_held, native_held, timeline_counted};
 use allocbox::{HandlerBuilder, Limits, Runtime};
-use allocbox_cli::report;
 use anyhow::{Context, Result, bail};
 
 use crate::{Outcome, load, print_report, progress};

@@ -1,0 +1,20 @@
+"""The `allocbox` command, as the wheel installs it: `allocbox check size-classes`,
+`allocbox report TRACE -p size-classes -o report.html`, ... (`allocbox --help`).
+`python -m allocbox` runs the same command."""
+
+import signal
+import sys
+
+
+def main():
+    from ._allocbox import run_command
+
+    # The command runs in Rust, where Python's own SIGINT handler would never get to
+    # run: Ctrl-C stops it the way it stops the native binary.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    sys.stdout.flush()
+    return run_command(["allocbox", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
