@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use allocbox::{HandlerBuilder, Limits, Runtime};
+use allocbox::{Adversary, HandlerBuilder, Limits, Runtime};
 
 use super::fuzz::{Rng, drive};
 use super::support::*;
@@ -44,6 +44,19 @@ fn stream(seed: u64) -> Result<String, String> {
         })
         .quarantine(4 << 20)
         .magazines(rng.below(2) == 0);
+    // Half the streams run on the checker's adversarial upstream, refusing on a plan,
+    // so hostile acts meet out-of-memory paths and unusual addresses too. Its own
+    // generator keeps every other choice of a seed's stream as it was.
+    let mut upstream_rng = Rng(seed ^ 0x0DD0_0DD0);
+    if upstream_rng.below(2) == 0 {
+        let adversary = Adversary::new(seed);
+        match upstream_rng.below(3) {
+            0 => adversary.refuse_every(2 + upstream_rng.below(15) as u32),
+            1 => adversary.refuse_above(1 << (4 + upstream_rng.below(16))),
+            _ => {}
+        }
+        builder = builder.checked(true).adversary(adversary);
+    }
     let links = match rng.below(4) {
         0 => {
             builder = builder

@@ -295,7 +295,7 @@ impl Subject<'_> {
         }
         self.refusals
             .injected
-            .fetch_add(adversary.refused().len() as u64, Ordering::Relaxed);
+            .fetch_add(adversary.refusals(), Ordering::Relaxed);
     }
 
     /// Run `threads` (one op list per client thread), then free everything, trim, and

@@ -42,7 +42,7 @@ impl Finding {
     /// The finding, saying which upstream request the checker refused last before it:
     /// where a policy's out-of-memory path went wrong.
     pub(super) fn after_refusals(mut self, adversary: &Adversary) -> Finding {
-        if let Some(last) = adversary.refused().last() {
+        if let Some(last) = adversary.last_refusal() {
             self.message += &format!(" (after {last})");
         }
         self

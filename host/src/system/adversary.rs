@@ -16,7 +16,8 @@
 //!   `realloc` grows in place or moves, at the seed's choice;
 //! - requests are refused on purpose ([`Adversary::refuse_next`],
 //!   [`Adversary::refuse_every`], [`Adversary::refuse_above`]) so a policy's
-//!   out-of-memory paths run, and each refusal is kept so a report can name it.
+//!   out-of-memory paths run; the last refusal is kept so a report can name it, and
+//!   all are counted (a long run refuses millions, so no list of them is kept).
 //!
 //! What fresh and grown memory holds is [`super::SystemMemory`]'s business, as on the
 //! production path.
@@ -63,7 +64,8 @@ pub struct Adversary {
     /// `u64::MAX`: off.
     refuse_above: AtomicU64,
     requests: AtomicU64,
-    refused: Mutex<Vec<Refusal>>,
+    refusals: AtomicU64,
+    last_refusal: Mutex<Option<Refusal>>,
 }
 
 /// Why a request was refused on purpose.
@@ -112,7 +114,8 @@ impl Adversary {
             refuse_every: AtomicU32::new(0),
             refuse_above: AtomicU64::new(u64::MAX),
             requests: AtomicU64::new(0),
-            refused: Mutex::new(Vec::new()),
+            refusals: AtomicU64::new(0),
+            last_refusal: Mutex::new(None),
         })
     }
 
@@ -136,9 +139,14 @@ impl Adversary {
         self.refuse_above.store(size, Ordering::Relaxed);
     }
 
-    /// Every request refused on purpose so far, oldest first.
-    pub fn refused(&self) -> Vec<Refusal> {
-        self.refused.lock().clone()
+    /// The latest request refused on purpose, if any was.
+    pub fn last_refusal(&self) -> Option<Refusal> {
+        *self.last_refusal.lock()
+    }
+
+    /// Requests refused on purpose so far.
+    pub fn refusals(&self) -> u64 {
+        self.refusals.load(Ordering::Relaxed)
     }
 
     /// Requests made so far.
@@ -159,7 +167,8 @@ impl Adversary {
         } else {
             return false;
         };
-        self.refused.lock().push(Refusal { request, size, why });
+        self.refusals.fetch_add(1, Ordering::Relaxed);
+        *self.last_refusal.lock() = Some(Refusal { request, size, why });
         true
     }
 }
@@ -460,7 +469,7 @@ mod tests {
     }
 
     #[test]
-    fn refusals_follow_the_plan_and_are_kept() {
+    fn refusals_follow_the_plan_and_the_last_is_kept() {
         let adversary = Adversary::new(0);
         adversary.refuse_every(3);
         let refused: Vec<bool> = (0..6).map(|_| adversary.refuses(8)).collect();
@@ -469,13 +478,15 @@ mod tests {
         adversary.refuse_above(100);
         adversary.refuse_next();
         assert!(adversary.refuses(8), "the next one");
+        assert_eq!(
+            adversary.last_refusal().map(|r| r.why),
+            Some(Injected::Next)
+        );
         assert!(!adversary.refuses(100));
         assert!(adversary.refuses(101));
-        let kept = adversary.refused();
-        assert_eq!(kept.len(), 4);
-        assert_eq!(kept[2].why, Injected::Next);
+        assert_eq!(adversary.refusals(), 4);
         assert_eq!(
-            kept[3].to_string(),
+            adversary.last_refusal().unwrap().to_string(),
             "upstream request 9 (101 bytes) was refused on purpose by `oom above 100`"
         );
     }
