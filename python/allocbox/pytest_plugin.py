@@ -2,16 +2,38 @@
 
     ALLOCBOX_POLICY=size-classes pytest -p allocbox.pytest_plugin --pyargs numpy._core
 
-`ALLOCBOX_POLICY` is a shipped policy's name (`allocbox.policies()`), a component or
-WAT path, or `builtin`; `ALLOCBOX_CONFIG` is `key=value,key=value`. At the end the plugin reports the policy's counters and fails the
-run if the policy broke the contract.
+`ALLOCBOX_POLICY` names the policy as everywhere else: a shipped policy's name
+(`allocbox.policies()`, or `builtin`) or a component or WAT path. `ALLOCBOX_CONFIG` is
+its configuration, `key=value,key=value`. A policy or configuration that cannot be used
+is a one-line usage error before any test runs.
+
+Once the policy is stopped (it broke the contract, trapped or ran too long), every later
+allocation would fail with `MemoryError` for that reason alone, so the run stops after
+the test that stopped it, the cause is printed then and first in the summary, and the
+run exits 1. At the end the plugin reports the policy's counters.
 """
 
 import os
 
+import pytest
+
 import allocbox
 
 _policy = None
+_stopped_by = None
+
+
+def _settings(text):
+    settings = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, equals, value = item.partition("=")
+        if not equals or not key:
+            raise pytest.UsageError(
+                f"ALLOCBOX_CONFIG item {item!r} is not key=value: "
+                "write ALLOCBOX_CONFIG=key=value,key=value"
+            )
+        settings[key] = value
+    return settings
 
 
 def pytest_configure(config):
@@ -19,16 +41,58 @@ def pytest_configure(config):
     source = os.environ.get("ALLOCBOX_POLICY")
     if not source:
         return
-    settings = dict(
-        item.split("=", 1) for item in os.environ.get("ALLOCBOX_CONFIG", "").split(",") if item
-    )
-    _policy = allocbox.builtin() if source == "builtin" else allocbox.load(source, settings)
+    settings = _settings(os.environ.get("ALLOCBOX_CONFIG", ""))
+    try:
+        _policy = allocbox.load(source, settings)
+    except allocbox.AllocboxError as error:
+        raise pytest.UsageError(f"ALLOCBOX_POLICY={source}: {error}") from None
     allocbox.set_handler(_policy)
 
 
 def pytest_report_header(config):
     if _policy is not None:
         return f"allocbox: NumPy's handler is `{_policy.name}` ({os.environ['ALLOCBOX_POLICY']})"
+
+
+def _cause():
+    return f"allocbox: policy `{_policy.name}` was stopped during {_stopped_by}: {_policy.failure}"
+
+
+def _note_a_stop(session, during):
+    """After `during` (a test's id, or collection): if the policy has been stopped, end
+    the session rather than fail every later test for the same reason."""
+    global _stopped_by
+    if _policy is None or _stopped_by is not None or _policy.failure is None:
+        return
+    _stopped_by = during
+    session.shouldstop = "the allocbox policy was stopped"
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("")
+        reporter.write_line(f"{_cause()}; the run stops here", red=True, bold=True)
+
+
+def pytest_collection_finish(session):
+    # NumPy arrays made at import time go through the policy too.
+    _note_a_stop(session, "collection")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    yield
+    _note_a_stop(item.session, item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_sessionfinish(session, exitstatus):
+    if _policy is not None and _policy.failure is not None:
+        session.exitstatus = 1
+        # Before pytest's own summary (its failures are this one's consequences).
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_sep("=", "allocbox", red=True, bold=True)
+            reporter.write_line(_cause(), red=True, bold=True)
+    yield
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -42,9 +106,5 @@ def pytest_terminal_summary(terminalreporter):
         )
     )
     for failure in _policy.failures():
-        terminalreporter.write_line(f"allocbox: FAILURE inside NumPy: {failure}")
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if _policy is not None and _policy.failure is not None:
-        session.exitstatus = 1
+        if _stopped_by is None or failure != _policy.failure:
+            terminalreporter.write_line(f"allocbox: failure inside NumPy: {failure}")

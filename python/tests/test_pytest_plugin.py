@@ -1,0 +1,78 @@
+"""The pytest plugin as its users meet it: a run under a policy, a bad policy or
+configuration refused in one line, and a run that stops once its policy is stopped."""
+
+import os
+import subprocess
+import sys
+
+from conftest import guest
+
+TESTS = """
+import numpy as np
+
+def test_arrays(n=0):
+    for size in range(1, 40):
+        assert np.ones(size * 8).sum() == size * 8
+"""
+
+
+def _pytest(tmp_path, policy, config=None, tests=40):
+    (tmp_path / "test_many.py").write_text(
+        TESTS + "".join(f"\n\ndef test_{i}():\n    test_arrays()\n" for i in range(tests))
+    )
+    env = dict(os.environ, ALLOCBOX_POLICY=str(policy))
+    env.pop("ALLOCBOX_CONFIG", None)
+    if config is not None:
+        env["ALLOCBOX_CONFIG"] = config
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "allocbox.pytest_plugin", "-p", "no:cacheprovider", "test_many.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_a_run_under_a_shipped_policy_passes_and_reports_its_counters(tmp_path):
+    code, out = _pytest(tmp_path, "size-classes", "bucket-depth=7")
+    assert code == 0, out
+    assert "NumPy's handler is `size-classes`" in out
+    assert "41 passed" in out, out
+    assert "allocbox: size-classes: " in out and " malloc, " in out, out
+
+
+def test_a_misspelt_policy_is_one_line_of_usage_error(tmp_path):
+    code, out = _pytest(tmp_path, "size-clases")
+    assert code == 4, out
+    assert "INTERNALERROR" not in out, out
+    assert "ALLOCBOX_POLICY=size-clases: no shipped policy or file named 'size-clases'" in out, out
+
+
+def test_a_config_that_is_not_key_value_is_a_usage_error(tmp_path):
+    code, out = _pytest(tmp_path, "size-classes", "depth")
+    assert code == 4, out
+    assert "ALLOCBOX_CONFIG item 'depth' is not key=value" in out, out
+    assert "dictionary update sequence" not in out
+
+
+def test_a_config_the_policy_refuses_is_a_usage_error_naming_the_policy(tmp_path):
+    code, out = _pytest(tmp_path, "size-classes", "bukket-depth=7")
+    assert code == 4, out
+    assert "INTERNALERROR" not in out, out
+    assert "ALLOCBOX_POLICY=size-classes: " in out and "size-classes" in out.split("ALLOCBOX_POLICY=")[1], out
+
+
+def test_a_stopped_policy_ends_the_run_with_its_cause_first(tmp_path):
+    code, out = _pytest(tmp_path, guest("broken"), "fault=misaligned-after-300", tests=200)
+    assert code == 1, out
+    cause = "allocbox: policy `broken` was stopped during test_many.py::"
+    assert cause in out, out
+    # The cause comes before pytest's own account of the failures it caused.
+    assert out.index(cause) < out.index("short test summary info"), out
+    passed_or_failed = out.count("PASSED") + out.count("FAILED")
+    summary = out.strip().splitlines()[-1]
+    assert "200 passed" not in summary and "failed" in summary, summary
+    assert int(summary.split(" failed")[0].split()[-1]) <= 2, summary
+    del passed_or_failed
