@@ -26,6 +26,8 @@ use chain::{Books, Chain, flush_magazines, refill, settle, shelve};
 pub struct Handler {
     caches: Arc<Caches<Chain>>,
     info: PolicyInfo,
+    /// The chain's policies' names, top first, joined by `>`.
+    name: Arc<str>,
     names: Vec<Arc<str>>,
     fallback: Option<Arc<Handler>>,
 }
@@ -48,9 +50,10 @@ impl Handler {
         &self.info
     }
 
-    /// The handler's name: the top policy's.
+    /// The handler's name: its policy's, or for a chain every policy's, top first,
+    /// joined by `>` (`aligned>size-classes`), as NumPy reports it.
     pub fn name(&self) -> &str {
-        &self.info.name
+        &self.name
     }
 
     /// The names of the policies in the chain, top first.
@@ -67,7 +70,7 @@ impl Handler {
 
     fn unreachable(&self, reason: Unreachable) -> Error {
         Error::Unreachable {
-            handler: self.info.name.clone(),
+            handler: self.name.clone(),
             reason,
         }
     }
@@ -129,7 +132,11 @@ impl Handler {
     ) -> Result<Option<NonNull<u8>>, Error> {
         let mut c = self.lock()?;
         if c.failure.is_some() {
-            count(&mut c, &mut mine, count_request::<ZEROED>);
+            let unserved = self.fallback.is_none();
+            count(&mut c, &mut mine, |n| {
+                count_request::<ZEROED>(n);
+                n.failed += u64::from(unserved);
+            });
             drop(c);
             return self.reroute(|f| match ZEROED {
                 true => f.calloc(size as usize, 1),
@@ -148,9 +155,7 @@ impl Handler {
         let answer = settle(&mut c, answer);
         count(&mut c, &mut mine, |n| {
             count_request::<ZEROED>(n);
-            if let Ok(addr) = answer {
-                n.served(addr, size);
-            }
+            served(n, &answer, size);
         });
         Ok(to_ptr(answer?))
     }
@@ -171,7 +176,11 @@ impl Handler {
         let mut mine = self.caches.mine();
         let mut c = self.lock()?;
         if c.failure.is_some() {
-            count(&mut c, &mut mine, |n| n.callocs += 1);
+            let unserved = self.fallback.is_none();
+            count(&mut c, &mut mine, |n| {
+                n.callocs += 1;
+                n.failed += u64::from(unserved);
+            });
             drop(c);
             return self.reroute(|f| f.calloc(nelem, elsize));
         }
@@ -179,9 +188,7 @@ impl Handler {
         let answer = settle(&mut c, answer);
         count(&mut c, &mut mine, |n| {
             n.callocs += 1;
-            if let Ok(addr) = answer {
-                n.served(addr, size);
-            }
+            served(n, &answer, size);
         });
         Ok(to_ptr(answer?))
     }
@@ -229,7 +236,9 @@ impl Handler {
             return self.move_to_fallback(c, &mut mine, addr, entry.size, new);
         }
         let answer = c.head.realloc(addr, entry.size, new);
-        let moved = settle(&mut c, answer)?;
+        let moved = settle(&mut c, answer).inspect_err(|_| {
+            count(&mut c, &mut mine, |n| n.failed += 1);
+        })?;
         count(&mut c, &mut mine, |n| match moved {
             0 => n.failed += 1,
             _ => {
@@ -387,6 +396,7 @@ impl Handler {
         new: u64,
     ) -> Result<Option<NonNull<u8>>, Error> {
         let Some(fallback) = &self.fallback else {
+            count(&mut c, mine, |n| n.failed += 1);
             return Err(poisoned(c.failure.as_ref().expect("failed chain")));
         };
         let Some(fresh) = fallback.malloc(new as usize)? else {
@@ -429,6 +439,15 @@ fn zeroed_if<const ZEROED: bool>(addr: u64, size: u64) -> u64 {
 }
 
 /// Update the calling thread's counters.
+/// Count a request's answer: a block lent, or none (out of memory, or a failure that
+/// stopped the chain): either way the client got no block.
+fn served(counts: &mut cache::Counts, answer: &Result<u64, Error>, size: u64) {
+    match answer {
+        Ok(addr) => counts.served(*addr, size),
+        Err(_) => counts.failed += 1,
+    }
+}
+
 fn count(c: &mut Books<'_>, mine: &mut Mine<'_>, f: impl FnOnce(&mut cache::Counts)) {
     f(&mut c.own(mine).counts);
 }

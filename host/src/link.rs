@@ -108,12 +108,16 @@ impl crate::wasi::GuestView for LinkState {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LinkStats {
     pub name: String,
+    /// Single calls the policy answered (where [`crate::Stats`] counts the client's).
     pub mallocs: u64,
     pub callocs: u64,
     pub reallocs: u64,
     pub frees: u64,
+    /// Batch calls the policy answered: magazine refills and flushes, many blocks each.
     pub malloc_many: u64,
     pub free_many: u64,
+    /// Blocks the policy lent and has not got back: to the client, to the host's
+    /// magazines ([`crate::Stats::cached_blocks`]) or to the policy above it.
     pub live_blocks: u64,
     pub live_bytes: u64,
     pub peak_bytes: u64,

@@ -43,7 +43,8 @@ pub struct Stats {
     pub callocs: u64,
     pub reallocs: u64,
     pub frees: u64,
-    /// Requests answered "none" (out of memory).
+    /// Requests that got no block: answered "none" (out of memory), or refused because
+    /// the policy broke a rule or was stopped (with no fallback to serve them).
     pub failed: u64,
     pub live_blocks: u64,
     pub live_bytes: u64,
@@ -59,6 +60,10 @@ pub struct Stats {
     /// Upstream requests of the chain's policies answered "none" for passing their
     /// overhead budget ([`crate::Limits::overhead`]), summed over the chain.
     pub budget_refusals: u64,
+    /// Blocks the top policy lent that wait in the host's magazines for reuse: freed by
+    /// the client, not yet given back to the policy. The top policy's
+    /// [`crate::LinkStats::live_blocks`] is always `live_blocks + cached_blocks`.
+    pub cached_blocks: u64,
 }
 
 impl Stats {

@@ -63,6 +63,24 @@ def test_shipped_policies_chain_by_name():
     assert a.sum() == 499500.0
 
 
+def test_counters_are_documented_add_up_and_a_chain_is_named_by_all_its_links():
+    chain = allocbox.load_chain(("aligned", {"alignment": "64"}), "size-classes")
+    assert chain.name == "aligned>size-classes"
+    assert [link["name"] for link in chain.link_stats()] == ["aligned", "size-classes"]
+    policy = allocbox.load("size-classes")
+    with allocbox.use(policy):
+        arrays = [np.ones(n) for n in range(1, 60)]
+        del arrays[::2]
+        stats, links = policy.stats(), policy.link_stats()
+    for name in stats:
+        assert f"`{name}`" in allocbox.Policy.stats.__doc__, name
+    for name in links[0]:
+        assert f"`{name}`" in allocbox.Policy.link_stats.__doc__, name
+    assert stats["live_blocks"] >= 29 and stats["cached_blocks"] > 0, stats
+    assert links[0]["live_blocks"] == stats["live_blocks"] + stats["cached_blocks"], (stats, links)
+    assert stats["mallocs"] >= 59 and links[0]["malloc_many"] > 0, (stats, links)
+
+
 def test_new_arrays_views_and_bases_report_their_handler(size_classes):
     with allocbox.use(size_classes):
         a = np.arange(100)
@@ -183,6 +201,7 @@ def test_a_broken_policy_does_not_crash_python_and_loses_no_data():
             np.ones(100)                         # stopped: fails cleanly again
     np.testing.assert_array_equal(before, np.arange(1000.0))
     assert "misaligned" in bad.failure or "aligned" in bad.failure
+    assert bad.stats()["failed"] == 2, "each MemoryError is a request that got no block"
     with pytest.raises(allocbox.ContractViolation):
         bad.raise_if_failed()
     with pytest.raises(allocbox.PoisonedPolicy):

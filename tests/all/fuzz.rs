@@ -186,6 +186,9 @@ fn adopt(live: &mut Vec<Live>, p: Option<NonNull<u8>>, size: usize, byte: u8) {
 
 fn check(h: &Handler, live: &[Live]) -> Result<(), String> {
     h.audit().map_err(|e| e.to_string())?;
+    if h.failure().is_none() {
+        counters_add_up(h, live)?;
+    }
     for b in live {
         if !holds(b.ptr, b.size, b.byte) {
             return Err(format!(
@@ -193,6 +196,30 @@ fn check(h: &Handler, live: &[Live]) -> Result<(), String> {
                 b.ptr, b.size
             ));
         }
+    }
+    Ok(())
+}
+
+/// While the chain is healthy, the counters agree with the client and with each other:
+/// the client's blocks and bytes, and the top policy's lent blocks, which are the
+/// client's and those waiting in the host's magazines.
+fn counters_add_up(h: &Handler, live: &[Live]) -> Result<(), String> {
+    let stats = h.stats().map_err(|e| e.to_string())?;
+    let top = &h.link_stats().map_err(|e| e.to_string())?[0];
+    let bytes: u64 = live.iter().map(|b| b.size as u64).sum();
+    if (stats.live_blocks, stats.live_bytes) != (live.len() as u64, bytes) {
+        return Err(format!(
+            "stats count {} blocks, {} bytes live; the client holds {}, {bytes}",
+            stats.live_blocks,
+            stats.live_bytes,
+            live.len()
+        ));
+    }
+    if top.live_blocks != stats.live_blocks + stats.cached_blocks {
+        return Err(format!(
+            "`{}` has {} blocks lent, but the client holds {} and the magazines {}",
+            top.name, top.live_blocks, stats.live_blocks, stats.cached_blocks
+        ));
     }
     Ok(())
 }

@@ -158,6 +158,7 @@ impl HandlerBuilder {
                 fork_patience,
             ),
             info,
+            name: names.join(">").into(),
             names,
             fallback: self.fallback,
         })

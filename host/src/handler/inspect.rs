@@ -20,16 +20,23 @@ impl Handler {
     /// highest total seen when their counters are gathered (here and on each read).
     pub fn stats(&self) -> Result<Stats, Error> {
         let mut c = self.lock()?;
+        let mut cached_blocks = 0;
         for slot in c.slots() {
-            let counts = c
-                .claim(slot)
-                .map(|mut cache| std::mem::take(&mut cache.counts));
+            let counts = c.claim(slot).map(|mut cache| {
+                cached_blocks += cache
+                    .magazines
+                    .iter()
+                    .map(|m| m.blocks().count())
+                    .sum::<usize>();
+                std::mem::take(&mut cache.counts)
+            });
             match counts {
                 Ok(counts) => c.stats.fold(counts),
                 Err(reason) => return Err(unreachable(&c, reason)),
             }
         }
         let mut stats = c.stats.clone();
+        stats.cached_blocks = cached_blocks as u64;
         stats.budget_refusals = c.links().map(|l| l.stats().budget_refusals).sum();
         Ok(stats)
     }
