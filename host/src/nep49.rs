@@ -24,6 +24,7 @@ use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::pin::Pin;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 
@@ -134,6 +135,8 @@ pub type Hook =
 pub type HookData = Arc<dyn std::any::Any + Send + Sync>;
 
 static HOOK: RwLock<Option<(Hook, HookData)>> = RwLock::new(None);
+/// Whether [`HOOK`] is set: the one load an event pays while no hook is.
+static HOOKED: AtomicBool = AtomicBool::new(false);
 
 thread_local! {
     /// Inside a hook on this thread: allocations it makes do not call hooks again.
@@ -143,9 +146,22 @@ thread_local! {
 /// Install `hook` with its `data` (or remove it with `None`); returns the previous hook
 /// and its data, as `PyDataMem_SetEventHook` does.
 pub fn set_event_hook(hook: Option<(Hook, HookData)>) -> Option<(Hook, HookData)> {
-    std::mem::replace(&mut *HOOK.write(), hook)
+    let mut current = HOOK.write();
+    HOOKED.store(hook.is_some(), Ordering::Relaxed);
+    std::mem::replace(&mut *current, hook)
 }
 
+/// Tell the event hook, if one is set, about an event a handler served outside
+/// [`user_new`] and its siblings (the NumPy bridge's own callbacks): `(None, Some(p),
+/// size)` new, `(Some(p), None, 0)` free, `(Some(old), Some(new), size)` renew.
+#[inline]
+pub fn notify_event_hook(old: Option<NonNull<u8>>, new: Option<NonNull<u8>>, size: usize) {
+    if HOOKED.load(Ordering::Relaxed) {
+        fire(old, new, size);
+    }
+}
+
+#[cold]
 fn fire(old: Option<NonNull<u8>>, new: Option<NonNull<u8>>, size: usize) {
     if IN_HOOK.with(Cell::get) {
         return;
@@ -169,7 +185,7 @@ fn fire(old: Option<NonNull<u8>>, new: Option<NonNull<u8>>, size: usize) {
 pub fn user_new(handler: &dyn MemHandler, size: usize) -> Result<Option<NonNull<u8>>, Error> {
     let p = handler.malloc(size)?;
     if p.is_some() {
-        fire(None, p, size);
+        notify_event_hook(None, p, size);
     }
     Ok(p)
 }
@@ -182,7 +198,7 @@ pub fn user_new_zeroed(
 ) -> Result<Option<NonNull<u8>>, Error> {
     let p = handler.calloc(nelem, elsize)?;
     if p.is_some() {
-        fire(None, p, nelem * elsize);
+        notify_event_hook(None, p, nelem * elsize);
     }
     Ok(p)
 }
@@ -195,7 +211,7 @@ pub fn user_renew(
 ) -> Result<Option<NonNull<u8>>, Error> {
     let p = handler.realloc(ptr, size)?;
     if p.is_some() {
-        fire(ptr, p, size);
+        notify_event_hook(ptr, p, size);
     }
     Ok(p)
 }
@@ -208,7 +224,7 @@ pub fn user_free(
 ) -> Result<(), Error> {
     handler.free(ptr, size)?;
     if ptr.is_some() {
-        fire(ptr, None, 0);
+        notify_event_hook(ptr, None, 0);
     }
     Ok(())
 }

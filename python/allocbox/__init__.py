@@ -18,11 +18,15 @@ from contextlib import contextmanager
 from importlib import resources
 
 from ._allocbox import load_chain as _load_chain
+from ._allocbox import load_hook as _load_hook
+from ._allocbox import set_event_hook as _set_event_hook
+from ._allocbox import shipped_hooks as _shipped_hooks
 from ._allocbox import (
     DEFAULT_POLICY_WAT,
     AllocboxError,
     ClientError,
     ContractViolation,
+    EventHook,
     LoadError,
     PoisonedPolicy,
     Policy,
@@ -35,16 +39,20 @@ __all__ = [
     "AllocboxError",
     "ClientError",
     "ContractViolation",
+    "EventHook",
     "LoadError",
     "PoisonedPolicy",
     "Policy",
     "builtin",
     "get_handler",
     "handler_name",
+    "hooks",
     "load",
     "load_chain",
+    "load_hook",
     "native_default",
     "policies",
+    "set_event_hook",
     "set_handler",
     "use",
 ]
@@ -117,3 +125,41 @@ def handler_name(array=None):
     from numpy._core.multiarray import get_handler_name
 
     return get_handler_name(array) if array is not None else get_handler_name()
+
+
+def hooks():
+    """The event hooks shipped inside this package: {name: what its report holds}."""
+    return {name: about for name, (about, _) in _shipped_hooks().items()}
+
+
+def load_hook(source, *, call_time=None):
+    """A sandboxed event hook (a component of the `hook` world): a shipped hook by name
+    (see `hooks()`), a path (.wasm or .wat) or bytes. `call_time` bounds each event, in
+    seconds. Give it to `set_event_hook`; read what it kept with `.report()`."""
+    shipped = _shipped_hooks()
+    if isinstance(source, str) and not os.path.exists(source):
+        if source in shipped:
+            return _load_hook(shipped[source][1].encode(), source, call_time=call_time)
+        if os.sep not in source and "." not in source:
+            raise LoadError(
+                f"no shipped hook or file named {source!r}; shipped hooks: " + ", ".join(sorted(shipped))
+            )
+    name = "hook" if isinstance(source, (bytes, bytearray)) else os.path.splitext(os.path.basename(source))[0]
+    return _load_hook(source, name, call_time=call_time)
+
+
+def set_event_hook(hook):
+    """Make `hook` the event hook and return the previous one (`None` removes it), as
+    NumPy's `PyDataMem_SetEventHook` did before NumPy 2.0 removed it.
+
+    `hook` is a callable `hook(old, new, size)` with addresses as integers — new:
+    `(0, new, size)`, free: `(old, 0, 0)`, resize: `(old, new, size)` — or a sandboxed
+    hook: an `EventHook`, a shipped hook's name (`hooks()`), a path or bytes. It sees
+    every event of arrays placed through allocbox's handlers (and `native_default()`),
+    in every thread, but not arrays placed by NumPy's own default handler, and not the
+    allocations it makes itself. A hook that raises (or a sandboxed one that traps or
+    runs too long) is detached and reported through `sys.unraisablehook`; the allocation
+    that called it stands."""
+    if hook is not None and not callable(hook) and not isinstance(hook, EventHook):
+        hook = load_hook(hook)
+    return _set_event_hook(hook)

@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use allocbox::nep49::MemHandler;
 use allocbox::trace::Recorder;
-use allocbox::{CompileBound, CompileBounds, Error, Handler, HandlerBuilder, Limits, Runtime};
+use allocbox::{
+    CompileBound, CompileBounds, Error, Handler, HandlerBuilder, Limits, Runtime, WasmHook,
+};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -119,6 +121,17 @@ impl Bridge {
         }
     }
 
+    /// Tell the event hook (`allocbox.set_event_hook`) about an event NumPy's call
+    /// caused, as `PyDataMem_UserNEW` and its siblings did before NumPy 2.0: nothing
+    /// for a request that got no block or a free of NULL.
+    #[inline]
+    fn tell_hook(&self, old: *mut c_void, new: *mut c_void, size: usize) {
+        let (old, new) = (NonNull::new(old.cast()), NonNull::new(new.cast()));
+        if new.is_some() || old.is_some() {
+            self.guard((), || allocbox::nep49::notify_event_hook(old, new, size));
+        }
+    }
+
     fn note(&self, error: Error) {
         let mut failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
         // The first failures say what happened; a bound keeps a flood from growing.
@@ -153,6 +166,7 @@ unsafe extern "C" fn bridge_malloc(ctx: *mut c_void, size: usize) -> *mut c_void
     if let Some(h) = &b.direct
         && let Some(block) = b.guard(None, || h.malloc_from_magazine(size))
     {
+        b.tell_hook(std::ptr::null_mut(), block.as_ptr().cast(), size);
         return block.as_ptr().cast();
     }
     malloc_slowly(b, size)
@@ -161,13 +175,17 @@ unsafe extern "C" fn bridge_malloc(ctx: *mut c_void, size: usize) -> *mut c_void
 /// Out of line, so that the magazine hit above stays short.
 #[inline(never)]
 fn malloc_slowly(b: &Bridge, size: usize) -> *mut c_void {
-    b.block(|| b.handler.malloc(size))
+    let block = b.block(|| b.handler.malloc(size));
+    b.tell_hook(std::ptr::null_mut(), block, size);
+    block
 }
 
 unsafe extern "C" fn bridge_calloc(ctx: *mut c_void, nelem: usize, elsize: usize) -> *mut c_void {
     // SAFETY: as in `bridge_malloc`.
     let b = unsafe { bridge(ctx) };
-    b.block(|| b.handler.calloc(nelem, elsize))
+    let block = b.block(|| b.handler.calloc(nelem, elsize));
+    b.tell_hook(std::ptr::null_mut(), block, nelem.saturating_mul(elsize));
+    block
 }
 
 unsafe extern "C" fn bridge_realloc(
@@ -178,7 +196,12 @@ unsafe extern "C" fn bridge_realloc(
     // SAFETY: as in `bridge_malloc`.
     let b = unsafe { bridge(ctx) };
     let old = NonNull::new(ptr.cast::<u8>());
-    b.block(|| b.handler.realloc(old, size))
+    let block = b.block(|| b.handler.realloc(old, size));
+    // A refused realloc left the old block as it was: no event.
+    if !block.is_null() {
+        b.tell_hook(ptr, block, size);
+    }
+    block
 }
 
 unsafe extern "C" fn bridge_free(ctx: *mut c_void, ptr: *mut c_void, size: usize) {
@@ -189,9 +212,11 @@ unsafe extern "C" fn bridge_free(ctx: *mut c_void, ptr: *mut c_void, size: usize
         && let Some(block) = block
         && b.guard(false, || h.free_to_magazine(block, size))
     {
+        b.tell_hook(ptr, std::ptr::null_mut(), 0);
         return;
     }
     free_slowly(b, block, size);
+    b.tell_hook(ptr, std::ptr::null_mut(), 0);
 }
 
 /// Out of line, so that the magazine hit above stays short.
@@ -222,11 +247,16 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
     }
 }
 
+/// A handler's name as NumPy keeps it: at most 126 bytes (its buffer holds 127 with
+/// the NUL), cut where a character starts.
+fn numpy_name(name: &str) -> &str {
+    &name[..name.floor_char_boundary(126)]
+}
+
 fn make_capsule(py: Python<'_>, bridge: Arc<Bridge>) -> PyResult<Py<PyAny>> {
     let mut name = [0u8; 127];
-    let text = bridge.handler.name().as_bytes();
-    let n = text.len().min(126);
-    name[..n].copy_from_slice(&text[..n]);
+    let text = numpy_name(bridge.handler.name()).as_bytes();
+    name[..text.len()].copy_from_slice(text);
     // The capsule holds one reference to the Bridge the Policy object shares, so what
     // callbacks note is visible from Python.
     let version = bridge.handler.version();
@@ -331,10 +361,11 @@ struct Policy {
 
 #[pymethods]
 impl Policy {
-    /// The handler's name, as NumPy reports it.
+    /// The handler's name, as NumPy reports it: the policy's, or for a chain every
+    /// policy's, top first, joined by `>` (`aligned>size-classes`).
     #[getter]
     fn name(&self) -> String {
-        self.bridge.handler.name().to_string()
+        numpy_name(self.bridge.handler.name()).to_string()
     }
 
     /// The `mem_handler` capsule NumPy holds for arrays this policy placed.
@@ -348,7 +379,23 @@ impl Policy {
         Ok(c)
     }
 
-    /// Counters: calls, live/peak/total bytes, size corrections, magazine hits.
+    /// What NumPy asked of this handler and got, counted by the host (never by the
+    /// policy), as a dict:
+    ///
+    /// - `mallocs`, `callocs`, `reallocs`, `frees`: NumPy's calls;
+    /// - `failed`: requests that got no block (NumPy raised `MemoryError`): out of
+    ///   memory, or refused because the policy broke a rule or was stopped;
+    /// - `live_blocks`, `live_bytes`: what NumPy holds now (the sizes it asked for);
+    /// - `peak_bytes`: the most `live_bytes` ever; `total_bytes`: all bytes ever lent;
+    /// - `size_corrections`: frees whose size was not the block's (corrected);
+    /// - `magazine_hits`: requests served from the host's per-thread magazines without
+    ///   calling the policy;
+    /// - `cached_blocks`: blocks freed by NumPy that wait in those magazines, still
+    ///   lent by the policy;
+    /// - `budget_refusals`: upstream requests refused for passing `overhead`.
+    ///
+    /// The top entry of `link_stats()` always has `live_blocks` equal to this
+    /// `live_blocks + cached_blocks`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.bridge.handler.stats().map_err(|e| to_py(&e))?;
         let d = PyDict::new(py);
@@ -364,6 +411,7 @@ impl Policy {
             ("total_bytes", s.total_bytes),
             ("size_corrections", s.size_corrections),
             ("magazine_hits", s.magazine_hits),
+            ("cached_blocks", s.cached_blocks),
             ("budget_refusals", s.budget_refusals),
         ] {
             d.set_item(k, v)?;
@@ -371,7 +419,16 @@ impl Policy {
         Ok(d)
     }
 
-    /// Per policy of the chain, top first: name, calls, live and peak bytes, failure.
+    /// What each policy of the chain was asked by the host, top first, one dict each
+    /// (where `stats()` counts what NumPy asked):
+    ///
+    /// - `name`; `failure`: why it was stopped, or `None`;
+    /// - `mallocs`, `callocs`, `reallocs`, `frees`: single calls it answered;
+    ///   `malloc_many`, `free_many`: batch calls (each many blocks: magazine refills
+    ///   and flushes);
+    /// - `live_blocks`, `live_bytes`: blocks it has lent and not got back, to NumPy, to
+    ///   the host's magazines, or to the policy above it; `peak_bytes` the most bytes;
+    /// - `budget_refusals`: its upstream requests refused for passing `overhead`.
     fn link_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let Some(h) = &self.handler else {
             return Ok(Vec::new());
@@ -382,12 +439,20 @@ impl Policy {
             .map(|l| {
                 let d = PyDict::new(py);
                 d.set_item("name", l.name)?;
-                d.set_item("mallocs", l.mallocs)?;
-                d.set_item("frees", l.frees)?;
-                d.set_item("live_blocks", l.live_blocks)?;
-                d.set_item("live_bytes", l.live_bytes)?;
-                d.set_item("peak_bytes", l.peak_bytes)?;
-                d.set_item("budget_refusals", l.budget_refusals)?;
+                for (k, v) in [
+                    ("mallocs", l.mallocs),
+                    ("callocs", l.callocs),
+                    ("reallocs", l.reallocs),
+                    ("frees", l.frees),
+                    ("malloc_many", l.malloc_many),
+                    ("free_many", l.free_many),
+                    ("live_blocks", l.live_blocks),
+                    ("live_bytes", l.live_bytes),
+                    ("peak_bytes", l.peak_bytes),
+                    ("budget_refusals", l.budget_refusals),
+                ] {
+                    d.set_item(k, v)?;
+                }
                 d.set_item("failure", l.failure)?;
                 Ok(d)
             })
@@ -634,6 +699,155 @@ fn set_handler(py: Python<'_>, handler: Option<&Bound<'_, PyAny>>) -> PyResult<P
     }
 }
 
+/// A sandboxed event hook (a component of the `hook` world), for `set_event_hook`.
+#[pyclass(frozen, module = "allocbox")]
+struct EventHook {
+    hook: Arc<WasmHook>,
+}
+
+#[pymethods]
+impl EventHook {
+    /// The hook's name: its shipped name, or its file's stem.
+    #[getter]
+    fn name(&self) -> String {
+        self.hook.name().to_string()
+    }
+
+    /// The numbers the hook keeps, in the order it documents.
+    fn report(&self) -> PyResult<Vec<u64>> {
+        self.hook.report().map_err(|e| to_py(&e))
+    }
+
+    /// Why the hook was stopped (it trapped, ran too long or grew too much), or `None`.
+    #[getter]
+    fn failure(&self) -> Option<String> {
+        self.hook.failure().map(|e| e.to_string())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<allocbox.EventHook {:?}>", self.hook.name())
+    }
+}
+
+/// The event hooks this package ships: `{name: (what its report holds, WAT source)}`.
+#[pyfunction]
+fn shipped_hooks() -> std::collections::HashMap<&'static str, (&'static str, &'static str)> {
+    allocbox_cli::SHIPPED_HOOKS
+        .iter()
+        .map(|&(name, about, source)| (name, (about, source)))
+        .collect()
+}
+
+/// Start a hook component from a path or bytes, named `name`, under allocbox's default
+/// bounds (memory, and `call_time` seconds per event).
+#[pyfunction]
+#[pyo3(signature = (source, name, call_time = None))]
+fn load_hook(source: &Bound<'_, PyAny>, name: &str, call_time: Option<f64>) -> PyResult<EventHook> {
+    let (bytes, _) = source_bytes(source)?;
+    let mut limits = Limits::default();
+    if let Some(secs) = call_time {
+        limits.call_time = Duration::try_from_secs_f64(secs)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| {
+                pyo3::exceptions::PyValueError::new_err(format!(
+                    "call_time must be a positive number of seconds, got {secs}"
+                ))
+            })?;
+    }
+    let hook = WasmHook::start(Runtime::shared(), &bytes, name, limits)
+        .map_err(|e| LoadError::new_err(format!("hook `{name}` cannot be loaded: {e}")))?;
+    Ok(EventHook { hook })
+}
+
+/// What `set_event_hook` was given, kept as the hook's data so that the previous hook
+/// can be handed back as the same Python object.
+struct PythonHook {
+    object: Py<PyAny>,
+    wasm: Option<Arc<WasmHook>>,
+}
+
+/// Remove `stopped` if it is still the hook, and report why, as Python reports an
+/// exception nobody can catch (`sys.unraisablehook`): an event hook never breaks the
+/// allocation that called it.
+fn detach_hook(py: Python<'_>, stopped: &PythonHook, why: PyErr) {
+    let ours = |data: &allocbox::nep49::HookData| {
+        data.downcast_ref::<PythonHook>()
+            .is_some_and(|h| h.object.is(&stopped.object))
+    };
+    let current = allocbox::nep49::set_event_hook(None);
+    match current {
+        Some((_, data)) if ours(&data) => {}
+        // Another hook replaced it meanwhile: put that one back.
+        other => drop(allocbox::nep49::set_event_hook(other)),
+    }
+    let object = stopped.object.bind(py);
+    let report = AllocboxError::new_err(format!(
+        "event hook {} failed and was detached: {why}",
+        object.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+    ));
+    report.set_cause(py, Some(why));
+    report.write_unraisable(py, Some(object));
+}
+
+fn on_python_hook_event(
+    old: Option<NonNull<u8>>,
+    new: Option<NonNull<u8>>,
+    size: usize,
+    data: &allocbox::nep49::HookData,
+) {
+    let Some(hook) = data.downcast_ref::<PythonHook>() else {
+        return;
+    };
+    let address = |p: Option<NonNull<u8>>| p.map_or(0, |p| p.as_ptr() as usize);
+    if let Some(wasm) = &hook.wasm {
+        if let Err(e) = wasm.on_event(old, new, size) {
+            let why = AllocboxError::new_err(e.to_string());
+            // Interpreter shutting down: nobody to tell, and nothing left to hook.
+            Python::try_attach(|py| detach_hook(py, hook, why));
+        }
+        return;
+    }
+    Python::try_attach(|py| {
+        if let Err(why) = hook.object.call1(py, (address(old), address(new), size)) {
+            detach_hook(py, hook, why);
+        }
+    });
+}
+
+/// Make `hook` the event hook (`None` removes it) and return the previous one: a Python
+/// callable `(old, new, size)` or an `EventHook`. It sees every event of arrays placed
+/// through allocbox's handlers (and `native_default()`), as NumPy's event hook did
+/// before NumPy 2.0 removed it; allocations it makes itself are not reported to it.
+#[pyfunction]
+fn set_event_hook(py: Python<'_>, hook: Option<Bound<'_, PyAny>>) -> PyResult<Option<Py<PyAny>>> {
+    let installed = match hook {
+        None => None,
+        Some(object) => {
+            let wasm = object
+                .cast::<EventHook>()
+                .ok()
+                .map(|h| h.get().hook.clone());
+            if wasm.is_none() && !object.is_callable() {
+                return Err(PyTypeError::new_err(
+                    "an event hook is a callable (old, new, size) or an allocbox.EventHook",
+                ));
+            }
+            let data: allocbox::nep49::HookData = Arc::new(PythonHook {
+                object: object.unbind(),
+                wasm,
+            });
+            let hook: allocbox::nep49::Hook = Arc::new(on_python_hook_event);
+            Some((hook, data))
+        }
+    };
+    let previous = allocbox::nep49::set_event_hook(installed);
+    Ok(previous.and_then(|(_, data)| {
+        data.downcast_ref::<PythonHook>()
+            .map(|h| h.object.clone_ref(py))
+    }))
+}
+
 /// Run the `allocbox` command line (`argv[0]` the program's name) in this process and
 /// return its exit status. Python's own signal handlers run only between bytecodes, so
 /// the caller restores the default SIGINT first, for Ctrl-C to stop a long check.
@@ -651,6 +865,10 @@ fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(get_handler, m)?)?;
     m.add_function(wrap_pyfunction!(native_default, m)?)?;
     m.add_function(wrap_pyfunction!(run_command, m)?)?;
+    m.add_class::<EventHook>()?;
+    m.add_function(wrap_pyfunction!(load_hook, m)?)?;
+    m.add_function(wrap_pyfunction!(shipped_hooks, m)?)?;
+    m.add_function(wrap_pyfunction!(set_event_hook, m)?)?;
     m.add("AllocboxError", py.get_type::<AllocboxError>())?;
     m.add("LoadError", py.get_type::<LoadError>())?;
     m.add("ContractViolation", py.get_type::<ContractViolation>())?;

@@ -175,3 +175,59 @@ fn numpy_s_recorded_trace_replays_through_every_policy_without_violation() {
         assert_eq!(report.stats.live_blocks, 0, "{}", guest.name);
     }
 }
+
+/// `--hook` attaches an event hook to a replay: the shipped `sizes` hook by name reports
+/// a histogram of the trace's requests; `counting` on each handler of a report; a name
+/// that is neither a file nor shipped lists the shipped hooks.
+#[test]
+fn replay_trace_and_report_run_an_event_hook_and_print_its_report() {
+    let dir = tempdir("hook-replay");
+    std::fs::write(
+        dir.join("t.trace"),
+        "m 1 100 1\nm 2 3000 1\nr 1 200 1\nf 1 200 1\nf 2 3000 1\n",
+    )
+    .unwrap();
+    let (code, out) = allocbox_cli(
+        &[
+            "replay-trace",
+            "t.trace",
+            "-p",
+            "size-classes",
+            "--hook",
+            "sizes",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("hook `sizes` on `size-classes`"), "{out}");
+    let count = |range: &str| {
+        out.lines()
+            .find(|l| l.contains(range))
+            .and_then(|l| l.split_whitespace().last())
+            .map(str::to_string)
+    };
+    assert_eq!(count("64 B – 128 B").as_deref(), Some("1"), "{out}");
+    assert_eq!(count("2 KiB – 4 KiB").as_deref(), Some("1"), "{out}");
+    let (code, out) = allocbox_cli(
+        &[
+            "report", "t.trace", "-p", "system", "-p", "default", "--hook", "counting", "-o",
+            "r.html",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("hook `counting` on `system`: 2 2 1 3100"),
+        "{out}"
+    );
+    assert!(
+        out.contains("hook `counting` on `default`: 2 2 1 3100"),
+        "{out}"
+    );
+    let (code, out) = allocbox_cli(&["replay-trace", "t.trace", "--hook", "sises"], &dir);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("cannot read the hook `sises`") && out.contains("sizes, counting"),
+        "{out}"
+    );
+}

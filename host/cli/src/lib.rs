@@ -10,10 +10,11 @@ mod progress;
 mod trace_command;
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
-use allocbox::{CompileBound, CompileBounds, Limits, Policy, Runtime};
+use allocbox::{CompileBound, CompileBounds, Limits, Policy, Runtime, WasmHook};
 use allocbox_check::CheckOptions;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
@@ -110,6 +111,10 @@ enum Command {
         /// Configuration for the top policy's `init`, as KEY=VALUE (repeatable).
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
+        /// An event hook told about every event, its report printed at the end: a
+        /// shipped hook's name (`sizes`, `counting`) or a hook component (.wasm, .wat).
+        #[arg(long)]
+        hook: Option<PathBuf>,
         #[command(flatten)]
         limits: LimitArgs,
     },
@@ -136,6 +141,11 @@ enum Command {
         /// takes none).
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
+        /// An event hook, one instance per handler, each told about every event of its
+        /// handler; the reports are printed after the summary. A shipped hook's name
+        /// (`sizes`, `counting`) or a hook component (.wasm, .wat).
+        #[arg(long)]
+        hook: Option<PathBuf>,
         #[command(flatten)]
         limits: LimitArgs,
     },
@@ -311,6 +321,81 @@ pub(crate) fn load(runtime: &Runtime, path: Option<&PathBuf>) -> Result<Policy> 
         .with_context(|| format!("`{}` cannot be loaded", path.display()))
 }
 
+/// The event hooks this command (and the Python wheel) ships: `(name, what its report
+/// holds, WAT source)`.
+pub const SHIPPED_HOOKS: &[(&str, &str, &str)] = &[
+    (
+        "sizes",
+        "a histogram of request sizes: 64 counts, the k-th of sizes in [2^k, 2^(k+1)) bytes",
+        include_str!("../../../guest-handlers/hooks/wat/sizes-hook/sizes-hook.wat"),
+    ),
+    (
+        "counting",
+        "events by kind: [new, free, renew, bytes newly allocated]",
+        include_str!("../../../guest-handlers/hooks/wat/counting-hook/counting-hook.wat"),
+    ),
+];
+
+/// An event hook named on the command line: a shipped hook's name or a hook file.
+pub(crate) fn load_hook(path: &Path, limits: &Limits) -> Result<Arc<WasmHook>> {
+    let runtime = Runtime::shared();
+    let name = path.to_str().filter(|_| !path.exists());
+    if let Some(&(name, _, source)) = name.and_then(|n| SHIPPED_HOOKS.iter().find(|h| h.0 == n)) {
+        return WasmHook::start(runtime, source.as_bytes(), name, limits.clone())
+            .with_context(|| format!("the shipped hook `{name}` cannot be started"));
+    }
+    let bytes = std::fs::read(path).map_err(|e| {
+        let shipped: Vec<&str> = SHIPPED_HOOKS.iter().map(|h| h.0).collect();
+        anyhow::anyhow!(
+            "cannot read the hook `{}`: {e}; shipped hooks: {}",
+            path.display(),
+            shipped.join(", ")
+        )
+    })?;
+    let name = path
+        .file_stem()
+        .map_or("hook".into(), |s| s.to_string_lossy());
+    WasmHook::start(runtime, &bytes, &name, limits.clone())
+        .with_context(|| format!("the hook `{}` cannot be started", path.display()))
+}
+
+/// A hook's report as a sentence: the `sizes` hook's as a histogram, any other's as its
+/// numbers.
+pub(crate) fn hook_report(hook: &WasmHook, handler: &str) -> String {
+    let numbers = match hook.report() {
+        Ok(numbers) => numbers,
+        Err(e) => {
+            return format!(
+                "hook `{}` on `{handler}` gave no report: {e}\n",
+                hook.name()
+            );
+        }
+    };
+    if hook.name() != "sizes" {
+        let numbers: Vec<String> = numbers.iter().map(u64::to_string).collect();
+        return format!(
+            "hook `{}` on `{handler}`: {}\n",
+            hook.name(),
+            numbers.join(" ")
+        );
+    }
+    let mut out = format!("hook `sizes` on `{handler}`: requests by size, [from, to)\n");
+    for (k, &count) in numbers.iter().enumerate().filter(|(_, c)| **c > 0) {
+        out += &format!(
+            "  {:>7} – {:<7} {count}\n",
+            power_of_two_bytes(k),
+            power_of_two_bytes(k + 1)
+        );
+    }
+    out
+}
+
+/// 2^k bytes with a binary unit: `64 B`, `2 KiB`.
+fn power_of_two_bytes(k: usize) -> String {
+    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    format!("{} {}", 1u32 << (k % 10), UNITS[(k / 10).min(6)])
+}
+
 /// The names a policy can be given by, for a message.
 fn shipped_names() -> String {
     let mut names = vec!["builtin"];
@@ -416,6 +501,7 @@ where
             output,
             json,
             config,
+            hook,
             limits,
         } => run_report(ReportArgs {
             trace,
@@ -423,17 +509,20 @@ where
             output,
             json,
             config,
+            hook,
             limits: limits.limits(Limits::default().call_time),
         }),
         Command::ReplayTrace {
             trace,
             policies,
             config,
+            hook,
             limits,
         } => run_replay_trace(
             trace,
             policies,
             config,
+            hook,
             limits.limits(Limits::default().call_time),
         ),
     };

@@ -8,10 +8,10 @@ use std::sync::atomic::AtomicU64;
 use crate::report;
 use allocbox::trace::leak_after_replay;
 use allocbox::trace::timeline::{chain_held, native_held, timeline_counted};
-use allocbox::{HandlerBuilder, Limits, Runtime};
+use allocbox::{HandlerBuilder, Hooked, Limits, Runtime};
 use anyhow::{Context, Result, bail};
 
-use crate::{Outcome, load, print_report, progress};
+use crate::{Outcome, hook_report, load, load_hook, print_report, progress};
 
 /// A handler named on the command line: NumPy's default natively, or a chain of policies.
 enum BuiltHandler {
@@ -78,11 +78,23 @@ pub(crate) fn run_replay_trace(
     trace: PathBuf,
     policies: Vec<String>,
     config: Vec<(String, String)>,
+    hook: Option<PathBuf>,
     limits: Limits,
 ) -> Result<Outcome> {
     let events = read_trace(&trace)?;
+    let hook = hook.map(|h| load_hook(&h, &limits)).transpose()?;
     let built = build_handler(&policies, &config, limits)?;
-    let handler = built.handler();
+    let hooked;
+    let handler = match &hook {
+        Some(hook) => {
+            hooked = Hooked {
+                handler: built.handler(),
+                hook,
+            };
+            &hooked
+        }
+        None => built.handler(),
+    };
     let done = AtomicU64::new(0);
     let mut report = progress::counting_events("replay", events.len() as u64, &done, || {
         allocbox::trace::replay_trace_counted(handler, &events, &done)
@@ -133,6 +145,9 @@ pub(crate) fn run_replay_trace(
             Outcome::Broken
         }
     };
+    if let Some(hook) = &hook {
+        out += &hook_report(hook, handler.name());
+    }
     print_report(&out);
     Ok(outcome)
 }
@@ -143,12 +158,14 @@ pub(crate) struct ReportArgs {
     pub(crate) output: PathBuf,
     pub(crate) json: bool,
     pub(crate) config: Vec<(String, String)>,
+    pub(crate) hook: Option<PathBuf>,
     pub(crate) limits: Limits,
 }
 
 pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
     let events = read_trace(&args.trace)?;
     let mut timelines = Vec::new();
+    let mut hook_reports = String::new();
     for name in &args.policies {
         let built = build_handler(
             std::slice::from_ref(name),
@@ -160,12 +177,33 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         let short = Path::new(name)
             .file_name()
             .map_or(name.into(), |f| f.to_string_lossy());
+        let hook = args
+            .hook
+            .as_ref()
+            .map(|h| load_hook(h, &args.limits))
+            .transpose()?;
+        let hooked;
+        let handler = match &hook {
+            Some(hook) => {
+                hooked = Hooked {
+                    handler: built.handler(),
+                    hook,
+                };
+                &hooked
+            }
+            None => built.handler(),
+        };
         let mut timeline = progress::counting_events(&short, len, &done, || match &built {
             BuiltHandler::Native(h) => {
-                timeline_counted(name, &**h, native_held(&**h), &events, &done)
+                timeline_counted(name, handler, native_held(&**h), &events, &done)
             }
-            BuiltHandler::Chain(h) => timeline_counted(name, &**h, chain_held(h), &events, &done),
+            BuiltHandler::Chain(h) => {
+                timeline_counted(name, handler, chain_held(h), &events, &done)
+            }
         });
+        if let Some(hook) = &hook {
+            hook_reports += &hook_report(hook, name);
+        }
         if let (None, BuiltHandler::Chain(chain)) = (&timeline.replay.failure, &built) {
             timeline.replay.leak = leak_after_replay(chain);
         }
@@ -179,6 +217,7 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         print_report(&format!("{}\n", serde_json::Value::Array(all)));
     } else {
         print_report(&report::summary_table(&timelines));
+        print_report(&hook_reports);
     }
     Ok(match timelines.iter().any(|t| t.replay.failed()) {
         true => Outcome::Broken,
