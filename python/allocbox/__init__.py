@@ -110,13 +110,55 @@ def builtin():
 
 
 @contextmanager
-def use(policy):
-    """Make `policy` NumPy's handler for the block (in this context only)."""
+def use(policy, *, threads=False):
+    """Make `policy` NumPy's handler for the block.
+
+    NumPy keeps its handler in a context variable, so this covers the current thread
+    and the asyncio tasks it starts, not the threads it starts: on Python up to 3.13
+    (and 3.14 unless `sys.flags.thread_inherit_context`) a new thread starts at NumPy's
+    default. With `threads=True`, every thread started inside the block (a
+    `threading.Thread`, a thread pool's worker) makes `policy` its handler before it
+    runs anything, for its whole life, on every Python version. Threads that already
+    run are not reached; give a pool made earlier `initializer=allocbox.set_handler,
+    initargs=(policy,)`."""
     previous = set_handler(policy)
+    if threads:
+        restore = _start_threads_with(policy)
     try:
         yield policy
     finally:
+        if threads:
+            restore()
         set_handler(previous)
+
+
+def _start_threads_with(policy):
+    """Make `policy` the handler of every thread `threading` starts from now on, until
+    the returned function is called. It rides on `threading.setprofile`, the one hook
+    that runs inside each new thread before its target, and hands that thread on to the
+    profiler that was set before (if any) once the policy is installed."""
+    import sys
+    import threading
+
+    outer = threading.getprofile()
+
+    def first_call(frame, event, arg):
+        # The first Python call in the new thread is its `run`, inside the context the
+        # thread runs in (3.14 runs it in a context of its own); C calls come earlier.
+        if event != "call":
+            return
+        sys.setprofile(outer)
+        set_handler(policy)
+        if outer is not None:
+            outer(frame, event, arg)
+
+    threading.setprofile(first_call)
+
+    def restore():
+        if threading.getprofile() is first_call:
+            threading.setprofile(outer)
+
+    return restore
 
 
 def handler_name(array=None):

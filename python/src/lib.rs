@@ -856,7 +856,12 @@ fn run_command(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> u8 {
     py.detach(|| allocbox_cli::run(argv))
 }
 
-#[pymodule]
+// The wheel is built for the stable ABI (abi3, CPython 3.11 and later), which
+// free-threaded CPython cannot load. A build from source for one is untested there
+// (event hooks call into Python from inside NumPy's allocation callbacks), so the
+// module says it uses the GIL, and a free-threaded interpreter turns the GIL back on
+// when it imports the module, with a warning, rather than run it untested.
+#[pymodule(gil_used = true)]
 fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<Policy>()?;

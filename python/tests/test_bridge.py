@@ -121,6 +121,55 @@ def test_a_new_thread_starts_at_numpy_s_default(size_classes):
     assert seen == ["default_allocator"]
 
 
+def test_use_with_threads_places_arrays_made_on_pool_workers_and_threads(size_classes):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def made_here():
+        return allocbox.handler_name(np.ones(4))
+
+    with allocbox.use(size_classes, threads=True):
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            on_workers = set(pool.map(lambda _: made_here(), range(12)))
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(made_here()))
+        t.start()
+        t.join()
+    assert on_workers == {"size-classes"} and seen == ["size-classes"]
+    assert threading.getprofile() is None, "the thread hook is gone after the block"
+    after = []
+    t = threading.Thread(target=lambda: after.append(made_here()))
+    t.start()
+    t.join()
+    assert after == ["default_allocator"]
+
+
+def test_a_profiler_set_for_new_threads_still_runs_in_them(size_classes):
+    calls = []
+
+    def profiler(frame, event, arg):
+        calls.append(event)
+
+    threading.setprofile(profiler)
+    try:
+        with allocbox.use(size_classes, threads=True):
+            seen = []
+            t = threading.Thread(target=lambda: seen.append(allocbox.handler_name(np.ones(4))))
+            t.start()
+            t.join()
+        assert threading.getprofile() is profiler
+    finally:
+        threading.setprofile(None)
+    assert seen == ["size-classes"] and "call" in calls
+
+
+def test_a_pool_made_earlier_is_covered_by_its_initializer(size_classes):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2, initializer=allocbox.set_handler, initargs=(size_classes,)) as pool:
+        names = set(pool.map(lambda _: allocbox.handler_name(np.ones(4)), range(6)))
+    assert names == {"size-classes"}
+
+
 def test_asyncio_tasks_inherit_and_keep_their_own_handler(size_classes):
     arena = allocbox.load("arena")
 
