@@ -64,35 +64,73 @@ impl From<std::io::Error> for TraceError {
     }
 }
 
+/// A comment line of a trace between its events: NumPy's recorder writes the name of
+/// each test before that test's events, so a mark names the phase that follows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mark {
+    /// The events before it.
+    pub at: u64,
+    /// The comment, without its `#` (control characters replaced: a trace is input).
+    pub text: String,
+}
+
+/// A trace's events and the marks between them.
+#[derive(Debug, Default)]
+pub struct Trace {
+    pub events: Vec<Event>,
+    pub marks: Vec<Mark>,
+}
+
 /// Read a trace (plain text, or gzip when the file starts with the gzip magic).
 pub fn read_trace(path: impl AsRef<Path>) -> Result<Vec<Event>, TraceError> {
+    read_trace_marked(path).map(|trace| trace.events)
+}
+
+/// [`read_trace`], with the marks.
+pub fn read_trace_marked(path: impl AsRef<Path>) -> Result<Trace, TraceError> {
     let mut file = std::fs::File::open(path)?;
     let mut magic = [0u8; 2];
     let gz = file.read(&mut magic)? == 2 && magic == [0x1f, 0x8b];
     file.seek(std::io::SeekFrom::Start(0))?;
     if gz {
-        parse_trace(BufReader::with_capacity(
+        parse_trace_marked(BufReader::with_capacity(
             1 << 20,
             flate2::read::GzDecoder::new(file),
         ))
     } else {
-        parse_trace(BufReader::with_capacity(1 << 20, file))
+        parse_trace_marked(BufReader::with_capacity(1 << 20, file))
     }
 }
 
 /// Parse the text form.
-pub fn parse_trace(mut input: impl BufRead) -> Result<Vec<Event>, TraceError> {
-    let mut events = Vec::new();
+pub fn parse_trace(input: impl BufRead) -> Result<Vec<Event>, TraceError> {
+    parse_trace_marked(input).map(|trace| trace.events)
+}
+
+/// [`parse_trace`], with the marks: comment lines after the first event (those before
+/// it are the file's header).
+pub fn parse_trace_marked(mut input: impl BufRead) -> Result<Trace, TraceError> {
+    let mut trace = Trace::default();
+    let events = &mut trace.events;
     let mut line = String::new();
     let mut n = 0u32;
     loop {
         line.clear();
         if input.read_line(&mut line)? == 0 {
-            return Ok(events);
+            return Ok(trace);
         }
         n += 1;
         let text = line.trim();
-        if text.is_empty() || text.starts_with('#') {
+        if let Some(comment) = text.strip_prefix('#') {
+            if !events.is_empty() {
+                trace.marks.push(Mark {
+                    at: events.len() as u64,
+                    text: crate::untrusted::escape(comment.trim()),
+                });
+            }
+            continue;
+        }
+        if text.is_empty() {
             continue;
         }
         let bad = |message: String| TraceError::Syntax { line: n, message };

@@ -1,9 +1,11 @@
 //! `allocbox report`: the timelines it collects, the page it writes, the CLI.
 
-use allocbox::trace::parse_trace;
+use std::sync::atomic::AtomicU64;
+
 use allocbox::trace::timeline::{
-    MAX_POINTS, Timeline, chain_held, native_held, size_bucket, timeline,
+    MAX_POINTS, Timeline, chain_held, native_held, size_bucket, timeline, timeline_counted,
 };
+use allocbox::trace::{Mark, parse_trace, parse_trace_marked};
 use allocbox::{HandlerBuilder, Runtime};
 use allocbox::{MemHandler, NumpyDefault};
 use allocbox_cli::report::render_html;
@@ -63,9 +65,63 @@ fn a_report_follows_live_bytes_sizes_and_held_memory_event_by_event() {
             assert_eq!(s.ns_per_event, f64::from(s.ns_median), "{label}");
         }
     }
-    let page = render_html("small.txt", &small_timelines());
-    assert_eq!(page.matches("<svg").count(), 8, "four charts per handler");
+    let page = render_html("small.txt", &small_timelines(), &[]);
+    assert_eq!(
+        page.matches("<svg").count(),
+        7,
+        "three charts per handler, and the trace's request sizes once"
+    );
     assert!(page.contains("size-classes.wasm") && page.contains("default_allocator"));
+}
+
+/// A trace's comment lines divide it into phases (the tests that made its events): the
+/// page names the test of the peak, ranks the phases, and shows what the trace left
+/// live at its end by size.
+#[test]
+fn a_report_names_the_peak_s_test_its_phases_and_what_the_trace_left_live() {
+    let text = "# the header\nm 1 100\n# test_a\nm 2 5000\nf 2 5000\n# test_b\n\
+                m 3 300000\nf 3 300000\nm 4 64\n";
+    let trace = parse_trace_marked(text.as_bytes()).unwrap();
+    let mark = |at, text: &str| Mark {
+        at,
+        text: text.to_string(),
+    };
+    assert_eq!(trace.marks, [mark(1, "test_a"), mark(3, "test_b")]);
+    let chain = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
+    let t = timeline_counted(
+        "size-classes",
+        &chain,
+        chain_held(&chain),
+        &trace.events,
+        &trace.marks,
+        &AtomicU64::new(0),
+    );
+    let phases: Vec<(&str, u64, u64, u64)> = t
+        .phases
+        .iter()
+        .map(|p| (p.name.as_str(), p.start, p.end, p.peak_live))
+        .collect();
+    assert_eq!(
+        phases,
+        [
+            ("", 0, 1, 100),
+            ("test_a", 1, 3, 5100),
+            ("test_b", 3, 6, 300100)
+        ]
+    );
+    assert_eq!((t.peak_live, t.peak_live_at), (300100, 4));
+    assert_eq!(t.left_live[size_bucket(100)], (2, 164), "blocks 1 and 4");
+    let page = render_html("t.trace", &[t], &trace.marks);
+    assert!(
+        page.contains("after event 4, in <code>test_b</code>"),
+        "{page}"
+    );
+    assert!(page.contains("2 blocks, 164 B"), "{page}");
+    let by_peak = page.split("<h3>").nth(1).unwrap();
+    assert!(
+        by_peak.find("test_b").unwrap() < by_peak.find("test_a").unwrap(),
+        "{by_peak}"
+    );
 }
 
 #[test]
@@ -111,7 +167,7 @@ fn a_failing_handler_s_first_failing_event_is_named_in_the_report() {
     let error = error.to_string();
     assert_eq!(t.replay.events, 3, "the replay stops at the failure");
     assert_eq!(t.samples.last().unwrap().end, 3);
-    let page = render_html("t.txt", &[t]);
+    let page = render_html("t.txt", &[t], &[]);
     assert!(
         page.contains("line 3: `f 2 8`"),
         "the event, by its Display"
@@ -224,7 +280,7 @@ fn names_and_errors_from_policies_are_escaped_on_the_page() {
         error.contains("<script>"),
         "the message names the policy: {error}"
     );
-    let page = render_html("<script>trace</script>", &[t]);
+    let page = render_html("<script>trace</script>", &[t], &[]);
     assert!(!page.contains("<script"), "raw <script> in the page");
     assert!(page.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
     assert!(page.contains("&lt;script&gt;alert(&#39;label&#39;)&lt;/script&gt;&quot;&amp;"));
@@ -250,27 +306,33 @@ fn the_report_page_renders_in_chromium() {
         env!("CARGO_MANIFEST_DIR"),
         "/../../../shared/traces/numpy-core-sample.txt.gz"
     );
-    let events = allocbox::trace::read_trace(path).unwrap_or_else(|e| {
+    let trace = allocbox::trace::read_trace_marked(path).unwrap_or_else(|e| {
         panic!("{path}: {e}: the NumPy trace lives in shared/ beside the repository")
     });
     // A prefix: the test binary is not optimised; the page looks the same with more.
-    let events = &events[..events.len().min(1_000_000)];
+    let events = &trace.events[..trace.events.len().min(1_000_000)];
+    let marks: Vec<Mark> = trace
+        .marks
+        .into_iter()
+        .take_while(|m| m.at < events.len() as u64)
+        .collect();
+    let timeline = |label: &str, handler: &dyn MemHandler, held: &mut dyn FnMut() -> u64| {
+        timeline_counted(label, handler, held, events, &marks, &AtomicU64::new(0))
+    };
     let native = NumpyDefault::new();
     let size_classes = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
     let system = handler(&allocbox_artifacts::SYSTEM, &[]);
     let timelines = [
-        timeline("default", &native, native_held(&native), events),
+        timeline("default", &native, &mut native_held(&native)),
         timeline(
             allocbox_artifacts::SIZE_CLASSES.path(),
             &size_classes,
-            chain_held(&size_classes),
-            events,
+            &mut chain_held(&size_classes),
         ),
         timeline(
             allocbox_artifacts::SYSTEM.path(),
             &system,
-            chain_held(&system),
-            events,
+            &mut chain_held(&system),
         ),
     ];
     for t in &timelines {
@@ -281,7 +343,23 @@ fn the_report_page_renders_in_chromium() {
             t.replay.failure
         );
     }
-    let page = render_html("numpy-core-sample.txt.gz", &timelines);
+    let page = render_html("numpy-core-sample.txt.gz", &timelines, &marks);
+    assert!(
+        page.len() < 2 << 20,
+        "the page stays small: {} bytes",
+        page.len()
+    );
+    for section in [
+        "<h2>Peak</h2>",
+        "<h2>Phases</h2>",
+        "<h2>Left at the end</h2>",
+    ] {
+        assert!(page.contains(section), "{section}");
+    }
+    assert!(
+        page.contains(", in <code>tests/"),
+        "the peak names its test"
+    );
 
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("report-page");
     std::fs::create_dir_all(&dir).unwrap();
@@ -332,7 +410,7 @@ fn the_report_page_renders_in_chromium() {
     let verdict: serde_json::Value = serde_json::from_str(&verdict).unwrap();
     assert_eq!(verdict["errors"], serde_json::json!([]), "script errors");
     let charts = verdict["charts"].as_array().unwrap();
-    assert_eq!(charts.len(), 4 * timelines.len(), "{verdict}");
+    assert_eq!(charts.len(), 3 * timelines.len() + 1, "{verdict}");
     for chart in charts {
         let name = &chart["caption"];
         assert!(
@@ -420,7 +498,7 @@ window.addEventListener("load", () => {
   const verdict = document.createElement("pre");
   verdict.id = "verdict";
   verdict.textContent = JSON.stringify({ charts, errors: window.__errors,
-    tableRows: document.querySelectorAll("table.summary tbody tr").length });
+    tableRows: document.querySelector("table.summary").querySelectorAll("tbody tr").length });
   document.body.appendChild(verdict);
 });
 </script>"#;

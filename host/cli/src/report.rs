@@ -8,7 +8,8 @@ mod charts;
 
 use std::fmt::Write as _;
 
-use allocbox::trace::timeline::{SIZE_BUCKETS, Sample, Timeline};
+use allocbox::trace::Mark;
+use allocbox::trace::timeline::{Phase, SIZE_BUCKETS, Sample, Timeline};
 use plotters::style::RGBColor;
 
 use charts::*;
@@ -144,25 +145,19 @@ fn short_label(label: &str) -> &str {
 }
 
 /// One self-contained HTML page comparing `timelines` (the same trace through several
-/// handlers): a summary table, the failures, and per metric one chart per handler side
-/// by side with the same axes. Every text that comes from outside is escaped.
-pub fn render_html(trace_name: &str, timelines: &[Timeline]) -> String {
+/// handlers): a summary table, the failures, the peak and the phases (the trace's
+/// `marks`, its tests) that reached the most bytes or overhead, what the trace left
+/// live at its end, and per metric one chart per handler side by side with the same
+/// axes. Every text that comes from outside is escaped.
+pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> String {
     let x_max = timelines
         .iter()
         .filter_map(|t| t.samples.last())
         .map(|s| s.end as f64)
         .fold(1.0, f64::max);
     let samples = || timelines.iter().flat_map(|t| &t.samples);
-    // Bytes in the unit of the axis' top, so that plotters' decimal ticks are round.
-    let (top, bytes_clipped) =
-        robust_top(samples().flat_map(|s| [s.live, s.held]).map(|b| b as f64));
-    let (unit, unit_name) = [(1u64 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")]
-        .into_iter()
-        .find(|&(unit, _)| top >= unit as f64)
-        .unwrap_or((1, "B"));
-    let unit = unit as f64;
-    let bytes_label = move |y: &f64| format!("{} {unit_name}", trim_float(*y));
-    let bytes_axis = YAxis::new(0.0, top / unit * 1.05, &decimal_steps(), &bytes_label);
+    let bytes_top = samples().flat_map(|s| [s.live, s.held]).max().unwrap_or(0) as f64;
+    let mark_ticks: Vec<u64> = marks.iter().map(|m| m.at).collect();
     // Held/live from the lowest seen (at most 1x); 0 (nothing live) is drawn there.
     let ratios = || samples().map(|s| s.ratio).filter(|&r| r > 0.0);
     let ratio_lo = ratios().fold(1.0, f64::min);
@@ -287,20 +282,23 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline]) -> String {
     type Row<'a> = ((&'a str, bool), Vec<(RGBColor, &'a str)>, Chart<'a>);
     let rows: [Row<'_>; 4] = [
         (
-            ("Bytes over time", bytes_clipped),
+            ("Bytes over time (log scale)", false),
             vec![
                 (LIVE_COLOR, "live (client)"),
                 (HELD_COLOR, "held from host (under live where equal)"),
+                (MARK_COLOR, "a test starts"),
             ],
             &|t| {
-                line_chart(
+                bytes_chart(
                     x_max,
-                    &bytes_axis,
+                    bytes_top,
                     // Held first: where the two are equal, live is drawn on top.
                     &[
-                        (HELD_COLOR, series(t, &|s| s.held as f64 / unit)),
-                        (LIVE_COLOR, series(t, &|s| s.live as f64 / unit)),
+                        (HELD_COLOR, series(t, &|s| s.held as f64)),
+                        (LIVE_COLOR, series(t, &|s| s.live as f64)),
                     ],
+                    &mark_ticks,
+                    (t.peak_live_at as f64, t.peak_live as f64),
                     failed_at(t),
                 )
             },
@@ -333,13 +331,20 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline]) -> String {
             ("Request sizes", false),
             vec![(
                 SIZE_COLOR,
-                "malloc, calloc and realloc requests per log2 size bucket",
+                "the trace's malloc, calloc and realloc requests per log2 size bucket \
+                 (the same for every handler)",
             )],
             &|t| size_chart(t, buckets, size_max),
         ),
     ];
     let columns = timelines.len().max(1);
-    for ((heading, clipped), entries, chart) in rows {
+    let size_row = rows.len() - 1;
+    for (row, ((heading, clipped), entries, chart)) in rows.into_iter().enumerate() {
+        // Every handler replays the same requests: their sizes are drawn once.
+        let (shown, columns) = match row == size_row {
+            true => (&timelines[..timelines.len().min(1)], 1),
+            false => (timelines, columns),
+        };
         let note = match clipped {
             true => {
                 " <span class=\"note\">(spikes above the axis are cut; the peaks are in the summary)</span>"
@@ -349,11 +354,16 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline]) -> String {
         let _ = writeln!(
             html,
             "<h2>{heading} {}{note}</h2>\n<div class=\"row\" style=\"grid-template-columns: \
-             repeat({columns}, minmax(0, 1fr))\">",
+             repeat({columns}, minmax(0, {}))\">",
             legend(&entries),
+            if columns == 1 && timelines.len() > 1 {
+                "32em"
+            } else {
+                "1fr"
+            },
         );
         let colors: Vec<String> = entries.iter().map(|(c, _)| hex(*c)).collect();
-        for t in timelines {
+        for t in shown {
             let _ = writeln!(
                 html,
                 "<figure data-series=\"{}\"><figcaption title=\"{}\">{} <span>{}</span>{}\
@@ -370,9 +380,194 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline]) -> String {
             );
         }
         html += "</div>\n";
+        if row == 0 {
+            // Right under the chart of bytes: where its peak and its phases are.
+            html += &peak_section(timelines, marks);
+            html += &phases_section(timelines);
+            html += &left_section(timelines);
+        }
     }
     html += "</body>\n</html>\n";
     html
+}
+
+/// Where and when each handler's client held the most, in which test, and what the
+/// handler held then.
+fn peak_section(timelines: &[Timeline], marks: &[Mark]) -> String {
+    let mut html = String::from(
+        "<h2>Peak</h2>\n<p class=\"explain\"><i>Held/live</i> is the bytes a handler holds \
+         from the host for each byte its client holds: 1x is no overhead, 2x means half of \
+         what it holds is not in use by the client (kept for reuse, rounded up, or \
+         fragmented). Where the client holds little, a small cache makes it large, so the \
+         ratio that matters is the one at the peak.</p>\n<ul class=\"peaks\">\n",
+    );
+    for t in timelines {
+        // The phase is the last mark at or before the peak's event.
+        let test = marks
+            .partition_point(|m| m.at < t.peak_live_at)
+            .checked_sub(1)
+            .map(|i| marks[i].text.as_str());
+        let _ = writeln!(
+            html,
+            "<li><b>{}</b>: the client held the most, {}, after event {}{}; the handler then \
+             held {} from the host ({} the client's bytes).</li>",
+            escape_html(short_label(&t.label)),
+            bytes(t.peak_live),
+            t.peak_live_at,
+            test.map_or(String::new(), |name| format!(
+                ", in <code>{}</code>",
+                escape_html(name)
+            )),
+            bytes(t.held_at_peak_live),
+            ratio_text(t.ratio_at_peak_live()),
+        );
+    }
+    html + "</ul>\n"
+}
+
+/// The phases (tests) to look at first: the most live bytes, and the most overhead at
+/// their own peak.
+fn phases_section(timelines: &[Timeline]) -> String {
+    const SHOWN: usize = 10;
+    const RATIO_FLOOR: u64 = 1 << 20;
+    let Some(first) = timelines.first() else {
+        return String::new();
+    };
+    let named = first.phases.iter().filter(|p| !p.name.is_empty()).count();
+    if named == 0 {
+        return String::new();
+    }
+    let trace_peak = first.peak_live.max(1);
+    let by = |key: &dyn Fn(&Phase) -> f64, floor: u64| -> Vec<usize> {
+        let mut order: Vec<usize> = (0..first.phases.len())
+            .filter(|&i| first.phases[i].peak_live >= floor)
+            .collect();
+        order.sort_by(|&a, &b| {
+            let best = |i: usize| {
+                timelines
+                    .iter()
+                    .filter_map(|t| phase_of(t, i))
+                    .map(key)
+                    .fold(0.0, f64::max)
+            };
+            best(b).total_cmp(&best(a))
+        });
+        order.truncate(SHOWN);
+        order
+    };
+    let by_peak = by(&|p| p.peak_live as f64, 1);
+    // Overhead matters where there are bytes to waste: a tiny phase's ratio is noise.
+    let by_ratio = by(
+        &|p| p.ratio_at_peak_live().unwrap_or(0.0),
+        RATIO_FLOOR.min(trace_peak),
+    );
+    let mut html = format!(
+        "<h2>Phases</h2>\n<p class=\"explain\">The trace's comment lines divide it into {named} \
+         phases (the tests that made its events). Each cell: the phase's peak live bytes, \
+         and the handler's held/live at that peak.</p>\n"
+    );
+    for (title, order) in [
+        ("By peak live bytes", &by_peak),
+        (
+            "By held/live at their peak (phases whose peak live is at least 1 MiB, or the \
+             trace's peak if less)",
+            &by_ratio,
+        ),
+    ] {
+        let _ = write!(
+            html,
+            "<h3>{title}</h3>\n<table class=\"summary phases\">\n<thead><tr><th>test</th><th>events</th>"
+        );
+        for t in timelines {
+            let _ = write!(html, "<th>{}</th>", escape_html(short_label(&t.label)));
+        }
+        html += "</tr></thead>\n<tbody>\n";
+        for &i in order {
+            let p = &first.phases[i];
+            let name = if p.name.is_empty() {
+                "(before the first test)"
+            } else {
+                &p.name
+            };
+            let _ = write!(
+                html,
+                "<tr><td class=\"name\">{}</td><td>{}&ndash;{}</td>",
+                escape_html(name),
+                p.start,
+                p.end
+            );
+            for t in timelines {
+                let _ = match phase_of(t, i) {
+                    Some(p) => write!(
+                        html,
+                        "<td>{} &middot; {}</td>",
+                        bytes(p.peak_live),
+                        ratio_text(p.ratio_at_peak_live())
+                    ),
+                    None => write!(html, "<td>not reached</td>"),
+                };
+            }
+            html += "</tr>\n";
+        }
+        html += "</tbody>\n</table>\n";
+    }
+    html
+}
+
+/// Phase `i` of a handler's replay: every handler replays the same phases, but one that
+/// stopped at a failure has fewer.
+fn phase_of(t: &Timeline, i: usize) -> Option<&Phase> {
+    t.phases.get(i).filter(|p| p.end > p.start)
+}
+
+/// What the trace left live at its end, by size, and what each handler held then.
+fn left_section(timelines: &[Timeline]) -> String {
+    let Some(first) = timelines.first() else {
+        return String::new();
+    };
+    let (blocks, total): (u64, u64) = first
+        .left_live
+        .iter()
+        .fold((0, 0), |(b, s), l| (b + l.0, s + l.1));
+    let mut html = format!(
+        "<h2>Left at the end</h2>\n<p class=\"explain\">Blocks the trace never freed: {blocks} \
+         blocks, {} (the client's leaks, or blocks of a recording that stopped mid-way). \
+         The replay frees them after the last event and trims; a handler that still holds \
+         host memory then has leaked it, and fails.</p>\n",
+        bytes(total)
+    );
+    if blocks > 0 {
+        html += "<table class=\"summary\">\n<thead><tr><th>size</th><th>blocks</th><th>bytes</th></tr></thead>\n<tbody>\n";
+        for (bucket, &(n, size)) in first.left_live.iter().enumerate().filter(|(_, l)| l.0 > 0) {
+            let _ = writeln!(
+                html,
+                "<tr><td>from {} B</td><td>{n}</td><td>{}</td></tr>",
+                bucket_label(bucket),
+                bytes(size)
+            );
+        }
+        html += "</tbody>\n</table>\n";
+    }
+    html += "<ul class=\"peaks\">\n";
+    for t in timelines {
+        let _ = writeln!(
+            html,
+            "<li><b>{}</b>: held {} from the host after the last event ({} the bytes left \
+             live); after freeing them and trimming: {}.</li>",
+            escape_html(short_label(&t.label)),
+            bytes(t.final_held),
+            ratio_text(t.final_ratio()),
+            match &t.replay.leak {
+                Some(leak) => format!(
+                    "<span class=\"failed\">{}</span>",
+                    escape_html(&leak.to_string())
+                ),
+                None if t.replay.failure.is_some() => "not reached (the replay failed)".to_string(),
+                None => "nothing held".to_string(),
+            }
+        );
+    }
+    html + "</ul>\n"
 }
 
 const STYLE: &str = include_str!("report/style.css");

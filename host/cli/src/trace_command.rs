@@ -66,10 +66,11 @@ fn build_handler(
     })
 }
 
-/// A trace file's events, under a spinner (a large trace takes seconds to read).
-fn read_trace(trace: &Path) -> Result<Vec<allocbox::trace::Event>> {
+/// A trace file's events and marks, under a spinner (a large trace takes seconds to
+/// read).
+fn read_trace(trace: &Path) -> Result<allocbox::trace::Trace> {
     progress::spinning(&format!("reading {}", trace.display()), || {
-        allocbox::trace::read_trace(trace)
+        allocbox::trace::read_trace_marked(trace)
     })
     .with_context(|| trace.display().to_string())
 }
@@ -81,7 +82,7 @@ pub(crate) fn run_replay_trace(
     hook: Option<PathBuf>,
     limits: Limits,
 ) -> Result<Outcome> {
-    let events = read_trace(&trace)?;
+    let events = read_trace(&trace)?.events;
     let hook = hook.map(|h| load_hook(&h, &limits)).transpose()?;
     let built = build_handler(&policies, &config, limits)?;
     let hooked;
@@ -163,7 +164,7 @@ pub(crate) struct ReportArgs {
 }
 
 pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
-    let events = read_trace(&args.trace)?;
+    let allocbox::trace::Trace { events, marks } = read_trace(&args.trace)?;
     let mut timelines = Vec::new();
     let mut hook_reports = String::new();
     for name in &args.policies {
@@ -195,10 +196,10 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         };
         let mut timeline = progress::counting_events(&short, len, &done, || match &built {
             BuiltHandler::Native(h) => {
-                timeline_counted(name, handler, native_held(&**h), &events, &done)
+                timeline_counted(name, handler, native_held(&**h), &events, &marks, &done)
             }
             BuiltHandler::Chain(h) => {
-                timeline_counted(name, handler, chain_held(h), &events, &done)
+                timeline_counted(name, handler, chain_held(h), &events, &marks, &done)
             }
         });
         if let Some(hook) = &hook {
@@ -209,7 +210,7 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         }
         timelines.push(timeline);
     }
-    let page = report::render_html(&args.trace.display().to_string(), &timelines);
+    let page = report::render_html(&args.trace.display().to_string(), &timelines, &marks);
     std::fs::write(&args.output, page)
         .with_context(|| format!("writing {}", args.output.display()))?;
     if args.json {

@@ -10,7 +10,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{Event, EventOp, Held, ReplayReport, stats_of};
+use super::{Event, EventOp, Held, Mark, ReplayReport, stats_of};
 use crate::fasthash::FastMap;
 use crate::handler::Handler;
 use crate::memhandler::MemHandler;
@@ -42,6 +42,30 @@ pub struct Sample {
     pub ns_median: u32,
 }
 
+/// The events between two marks of a trace (one test of a recorded test suite), as a
+/// handler served them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Phase {
+    /// The mark's text; empty for the events before the first mark.
+    pub name: String,
+    /// Its events: `start..end`, counted from 0.
+    pub start: u64,
+    pub end: u64,
+    /// The most bytes the client held after one of its events.
+    pub peak_live: u64,
+    /// What the handler held from the host then.
+    pub held_at_peak_live: u64,
+    /// The most bytes the handler held after one of its events.
+    pub peak_held: u64,
+}
+
+impl Phase {
+    /// Held/live when the client held the most in this phase.
+    pub fn ratio_at_peak_live(&self) -> Option<f64> {
+        ratio(self.held_at_peak_live, self.peak_live)
+    }
+}
+
 /// One handler's run through a trace, as a report shows it.
 #[derive(Debug)]
 pub struct Timeline {
@@ -58,9 +82,17 @@ pub struct Timeline {
     /// Allocation requests (malloc, calloc, realloc) per size bucket ([`SIZE_BUCKETS`]).
     pub sizes: [u64; SIZE_BUCKETS],
     pub peak_live: u64,
+    /// The events replayed when the client first held `peak_live`.
+    pub peak_live_at: u64,
     pub peak_held: u64,
     /// What the handler held from the host when the client held the most.
     pub held_at_peak_live: u64,
+    /// One per mark of the trace, and one for the events before the first mark, in
+    /// order; the replay's last phase ends where it stopped.
+    pub phases: Vec<Phase>,
+    /// Blocks the trace left live after its last event (it never freed them), per size
+    /// bucket ([`SIZE_BUCKETS`]): `(blocks, bytes)`.
+    pub left_live: Vec<(u64, u64)>,
     /// The most held/live seen after any event, `None` if the client never held a
     /// byte.
     pub peak_ratio: Option<f64>,
@@ -128,18 +160,38 @@ pub fn timeline(
     held_from_host: impl FnMut() -> u64,
     events: &[Event],
 ) -> Timeline {
-    timeline_counted(label, handler, held_from_host, events, &AtomicU64::new(0))
+    timeline_counted(
+        label,
+        handler,
+        held_from_host,
+        events,
+        &[],
+        &AtomicU64::new(0),
+    )
 }
 
-/// [`timeline`], storing the events replayed so far in `done` after every sample window,
-/// so another thread can show progress.
+/// [`timeline`], with the trace's `marks` dividing it into [`Phase`]s, storing the
+/// events replayed so far in `done` after every sample window, so another thread can
+/// show progress.
 pub fn timeline_counted(
     label: &str,
     handler: &dyn MemHandler,
     mut held_from_host: impl FnMut() -> u64,
     events: &[Event],
+    marks: &[Mark],
     done: &AtomicU64,
 ) -> Timeline {
+    let phase_named = |name: &str, start: u64| Phase {
+        name: name.to_string(),
+        start,
+        end: start,
+        peak_live: 0,
+        held_at_peak_live: 0,
+        peak_held: 0,
+    };
+    let mut phases = vec![phase_named("", 0)];
+    let mut next_mark = marks.iter().peekable();
+    let mut peak_live_at = 0;
     let every = events.len().div_ceil(MAX_POINTS).max(1) as u64;
     let mut live: FastMap<u64, Held> = FastMap::default();
     let mut replay = ReplayReport::default();
@@ -159,6 +211,9 @@ pub fn timeline_counted(
     let (mut peak_live, mut peak_held, mut held_at_peak_live) = (0, held, held);
     let mut peak_ratio: Option<f64> = None;
     for (i, event) in events.iter().enumerate() {
+        while let Some(mark) = next_mark.next_if(|m| m.at <= i as u64) {
+            phases.push(phase_named(&mark.text, i as u64));
+        }
         if event.op != EventOp::Free {
             sizes[size_bucket(event.size)] += 1;
         }
@@ -176,8 +231,14 @@ pub fn timeline_counted(
             live_bytes - before.map_or(0, |(_, s)| s as u64) + after.map_or(0, |(_, s)| s as u64);
         held = held_from_host();
         if live_bytes > peak_live {
-            (peak_live, held_at_peak_live) = (live_bytes, held);
+            (peak_live, held_at_peak_live, peak_live_at) = (live_bytes, held, i as u64 + 1);
         }
+        let phase = phases.last_mut().expect("a phase from the start");
+        phase.end = i as u64 + 1;
+        if live_bytes > phase.peak_live {
+            (phase.peak_live, phase.held_at_peak_live) = (live_bytes, held);
+        }
+        phase.peak_held = phase.peak_held.max(held);
         peak_held = peak_held.max(held);
         window.live = window.live.max(live_bytes);
         window.held = window.held.max(held);
@@ -220,9 +281,14 @@ pub fn timeline_counted(
     }
     let (ns_median, ns_p99, ns_max) = quantiles(&mut times);
     drop(times);
+    let mut left_live = vec![(0, 0); SIZE_BUCKETS];
     for (_, (p, size)) in live.drain() {
+        let left = &mut left_live[size_bucket(size as u64)];
+        (left.0, left.1) = (left.0 + 1, left.1 + size as u64);
         let _ = handler.free(Some(p), size);
     }
+    // A phase no event of the replay reached (after a failure) is not one it served.
+    phases.retain(|p| p.end > p.start || p.start == 0);
     replay.stats = stats_of(handler);
     Timeline {
         label: label.to_string(),
@@ -232,8 +298,11 @@ pub fn timeline_counted(
         samples,
         sizes,
         peak_live,
+        peak_live_at,
         peak_held,
         held_at_peak_live,
+        phases,
+        left_live,
         peak_ratio,
         final_live: live_bytes,
         final_held: held,

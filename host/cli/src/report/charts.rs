@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use plotters::coord::Shift;
 use plotters::coord::ranged1d::SegmentValue;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use allocbox::trace::timeline::Timeline;
 
@@ -19,6 +20,7 @@ pub(super) const RATIO_COLOR: RGBColor = RGBColor(148, 103, 189);
 pub(super) const TIME_COLOR: RGBColor = RGBColor(44, 160, 44);
 pub(super) const SIZE_COLOR: RGBColor = RGBColor(255, 127, 14);
 pub(super) const FAIL_COLOR: RGBColor = RGBColor(176, 0, 32);
+pub(super) const MARK_COLOR: RGBColor = RGBColor(150, 150, 150);
 
 /// `#RRGGBB`, as plotters writes colors into SVG.
 pub(super) fn hex(c: RGBColor) -> String {
@@ -139,6 +141,78 @@ pub(super) fn line_chart(
     })
 }
 
+/// Bytes live and held over the events on a log scale, so that a peak thousands of
+/// times the usual level stays on the chart with the rest: a tick along the bottom for
+/// each mark of the trace (a test's start), the peak of live bytes ringed and labelled,
+/// and a vertical line at the event that failed, if one did.
+pub(super) fn bytes_chart(
+    x_max: f64,
+    top: f64,
+    series: &[(RGBColor, Vec<(f64, f64)>)],
+    marks: &[u64],
+    peak: (f64, f64),
+    failed_at: Option<f64>,
+) -> String {
+    // Decades from 1 kB: the axis' ticks fall on round decimal sizes.
+    const BOTTOM: f64 = 1000.0;
+    let top = top.max(BOTTOM * 4.0) * 4.0;
+    svg(|root| {
+        let mut chart = ChartBuilder::on(root)
+            .margin(14)
+            .x_label_area_size(44)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0f64..x_max.max(1.0), (BOTTOM..top).log_scale())?;
+        chart
+            .configure_mesh()
+            .x_labels(5)
+            .y_labels(8)
+            .x_desc("events")
+            .x_label_formatter(&|x| count(*x))
+            .y_label_formatter(&|y| decimal_bytes(*y))
+            .label_style(FONT)
+            .axis_desc_style(FONT)
+            .light_line_style(RGBColor(238, 238, 238))
+            .bold_line_style(RGBColor(210, 210, 210))
+            .draw()?;
+        // A tick an eighth of the axis' decades high, at the bottom.
+        let tick_top = BOTTOM * (top / BOTTOM).powf(0.04);
+        chart.draw_series(marks.iter().map(|&at| {
+            PathElement::new(
+                vec![(at as f64, BOTTOM), (at as f64, tick_top)],
+                MARK_COLOR.stroke_width(1),
+            )
+        }))?;
+        for (color, points) in series {
+            chart.draw_series(LineSeries::new(
+                points.iter().map(|&(x, y)| (x, y.clamp(BOTTOM, top))),
+                color.stroke_width(2),
+            ))?;
+        }
+        let (x, y) = (peak.0, peak.1.max(BOTTOM));
+        chart.draw_series(std::iter::once(Circle::new(
+            (x, y),
+            6,
+            LIVE_COLOR.stroke_width(2),
+        )))?;
+        let anchor = match x > x_max * 0.6 {
+            true => Pos::new(HPos::Right, VPos::Bottom),
+            false => Pos::new(HPos::Left, VPos::Bottom),
+        };
+        chart.draw_series(std::iter::once(Text::new(
+            format!("peak {}", super::bytes(peak.1 as u64)),
+            (x, y * 1.25),
+            FONT.into_font().color(&LIVE_COLOR).pos(anchor),
+        )))?;
+        if let Some(x) = failed_at {
+            chart.draw_series(std::iter::once(PathElement::new(
+                vec![(x, BOTTOM), (x, top)],
+                FAIL_COLOR.stroke_width(2),
+            )))?;
+        }
+        Ok(())
+    })
+}
+
 /// The request sizes, one bar per log2 bucket, counts on a log scale.
 pub(super) fn size_chart(t: &Timeline, buckets: (usize, usize), y_max: u64) -> String {
     svg(|root| {
@@ -184,6 +258,18 @@ pub(super) fn size_chart(t: &Timeline, buckets: (usize, usize), y_max: u64) -> S
         )?;
         Ok(())
     })
+}
+
+/// Bytes in decimal units, for a log axis' decade ticks: `1 kB`, `10 MB`.
+fn decimal_bytes(y: f64) -> String {
+    let (scale, unit) = [(1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")]
+        .into_iter()
+        .find(|&(scale, _)| y >= scale * 0.999)
+        .unwrap_or((1.0, "B"));
+    format!(
+        "{} {unit}",
+        trim_float((y / scale * 1000.0).round() / 1000.0)
+    )
 }
 
 /// A legend in HTML: a swatch and a name per series.
