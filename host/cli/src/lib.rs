@@ -316,8 +316,13 @@ pub(crate) fn load(runtime: &Runtime, path: Option<&PathBuf>) -> Result<Policy> 
             shipped_names()
         );
     }
-    runtime
-        .load_file_bounded(path, bounds)
+    // A large policy (Python, JavaScript) compiles for seconds the first time; the
+    // compile cache serves it after that.
+    let message = format!(
+        "loading {} (compiled once, then served by the compile cache)",
+        path.display()
+    );
+    progress::spinning(&message, || runtime.load_file_bounded(path, bounds))
         .with_context(|| format!("`{}` cannot be loaded", path.display()))
 }
 
