@@ -140,6 +140,10 @@ def _start_threads_with(policy):
     import sys
     import threading
 
+    # The capsule, not the policy: once the policy is stopped, `set_handler` refuses it,
+    # and a thread started then must run under it (failing allocations as this thread
+    # does), not die in its first line or fall back to NumPy's default.
+    handler = policy.capsule() if isinstance(policy, Policy) else policy
     outer = threading.getprofile()
 
     def first_call(frame, event, arg):
@@ -148,7 +152,7 @@ def _start_threads_with(policy):
         if event != "call":
             return
         sys.setprofile(outer)
-        set_handler(policy)
+        set_handler(handler)
         if outer is not None:
             outer(frame, event, arg)
 

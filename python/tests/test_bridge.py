@@ -143,6 +143,26 @@ def test_use_with_threads_places_arrays_made_on_pool_workers_and_threads(size_cl
     assert after == ["default_allocator"]
 
 
+def test_a_thread_started_after_its_policy_stopped_runs_under_it_and_gets_memory_error():
+    bad = allocbox.load(guest("broken"), {"fault": "misaligned"})
+    seen = []
+
+    def work():
+        try:
+            np.ones(100)
+            seen.append("made")
+        except MemoryError:
+            seen.append("MemoryError")
+
+    with allocbox.use(bad, threads=True):
+        with pytest.raises(MemoryError):
+            np.ones(100)
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    assert bad.failure is not None and seen == ["MemoryError"]
+
+
 def test_a_profiler_set_for_new_threads_still_runs_in_them(size_classes):
     calls = []
 
