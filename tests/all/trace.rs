@@ -231,3 +231,35 @@ fn replay_trace_and_report_run_an_event_hook_and_print_its_report() {
         "{out}"
     );
 }
+
+/// `check --hook` tells the hook about every block the checker's clients get and give
+/// back, and prints its report after the policy's: every new block is freed.
+#[test]
+fn check_runs_an_event_hook_over_every_case() {
+    let dir = tempdir("hook-check");
+    let (code, out) = allocbox_cli(
+        &[
+            "check",
+            "size-classes",
+            "--cases",
+            "4",
+            "--hook",
+            "counting",
+            "--regressions",
+            ".",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    let numbers: Vec<u64> = out
+        .lines()
+        .find_map(|l| l.strip_prefix("hook `counting` on `size-classes`: "))
+        .unwrap_or_else(|| panic!("no hook report: {out}"))
+        .split(' ')
+        .map(|n| n.parse().unwrap())
+        .collect();
+    let [new, free, _renew, bytes] = numbers[..] else {
+        panic!("{out}")
+    };
+    assert!(new > 0 && new == free && bytes > 0, "{out}");
+}

@@ -100,6 +100,7 @@ pub fn check(
         config,
         limits: &options.limits,
         upstream_seed: 0,
+        hook: options.hook.as_deref(),
         refusals: Refusals::default(),
     };
     let name = subject.start()?.0.name().to_string();
@@ -218,6 +219,7 @@ pub fn replay(
         config,
         limits,
         upstream_seed: script.upstream_seed,
+        hook: None,
         refusals: Refusals::default(),
     };
     let (handler, adversary) = subject.start()?;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use allocbox::{Adversary, Limits};
 use allocbox::{Error, LoadError, Rule};
 use allocbox::{Handler, HandlerBuilder};
-use allocbox::{Policy, Runtime};
+use allocbox::{Policy, Runtime, WasmHook};
 
 use super::model::Live;
 use super::pattern::PERIOD;
@@ -22,6 +22,8 @@ pub(super) struct Client<'h> {
     pub(super) handler: &'h Handler,
     /// The checker's upstream under the handler, which `oom` operations instruct.
     adversary: &'h Adversary,
+    /// Told about every block lent, resized and freed ([`crate::CheckOptions::hook`]).
+    hook: Option<&'h WasmHook>,
     pub(super) live: Vec<Live>,
     /// Where each named block is in `live`.
     pub(super) named: FastMap<BlockId, usize>,
@@ -36,15 +38,29 @@ pub(super) struct Client<'h> {
 unsafe impl Send for Client<'_> {}
 
 impl<'h> Client<'h> {
-    pub(super) fn new(handler: &'h Handler, adversary: &'h Adversary, thread: usize) -> Self {
+    pub(super) fn new(
+        handler: &'h Handler,
+        adversary: &'h Adversary,
+        hook: Option<&'h WasmHook>,
+        thread: usize,
+    ) -> Self {
         Client {
             handler,
             adversary,
+            hook,
             live: Vec::new(),
             named: FastMap::default(),
             next_phase: thread * 67,
             next_look: 0,
             ran: Vec::new(),
+        }
+    }
+
+    /// Tell the hook, if there is one, about an event; a hook that fails is stopped
+    /// (and says so in its report), the check goes on.
+    fn tell(&self, old: Option<NonNull<u8>>, new: Option<NonNull<u8>>, size: usize) {
+        if let Some(hook) = self.hook {
+            let _ = hook.on_event(old, new, size);
         }
     }
 
@@ -77,6 +93,7 @@ impl<'h> Client<'h> {
     /// Track a block the handler just lent under its name, filled with a pattern of its
     /// own. A name used again names the new block; the old one stays live until the end.
     pub(super) fn adopt(&mut self, name: BlockId, ptr: NonNull<u8>, size: usize) {
+        self.tell(None, Some(ptr), size);
         let mut block = Live {
             block: name,
             ptr,
@@ -143,6 +160,7 @@ impl<'h> Client<'h> {
                         }
                     }
                     Some(ptr) => {
+                        self.tell(Some(old_ptr), Some(ptr), size as usize);
                         let moved = Live {
                             block,
                             ptr,
@@ -219,7 +237,9 @@ impl<'h> Client<'h> {
         }
         self.handler
             .free(Some(block.ptr), block.size)
-            .map_err(|e| Finding::from_error(&e))
+            .map_err(|e| Finding::from_error(&e))?;
+        self.tell(Some(block.ptr), None, 0);
+        Ok(())
     }
 
     /// After every call, a sparse look at a few live blocks in turn, so the cost per
@@ -258,6 +278,7 @@ pub(super) struct Subject<'a> {
     pub(super) limits: &'a Limits,
     /// The seed of the checker's upstream for every case.
     pub(super) upstream_seed: u64,
+    pub(super) hook: Option<&'a WasmHook>,
     /// Summed over the cases run.
     pub(super) refusals: Refusals,
 }
@@ -315,7 +336,14 @@ impl Subject<'_> {
         // in can be written down and replayed.
         let clock = AtomicU64::new(0);
         let results: Vec<Ran> = if threads.len() == 1 {
-            vec![run_client(&handler, &adversary, 0, &threads[0], &clock)]
+            vec![run_client(
+                &handler,
+                &adversary,
+                self.hook,
+                0,
+                &threads[0],
+                &clock,
+            )]
         } else {
             std::thread::scope(|s| {
                 let running: Vec<_> = threads
@@ -323,7 +351,8 @@ impl Subject<'_> {
                     .enumerate()
                     .map(|(t, ops)| {
                         let (handler, adversary, clock) = (&handler, &*adversary, &clock);
-                        s.spawn(move || run_client(handler, adversary, t, ops, clock))
+                        let hook = self.hook;
+                        s.spawn(move || run_client(handler, adversary, hook, t, ops, clock))
                     })
                     .collect();
                 running
@@ -366,11 +395,12 @@ pub(super) struct Ran {
 pub(super) fn run_client(
     handler: &Handler,
     adversary: &Adversary,
+    hook: Option<&WasmHook>,
     thread: usize,
     ops: &[Op],
     clock: &AtomicU64,
 ) -> Ran {
-    let mut client = Client::new(handler, adversary, thread);
+    let mut client = Client::new(handler, adversary, hook, thread);
     let mut tickets = Vec::new();
     let mut finding = None;
     for op in ops {
@@ -433,7 +463,7 @@ pub(super) fn run_in_order(
                     }
                 }
                 let _stop = StopOnPanic(turn, moved);
-                let mut client = Client::new(handler, adversary, me);
+                let mut client = Client::new(handler, adversary, None, me);
                 let mut ops = ops.iter();
                 for step in steps {
                     let mut now = turn.lock().unwrap_or_else(|p| p.into_inner());

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use allocbox::{Adversary, Error, Limits, Rule};
+use allocbox::{Adversary, Error, Limits, Rule, WasmHook};
 
 use super::script::Script;
 
@@ -87,6 +87,9 @@ pub struct CheckOptions {
     pub regressions: Option<PathBuf>,
     /// Called after every finished case.
     pub progress: Option<Arc<ProgressFn>>,
+    /// An event hook told about every block the checker's clients get, resize and
+    /// free, in every case and every shrinking step. Default none.
+    pub hook: Option<Arc<WasmHook>>,
 }
 
 /// What [`CheckOptions::progress`] calls.
@@ -141,6 +144,7 @@ impl Default for CheckOptions {
             },
             regressions: None,
             progress: None,
+            hook: None,
         }
     }
 }

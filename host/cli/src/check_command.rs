@@ -7,13 +7,14 @@ use allocbox::{Limits, Runtime};
 use allocbox_check::{self as check, CheckOptions, CheckReport, Script};
 use anyhow::{Context, Result, bail};
 
-use crate::{Outcome, load, print_report, progress};
+use crate::{Outcome, hook_report, load, load_hook, print_report, progress};
 
 pub(crate) struct CheckArgs {
     pub(crate) policies: Vec<PathBuf>,
     pub(crate) options: CheckOptions,
     pub(crate) json: bool,
     pub(crate) config: Vec<(String, String)>,
+    pub(crate) hook: Option<PathBuf>,
 }
 
 pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
@@ -32,6 +33,11 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
     for target in targets {
         let policy = load(runtime, target)?;
         let mut options = args.options.clone();
+        // A hook of its own per policy, so that each report is that policy's.
+        options.hook = match &args.hook {
+            Some(path) => Some(load_hook(path, &options.limits)?),
+            None => None,
+        };
         let label = target.map_or("built-in default".to_string(), |p| p.display().to_string());
         let bar = progress::check_progress(&label, &options);
         options.progress = bar.as_ref().map(progress::CheckBar::callback);
@@ -56,6 +62,9 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
                 target,
                 script_file.as_deref(),
             ));
+            if let Some(hook) = &options.hook {
+                print_report(&hook_report(hook, &report.policy));
+            }
         }
         if !report.passed() {
             outcome = Outcome::Broken;

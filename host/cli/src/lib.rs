@@ -94,6 +94,11 @@ enum Command {
         /// Configuration passed to every policy's `init`, as KEY=VALUE (repeatable).
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
+        /// An event hook, one instance per policy, told about every block the checker
+        /// gets, resizes and frees (shrinking included); its report is printed after
+        /// the policy's. A shipped hook's name (`sizes`, `counting`) or a hook file.
+        #[arg(long)]
+        hook: Option<PathBuf>,
         #[command(flatten)]
         limits: LimitArgs,
     },
@@ -474,6 +479,7 @@ where
             json,
             regressions,
             config,
+            hook,
             limits,
         } => run_check(CheckArgs {
             policies,
@@ -493,6 +499,7 @@ where
             },
             json,
             config,
+            hook,
         }),
         Command::Replay {
             script,
