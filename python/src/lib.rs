@@ -323,7 +323,8 @@ fn numpy_set_handler(py: Python<'_>, capsule: Option<&Bound<'_, PyAny>>) -> PyRe
     }
 }
 
-/// The current context's handler capsule.
+/// The current context's handler, as the capsule NumPy holds: pass it to `set_handler`
+/// to make it current again; `allocbox.handler_name()` names it.
 #[pyfunction]
 fn get_handler(py: Python<'_>) -> PyResult<Py<PyAny>> {
     let table = array_api(py)?;
