@@ -3,6 +3,12 @@
 //!
 //! Run: `cargo bench -p allocbox --bench pairs` (`-- --quick` for a short run).
 //!
+//! Instructions rather than time, on this noisy machine: `-- --profile` runs only
+//! 100,000 `system` per-op pairs and as many glibc-upstream floor pairs, each loop in a
+//! function of its own, for callgrind to count one at a time:
+//! `valgrind --tool=callgrind --collect-atstart=no --toggle-collect='pairs::profiled_*'
+//! target/release/deps/pairs-* --profile` (then `callgrind_annotate --inclusive=yes`).
+//!
 //! The floor is the `system` policy instantiated with plain wasmtime and an upstream that
 //! does nothing: the same two calls and two imports per pair that allocbox's `system`
 //! makes, without the ledger, the checks or the lock. The difference is the host's work.
@@ -188,7 +194,36 @@ fn glibc_pair(size: usize) {
     unsafe { std::alloc::dealloc(black_box(std::alloc::alloc(layout)), layout) };
 }
 
+/// The pairs callgrind counts (see the top of the file): the host's work per pair is
+/// the difference between the two.
+const PROFILED_PAIRS: usize = 100_000;
+
+#[inline(never)]
+fn profiled_system_per_op(h: &Handler) {
+    for _ in 0..PROFILED_PAIRS {
+        pair(h, SIZE);
+    }
+}
+
+#[inline(never)]
+fn profiled_floor(store: &mut Store<RawHost>, raw: &raw::Policy) {
+    for _ in 0..PROFILED_PAIRS {
+        let a = raw.allocbox_policy_allocator();
+        let p = a.call_malloc(&mut *store, black_box(SIZE as u64)).unwrap();
+        a.call_free(&mut *store, p, SIZE as u64).unwrap();
+    }
+}
+
 fn main() {
+    if std::env::args().any(|a| a == "--profile") {
+        let h = handler(&[(&SYSTEM, &[])], false);
+        let (mut store, raw) = raw_system(true);
+        // Warm: the first calls compile lazily-initialised paths and fill caches.
+        pair(&h, SIZE);
+        profiled_system_per_op(&h);
+        profiled_floor(&mut store, &raw);
+        return;
+    }
     let quick = std::env::args().any(|a| a == "--quick");
     let (rounds, iters) = if quick { (5, 20_000) } else { (15, 200_000) };
 

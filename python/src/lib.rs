@@ -560,6 +560,21 @@ fn source_bytes(source: &Bound<'_, PyAny>) -> PyResult<(Vec<u8>, String)> {
     Ok((bytes, path.display().to_string()))
 }
 
+/// `call_time` in seconds as a bound on one call, or the library's default.
+fn call_time_or_default(call_time: Option<f64>) -> PyResult<Duration> {
+    let Some(secs) = call_time else {
+        return Ok(Limits::default().call_time);
+    };
+    Duration::try_from_secs_f64(secs)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "call_time must be a positive number of seconds, got {secs}"
+            ))
+        })
+}
+
 /// Load a chain of policies, top first. Each item is a source (path or bytes) or a
 /// `(source, {key: value})` pair. `record` writes a trace of every call. The bounds
 /// default to allocbox's (`Limits::default`): `call_time` in seconds per call, imports
@@ -585,19 +600,8 @@ fn load_chain(
     let runtime = Runtime::shared();
     let bounds = compile_bounds_from(compile_bounds)?;
     let defaults = Limits::default();
-    let call_time = match call_time {
-        None => defaults.call_time,
-        Some(secs) => Duration::try_from_secs_f64(secs)
-            .ok()
-            .filter(|d| !d.is_zero())
-            .ok_or_else(|| {
-                pyo3::exceptions::PyValueError::new_err(format!(
-                    "call_time must be a positive number of seconds, got {secs}"
-                ))
-            })?,
-    };
     let limits = Limits {
-        call_time,
+        call_time: call_time_or_default(call_time)?,
         memory: memory.unwrap_or(defaults.memory),
         batch: batch.unwrap_or(defaults.batch),
         overhead: overhead.unwrap_or(defaults.overhead),
@@ -745,17 +749,10 @@ fn shipped_hooks() -> std::collections::HashMap<&'static str, (&'static str, &'s
 #[pyo3(signature = (source, name, call_time = None))]
 fn load_hook(source: &Bound<'_, PyAny>, name: &str, call_time: Option<f64>) -> PyResult<EventHook> {
     let (bytes, _) = source_bytes(source)?;
-    let mut limits = Limits::default();
-    if let Some(secs) = call_time {
-        limits.call_time = Duration::try_from_secs_f64(secs)
-            .ok()
-            .filter(|d| !d.is_zero())
-            .ok_or_else(|| {
-                pyo3::exceptions::PyValueError::new_err(format!(
-                    "call_time must be a positive number of seconds, got {secs}"
-                ))
-            })?;
-    }
+    let limits = Limits {
+        call_time: call_time_or_default(call_time)?,
+        ..Limits::default()
+    };
     let hook = WasmHook::start(Runtime::shared(), &bytes, name, limits)
         .map_err(|e| LoadError::new_err(format!("hook `{name}` cannot be loaded: {e}")))?;
     Ok(EventHook { hook })

@@ -94,11 +94,8 @@ enum Command {
         /// Configuration passed to every policy's `init`, as KEY=VALUE (repeatable).
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
-        /// An event hook, one instance per policy, told about every block the checker
-        /// gets, resizes and frees (shrinking included); its report is printed after
-        /// the policy's. A shipped hook's name (`sizes`, `counting`) or a hook file.
-        #[arg(long)]
-        hook: Option<PathBuf>,
+        #[command(flatten)]
+        hook: HookArg,
         #[command(flatten)]
         limits: LimitArgs,
     },
@@ -116,10 +113,8 @@ enum Command {
         /// Configuration for the top policy's `init`, as KEY=VALUE (repeatable).
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
-        /// An event hook told about every event, its report printed at the end: a
-        /// shipped hook's name (`sizes`, `counting`) or a hook component (.wasm, .wat).
-        #[arg(long)]
-        hook: Option<PathBuf>,
+        #[command(flatten)]
+        hook: HookArg,
         #[command(flatten)]
         limits: LimitArgs,
     },
@@ -146,11 +141,8 @@ enum Command {
         /// takes none).
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
-        /// An event hook, one instance per handler, each told about every event of its
-        /// handler; the reports are printed after the summary. A shipped hook's name
-        /// (`sizes`, `counting`) or a hook component (.wasm, .wat).
-        #[arg(long)]
-        hook: Option<PathBuf>,
+        #[command(flatten)]
+        hook: HookArg,
         #[command(flatten)]
         limits: LimitArgs,
     },
@@ -190,6 +182,17 @@ enum Command {
         #[arg(long)]
         path: Option<PathBuf>,
     },
+}
+
+/// `--hook`, the same for every command that replays events.
+#[derive(Args, Debug, Clone, Default)]
+struct HookArg {
+    /// An event hook told about every block each policy or handler lends, resizes and
+    /// frees (one instance each; in `check`, shrinking included), its report printed
+    /// after their results: a shipped hook's name (`sizes`, `counting`) or a hook
+    /// component (.wasm, .wat).
+    #[arg(long = "hook", value_name = "HOOK")]
+    path: Option<PathBuf>,
 }
 
 /// The bounds on every policy instance ([`Limits`]); each defaults to the library's.
@@ -499,7 +502,7 @@ where
             },
             json,
             config,
-            hook,
+            hook: hook.path,
         }),
         Command::Replay {
             script,
@@ -521,7 +524,7 @@ where
             output,
             json,
             config,
-            hook,
+            hook: hook.path,
             limits: limits.limits(Limits::default().call_time),
         }),
         Command::ReplayTrace {
@@ -534,7 +537,7 @@ where
             trace,
             policies,
             config,
-            hook,
+            hook.path,
             limits.limits(Limits::default().call_time),
         ),
     };

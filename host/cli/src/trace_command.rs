@@ -8,7 +8,7 @@ use std::sync::atomic::AtomicU64;
 use crate::report;
 use allocbox::trace::leak_after_replay;
 use allocbox::trace::timeline::{chain_held, native_held, timeline_counted};
-use allocbox::{HandlerBuilder, Hooked, Limits, Runtime};
+use allocbox::{HandlerBuilder, Hooked, Limits, Runtime, WasmHook};
 use anyhow::{Context, Result, bail};
 
 use crate::{Outcome, hook_report, load, load_hook, print_report, progress};
@@ -66,6 +66,18 @@ fn build_handler(
     })
 }
 
+/// Run `f` on `handler`, with `hook` told about its every event when there is one.
+fn observed<R>(
+    handler: &dyn allocbox::MemHandler,
+    hook: Option<&WasmHook>,
+    f: impl FnOnce(&dyn allocbox::MemHandler) -> R,
+) -> R {
+    match hook {
+        Some(hook) => f(&Hooked { handler, hook }),
+        None => f(handler),
+    }
+}
+
 /// A trace file's events and marks, under a spinner (a large trace takes seconds to
 /// read).
 fn read_trace(trace: &Path) -> Result<allocbox::trace::Trace> {
@@ -85,20 +97,12 @@ pub(crate) fn run_replay_trace(
     let events = read_trace(&trace)?.events;
     let hook = hook.map(|h| load_hook(&h, &limits)).transpose()?;
     let built = build_handler(&policies, &config, limits)?;
-    let hooked;
-    let handler = match &hook {
-        Some(hook) => {
-            hooked = Hooked {
-                handler: built.handler(),
-                hook,
-            };
-            &hooked
-        }
-        None => built.handler(),
-    };
+    let handler = built.handler();
     let done = AtomicU64::new(0);
     let mut report = progress::counting_events("replay", events.len() as u64, &done, || {
-        allocbox::trace::replay_trace_counted(handler, &events, &done)
+        observed(handler, hook.as_deref(), |handler| {
+            allocbox::trace::replay_trace_counted(handler, &events, &done)
+        })
     });
     if let (None, BuiltHandler::Chain(chain)) = (&report.failure, &built) {
         report.leak = leak_after_replay(chain);
@@ -183,24 +187,15 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
             .as_ref()
             .map(|h| load_hook(h, &args.limits))
             .transpose()?;
-        let hooked;
-        let handler = match &hook {
-            Some(hook) => {
-                hooked = Hooked {
-                    handler: built.handler(),
-                    hook,
-                };
-                &hooked
-            }
-            None => built.handler(),
-        };
-        let mut timeline = progress::counting_events(&short, len, &done, || match &built {
-            BuiltHandler::Native(h) => {
-                timeline_counted(name, handler, native_held(&**h), &events, &marks, &done)
-            }
-            BuiltHandler::Chain(h) => {
-                timeline_counted(name, handler, chain_held(h), &events, &marks, &done)
-            }
+        let mut timeline = progress::counting_events(&short, len, &done, || {
+            observed(built.handler(), hook.as_deref(), |handler| match &built {
+                BuiltHandler::Native(h) => {
+                    timeline_counted(name, handler, native_held(&**h), &events, &marks, &done)
+                }
+                BuiltHandler::Chain(h) => {
+                    timeline_counted(name, handler, chain_held(h), &events, &marks, &done)
+                }
+            })
         });
         if let Some(hook) = &hook {
             hook_reports += &hook_report(hook, name);
