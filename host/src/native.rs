@@ -78,7 +78,7 @@ impl NumpyDefault {
 }
 
 /// What the C library set aside for a live block from this handler.
-fn usable_size(block: NonNull<u8>) -> u64 {
+pub(crate) fn usable_size(block: NonNull<u8>) -> u64 {
     // SAFETY: every block this handler lends or caches came from C malloc, calloc or
     // realloc and is live (callers pass only such blocks).
     unsafe { libc::malloc_usable_size(block.as_ptr().cast()) as u64 }

@@ -3,7 +3,8 @@
 use std::sync::atomic::AtomicU64;
 
 use allocbox::trace::timeline::{
-    MAX_POINTS, Timeline, chain_held, native_held, size_bucket, timeline, timeline_counted,
+    HeldBy, MAX_POINTS, Timeline, chain_held, holdings_at, native_held, size_bucket, timeline,
+    timeline_counted,
 };
 use allocbox::trace::{Mark, parse_trace, parse_trace_marked};
 use allocbox::{HandlerBuilder, Runtime};
@@ -111,12 +112,29 @@ fn a_report_names_the_peak_s_test_its_phases_and_what_the_trace_left_live() {
     );
     assert_eq!((t.peak_live, t.peak_live_at), (300100, 4));
     assert_eq!(t.left_live[size_bucket(100)], (2, 164), "blocks 1 and 4");
+    // Where the most it held went, from a second replay on a fresh handler up to then.
+    let fresh = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
+    let holdings = holdings_at(HeldBy::Chain(&fresh), &trace.events, t.peak_held_at);
+    let held: u64 = holdings.classes.iter().map(|c| c.2).sum::<u64>() + holdings.idle.1;
+    assert_eq!(
+        held, t.peak_held,
+        "the breakdown adds up to the most it held"
+    );
+    let live: u64 = holdings.classes.iter().map(|c| c.1).sum();
+    assert!(live <= held && live > 0, "{holdings:?}");
+    assert_eq!(fresh.live_blocks().unwrap(), [], "every block freed");
+    let mut t = t;
+    t.holdings = Some(holdings);
     let page = render_html("t.trace", &[t], &trace.marks);
     assert!(
         page.contains("after event 4, in <code>test_b</code>"),
         "{page}"
     );
     assert!(page.contains("2 blocks, 164 B"), "{page}");
+    assert!(
+        page.contains("<h2>Held and wasted, by size class</h2>"),
+        "{page}"
+    );
     let by_peak = page.split("<h3>").nth(1).unwrap();
     assert!(
         by_peak.find("test_b").unwrap() < by_peak.find("test_a").unwrap(),

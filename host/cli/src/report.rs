@@ -9,7 +9,7 @@ mod charts;
 use std::fmt::Write as _;
 
 use allocbox::trace::Mark;
-use allocbox::trace::timeline::{Phase, SIZE_BUCKETS, Sample, Timeline};
+use allocbox::trace::timeline::{Holdings, Phase, SIZE_BUCKETS, Sample, Timeline};
 use plotters::style::RGBColor;
 
 use charts::*;
@@ -384,6 +384,7 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> 
             // Right under the chart of bytes: where its peak and its phases are.
             html += &peak_section(timelines, marks);
             html += &phases_section(timelines);
+            html += &holdings_section(timelines);
             html += &left_section(timelines);
         }
     }
@@ -514,6 +515,68 @@ fn phases_section(timelines: &[Timeline]) -> String {
     html
 }
 
+/// Where what each handler held went when it held the most, by the size class of the
+/// client's blocks: held, live and wasted bytes, side by side.
+fn holdings_section(timelines: &[Timeline]) -> String {
+    let shown: Vec<(&Timeline, &Holdings)> = timelines
+        .iter()
+        .filter_map(|t| Some((t, t.holdings.as_ref()?)))
+        .collect();
+    if shown.is_empty() {
+        return String::new();
+    }
+    let mut html = String::from(
+        "<h2>Held and wasted, by size class</h2>\n<p class=\"explain\">When each handler \
+         held the most from the host, where those bytes went: each block it held is shared \
+         among the client's blocks inside it, in proportion to their sizes. <i>Wasted</i> \
+         is held less live: headers, rounding up and room kept inside blocks; <i>idle</i> \
+         blocks hold no client block at all (caches, free room).</p>\n\
+         <div class=\"row holdings\">\n",
+    );
+    for (t, holdings) in shown {
+        let _ = write!(
+            html,
+            "<figure><figcaption>{} <span>after event {}</span></figcaption>\n\
+             <table class=\"summary\"><thead><tr><th>size</th><th>blocks</th><th>live</th>\
+             <th>held</th><th>wasted</th><th>held/live</th></tr></thead>\n<tbody>\n",
+            escape_html(short_label(&t.label)),
+            holdings.at,
+        );
+        for (bucket, &(blocks, live, held)) in holdings.classes.iter().enumerate() {
+            if blocks == 0 {
+                continue;
+            }
+            let _ = writeln!(
+                html,
+                "<tr><td>from {}</td><td>{blocks}</td><td>{}</td><td>{}</td><td>{}</td>\
+                 <td>{}</td></tr>",
+                bucket_floor(bucket),
+                bytes(live),
+                bytes(held),
+                bytes(held.saturating_sub(live)),
+                ratio_text((live > 0).then(|| held as f64 / live as f64)),
+            );
+        }
+        let (idle_blocks, idle) = holdings.idle;
+        let _ = writeln!(
+            html,
+            "<tr><td>idle</td><td>{idle_blocks}</td><td>0 B</td><td>{}</td><td>{}</td>\
+             <td>-</td></tr>\n</tbody>\n</table>\n</figure>",
+            bytes(idle),
+            bytes(idle)
+        );
+    }
+    html + "</div>\n"
+}
+
+/// The smallest size in a size bucket, in bytes: `0 B`, `64 B`, `1.0 KiB`.
+fn bucket_floor(bucket: usize) -> String {
+    match bucket {
+        0 => bytes(0),
+        b => bytes(1 << (b - 1)),
+    }
+}
+
 /// Phase `i` of a handler's replay: every handler replays the same phases, but one that
 /// stopped at a failure has fewer.
 fn phase_of(t: &Timeline, i: usize) -> Option<&Phase> {
@@ -541,8 +604,8 @@ fn left_section(timelines: &[Timeline]) -> String {
         for (bucket, &(n, size)) in first.left_live.iter().enumerate().filter(|(_, l)| l.0 > 0) {
             let _ = writeln!(
                 html,
-                "<tr><td>from {} B</td><td>{n}</td><td>{}</td></tr>",
-                bucket_label(bucket),
+                "<tr><td>from {}</td><td>{n}</td><td>{}</td></tr>",
+                bucket_floor(bucket),
                 bytes(size)
             );
         }

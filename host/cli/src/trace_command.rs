@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicU64;
 
 use crate::report;
 use allocbox::trace::leak_after_replay;
-use allocbox::trace::timeline::{chain_held, native_held, timeline_counted};
+use allocbox::trace::timeline::{HeldBy, chain_held, holdings_at, native_held, timeline_counted};
 use allocbox::{HandlerBuilder, Hooked, Limits, Runtime, WasmHook};
 use anyhow::{Context, Result, bail};
 
@@ -15,7 +15,7 @@ use crate::{Outcome, hook_report, load, load_hook, print_report, progress};
 
 /// A handler named on the command line: NumPy's default natively, or a chain of policies.
 enum BuiltHandler {
-    Native(Arc<dyn allocbox::MemHandler>),
+    Native(Arc<allocbox::NumpyDefault>),
     Chain(Arc<allocbox::Handler>),
 }
 
@@ -202,6 +202,23 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         }
         if let (None, BuiltHandler::Chain(chain)) = (&timeline.replay.failure, &built) {
             timeline.replay.leak = leak_after_replay(chain);
+        }
+        if timeline.replay.failure.is_none() {
+            // A second replay, on a handler of its own, up to the moment this one held
+            // the most: where those bytes went.
+            let fresh = build_handler(
+                std::slice::from_ref(name),
+                &args.config,
+                args.limits.clone(),
+            )?;
+            let at = timeline.peak_held_at;
+            timeline.holdings = Some(progress::spinning(
+                &format!("{short}: where the most it held went"),
+                || match &fresh {
+                    BuiltHandler::Native(h) => holdings_at(HeldBy::Native(h), &events, at),
+                    BuiltHandler::Chain(h) => holdings_at(HeldBy::Chain(h), &events, at),
+                },
+            ));
         }
         timelines.push(timeline);
     }

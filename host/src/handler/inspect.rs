@@ -219,6 +219,12 @@ impl Handler {
         Ok((host.len(), host.bytes()))
     }
 
+    /// The blocks the chain holds from the host's memory, `(address, size)`, by address.
+    pub fn host_blocks(&self) -> Result<Vec<(u64, u64)>, Error> {
+        let c = self.lock()?;
+        Ok(c.bottom().lent.iter().map(|(a, e)| (a, e.size)).collect())
+    }
+
     /// The failure that stopped this handler's chain, or that keeps it out of reach.
     pub fn failure(&self) -> Option<Arc<Error>> {
         match self.lock() {

@@ -14,6 +14,7 @@ use super::{Event, EventOp, Held, Mark, ReplayReport, stats_of};
 use crate::fasthash::FastMap;
 use crate::handler::Handler;
 use crate::memhandler::MemHandler;
+use crate::native::NumpyDefault;
 
 /// The most samples a timeline keeps per series: events are sampled in windows of
 /// `ceil(events / MAX_POINTS)`.
@@ -85,6 +86,8 @@ pub struct Timeline {
     /// The events replayed when the client first held `peak_live`.
     pub peak_live_at: u64,
     pub peak_held: u64,
+    /// The events replayed when the handler first held `peak_held`.
+    pub peak_held_at: u64,
     /// What the handler held from the host when the client held the most.
     pub held_at_peak_live: u64,
     /// One per mark of the trace, and one for the events before the first mark, in
@@ -100,6 +103,9 @@ pub struct Timeline {
     /// what the trace left live).
     pub final_live: u64,
     pub final_held: u64,
+    /// Where what the handler held went when it held the most, by size class; filled
+    /// by the caller with [`holdings_at`] (a second replay, up to [`Self::peak_held_at`]).
+    pub holdings: Option<Holdings>,
     /// Per-event time: median, 99th percentile and most, in nanoseconds.
     pub ns_median: u64,
     pub ns_p99: u64,
@@ -191,7 +197,7 @@ pub fn timeline_counted(
     };
     let mut phases = vec![phase_named("", 0)];
     let mut next_mark = marks.iter().peekable();
-    let mut peak_live_at = 0;
+    let (mut peak_live_at, mut peak_held_at) = (0, 0);
     let every = events.len().div_ceil(MAX_POINTS).max(1) as u64;
     let mut live: FastMap<u64, Held> = FastMap::default();
     let mut replay = ReplayReport::default();
@@ -239,7 +245,9 @@ pub fn timeline_counted(
             (phase.peak_live, phase.held_at_peak_live) = (live_bytes, held);
         }
         phase.peak_held = phase.peak_held.max(held);
-        peak_held = peak_held.max(held);
+        if held > peak_held {
+            (peak_held, peak_held_at) = (held, i as u64 + 1);
+        }
         window.live = window.live.max(live_bytes);
         window.held = window.held.max(held);
         if let Some(r) = ratio(held, live_bytes) {
@@ -300,9 +308,11 @@ pub fn timeline_counted(
         peak_live,
         peak_live_at,
         peak_held,
+        peak_held_at,
         held_at_peak_live,
         phases,
         left_live,
+        holdings: None,
         peak_ratio,
         final_live: live_bytes,
         final_held: held,
@@ -330,4 +340,140 @@ fn quantiles(times: &mut [u32]) -> (u64, u64, u64) {
     let p99 = at(times, 0.99);
     let max = u64::from(times.iter().copied().max().unwrap_or(0));
     (median, p99, max)
+}
+
+/// Where what a handler holds goes, by the size class of the client's blocks: the
+/// memory it held from the host at one moment, each host block's bytes shared among the
+/// client blocks inside it in proportion to their sizes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holdings {
+    /// The events replayed before the moment.
+    pub at: u64,
+    /// Per size bucket ([`SIZE_BUCKETS`], of the client's sizes): `(blocks, live bytes,
+    /// held bytes)`. Held less live is what that class wastes (headers, rounding, room
+    /// kept in its blocks).
+    pub classes: Vec<(u64, u64, u64)>,
+    /// Host blocks holding no client block at all (free room a policy keeps, caches):
+    /// `(blocks, bytes)`.
+    pub idle: (u64, u64),
+}
+
+/// A handler whose holdings [`holdings_at`] can break down: a wasm chain (its host
+/// blocks are its bottom ledger's) or the native default (each client block is a block
+/// of the C library, of its usable size, as [`native_held`] counts them).
+#[derive(Debug, Clone, Copy)]
+pub enum HeldBy<'a> {
+    Chain(&'a Handler),
+    Native(&'a NumpyDefault),
+}
+
+/// Replay `events[..at]` through a fresh handler (untimed) and say where what it holds
+/// then goes ([`Holdings`]); then free every block, leaving it empty. `at` is a moment a
+/// [`timeline`] found, such as [`Timeline::peak_held_at`]: a policy placing the same
+/// requests the same way holds the same then.
+pub fn holdings_at(held_by: HeldBy<'_>, events: &[Event], at: u64) -> Holdings {
+    let handler: &dyn MemHandler = match held_by {
+        HeldBy::Chain(h) => h,
+        HeldBy::Native(h) => h,
+    };
+    let mut live: FastMap<u64, Held> = FastMap::default();
+    let mut replay = ReplayReport::default();
+    for event in &events[..(at as usize).min(events.len())] {
+        let before = live.get(&event.id).copied();
+        match replay.apply(handler, event, before) {
+            Some(block) => drop(live.insert(event.id, block)),
+            None => drop(live.remove(&event.id)),
+        }
+        if replay.failure.is_some() {
+            break;
+        }
+    }
+    let mut client: Vec<(u64, u64)> = live
+        .values()
+        .map(|&(p, size)| (p.as_ptr() as u64, size as u64))
+        .collect();
+    client.sort_unstable();
+    let mut host: Vec<(u64, u64)> = match held_by {
+        HeldBy::Chain(h) => h
+            .host_blocks()
+            .expect("a handler this thread called is reachable"),
+        // Every client block is live and came from this native handler's C malloc.
+        HeldBy::Native(_) => live
+            .values()
+            .map(|&(p, _)| (p.as_ptr() as u64, crate::native::usable_size(p)))
+            .collect(),
+    };
+    host.sort_unstable();
+    let holdings = attribute(replay.events, &client, &host);
+    for (_, (p, size)) in live.drain() {
+        let _ = handler.free(Some(p), size);
+    }
+    holdings
+}
+
+/// Share each host block among the client blocks inside it. Both lists by address.
+fn attribute(at: u64, client: &[(u64, u64)], host: &[(u64, u64)]) -> Holdings {
+    let mut classes = vec![(0, 0, 0); SIZE_BUCKETS];
+    let mut idle = (0, 0);
+    for &(_, size) in client {
+        let class = &mut classes[size_bucket(size)];
+        (class.0, class.1) = (class.0 + 1, class.1 + size);
+    }
+    let mut next = 0;
+    for &(start, len) in host {
+        let end = start.saturating_add(len);
+        while next < client.len() && client[next].0 < start {
+            next += 1;
+        }
+        let inside: Vec<(u64, u64)> = client[next..]
+            .iter()
+            .take_while(|&&(addr, _)| addr < end)
+            .copied()
+            .collect();
+        let total: u128 = inside.iter().map(|&(_, size)| u128::from(size)).sum();
+        if total == 0 {
+            (idle.0, idle.1) = (idle.0 + 1, idle.1 + len);
+            continue;
+        }
+        // Integer shares that add up to the block: the last block takes the remainder.
+        let mut given = 0;
+        for (i, &(_, size)) in inside.iter().enumerate() {
+            let share = match i + 1 == inside.len() {
+                true => len - given,
+                false => (u128::from(len) * u128::from(size) / total) as u64,
+            };
+            given += share;
+            classes[size_bucket(size)].2 += share;
+        }
+    }
+    Holdings { at, classes, idle }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_block_is_shared_among_the_client_blocks_inside_it_by_size() {
+        // Host blocks: [0, 100) holds blocks of 10 and 30 bytes; [100, 164) holds one of
+        // 64; [1000, 1050) holds none.
+        let client = [(0, 10), (40, 30), (100, 64)];
+        let host = [(0, 100), (100, 64), (1000, 50)];
+        let h = attribute(7, &client, &host);
+        assert_eq!(h.at, 7);
+        assert_eq!(h.classes[size_bucket(10)], (1, 10, 25), "a quarter of 100");
+        assert_eq!(
+            h.classes[size_bucket(30)],
+            (1, 30, 75),
+            "the rest of the block"
+        );
+        assert_eq!(
+            h.classes[size_bucket(64)],
+            (1, 64, 64),
+            "a block of its own"
+        );
+        assert_eq!(h.idle, (1, 50));
+        let held: u64 = h.classes.iter().map(|c| c.2).sum::<u64>() + h.idle.1;
+        assert_eq!(held, 214, "every host byte is somewhere");
+    }
 }
