@@ -120,8 +120,10 @@ enum Command {
     },
     /// Replay an allocation trace through each handler, one event after another on one
     /// thread, and write one self-contained HTML page comparing them: live and held bytes
-    /// over time, held/live, time per event, request sizes, the first failing event.
-    /// Prints a summary table (or JSON). Exit 1 if an event fails in any handler, or a
+    /// over time, the peak and the test it fell in (the trace's comment lines), the
+    /// phases with the most bytes and overhead, where the most each handler held went
+    /// by size class, what the trace left live, held/live, time per event, request
+    /// sizes, the first failing event. Prints a summary table (or JSON). Exit 1 if an event fails in any handler, or a
     /// policy leaks (the page is still written).
     Report {
         /// The trace: `op id size thread` lines, plain or gzip.
