@@ -298,11 +298,14 @@ fn the_cli_exits_0_when_rules_hold_1_when_broken_2_on_bad_input() {
         "{out}"
     );
 
-    // A time budget runs round after round: more cases than one round's 64.
+    // A time budget runs whole rounds of 64 cases, at least one. How many more fit in
+    // the budget depends on the machine's load (round after round is pinned by the
+    // library's `rounds` tests, by count).
     let (code, out) = allocbox_cli(&["check", "--time", "0.3", "--json"], &dir);
     assert_eq!(code, 0, "{out}");
     let report: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
-    assert!(report["cases"].as_u64().unwrap() > 64, "{out}");
+    let cases = report["cases"].as_u64().unwrap();
+    assert!(cases >= 64, "{out}");
 
     let broken = allocbox_artifacts::BROKEN.path();
     let regressions = dir.join("regressions");
