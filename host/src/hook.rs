@@ -9,9 +9,9 @@ use wasmtime::Store;
 
 use crate::error::{Call, Error, LoadError};
 use crate::link::{Limits, Sandbox};
-use crate::memhandler::{MemHandler, Stats};
 use crate::nep49::{Hook, HookData};
 use crate::runtime::Runtime;
+use crate::trace::{EventOp, Watcher};
 
 mod bindings {
     wasmtime::component::bindgen!({ path: "../wit", world: "hook" });
@@ -145,61 +145,16 @@ impl WasmHook {
     }
 }
 
-/// `handler` with `hook` told about every event it serves, as NumPy's `PyDataMem_User*`
-/// entry points told the event hook: for replaying a trace with a hook attached (`allocbox
+/// A hook watching a handler ([`crate::trace::Watched`]), as NumPy's `PyDataMem_User*`
+/// entry points told the event hook: for replaying with a hook attached (`allocbox
 /// replay-trace --hook`) without installing it process-wide. A failing hook is stopped
 /// (see [`WasmHook::failure`]); the allocation stands.
-#[derive(Debug)]
-pub struct Hooked<'a> {
-    pub handler: &'a dyn MemHandler,
-    pub hook: &'a WasmHook,
-}
-
-impl Hooked<'_> {
-    fn tell(&self, old: Option<NonNull<u8>>, new: Option<NonNull<u8>>, size: usize) {
+impl Watcher for WasmHook {
+    fn served(&self, op: EventOp, old: Option<NonNull<u8>>, new: Option<NonNull<u8>>, size: usize) {
+        // A free carries no size for a hook, and a free of NULL is no event.
+        let size = if op == EventOp::Free { 0 } else { size };
         if old.is_some() || new.is_some() {
-            let _ = self.hook.on_event(old, new, size);
+            let _ = self.on_event(old, new, size);
         }
-    }
-}
-
-impl MemHandler for Hooked<'_> {
-    fn name(&self) -> &str {
-        self.handler.name()
-    }
-    fn version(&self) -> u8 {
-        self.handler.version()
-    }
-    fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
-        let p = self.handler.malloc(size)?;
-        self.tell(None, p, size);
-        Ok(p)
-    }
-    fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error> {
-        let p = self.handler.calloc(nelem, elsize)?;
-        self.tell(None, p, nelem.saturating_mul(elsize));
-        Ok(p)
-    }
-    fn realloc(
-        &self,
-        ptr: Option<NonNull<u8>>,
-        new_size: usize,
-    ) -> Result<Option<NonNull<u8>>, Error> {
-        let p = self.handler.realloc(ptr, new_size)?;
-        if p.is_some() {
-            self.tell(ptr, p, new_size);
-        }
-        Ok(p)
-    }
-    fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error> {
-        self.handler.free(ptr, size)?;
-        self.tell(ptr, None, 0);
-        Ok(())
-    }
-    fn stats(&self) -> Result<Stats, Error> {
-        self.handler.stats()
-    }
-    fn usable(&self) -> Result<(), Error> {
-        self.handler.usable()
     }
 }

@@ -20,7 +20,7 @@ use allocbox_ledger::{fasthash, ledger};
 pub use compile_bounds::{CompileBound, CompileBounds};
 pub use error::{Bound, Call, ClientError, Error, InvariantBroken, LoadError, Rule, Violation};
 pub use handler::{Handler, HandlerBuilder};
-pub use hook::{Hooked, WasmHook};
+pub use hook::WasmHook;
 pub use link::{Grants, Limits, LinkStats, PolicyInfo};
 pub use memhandler::{MemHandler, Stats};
 pub use native::NumpyDefault;

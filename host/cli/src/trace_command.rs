@@ -6,9 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use crate::report;
+use allocbox::trace::Watched;
 use allocbox::trace::leak_after_replay;
 use allocbox::trace::timeline::{HeldBy, chain_held, holdings_at, native_held, timeline_counted};
-use allocbox::{HandlerBuilder, Hooked, Limits, Runtime, WasmHook};
+use allocbox::{HandlerBuilder, Limits, Runtime, WasmHook};
 use anyhow::{Context, Result, bail};
 
 use crate::{Outcome, hook_report, load, load_hook, print_report, progress};
@@ -73,7 +74,10 @@ fn observed<R>(
     f: impl FnOnce(&dyn allocbox::MemHandler) -> R,
 ) -> R {
     match hook {
-        Some(hook) => f(&Hooked { handler, hook }),
+        Some(hook) => f(&Watched {
+            handler,
+            watcher: hook,
+        }),
         None => f(handler),
     }
 }
