@@ -151,12 +151,19 @@ pub fn set_event_hook(hook: Option<(Hook, HookData)>) -> Option<(Hook, HookData)
     std::mem::replace(&mut *current, hook)
 }
 
+/// Whether an event hook is set: one relaxed load, for callers that skip the work of
+/// telling it when none is.
+#[inline]
+pub fn event_hook_set() -> bool {
+    HOOKED.load(Ordering::Relaxed)
+}
+
 /// Tell the event hook, if one is set, about an event a handler served outside
 /// [`user_new`] and its siblings (the NumPy bridge's own callbacks): `(None, Some(p),
 /// size)` new, `(Some(p), None, 0)` free, `(Some(old), Some(new), size)` renew.
 #[inline]
 pub fn notify_event_hook(old: Option<NonNull<u8>>, new: Option<NonNull<u8>>, size: usize) {
-    if HOOKED.load(Ordering::Relaxed) {
+    if event_hook_set() {
         fire(old, new, size);
     }
 }

@@ -123,9 +123,18 @@ impl Bridge {
 
     /// Tell the event hook (`allocbox.set_event_hook`) about an event NumPy's call
     /// caused, as `PyDataMem_UserNEW` and its siblings did before NumPy 2.0: nothing
-    /// for a request that got no block or a free of NULL.
-    #[inline]
+    /// for a request that got no block or a free of NULL. Every malloc and free crosses
+    /// this: without a hook it is one relaxed load.
+    #[inline(always)]
     fn tell_hook(&self, old: *mut c_void, new: *mut c_void, size: usize) {
+        if allocbox::nep49::event_hook_set() {
+            self.tell_hook_slowly(old, new, size);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn tell_hook_slowly(&self, old: *mut c_void, new: *mut c_void, size: usize) {
         let (old, new) = (NonNull::new(old.cast()), NonNull::new(new.cast()));
         if new.is_some() || old.is_some() {
             self.guard((), || allocbox::nep49::notify_event_hook(old, new, size));
