@@ -395,20 +395,17 @@ pub(crate) fn hook_report(hook: &WasmHook, handler: &str) -> String {
         );
     }
     let mut out = format!("hook `sizes` on `{handler}`: requests by size, [from, to)\n");
-    for (k, &count) in numbers.iter().enumerate().filter(|(_, c)| **c > 0) {
-        out += &format!(
-            "  {:>7} – {:<7} {count}\n",
-            power_of_two_bytes(k),
-            power_of_two_bytes(k + 1)
-        );
+    // 2^k bytes; a hook's list is its own, so past 2^63 is not a size.
+    let power = |k: usize| {
+        u32::try_from(k)
+            .ok()
+            .and_then(|k| 1u64.checked_shl(k))
+            .map_or_else(|| "16384 PiB".to_string(), report::bytes)
+    };
+    for (k, &count) in numbers.iter().enumerate().take(64).filter(|(_, c)| **c > 0) {
+        out += &format!("  {:>7} – {:<7} {count}\n", power(k), power(k + 1));
     }
     out
-}
-
-/// 2^k bytes with a binary unit: `64 B`, `2 KiB`.
-fn power_of_two_bytes(k: usize) -> String {
-    const UNITS: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    format!("{} {}", 1u32 << (k % 10), UNITS[(k / 10).min(6)])
 }
 
 /// The names a policy can be given by, for a message.
