@@ -16,10 +16,13 @@ const RUST_GUESTS: &[(&str, &str, bool)] = &[
     ("aligned", "policies/rust/aligned", true),
     ("size-classes", "policies/rust/size-classes", true),
     ("arena", "policies/rust/arena", true),
+    ("guard", "policies/rust/guard", true),
+    ("numa", "policies/rust/numa", true),
     ("template", "templates/rust", true),
     ("broken", "fixtures/broken", false),
     ("chaos", "fixtures/chaos", false),
     ("sandbox-probe", "fixtures/sandbox-probe", false),
+    ("kinds-probe", "fixtures/kinds-probe", false),
 ];
 
 /// Hand-written WAT policies, `(name, folder)`: `<folder>/<name>.wat`, loaded from source

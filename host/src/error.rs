@@ -20,6 +20,10 @@ pub enum Call {
     BytesWrite,
     BytesFill,
     BytesCopy,
+    Report,
+    MemoryMap,
+    MemoryUnmap,
+    ClientMisuse,
 }
 
 impl fmt::Display for Call {
@@ -37,6 +41,10 @@ impl fmt::Display for Call {
             Call::BytesWrite => "bytes.write",
             Call::BytesFill => "bytes.fill",
             Call::BytesCopy => "bytes.copy",
+            Call::Report => "report",
+            Call::MemoryMap => "memory.map-region",
+            Call::MemoryUnmap => "memory.unmap-region",
+            Call::ClientMisuse => "diagnostics.client-misuse",
         })
     }
 }
@@ -265,12 +273,16 @@ pub enum LoadError {
     /// The component imports an interface the sandbox does not serve.
     #[error(
         "the component imports `{import}`, which the sandbox does not serve: a policy may \
-         import the policy world's `allocator` and `bytes` and WASI 0.2's clocks, random, \
+         import the policy world's `allocator` and `bytes` (and at 0.2.0 `memory` and \
+         `diagnostics`) and WASI 0.2's clocks, random, \
          io, cli, filesystem and sockets interfaces (served without real time, files or \
          network); build it without that import"
     )]
     Import { import: String },
-    #[error("the component speaks allocbox:policy@{found}; this host speaks @{expected}")]
+    #[error(
+        "the component speaks allocbox:policy@{found}; this host speaks @0.1.0 and @{expected}: \
+         build it against one of those"
+    )]
     WrongVersion {
         found: String,
         expected: &'static str,

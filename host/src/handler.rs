@@ -30,6 +30,7 @@ pub struct Handler {
     name: Arc<str>,
     names: Vec<Arc<str>>,
     fallback: Option<Arc<Handler>>,
+    diagnoses: bool,
 }
 
 impl std::fmt::Debug for Handler {
@@ -54,6 +55,14 @@ impl Handler {
     /// joined by `>` (`aligned>size-classes`), as NumPy reports it.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Does a policy of the chain import client diagnostics or memory kinds (0.2.0)? An
+    /// embedder then records where each block was allocated, to name it when a policy
+    /// reports its misuse ([`Handler::take_client_misuse`]) or a client faults in a
+    /// guard page ([`crate::mapped::guard_page_at`]).
+    pub fn diagnoses(&self) -> bool {
+        self.diagnoses
     }
 
     /// The names of the policies in the chain, top first.

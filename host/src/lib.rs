@@ -6,6 +6,7 @@ mod error;
 mod handler;
 mod hook;
 mod link;
+pub mod mapped;
 mod memhandler;
 mod native;
 pub mod nep49;
@@ -21,12 +22,12 @@ pub use compile_bounds::{CompileBound, CompileBounds};
 pub use error::{Bound, Call, ClientError, Error, InvariantBroken, LoadError, Rule, Violation};
 pub use handler::{Handler, HandlerBuilder};
 pub use hook::WasmHook;
-pub use link::{Grants, Limits, LinkStats, PolicyInfo};
+pub use link::{ClientMisuse, Grants, Limits, LinkStats, PolicyInfo};
 pub use memhandler::{MemHandler, Stats};
 pub use native::NumpyDefault;
 pub use nep49::Buffer;
 pub use runtime::{
-    COMPILE_CACHE_ENV, DEFAULT_POLICY_WAT, POLICY_WIT, Policy, Runtime, WORLD_PACKAGE,
-    WORLD_VERSION, cache_dir, compile_cache_dir,
+    COMPILE_CACHE_ENV, DEFAULT_POLICY_WAT, POLICY_WIT, POLICY_WIT_2, Policy, Runtime,
+    WORLD_PACKAGE, WORLD_VERSION, WORLD_VERSION_2, cache_dir, compile_cache_dir,
 };
 pub use system::{Adversary, FRESH_MEMORY, Injected, QUARANTINE_POISON, Refusal, SYSTEM_ALIGNMENT};

@@ -13,12 +13,15 @@
 //!   checked.
 
 mod imports;
+mod mapped;
 mod sandbox;
 mod transit;
 mod upstream;
 mod zeroed;
 
 use imports::check_lent;
+pub use mapped::ClientMisuse;
+use mapped::Mapped;
 pub(crate) use sandbox::Sandbox;
 pub use sandbox::{Grants, Limits};
 use transit::Transit;
@@ -42,7 +45,38 @@ pub(crate) mod bindings {
     });
 }
 
-use bindings::exports::allocbox::policy::allocator::Guest as Allocator;
+/// The 0.2.0 policy world: 0.1.0's interfaces and memory kinds, client diagnostics,
+/// counters and limits. Served beside 0.1.0 by the same links.
+pub(crate) mod bindings_v2 {
+    wasmtime::component::bindgen!({
+        path: "../wit/0.2.0",
+        world: "policy",
+        imports: { default: trappable },
+    });
+}
+
+/// A started policy's exports, in the version of the world it was built against.
+pub(crate) enum Exports {
+    V1(bindings::Policy),
+    V2(bindings_v2::Policy),
+}
+
+/// Run `$call` on the allocator export of `$exports`, whichever version it is: the two
+/// interfaces have the same functions and types.
+macro_rules! allocator {
+    ($exports:expr, |$a:ident| $call:expr) => {
+        match $exports {
+            Exports::V1(b) => {
+                let $a = b.allocbox_policy_allocator();
+                $call
+            }
+            Exports::V2(b) => {
+                let $a = b.allocbox_policy_allocator();
+                $call
+            }
+        }
+    };
+}
 
 /// What a policy declared about itself at start-up, checked by the host.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,6 +114,9 @@ pub(crate) struct LinkState {
     /// Deep checks ([`crate::HandlerBuilder::checked`]): a `calloc` answer that is not
     /// zero is a violation rather than zeroed by the host.
     checked: bool,
+    /// Regions mapped for this policy through `memory` (0.2.0), and the client misuse it
+    /// reported.
+    mapped: Mapped,
 }
 
 impl std::fmt::Debug for LinkState {
@@ -126,12 +163,21 @@ pub struct LinkStats {
     pub budget_refusals: u64,
     /// Why the policy was stopped, if it was.
     pub failure: Option<String>,
+    /// The policy's own counters (`lifecycle.report`, 0.2.0), by name, in its order.
+    pub counters: Vec<(String, u64)>,
+    /// Regions mapped for the policy ([`crate::mapped`]) and their bytes.
+    pub mapped_regions: u64,
+    pub mapped_bytes: u64,
+    /// Misuse by its client the policy reported (`diagnostics`, 0.2.0): how many, and the
+    /// latest ([`ClientMisuse::KEPT`] at most).
+    pub client_misuse: u64,
+    pub recent_misuse: Vec<ClientMisuse>,
 }
 
 /// A started, initialised policy instance.
 pub(crate) struct Link {
     pub(crate) store: Store<LinkState>,
-    bindings: bindings::Policy,
+    bindings: Exports,
     pub(crate) info: PolicyInfo,
     pub(crate) poisoned: Option<Arc<Error>>,
     deadline_ticks: u64,
@@ -155,7 +201,7 @@ impl std::fmt::Debug for Link {
 impl Link {
     pub(crate) fn new(
         store: Store<LinkState>,
-        bindings: bindings::Policy,
+        bindings: Exports,
         info: PolicyInfo,
         deadline_ticks: u64,
         limits: Limits,
@@ -175,15 +221,68 @@ impl Link {
     /// This link's counters.
     pub(crate) fn stats(&self) -> LinkStats {
         let lent = self.lent();
+        let state = self.store.data();
         LinkStats {
             name: self.info.name.to_string(),
             live_blocks: lent.len() as u64,
             live_bytes: lent.bytes(),
             peak_bytes: lent.peak_bytes(),
-            budget_refusals: self.store.data().budget_refusals,
+            budget_refusals: state.budget_refusals,
             failure: self.poisoned.as_ref().map(|e| e.to_string()),
+            mapped_regions: state.mapped.regions() as u64,
+            mapped_bytes: state.mapped.bytes(),
+            client_misuse: state.mapped.misuse_total(),
+            recent_misuse: state.mapped.recent_misuse().to_vec(),
             ..self.calls.clone()
         }
+    }
+
+    /// [`Link::stats`] with the policy's own counters, which it is asked for
+    /// (`lifecycle.report`; a 0.1.0 policy has none). A policy that fails to answer is
+    /// stopped, as for any call, and its counters are left out.
+    pub(crate) fn report(&mut self) -> LinkStats {
+        let reports = matches!(self.bindings, Exports::V2(_)) && self.poisoned.is_none();
+        if reports {
+            self.start_call(0);
+        }
+        let counters = match &self.bindings {
+            Exports::V2(b) if reports => {
+                let lifecycle = b.allocbox_policy_lifecycle();
+                match lifecycle.call_report(&mut self.store) {
+                    Ok(counters) => counters
+                        .into_iter()
+                        .take(MAX_COUNTERS)
+                        .map(|(name, value)| (crate::untrusted::escape(&name), value))
+                        .collect(),
+                    Err(e) => {
+                        let err = classify(&mut self.store, &self.limits, Call::Report, e);
+                        self.poison(err);
+                        Vec::new()
+                    }
+                }
+            }
+            _ => Vec::new(),
+        };
+        LinkStats {
+            counters,
+            ..self.stats()
+        }
+    }
+
+    /// Regions mapped for this policy that `[addr, addr+size)` lies in, if any.
+    pub(crate) fn mapped_containing(&self, addr: u64, size: u64) -> Option<(u64, u64)> {
+        self.store.data().mapped.containing(addr, size)
+    }
+
+    /// Regions mapped for this policy: `(regions, bytes)`.
+    pub(crate) fn mapped_held(&self) -> (usize, u64) {
+        let mapped = &self.store.data().mapped;
+        (mapped.regions(), mapped.bytes())
+    }
+
+    /// Client misuse the policy reported since this was last asked.
+    pub(crate) fn take_new_misuse(&mut self) -> Vec<ClientMisuse> {
+        self.store.data_mut().mapped.take_new_misuse()
     }
 
     pub(crate) fn name(&self) -> &Arc<str> {
@@ -209,7 +308,7 @@ impl Link {
         &mut self,
         call: Call,
         demand: u64,
-        f: impl FnOnce(&Allocator, &mut Store<LinkState>) -> wasmtime::Result<R>,
+        f: impl FnOnce(&Exports, &mut Store<LinkState>) -> wasmtime::Result<R>,
     ) -> Result<R, Error> {
         if let Some(cause) = &self.poisoned {
             return Err(Error::Poisoned {
@@ -218,7 +317,7 @@ impl Link {
             });
         }
         self.start_call(demand);
-        match f(self.bindings.allocbox_policy_allocator(), &mut self.store) {
+        match f(&self.bindings, &mut self.store) {
             Ok(r) => Ok(r),
             Err(e) => {
                 let err = classify(&mut self.store, &self.limits, call, e);
@@ -280,6 +379,7 @@ impl Link {
         // Held-back memory may lie under the client's old block: it stays on the dead
         // link's books and is released with the rest once the client lets go.
         self.store.data_mut().transit.end();
+        self.store.data_mut().mapped.end_transit(false);
         self.release_if_done();
     }
 
@@ -306,6 +406,7 @@ impl Link {
             // No call of this dead link is running: each give-back has its own deadline.
             let _ = state.call_upstream(None, |u| u.free(addr, size));
         }
+        state.mapped.unmap_all();
     }
 
     /// The rule a block this link returned breaks, if any.
@@ -323,13 +424,7 @@ impl Link {
                 released,
                 released_size,
             })
-        } else if state
-            .upstream
-            .lent_mut()
-            .nearby()
-            .containing(addr, size)
-            .is_none()
-        {
+        } else if state.owned_containing(addr, size).is_none() {
             Some(Rule::OutsideOwned)
         } else {
             state
@@ -367,7 +462,9 @@ impl Link {
     pub(crate) fn malloc(&mut self, size: u64) -> Result<u64, Error> {
         let size = size.max(1);
         self.calls.mallocs += 1;
-        let addr = self.enter(Call::Malloc, size, |g, s| g.call_malloc(s, size))?;
+        let addr = self.enter(Call::Malloc, size, |g, s| {
+            allocator!(g, |a| a.call_malloc(s, size))
+        })?;
         if addr == 0 {
             return Ok(0);
         }
@@ -381,7 +478,9 @@ impl Link {
         };
         let (nelem, elsize) = if size == 0 { (1, 1) } else { (nelem, elsize) };
         self.calls.callocs += 1;
-        let addr = self.enter(Call::Calloc, size, |g, s| g.call_calloc(s, nelem, elsize))?;
+        let addr = self.enter(Call::Calloc, size, |g, s| {
+            allocator!(g, |a| a.call_calloc(s, nelem, elsize))
+        })?;
         if addr == 0 {
             return Ok(0);
         }
@@ -438,14 +537,19 @@ impl Link {
         }
         self.calls.reallocs += 1;
         self.store.data_mut().transit.begin(ptr, old);
-        let answer = self.enter(Call::Realloc, new, |g, s| g.call_realloc(s, ptr, old, new));
+        let answer = self.enter(Call::Realloc, new, |g, s| {
+            allocator!(g, |a| a.call_realloc(s, ptr, old, new))
+        });
         let addr = match answer {
             Ok(0) => {
                 // "None" means the old block stays live and unchanged; a policy that gave
                 // back its memory on the way broke that. The memory was held back, so the
                 // client's block is intact; the policy is stopped.
-                let held_back = self.store.data_mut().transit.end();
-                if let Some(&(addr, size)) = held_back.first() {
+                let state = self.store.data_mut();
+                let held_back = state.transit.end();
+                let region = state.mapped.first_held_back();
+                state.mapped.end_transit(false);
+                if let Some((addr, size)) = held_back.first().copied().or(region) {
                     let rule = Rule::GaveBackLentMemory {
                         block: ptr,
                         block_size: old,
@@ -488,6 +592,7 @@ impl Link {
     /// upstream now, when no block lent here lies inside it.
     fn release_held_back(&mut self) {
         let state = self.store.data_mut();
+        state.mapped.end_transit(true);
         for (addr, size) in state.transit.end() {
             // Sizes were checked when the policy asked, and each block once; still the
             // chain's call that resized the block.
@@ -509,7 +614,9 @@ impl Link {
             self.store.data_mut().clear_taken_back(ptr, entry.size);
         }
         self.calls.frees += 1;
-        self.enter(Call::Free, 0, |g, s| g.call_free(s, ptr, size))
+        self.enter(Call::Free, 0, |g, s| {
+            allocator!(g, |a| a.call_free(s, ptr, size))
+        })
     }
 
     pub(crate) fn malloc_many(&mut self, size: u64, count: u32) -> Result<Vec<u64>, Error> {
@@ -517,7 +624,7 @@ impl Link {
         self.calls.malloc_many += 1;
         let demand = size.saturating_mul(count.into());
         let blocks = self.enter(Call::MallocMany, demand, |g, s| {
-            g.call_malloc_many(s, size, count)
+            allocator!(g, |a| a.call_malloc_many(s, size, count))
         })?;
         if blocks.len() > count as usize {
             let rule = Rule::TooManyBlocks {
@@ -552,7 +659,9 @@ impl Link {
             return Ok(());
         }
         self.calls.free_many += 1;
-        self.enter(Call::FreeMany, 0, |g, s| g.call_free_many(s, &ptrs, size))
+        self.enter(Call::FreeMany, 0, |g, s| {
+            allocator!(g, |a| a.call_free_many(s, &ptrs, size))
+        })
     }
 
     /// Ask this link, then every link below it, to give back what it caches.
@@ -563,8 +672,11 @@ impl Link {
             self.inherited_deadline
         } else {
             self.start_call(0);
-            let lifecycle = self.bindings.allocbox_policy_lifecycle();
-            if let Err(e) = lifecycle.call_trim(&mut self.store) {
+            let trimmed = match &self.bindings {
+                Exports::V1(b) => b.allocbox_policy_lifecycle().call_trim(&mut self.store),
+                Exports::V2(b) => b.allocbox_policy_lifecycle().call_trim(&mut self.store),
+            };
+            if let Err(e) = trimmed {
                 // The chain stops for this failure, and every link below gives its
                 // memory back as it stops: no trim below, under a deadline now passed.
                 let err = classify(&mut self.store, &self.limits, Call::Trim, e);
@@ -605,6 +717,9 @@ fn lost_byte(old: u64, new: u64, len: u64) -> Option<Rule> {
         offset: offset as u64,
     })
 }
+
+/// Counters of one policy kept from one `report`: more are left out.
+const MAX_COUNTERS: usize = 64;
 
 /// Turn a failed call into the error that says what happened.
 pub(crate) fn classify(

@@ -14,7 +14,7 @@ use componentize::{WASM_MAGIC, to_component_binary};
 pub use engine::{COMPILE_CACHE_ENV, cache_dir, compile_cache_dir};
 use engine::{compile_cache, forked_compiler_threads, sandbox_features};
 pub use policy::Policy;
-use policy::{PolicyMeta, check_info, source_language};
+use policy::{PolicyMeta, Pre, Said, check_info, source_language};
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -30,14 +30,21 @@ use wasmtime::{
 use crate::clock::{Clock, EPOCH_TICK};
 use crate::compile_bounds::CompileBounds;
 use crate::error::{Call, LoadError};
-use crate::link::bindings::{Policy as Bindings, PolicyPre};
-use crate::link::{Limits, Link, LinkState, Sandbox, Upstream, classify};
+use crate::link::classify;
+use crate::link::{Exports, Limits, Link, LinkState, Sandbox, Upstream, bindings, bindings_v2};
 
-/// The package and version of the WIT world this host speaks.
+/// The package of the WIT worlds this host speaks.
 pub const WORLD_PACKAGE: &str = "allocbox:policy";
+/// The first version of the policy world, still served: every policy built against it
+/// loads. The hook world is in this version.
 pub const WORLD_VERSION: &str = "0.1.0";
-/// The WIT source of the policy world, for tools that need it.
+/// The newest version of the policy world: 0.1.0 with memory kinds, client diagnostics,
+/// counters and the limits told at `init`.
+pub const WORLD_VERSION_2: &str = "0.2.0";
+/// The WIT source of the 0.1.0 policy world, for tools that need it.
 pub const POLICY_WIT: &str = include_str!("../../wit/policy.wit");
+/// The WIT source of the 0.2.0 policy world.
+pub const POLICY_WIT_2: &str = include_str!("../../wit/0.2.0/policy.wit");
 /// The built-in default policy: the hand-written WAT `passthrough`, which needs no wasm
 /// toolchain to build.
 pub const DEFAULT_POLICY_WAT: &str =
@@ -163,10 +170,9 @@ impl Runtime {
         let mut linker = Linker::new(&engine);
         // A std wasm32-wasip2 guest imports wasi:io and wasi:cli even if it never prints.
         crate::wasi::add_to_linker(&mut linker)?;
-        Bindings::add_to_linker::<LinkState, wasmtime::component::HasSelf<LinkState>>(
-            &mut linker,
-            |s| s,
-        )?;
+        type Me = wasmtime::component::HasSelf<LinkState>;
+        bindings::Policy::add_to_linker::<LinkState, Me>(&mut linker, |s| s)?;
+        bindings_v2::Policy::add_to_linker::<LinkState, Me>(&mut linker, |s| s)?;
         let mut hook_linker = Linker::new(&engine);
         crate::wasi::add_to_linker(&mut hook_linker)?;
         let clock = Clock::start(&engine);
@@ -282,7 +288,7 @@ impl Runtime {
     ) -> Result<wasmtime::component::InstancePre<Sandbox>, LoadError> {
         let binary = to_component_binary(bytes, "hook", &CompileBounds::default())?;
         let component = self.compile(&binary)?;
-        refuse_unserved_imports(&component, &self.inner.engine, &[])?;
+        refuse_unserved_imports(&component, &self.inner.engine, WORLD_VERSION, &[])?;
         let want = format!("{WORLD_PACKAGE}/events@{WORLD_VERSION}");
         let exports: Vec<String> = component
             .component_type()
@@ -336,32 +342,47 @@ impl Runtime {
         let engine = &self.inner.engine;
         let imports: Vec<String> = ty.imports(engine).map(|(n, _)| n.to_string()).collect();
         let exports: Vec<String> = ty.exports(engine).map(|(n, _)| n.to_string()).collect();
-        for needed in ["allocator", "lifecycle"] {
-            let want = format!("{WORLD_PACKAGE}/{needed}@{WORLD_VERSION}");
-            if exports.contains(&want) {
-                continue;
-            }
-            let other = format!("{WORLD_PACKAGE}/{needed}@");
+        let exported = |version: &str| {
+            ["allocator", "lifecycle"]
+                .iter()
+                .all(|i| exports.contains(&format!("{WORLD_PACKAGE}/{i}@{version}")))
+        };
+        let version = if exported(WORLD_VERSION_2) {
+            WORLD_VERSION_2
+        } else if exported(WORLD_VERSION) {
+            WORLD_VERSION
+        } else {
+            let other = format!("{WORLD_PACKAGE}/lifecycle@");
             if let Some(found) = exports.iter().find_map(|e| e.strip_prefix(&other)) {
                 return Err(LoadError::WrongVersion {
                     found: found.to_string(),
-                    expected: WORLD_VERSION,
+                    expected: WORLD_VERSION_2,
                 });
             }
             return Err(LoadError::WrongWorld {
                 detail: format!(
-                    "it does not export `{want}` (it exports: {})",
+                    "it does not export `{WORLD_PACKAGE}/allocator` and `{WORLD_PACKAGE}/lifecycle` at version {WORLD_VERSION} or {WORLD_VERSION_2} (it exports: {})",
                     list_or_none(&exports)
                 ),
             });
-        }
-        refuse_unserved_imports(&component, engine, &["allocator", "bytes"])?;
+        };
+        let world_imports: &[&str] = if version == WORLD_VERSION {
+            &["allocator", "bytes"]
+        } else {
+            &["allocator", "bytes", "memory", "diagnostics"]
+        };
+        refuse_unserved_imports(&component, engine, version, world_imports)?;
         let pre = self
             .inner
             .linker
             .instantiate_pre(&component)
             .map_err(|e| LoadError::WrongWorld { detail: detail(&e) })?;
-        let pre = PolicyPre::new(pre).map_err(|e| LoadError::WrongWorld { detail: detail(&e) })?;
+        let wrong = |e: wasmtime::Error| LoadError::WrongWorld { detail: detail(&e) };
+        let pre = if version == WORLD_VERSION {
+            Pre::V1(bindings::PolicyPre::new(pre).map_err(wrong)?)
+        } else {
+            Pre::V2(bindings_v2::PolicyPre::new(pre).map_err(wrong)?)
+        };
         Ok(Policy {
             pre,
             meta: Arc::new(PolicyMeta {
@@ -383,7 +404,7 @@ impl Runtime {
         limits: &Limits,
         checked: bool,
     ) -> Result<Link, LoadError> {
-        if !Engine::same(policy.pre.instance_pre().engine(), &self.inner.engine) {
+        if !Engine::same(policy.pre.engine(), &self.inner.engine) {
             // A policy loaded by another runtime: compiled again here, once.
             return self.start(&self.adopt(policy)?, config, upstream, limits, checked);
         }
@@ -396,16 +417,48 @@ impl Runtime {
         let start_err = |store: &mut Store<LinkState>, e| {
             LoadError::Start(Box::new(classify(store, limits, Call::Init, e)))
         };
-        let bindings = match policy.pre.instantiate(&mut store) {
+        let instantiated = match &policy.pre {
+            Pre::V1(pre) => pre.instantiate(&mut store).map(Exports::V1),
+            Pre::V2(pre) => pre.instantiate(&mut store).map(Exports::V2),
+        };
+        let bindings = match instantiated {
             Ok(b) => b,
             Err(e) if e.is::<PoolConcurrencyLimitError>() => {
                 return Err(LoadError::PoolFull { detail: detail(&e) });
             }
             Err(e) => return Err(start_err(&mut store, e)),
         };
-        let answer = bindings
-            .allocbox_policy_lifecycle()
-            .call_init(&mut store, config);
+        let answer = match &bindings {
+            Exports::V1(b) => b
+                .allocbox_policy_lifecycle()
+                .call_init(&mut store, config)
+                .map(|r| {
+                    r.map(|i| Said {
+                        name: i.name,
+                        version: i.version,
+                        alignment: i.alignment,
+                        batch: i.batch,
+                    })
+                }),
+            Exports::V2(b) => {
+                use bindings_v2::exports::allocbox::policy::lifecycle::Limits as Told;
+                let told = Told {
+                    batch: limits.batch,
+                    memory: limits.memory,
+                    overhead: limits.overhead,
+                };
+                b.allocbox_policy_lifecycle()
+                    .call_init(&mut store, config, told)
+                    .map(|r| {
+                        r.map(|i| Said {
+                            name: i.name,
+                            version: i.version,
+                            alignment: i.alignment,
+                            batch: i.batch,
+                        })
+                    })
+            }
+        };
         let info = match answer {
             Ok(Ok(info)) => info,
             Ok(Err(message)) => {
@@ -423,17 +476,19 @@ impl Runtime {
 }
 
 /// Refuse a component that imports anything but `world_imports` (interfaces of this
-/// package and version) and the WASI the sandbox serves (`crate::wasi::SERVED`), naming
-/// the first such import: an allow-list, checked before anything is instantiated.
+/// package at `version`: a policy speaks one version) and the WASI the sandbox serves
+/// (`crate::wasi::SERVED`), naming the first such import: an allow-list, checked before
+/// anything is instantiated.
 fn refuse_unserved_imports(
     component: &Component,
     engine: &Engine,
+    version: &str,
     world_imports: &[&str],
 ) -> Result<(), LoadError> {
     let ours = |name: &str| {
         world_imports
             .iter()
-            .any(|i| name == format!("{WORLD_PACKAGE}/{i}@{WORLD_VERSION}"))
+            .any(|i| name == format!("{WORLD_PACKAGE}/{i}@{version}"))
     };
     let ty = component.component_type();
     let unserved = ty

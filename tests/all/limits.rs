@@ -144,6 +144,7 @@ fn an_embedder_can_grant_clocks_and_environment_variables() {
     let seen = probe(allocbox::Grants {
         clocks: true,
         env: vec![("POLICY_MODE".into(), "fast".into())],
+        ..allocbox::Grants::default()
     });
     assert!(
         seen.starts_with("probe: env=[POLICY_MODE=fast] monotonic=moving wall="),

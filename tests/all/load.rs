@@ -51,7 +51,9 @@ fn a_component_of_another_world_is_refused() {
     let err = start(b"(component)").unwrap_err();
     assert!(matches!(err, LoadError::WrongWorld { .. }), "{err}");
     assert!(
-        err.to_string().contains("allocbox:policy/allocator@0.1.0"),
+        err.to_string().contains(
+            "`allocbox:policy/allocator` and `allocbox:policy/lifecycle` at version 0.1.0 or 0.2.0"
+        ),
         "{err}"
     );
 }
@@ -63,11 +65,16 @@ fn a_component_of_another_version_is_refused() {
         (core instance $i (instantiate $m))
         (func $f (param "size" u64) (result u64) (canon lift (core func $i "f")))
         (instance $alloc (export "malloc" (func $f)))
-        (export "allocbox:policy/allocator@0.2.0" (instance $alloc))
-        (export "allocbox:policy/lifecycle@0.2.0" (instance $alloc)))"#;
+        (export "allocbox:policy/allocator@0.3.0" (instance $alloc))
+        (export "allocbox:policy/lifecycle@0.3.0" (instance $alloc)))"#;
     let err = start(wat.as_bytes()).unwrap_err();
     assert!(
-        matches!(&err, LoadError::WrongVersion { found, .. } if found == "0.2.0"),
+        matches!(&err, LoadError::WrongVersion { found, .. } if found == "0.3.0"),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("this host speaks @0.1.0 and @0.2.0"),
         "{err}"
     );
 }

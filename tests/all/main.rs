@@ -11,6 +11,7 @@ mod compile_cache;
 mod contract;
 mod fuzz;
 mod hostile;
+mod kinds;
 mod languages;
 mod limits;
 mod load;

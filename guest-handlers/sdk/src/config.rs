@@ -15,16 +15,52 @@ pub struct Config {
     pairs: Vec<(String, String)>,
     known: Vec<String>,
     verbatim: Option<String>,
+    limits: Limits,
+}
+
+/// The bounds the host enforces on this policy instance, told at `init`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Most blocks one `malloc_many` or `free_many` asks for.
+    pub batch: u32,
+    /// Most bytes of linear memory the policy may grow to; a growth past it fails (the
+    /// allocator of the policy's own language reports out of memory).
+    pub memory: u64,
+    /// Most bytes the policy may hold beyond what its client holds and asks for; an
+    /// upstream request or mapping past it is answered 0 / `OverLimit`.
+    pub overhead: u64,
+}
+
+impl Default for Limits {
+    /// The host's defaults.
+    fn default() -> Limits {
+        Limits {
+            batch: 4096,
+            memory: 128 << 20,
+            overhead: 256 << 20,
+        }
+    }
 }
 
 impl Config {
     /// The configuration `pairs`, in the order the embedder gave them.
     pub fn new(pairs: Vec<(String, String)>) -> Config {
+        Config::with_limits(pairs, Limits::default())
+    }
+
+    /// The configuration `pairs` under `limits`.
+    pub fn with_limits(pairs: Vec<(String, String)>, limits: Limits) -> Config {
         Config {
             pairs,
             known: Vec::new(),
             verbatim: None,
+            limits,
         }
+    }
+
+    /// The bounds the host enforces on this instance.
+    pub fn limits(&self) -> Limits {
+        self.limits
     }
 
     /// The value of `key` as it was given, if it was; a key given twice is an error.

@@ -32,6 +32,10 @@
 //!   with the policy's name.
 //! - [`upstream`] is the allocator below this policy; [`bytes`] reads and writes the bytes
 //!   of blocks the policy holds and has not lent (headers, free lists).
+//! - [`memory`] maps memory of kinds the embedder granted (huge pages, NUMA placement,
+//!   locked, guarded); [`diagnostics`] reports a client's misuse the policy found;
+//!   [`Policy::report`] answers the policy's own counters; [`Config::limits`] are the
+//!   bounds the host enforces (contract 0.2.0, `wit/policy.wit` here).
 //! - [`Info`] is what the policy promises: alignment and whether the host may batch.
 //!   Its name is the policy crate's package name unless `export_policy!` is given one.
 //!
@@ -42,9 +46,11 @@
 
 pub mod bytes;
 mod config;
+pub mod diagnostics;
+pub mod memory;
 pub mod upstream;
 
-pub use config::Config;
+pub use config::{Config, Limits};
 
 /// The raw wit-bindgen bindings of the `policy` world, for what this crate does not wrap.
 /// Generated with a public export macro so that [`export_policy!`] can export from the
@@ -204,6 +210,13 @@ pub trait Policy: Sized + 'static {
     /// it after the client freed everything and counts what is still held upstream as a
     /// leak. Default: nothing (right for a policy that caches nothing).
     fn trim(&self) {}
+
+    /// The policy's own counters, by name (lowercase words joined by `-`), in the order
+    /// to show them: `allocbox check`, `stats()` and `link_stats()` show them. Default:
+    /// none.
+    fn report(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
 }
 
 /// Export a [`Policy`] type as this crate's component: `export_policy!(MyPolicy);` once,
@@ -303,8 +316,14 @@ pub mod __private {
     pub fn start<P: Policy>(
         name: &'static str,
         pairs: Vec<(String, String)>,
+        limits: lifecycle::Limits,
     ) -> Result<(P, lifecycle::Info), String> {
-        let mut config = Config::new(pairs);
+        let limits = crate::Limits {
+            batch: limits.batch,
+            memory: limits.memory,
+            overhead: limits.overhead,
+        };
+        let mut config = Config::with_limits(pairs, limits);
         let made = P::init(&mut config);
         if let Some(verbatim) = config.take_verbatim() {
             return Err(verbatim);
@@ -349,8 +368,11 @@ pub mod __private {
     }
 
     impl<I: Instance> lifecycle::Guest for Export<I> {
-        fn init(config: Vec<(String, String)>) -> Result<lifecycle::Info, String> {
-            let (policy, record) = start::<I::Policy>(I::NAME, config)?;
+        fn init(
+            config: Vec<(String, String)>,
+            limits: lifecycle::Limits,
+        ) -> Result<lifecycle::Info, String> {
+            let (policy, record) = start::<I::Policy>(I::NAME, config, limits)?;
             I::with(|slot| slot.set(policy))
                 .map_err(|_| format!("{}: init called twice", I::NAME))?;
             Ok(record)
@@ -358,6 +380,10 @@ pub mod __private {
 
         fn trim() {
             policy::<I, _>(|p| p.trim())
+        }
+
+        fn report() -> Vec<(String, u64)> {
+            policy::<I, _>(|p| p.report())
         }
     }
 }
@@ -404,7 +430,12 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        start::<Fixture>("fixture", pairs).map(|(_, record)| record)
+        let limits = lifecycle::Limits {
+            batch: 64,
+            memory: 1 << 20,
+            overhead: 1 << 20,
+        };
+        start::<Fixture>("fixture", pairs, limits).map(|(_, record)| record)
     }
 
     #[test]

@@ -36,7 +36,7 @@ mod seeds;
 mod strategy;
 mod verdict;
 
-use runner::{Refusals, Subject};
+use runner::{Subject, Tally};
 pub use script::{Op, Script};
 use seeds::SeedFile;
 use strategy::Scripts;
@@ -101,7 +101,7 @@ pub fn check(
         limits: &options.limits,
         upstream_seed: 0,
         hook: options.hook.as_deref(),
-        refusals: Refusals::default(),
+        tally: Tally::default(),
     };
     let name = subject.start()?.0.name().to_string();
 
@@ -197,8 +197,13 @@ pub fn check(
         cases: cases.into_inner() as u32,
         ops: ops.into_inner(),
         elapsed: start.elapsed(),
-        budget_refusals: subject.refusals.budget.into_inner(),
-        injected_refusals: subject.refusals.injected.into_inner(),
+        budget_refusals: subject.tally.budget.into_inner(),
+        injected_refusals: subject.tally.injected.into_inner(),
+        counters: subject
+            .tally
+            .counters
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner()),
         failure,
         shrink_stopped_early,
         time_to_failure,
@@ -220,7 +225,7 @@ pub fn replay(
         limits,
         upstream_seed: script.upstream_seed,
         hook: None,
-        refusals: Refusals::default(),
+        tally: Tally::default(),
     };
     let (handler, adversary) = subject.start()?;
     // Operations reach the handler in the recorded order; a script without one runs its

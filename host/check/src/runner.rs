@@ -280,16 +280,32 @@ pub(super) struct Subject<'a> {
     pub(super) upstream_seed: u64,
     pub(super) hook: Option<&'a WasmHook>,
     /// Summed over the cases run.
-    pub(super) refusals: Refusals,
+    pub(super) tally: Tally,
 }
 
-/// Upstream requests refused on purpose, summed over the cases run.
+/// Upstream requests refused on purpose, and the policy's own counters, summed over the
+/// cases run.
 #[derive(Debug, Default)]
-pub(super) struct Refusals {
+pub(super) struct Tally {
     /// Past the overhead budget: the impossible sizes the checker asks for.
     pub(super) budget: AtomicU64,
     /// By `oom` operations.
     pub(super) injected: AtomicU64,
+    /// The policy's `lifecycle.report` at the end of each case, by name, in the order
+    /// the policy first named them.
+    pub(super) counters: std::sync::Mutex<Vec<(String, u64)>>,
+}
+
+impl Tally {
+    fn add_counters(&self, counters: Vec<(String, u64)>) {
+        let mut sums = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+        for (name, value) in counters {
+            match sums.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, sum)) => *sum = sum.saturating_add(value),
+                None => sums.push((name, value)),
+            }
+        }
+    }
 }
 
 impl Subject<'_> {
@@ -305,18 +321,22 @@ impl Subject<'_> {
         Ok((handler, adversary))
     }
 
-    /// Count what was refused on purpose in a case that ran on `handler`.
-    fn count_refusals(&self, handler: &Handler, adversary: &Adversary) {
+    /// Count what was refused on purpose in a case that ran on `handler`, and what the
+    /// policy counted.
+    fn tally(&self, handler: &Handler, adversary: &Adversary) {
         // A handler the checker's own threads called is reachable; were it not, the leak
         // check has said so already.
         if let Ok(stats) = handler.stats() {
-            self.refusals
+            self.tally
                 .budget
                 .fetch_add(stats.budget_refusals, Ordering::Relaxed);
         }
-        self.refusals
+        self.tally
             .injected
             .fetch_add(adversary.refusals(), Ordering::Relaxed);
+        if let Some(top) = handler.link_stats().ok().and_then(|l| l.into_iter().next()) {
+            self.tally.add_counters(top.counters);
+        }
     }
 
     /// Run `threads` (one op list per client thread), then free everything, trim, and
@@ -379,7 +399,7 @@ impl Subject<'_> {
         if finding.is_none() {
             finding = leak_check(&handler);
         }
-        self.count_refusals(&handler, &adversary);
+        self.tally(&handler, &adversary);
         (script, finding.map(|f| f.after_refusals(&adversary)))
     }
 }

@@ -110,7 +110,14 @@ fn text_report(
         format!("{} ({label})", report.policy)
     };
     let Some((finding, script)) = &report.failure else {
-        return format!("{named}: every rule held — {totals}\n");
+        let mut out = format!("{named}: every rule held — {totals}\n");
+        if !report.counters.is_empty() {
+            out += &format!(
+                "  its counters, summed over the cases: {}\n",
+                counter_list(&report.counters)
+            );
+        }
+        return out;
     };
     let mut out = format!("{named}: BROKEN {finding}\n");
     out += &format!("  shrunk to {} operations", script.len());
@@ -130,6 +137,15 @@ fn text_report(
     }
     out += &format!("  ({totals}, shrinking included)\n");
     out
+}
+
+/// A policy's counters as `name value, name value`.
+pub(crate) fn counter_list(counters: &[(String, u64)]) -> String {
+    let shown: Vec<String> = counters
+        .iter()
+        .map(|(name, value)| format!("{name} {value}"))
+        .collect();
+    shown.join(", ")
 }
 
 /// What the checker refused on purpose, and what for, so that it does not read like a
@@ -178,6 +194,11 @@ fn json_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> serde
         "operations_per_second": report.ops_per_second(),
         "budget_refusals": report.budget_refusals,
         "injected_refusals": report.injected_refusals,
+        "counters": report
+            .counters
+            .iter()
+            .map(|(name, value)| (name.clone(), serde_json::Value::from(*value)))
+            .collect::<serde_json::Map<_, _>>(),
         "rule": rule,
         "message": message,
         "script": script,

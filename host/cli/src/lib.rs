@@ -216,6 +216,15 @@ struct LimitArgs {
     /// out-of-memory [default: 256 MiB].
     #[arg(long, value_parser = byte_size)]
     overhead: Option<u64>,
+    /// Kinds of memory a policy may ask the host to map for it, comma-separated:
+    /// numa, huge-pages, locked, guarded [default: none].
+    #[arg(long = "grant", value_name = "KINDS", value_delimiter = ',', value_parser = kind_grant)]
+    grants: Vec<allocbox::mapped::KindGrant>,
+}
+
+/// One `--grant` name.
+fn kind_grant(s: &str) -> Result<allocbox::mapped::KindGrant> {
+    Ok(s.parse()?)
 }
 
 impl LimitArgs {
@@ -226,6 +235,13 @@ impl LimitArgs {
             memory: self.guest_memory.unwrap_or(defaults.memory),
             batch: self.batch_limit.unwrap_or(defaults.batch),
             overhead: self.overhead.unwrap_or(defaults.overhead),
+            grants: allocbox::Grants {
+                memory: self.grants.iter().fold(Default::default(), |mut all, &g| {
+                    all.grant(g);
+                    all
+                }),
+                ..defaults.grants
+            },
             ..defaults
         }
     }

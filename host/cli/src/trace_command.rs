@@ -140,6 +140,23 @@ pub(crate) fn run_replay_trace(
         report.out_of_memory,
         stats.budget_refusals,
     );
+    if let BuiltHandler::Chain(chain) = &built {
+        for link in chain.link_stats().unwrap_or_default() {
+            if !link.counters.is_empty() {
+                out += &format!(
+                    "counters   {}: {}\n",
+                    link.name,
+                    crate::check_command::counter_list(&link.counters)
+                );
+            }
+            if let Some(latest) = link.recent_misuse.last() {
+                out += &format!(
+                    "misuse     {} client misuse reported by `{}`; the latest: {latest}\n",
+                    link.client_misuse, link.name
+                );
+            }
+        }
+    }
     let outcome = match (&report.failure, &report.leak) {
         (None, None) => {
             out += "failures   none (and nothing held from the host once every block was freed)\n";

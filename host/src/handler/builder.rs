@@ -143,6 +143,7 @@ impl HandlerBuilder {
         names.push(head.name().clone());
         names.reverse();
         let info = head.info.clone();
+        let diagnoses = self.links.iter().any(|(policy, _)| policy.diagnoses());
         // A fork waits for calls in other threads to end: they end within the call
         // limit, and the time past it that the host needs to stop them.
         let fork_patience = self.limits.call_time + std::time::Duration::from_secs(1);
@@ -161,6 +162,7 @@ impl HandlerBuilder {
             name: names.join(">").into(),
             names,
             fallback: self.fallback,
+            diagnoses,
         })
     }
 }

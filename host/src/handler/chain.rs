@@ -37,6 +37,18 @@ impl Chain {
         })
     }
 
+    /// Call `f` on every link, top first.
+    pub(super) fn each_link_mut(&mut self, mut f: impl FnMut(&mut Link)) {
+        let mut link = &mut self.head;
+        loop {
+            f(link);
+            match &mut link.store.data_mut().upstream {
+                Upstream::Policy(next) => link = next,
+                Upstream::System(_) => return,
+            }
+        }
+    }
+
     /// The host's own memory under the chain.
     pub(super) fn bottom(&self) -> &SystemMemory {
         let mut link = &self.head;

@@ -73,7 +73,9 @@ impl Handler {
             }
             let upstream = link.upstream().lent().order_afresh();
             for (addr, e) in lent.iter() {
-                if Ordered::from(&upstream).containing(addr, e.size).is_none() {
+                let owned = Ordered::from(&upstream).containing(addr, e.size).is_some()
+                    || link.mapped_containing(addr, e.size).is_some();
+                if !owned {
                     return Err(broken(
                         addr,
                         e.size,
@@ -188,9 +190,23 @@ impl Handler {
         Some(size as usize)
     }
 
-    /// Counters of every policy in the chain, top first.
+    /// Counters of every policy in the chain, top first, each policy's own counters
+    /// included (it is asked for them: `lifecycle.report`).
     pub fn link_stats(&self) -> Result<Vec<crate::link::LinkStats>, Error> {
-        Ok(self.lock()?.links().map(Link::stats).collect())
+        let mut c = self.lock()?;
+        let mut all = Vec::new();
+        c.each_link_mut(|link| all.push(link.report()));
+        Ok(all)
+    }
+
+    /// Misuse by the client that the chain's policies reported (0.2.0 `diagnostics`)
+    /// since this was last asked, top policy first. Each is also counted in
+    /// [`crate::LinkStats::client_misuse`].
+    pub fn take_client_misuse(&self) -> Result<Vec<crate::ClientMisuse>, Error> {
+        let mut c = self.lock()?;
+        let mut all = Vec::new();
+        c.each_link_mut(|link| all.extend(link.take_new_misuse()));
+        Ok(all)
     }
 
     /// Trim, then fail with a [`crate::error::Rule::Leak`] violation if the chain still holds memory
@@ -216,7 +232,12 @@ impl Handler {
     pub fn held_from_host(&self) -> Result<(usize, u64), Error> {
         let c = self.lock()?;
         let host = &c.bottom().lent;
-        Ok((host.len(), host.bytes()))
+        let (mut blocks, mut bytes) = (host.len(), host.bytes());
+        for (regions, mapped) in c.links().map(Link::mapped_held) {
+            blocks += regions;
+            bytes += mapped;
+        }
+        Ok((blocks, bytes))
     }
 
     /// The blocks the chain holds from the host's memory, `(address, size)`, by address.

@@ -32,6 +32,7 @@ impl LinkState {
             clearance: None,
             zeroed: Default::default(),
             checked,
+            mapped: super::Mapped::new(limits.grants.memory),
         }
     }
 
@@ -89,7 +90,13 @@ impl LinkState {
     }
 
     /// Record that this policy broke `rule` and produce the error that traps it.
-    fn violate(&mut self, call: Call, addr: u64, size: u64, rule: Rule) -> wasmtime::Error {
+    pub(super) fn violate(
+        &mut self,
+        call: Call,
+        addr: u64,
+        size: u64,
+        rule: Rule,
+    ) -> wasmtime::Error {
         self.fail(Error::Violation(Violation {
             policy: self.sandbox.name.clone(),
             call,
@@ -122,7 +129,7 @@ impl LinkState {
 
     /// Stop an import of a call that has run past its time: wasm code is interrupted by
     /// the epoch, host code checks here, at every import and between chunks of long ones.
-    fn on_time(&mut self, call: Call) -> wasmtime::Result<()> {
+    pub(super) fn on_time(&mut self, call: Call) -> wasmtime::Result<()> {
         if !self.out_of_time() {
             return Ok(());
         }
@@ -147,7 +154,12 @@ impl LinkState {
             .bytes()
             .saturating_add(self.demand)
             .saturating_add(self.overhead_limit);
-        allowed.saturating_sub(self.upstream.lent().cost())
+        allowed.saturating_sub(
+            self.upstream
+                .lent()
+                .cost()
+                .saturating_add(self.mapped.cost()),
+        )
     }
 
     /// May the policy take one more upstream block of `size` bytes?
@@ -158,7 +170,7 @@ impl LinkState {
 
     /// May the policy take `cost` more bytes of host memory from upstream? A refusal is
     /// counted.
-    fn within_budget(&mut self, cost: u64) -> bool {
+    pub(super) fn within_budget(&mut self, cost: u64) -> bool {
         let ok = cost <= self.budget_left();
         if !ok {
             self.budget_refusals += 1;
@@ -166,7 +178,13 @@ impl LinkState {
         ok
     }
 
-    fn caller_fault(&mut self, call: Call, addr: u64, size: u64, f: TakeBack) -> wasmtime::Error {
+    pub(super) fn caller_fault(
+        &mut self,
+        call: Call,
+        addr: u64,
+        size: u64,
+        f: TakeBack,
+    ) -> wasmtime::Error {
         let rule = match f {
             TakeBack::Unknown => Rule::UnknownFree,
             TakeBack::AlreadyFreed => Rule::DoubleFree,
@@ -220,8 +238,7 @@ impl LinkState {
     /// lie inside one upstream block this policy holds, outside held-back memory and
     /// every block it lent? If so, the clear stretch around it becomes the clearance.
     fn clear(&mut self, at: u64, len: u64) -> bool {
-        let Some((block, block_size)) = self.upstream.lent_mut().nearby().containing(at, len)
-        else {
+        let Some((block, block_size)) = self.owned_containing(at, len) else {
             return false;
         };
         if self.transit.held_back_overlapping(at, len).is_some() {
@@ -276,7 +293,7 @@ impl LinkState {
     /// lent, other than the block in transit during its own realloc (whose upstream memory
     /// is held back instead): the client would lose its data, and the host would free
     /// memory a client still writes to.
-    fn check_nothing_lent_inside(
+    pub(super) fn check_nothing_lent_inside(
         &mut self,
         call: Call,
         ptr: u64,

@@ -50,6 +50,8 @@ pub struct Grants {
     pub clocks: bool,
     /// Environment variables the guest may read.
     pub env: Vec<(String, String)>,
+    /// Kinds of memory a policy may ask the host to map for it (0.2.0 `memory`).
+    pub memory: crate::mapped::KindGrants,
 }
 
 impl Default for Limits {

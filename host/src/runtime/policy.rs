@@ -6,13 +6,29 @@ use std::sync::Arc;
 use crate::error::LoadError;
 use crate::link::LinkState;
 use crate::link::PolicyInfo;
-use crate::link::bindings::PolicyPre;
+use crate::link::{bindings, bindings_v2};
+
+/// A policy ready to start, in the version of the world it was built against.
+#[derive(Clone)]
+pub(super) enum Pre {
+    V1(bindings::PolicyPre<LinkState>),
+    V2(bindings_v2::PolicyPre<LinkState>),
+}
+
+impl Pre {
+    pub(super) fn engine(&self) -> &wasmtime::Engine {
+        match self {
+            Pre::V1(pre) => pre.instance_pre().engine(),
+            Pre::V2(pre) => pre.instance_pre().engine(),
+        }
+    }
+}
 
 /// A compiled policy component, checked against the policy world. Cheap to clone;
 /// start instances of it with [`crate::HandlerBuilder`].
 #[derive(Clone)]
 pub struct Policy {
-    pub(super) pre: PolicyPre<LinkState>,
+    pub(super) pre: Pre,
     pub(super) meta: Arc<PolicyMeta>,
 }
 
@@ -114,6 +130,16 @@ impl Policy {
     pub fn exports(&self) -> &[String] {
         &self.meta.exports
     }
+    /// Does it import client diagnostics or memory kinds (the 0.2.0 `diagnostics` and
+    /// `memory` interfaces)?
+    pub fn diagnoses(&self) -> bool {
+        self.meta.imports.iter().any(|i| {
+            ["diagnostics", "memory"]
+                .iter()
+                .any(|name| i.starts_with(&format!("{}/{name}@", crate::WORLD_PACKAGE)))
+        })
+    }
+
     /// The source language the component's toolchain recorded (`producers` sections),
     /// e.g. `Rust`; none when it recorded none.
     pub fn language(&self) -> Option<&str> {
@@ -121,10 +147,17 @@ impl Policy {
     }
 }
 
+/// What a policy says about itself at `init`, in either version of the world (the
+/// record is the same).
+pub(super) struct Said {
+    pub(super) name: String,
+    pub(super) version: u8,
+    pub(super) alignment: u64,
+    pub(super) batch: bool,
+}
+
 /// Check what a policy says about itself (C1, C6).
-pub(super) fn check_info(
-    info: crate::link::bindings::exports::allocbox::policy::lifecycle::Info,
-) -> Result<PolicyInfo, LoadError> {
+pub(super) fn check_info(info: Said) -> Result<PolicyInfo, LoadError> {
     if info.name.is_empty() || info.name.len() > 127 {
         return Err(LoadError::BadName {
             len: info.name.len(),

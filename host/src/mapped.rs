@@ -1,0 +1,569 @@
+//! Memory of kinds only the host can make, mapped straight from the operating system for
+//! one policy (`memory` in the 0.2.0 policy world): huge pages, NUMA placement, locked
+//! pages, and guard pages. A policy asks for a kind; the embedder grants kinds
+//! ([`KindGrants`]); the host alone calls `mmap`, `madvise`, `mbind`, `mlock` and
+//! `mprotect`, and records every region so that blocks lent from it are checked as
+//! blocks lent from upstream memory.
+//!
+//! Guard pages are registered process-wide ([`guard_page_at`]), so that an embedder's
+//! fault handler can tell a client's overrun into one from any other crash, and name
+//! the policy whose region it was.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use parking_lot::Mutex;
+
+/// How a region's pages are backed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pages {
+    Normal,
+    /// Transparent huge pages, advised.
+    TransparentHuge,
+    /// Explicit huge pages from the kernel's reserved pool.
+    Hugetlb,
+}
+
+/// Where a region's pages are placed among NUMA nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Numa {
+    Any,
+    Bind(u32),
+    Interleave,
+    Preferred(u32),
+}
+
+/// Where a region's inaccessible page lies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Guard {
+    None,
+    After,
+    Before,
+}
+
+/// A kind of memory a policy asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kind {
+    pub pages: Pages,
+    pub numa: Numa,
+    pub locked: bool,
+    pub guard: Guard,
+}
+
+/// Why a region was not mapped; the policy sees it and goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("the embedder did not grant `{0}`")]
+    NotGranted(KindGrant),
+    #[error("the machine cannot give that kind of memory")]
+    Unavailable,
+    #[error("the policy's overhead budget or the memory-lock limit does not allow it")]
+    OverLimit,
+    #[error("the operating system refused the memory")]
+    OutOfMemory,
+}
+
+/// One kind of memory an embedder may grant, by its name in every interface: Rust,
+/// the CLI's `--grant`, Python's `grant=`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KindGrant {
+    Numa,
+    HugePages,
+    Locked,
+    Guarded,
+}
+
+impl KindGrant {
+    pub const ALL: [KindGrant; 4] = [
+        KindGrant::Numa,
+        KindGrant::HugePages,
+        KindGrant::Locked,
+        KindGrant::Guarded,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KindGrant::Numa => "numa",
+            KindGrant::HugePages => "huge-pages",
+            KindGrant::Locked => "locked",
+            KindGrant::Guarded => "guarded",
+        }
+    }
+}
+
+impl std::fmt::Display for KindGrant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A grant name that is none of [`KindGrant::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "`{given}` is not a kind of memory allocbox can grant: use numa, huge-pages, locked or guarded"
+)]
+pub struct UnknownGrant {
+    pub given: String,
+}
+
+impl std::str::FromStr for KindGrant {
+    type Err = UnknownGrant;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        KindGrant::ALL
+            .into_iter()
+            .find(|g| g.name() == s)
+            .ok_or_else(|| UnknownGrant {
+                given: crate::untrusted::escape(s),
+            })
+    }
+}
+
+/// The kinds of memory a policy may ask the host for. Nothing by default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KindGrants {
+    pub numa: bool,
+    pub huge_pages: bool,
+    pub locked: bool,
+    pub guarded: bool,
+}
+
+impl KindGrants {
+    pub fn grant(&mut self, kind: KindGrant) {
+        *self.flag(kind) = true;
+    }
+
+    pub fn granted(&self, kind: KindGrant) -> bool {
+        match kind {
+            KindGrant::Numa => self.numa,
+            KindGrant::HugePages => self.huge_pages,
+            KindGrant::Locked => self.locked,
+            KindGrant::Guarded => self.guarded,
+        }
+    }
+
+    fn flag(&mut self, kind: KindGrant) -> &mut bool {
+        match kind {
+            KindGrant::Numa => &mut self.numa,
+            KindGrant::HugePages => &mut self.huge_pages,
+            KindGrant::Locked => &mut self.locked,
+            KindGrant::Guarded => &mut self.guarded,
+        }
+    }
+
+    /// Grants from names (`["numa", "guarded"]`), refusing an unknown one.
+    pub fn from_names<S: AsRef<str>>(
+        names: impl IntoIterator<Item = S>,
+    ) -> Result<Self, UnknownGrant> {
+        let mut grants = KindGrants::default();
+        for name in names {
+            grants.grant(name.as_ref().parse()?);
+        }
+        Ok(grants)
+    }
+
+    /// The first grant `kind` needs that is not given.
+    fn missing_for(&self, kind: &Kind) -> Option<KindGrant> {
+        let needs = [
+            (kind.pages != Pages::Normal, KindGrant::HugePages),
+            (kind.numa != Numa::Any, KindGrant::Numa),
+            (kind.locked, KindGrant::Locked),
+            (kind.guard != Guard::None, KindGrant::Guarded),
+        ];
+        needs
+            .into_iter()
+            .find(|&(needed, grant)| needed && !self.granted(grant))
+            .map(|(_, grant)| grant)
+    }
+}
+
+/// The size of one page of `pages` on this machine; 0 when it has none of them.
+pub fn page_size(pages: Pages) -> u64 {
+    match pages {
+        Pages::Normal | Pages::TransparentHuge => base_page(),
+        Pages::Hugetlb => hugetlb_page(),
+    }
+}
+
+fn base_page() -> u64 {
+    // SAFETY: sysconf reads a constant of the system; no memory is passed.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(page).unwrap_or(4096)
+}
+
+/// The default explicit huge page size (`Hugepagesize` in /proc/meminfo); 0 when unknown.
+fn hugetlb_page() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("Hugepagesize:"))
+        .and_then(|rest| rest.trim().strip_suffix("kB"))
+        .and_then(|kb| kb.trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb << 10)
+}
+
+/// One region mapped for a policy. Unmapped when dropped.
+#[derive(Debug)]
+pub(crate) struct Region {
+    /// The usable part: page-aligned, `len` bytes, all of it the policy's.
+    pub(crate) start: u64,
+    pub(crate) len: u64,
+    /// The size the policy asked for: the one `unmap` must be given.
+    pub(crate) asked: u64,
+    /// The whole mapping, guard page included.
+    map_start: u64,
+    map_len: u64,
+    guard: Option<u64>,
+}
+
+impl Region {
+    /// Host memory the region takes: every page mapped, the guard page included.
+    pub(crate) fn cost(&self) -> u64 {
+        self.map_len
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if let Some(guard) = self.guard {
+            GUARDS.lock().remove(&guard);
+            GUARDED.fetch_sub(1, Ordering::Relaxed);
+        }
+        // SAFETY: `[map_start, map_start + map_len)` is the mapping `map` made for this
+        // region and nothing else; the region is dropped only once its policy unmapped
+        // it (no block lent from it is live: `memory.unmap` checked) or its link ended
+        // (the client's blocks from it are gone with the handler).
+        unsafe { libc::munmap(self.map_start as *mut libc::c_void, self.map_len as usize) };
+    }
+}
+
+/// Map a region of at least `size` bytes of `kind` for `policy`, if `grants` allow it
+/// and `cost_allowed` says its cost (every page mapped) fits the policy's budget.
+pub(crate) fn map(
+    policy: &Arc<str>,
+    size: u64,
+    kind: Kind,
+    grants: &KindGrants,
+    cost_allowed: impl FnOnce(u64) -> bool,
+) -> Result<Region, Refusal> {
+    if let Some(grant) = grants.missing_for(&kind) {
+        return Err(Refusal::NotGranted(grant));
+    }
+    let page = page_size(kind.pages);
+    if page == 0 {
+        return Err(Refusal::Unavailable);
+    }
+    let base = base_page();
+    let len = size
+        .max(1)
+        .checked_next_multiple_of(page)
+        .ok_or(Refusal::OutOfMemory)?;
+    // A guard is one base page; with huge pages, a whole huge page keeps the region's
+    // alignment (a hugetlb mapping is made of huge pages only).
+    let guard_len = match kind.guard {
+        Guard::None => 0,
+        _ if kind.pages == Pages::Hugetlb => page,
+        _ => base,
+    };
+    let map_len = len.checked_add(guard_len).ok_or(Refusal::OutOfMemory)?;
+    if usize::try_from(map_len).is_err() || !cost_allowed(map_len) {
+        return Err(Refusal::OverLimit);
+    }
+    // Explicit huge pages are reserved when mapped (no MAP_NORESERVE), so an empty pool
+    // refuses here rather than with a SIGBUS when a page is first touched.
+    let flags = match kind.pages {
+        Pages::Hugetlb => libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB,
+        _ => libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+    };
+    // SAFETY: a fresh anonymous mapping at an address the kernel chooses; it overlaps
+    // nothing that exists.
+    let at = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            map_len as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags,
+            -1,
+            0,
+        )
+    };
+    if at == libc::MAP_FAILED {
+        return Err(match kind.pages {
+            Pages::Hugetlb => Refusal::Unavailable,
+            _ => Refusal::OutOfMemory,
+        });
+    }
+    let map_start = at as u64;
+    let (start, guard) = match kind.guard {
+        Guard::None => (map_start, None),
+        Guard::After => (map_start, Some(map_start + len)),
+        Guard::Before => (map_start + guard_len, Some(map_start)),
+    };
+    // Owned from here: an early return unmaps it.
+    let mut region = Region {
+        start,
+        len,
+        asked: size,
+        map_start,
+        map_len,
+        guard: None,
+    };
+    if let Some(guard) = guard {
+        // SAFETY: `[guard, guard + guard_len)` lies inside the mapping just made, which
+        // no one else knows of yet.
+        let protected =
+            unsafe { libc::mprotect(guard as *mut libc::c_void, guard_len as usize, 0) };
+        if protected != 0 {
+            return Err(Refusal::OutOfMemory);
+        }
+    }
+    if kind.pages == Pages::TransparentHuge {
+        // SAFETY: advice on the usable part of the mapping just made; it changes no
+        // contents. Without THP support it fails, and the pages stay small.
+        unsafe {
+            libc::madvise(
+                start as *mut libc::c_void,
+                len as usize,
+                libc::MADV_HUGEPAGE,
+            )
+        };
+    }
+    if kind.numa != Numa::Any {
+        place(start, len, kind.numa)?;
+    }
+    if kind.locked {
+        // SAFETY: locks the usable part of the mapping just made in RAM; no contents
+        // change. Past RLIMIT_MEMLOCK it fails with ENOMEM or EPERM, and the region is
+        // unmapped on the way out.
+        if unsafe { libc::mlock(start as *const libc::c_void, len as usize) } != 0 {
+            return Err(Refusal::OverLimit);
+        }
+    }
+    if let Some(guard) = guard {
+        region.guard = Some(guard);
+        GUARDS.lock().insert(
+            guard,
+            GuardPage {
+                policy: policy.clone(),
+                len: guard_len,
+                region_start: start,
+                region_len: len,
+            },
+        );
+        GUARDED.fetch_add(1, Ordering::Relaxed);
+    }
+    Ok(region)
+}
+
+/// Bind `[start, start + len)` to NUMA nodes with `mbind`, before any page of it is
+/// touched (the kernel places a page when it is first faulted in).
+fn place(start: u64, len: u64, numa: Numa) -> Result<(), Refusal> {
+    const MPOL_PREFERRED: libc::c_long = 1;
+    const MPOL_BIND: libc::c_long = 2;
+    const MPOL_INTERLEAVE: libc::c_long = 3;
+    let nodes = online_nodes();
+    let (mode, mask): (libc::c_long, u64) = match numa {
+        Numa::Any => return Ok(()),
+        Numa::Bind(node) | Numa::Preferred(node) => {
+            if node >= 64 || nodes & (1 << node) == 0 {
+                return Err(Refusal::Unavailable);
+            }
+            let mode = if matches!(numa, Numa::Bind(_)) {
+                MPOL_BIND
+            } else {
+                MPOL_PREFERRED
+            };
+            (mode, 1 << node)
+        }
+        Numa::Interleave => (MPOL_INTERLEAVE, nodes),
+    };
+    // SAFETY: mbind reads `mask` (one word, 64 nodes) and changes the placement policy
+    // of the mapping just made; no contents change.
+    let done = unsafe {
+        libc::syscall(
+            libc::SYS_mbind,
+            start as usize,
+            len as usize,
+            mode,
+            &mask as *const u64,
+            64usize,
+            0usize,
+        )
+    };
+    if done == 0 {
+        Ok(())
+    } else {
+        Err(Refusal::Unavailable)
+    }
+}
+
+/// The NUMA nodes online, as a bit mask of the first 64 (`/sys/devices/system/node/
+/// online`, e.g. `0-1,3`); node 0 alone on a machine that says nothing.
+pub fn online_nodes() -> u64 {
+    let listed = std::fs::read_to_string("/sys/devices/system/node/online").unwrap_or_default();
+    let mut mask = 0u64;
+    for part in listed.trim().split(',').filter(|p| !p.is_empty()) {
+        let (first, last) = part.split_once('-').unwrap_or((part, part));
+        let (Ok(first), Ok(last)) = (first.parse::<u32>(), last.parse::<u32>()) else {
+            continue;
+        };
+        for node in first..=last.min(63) {
+            mask |= 1 << node;
+        }
+    }
+    if mask == 0 { 1 } else { mask }
+}
+
+/// A guard page of a live region, as [`guard_page_at`] reports it.
+#[derive(Debug, Clone)]
+pub struct GuardPage {
+    /// The policy the region was mapped for.
+    pub policy: Arc<str>,
+    /// Bytes of the guard.
+    pub len: u64,
+    /// The usable region it guards.
+    pub region_start: u64,
+    pub region_len: u64,
+}
+
+static GUARDS: Mutex<BTreeMap<u64, GuardPage>> = Mutex::new(BTreeMap::new());
+/// Guard pages live, so that a fault handler in a process that has none answers at once.
+static GUARDED: AtomicUsize = AtomicUsize::new(0);
+
+/// The guard page containing `addr`, with its start, if a live region has one there.
+/// For a fault handler: it does not wait for the registry's lock (a thread that
+/// faulted while holding it would wait forever) and answers none when it is taken.
+pub fn guard_page_at(addr: u64) -> Option<(u64, GuardPage)> {
+    if GUARDED.load(Ordering::Relaxed) == 0 {
+        return None;
+    }
+    let guards = GUARDS.try_lock()?;
+    let (&start, page) = guards.range(..=addr).next_back()?;
+    (addr < start + page.len).then(|| (start, page.clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NORMAL: Kind = Kind {
+        pages: Pages::Normal,
+        numa: Numa::Any,
+        locked: false,
+        guard: Guard::None,
+    };
+
+    fn name() -> Arc<str> {
+        Arc::from("test")
+    }
+
+    #[test]
+    fn normal_memory_needs_no_grant_and_every_other_kind_does() {
+        let none = KindGrants::default();
+        assert!(map(&name(), 100, NORMAL, &none, |_| true).is_ok());
+        let kinds = [
+            (
+                Kind {
+                    pages: Pages::TransparentHuge,
+                    ..NORMAL
+                },
+                KindGrant::HugePages,
+            ),
+            (
+                Kind {
+                    numa: Numa::Bind(0),
+                    ..NORMAL
+                },
+                KindGrant::Numa,
+            ),
+            (
+                Kind {
+                    locked: true,
+                    ..NORMAL
+                },
+                KindGrant::Locked,
+            ),
+            (
+                Kind {
+                    guard: Guard::After,
+                    ..NORMAL
+                },
+                KindGrant::Guarded,
+            ),
+        ];
+        for (kind, grant) in kinds {
+            let refused = map(&name(), 100, kind, &none, |_| true).unwrap_err();
+            assert_eq!(refused, Refusal::NotGranted(grant));
+            let mut granted = KindGrants::default();
+            granted.grant(grant);
+            // Granted, it is mapped or refused by the machine (no such node, a lock
+            // limit), never for want of a grant.
+            let answer = map(&name(), 100, kind, &granted, |_| true);
+            assert!(!matches!(answer, Err(Refusal::NotGranted(_))), "{grant}");
+        }
+    }
+
+    #[test]
+    fn a_guard_page_is_registered_while_its_region_lives() {
+        let grants = KindGrants {
+            guarded: true,
+            ..KindGrants::default()
+        };
+        let kind = Kind {
+            guard: Guard::After,
+            ..NORMAL
+        };
+        let region = map(&name(), 1000, kind, &grants, |_| true).unwrap();
+        let end = region.start + region.len;
+        assert_eq!(region.len, base_page());
+        let (start, page) = guard_page_at(end + 1).expect("registered");
+        assert_eq!((start, &*page.policy), (end, "test"));
+        assert!(guard_page_at(region.start).is_none());
+        drop(region);
+        assert!(guard_page_at(end + 1).is_none());
+    }
+
+    #[test]
+    fn a_region_past_the_budget_is_over_limit_and_its_cost_counts_the_guard() {
+        let grants = KindGrants {
+            guarded: true,
+            ..KindGrants::default()
+        };
+        let kind = Kind {
+            guard: Guard::Before,
+            ..NORMAL
+        };
+        assert_eq!(
+            map(&name(), 1, kind, &grants, |_| false).unwrap_err(),
+            Refusal::OverLimit
+        );
+        let region = map(&name(), 1, kind, &grants, |_| true).unwrap();
+        assert_eq!(region.cost(), 2 * base_page());
+    }
+
+    #[test]
+    fn grant_names_are_the_documented_ones() {
+        let grants = KindGrants::from_names(["numa", "guarded"]).unwrap();
+        assert!(grants.numa && grants.guarded && !grants.locked && !grants.huge_pages);
+        let err = KindGrants::from_names(["gpu"]).unwrap_err();
+        assert!(err.to_string().contains("`gpu` is not a kind"));
+    }
+
+    #[test]
+    fn a_node_the_machine_lacks_is_unavailable() {
+        let grants = KindGrants {
+            numa: true,
+            ..KindGrants::default()
+        };
+        let kind = Kind {
+            numa: Numa::Bind(63),
+            ..NORMAL
+        };
+        if online_nodes() & (1 << 63) == 0 {
+            assert_eq!(
+                map(&name(), 1, kind, &grants, |_| true).unwrap_err(),
+                Refusal::Unavailable
+            );
+        }
+    }
+}
