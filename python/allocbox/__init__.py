@@ -25,6 +25,7 @@ from ._allocbox import (
     DEFAULT_POLICY_WAT,
     AllocboxError,
     ClientError,
+    ClientMisuseWarning,
     ContractViolation,
     EventHook,
     LoadError,
@@ -38,6 +39,7 @@ from ._allocbox import (
 __all__ = [
     "AllocboxError",
     "ClientError",
+    "ClientMisuseWarning",
     "ContractViolation",
     "EventHook",
     "LoadError",
@@ -89,7 +91,10 @@ def load(source, config=None, *, record=None, **limits):
     `policies()`), a path (a .wasm component or .wat source) or bytes. `record` writes every call to a trace file. Bounds, each
     defaulting to allocbox's: `call_time` (seconds per call, imports included),
     `memory` (the guest's own memory), `batch` (blocks in one batch call), `overhead`
-    (bytes the policy may hold beyond what NumPy holds), `host_memory_limit`."""
+    (bytes the policy may hold beyond what NumPy holds), `host_memory_limit`. `grant`
+    lists the kinds of memory the policy may ask the host for: "numa", "huge-pages",
+    "locked", "guarded" (none by default), e.g.
+    `load("guard", {"sample": "1"}, grant=["guarded"])`."""
     item = (source, {str(k): str(v) for k, v in config.items()}) if config else source
     return load_chain(item, record=record, **limits)
 

@@ -6,6 +6,8 @@
 //! calls them with or without the GIL and from several threads at once, so they never
 //! touch the Python C-API: the handler is `Send + Sync` on its own.
 
+mod diagnosis;
+
 use std::ffi::{CStr, c_char, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
@@ -18,7 +20,7 @@ use allocbox::trace::Recorder;
 use allocbox::{
     CompileBound, CompileBounds, Error, Handler, HandlerBuilder, Limits, Runtime, WasmHook,
 };
-use pyo3::exceptions::PyTypeError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use pyo3::{create_exception, ffi};
@@ -87,6 +89,10 @@ struct Bridge {
     /// then on every request is refused (NULL) and frees are left to the handler's drop,
     /// which releases all its memory once no array holds the capsule.
     panicked: OnceLock<String>,
+    /// The wasm chain when one of its policies diagnoses its client
+    /// ([`Handler::diagnoses`]): every block's allocation site is recorded, and the
+    /// misuse its policies report becomes a warning.
+    diagnosing: Option<Arc<Handler>>,
 }
 
 impl Bridge {
@@ -96,7 +102,43 @@ impl Bridge {
             direct,
             failures: Mutex::new(Vec::new()),
             panicked: OnceLock::new(),
+            diagnosing: None,
         }
+    }
+
+    /// A bridge to `chain`, which diagnoses its client.
+    fn diagnosing(mut self, chain: Arc<Handler>) -> Self {
+        diagnosis::install_fault_handler();
+        self.diagnosing = Some(chain);
+        self
+    }
+
+    /// Record where `new` (of `size` bytes) was allocated and forget `old`, for a
+    /// diagnosing bridge; and warn about misuse its policies reported meanwhile.
+    #[inline(always)]
+    fn diagnose(&self, old: *mut c_void, new: *mut c_void, size: usize) {
+        if self.diagnosing.is_some() {
+            self.diagnose_slowly(old, new, size);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn diagnose_slowly(&self, old: *mut c_void, new: *mut c_void, size: usize) {
+        self.guard((), || {
+            let Some(chain) = &self.diagnosing else {
+                return;
+            };
+            if let Ok(reports) = chain.take_client_misuse()
+                && !reports.is_empty()
+            {
+                diagnosis::warn(reports);
+            }
+            if !old.is_null() && old != new {
+                diagnosis::forget_site(old);
+            }
+            diagnosis::record_site(new, size);
+        });
     }
 
     /// Run one callback unless the bridge has stopped; a panic stops it for good.
@@ -185,6 +227,7 @@ unsafe extern "C" fn bridge_malloc(ctx: *mut c_void, size: usize) -> *mut c_void
 #[inline(never)]
 fn malloc_slowly(b: &Bridge, size: usize) -> *mut c_void {
     let block = b.block(|| b.handler.malloc(size));
+    b.diagnose(std::ptr::null_mut(), block, size);
     b.tell_hook(std::ptr::null_mut(), block, size);
     block
 }
@@ -193,6 +236,7 @@ unsafe extern "C" fn bridge_calloc(ctx: *mut c_void, nelem: usize, elsize: usize
     // SAFETY: as in `bridge_malloc`.
     let b = unsafe { bridge(ctx) };
     let block = b.block(|| b.handler.calloc(nelem, elsize));
+    b.diagnose(std::ptr::null_mut(), block, nelem.saturating_mul(elsize));
     b.tell_hook(std::ptr::null_mut(), block, nelem.saturating_mul(elsize));
     block
 }
@@ -208,6 +252,7 @@ unsafe extern "C" fn bridge_realloc(
     let block = b.block(|| b.handler.realloc(old, size));
     // A refused realloc left the old block as it was: no event.
     if !block.is_null() {
+        b.diagnose(ptr, block, size);
         b.tell_hook(ptr, block, size);
     }
     block
@@ -225,6 +270,9 @@ unsafe extern "C" fn bridge_free(ctx: *mut c_void, ptr: *mut c_void, size: usize
         return;
     }
     free_slowly(b, block, size);
+    // The policy checked the block as it was freed: its report names the block's site,
+    // which is forgotten after.
+    b.diagnose(ptr, std::ptr::null_mut(), 0);
     b.tell_hook(ptr, std::ptr::null_mut(), 0);
 }
 
@@ -402,13 +450,27 @@ impl Policy {
     ///   calling the policy;
     /// - `cached_blocks`: blocks freed by NumPy that wait in those magazines, still
     ///   lent by the policy;
-    /// - `budget_refusals`: upstream requests refused for passing `overhead`.
+    /// - `budget_refusals`: upstream requests refused for passing `overhead`;
+    /// - `client_misuse`: misuse of arrays the policies reported (each also a
+    ///   `ClientMisuseWarning`);
+    /// - `counters`: the top policy's own counters, `{name: value}` (a policy built
+    ///   against contract 0.2.0 reports them; `link_stats()` has every policy's).
     ///
     /// The top entry of `link_stats()` always has `live_blocks` equal to this
     /// `live_blocks + cached_blocks`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.bridge.handler.stats().map_err(|e| to_py(&e))?;
         let d = PyDict::new(py);
+        let links = match &self.handler {
+            Some(h) => h.link_stats().map_err(|e| to_py(&e))?,
+            None => Vec::new(),
+        };
+        d.set_item(
+            "client_misuse",
+            links.iter().map(|l| l.client_misuse).sum::<u64>(),
+        )?;
+        let top = links.into_iter().next().map(|l| l.counters);
+        d.set_item("counters", counters_dict(py, top.unwrap_or_default())?)?;
         for (k, v) in [
             ("mallocs", s.mallocs),
             ("callocs", s.callocs),
@@ -438,7 +500,11 @@ impl Policy {
     ///   and flushes);
     /// - `live_blocks`, `live_bytes`: blocks it has lent and not got back, to NumPy, to
     ///   the host's magazines, or to the policy above it; `peak_bytes` the most bytes;
-    /// - `budget_refusals`: its upstream requests refused for passing `overhead`.
+    /// - `budget_refusals`: its upstream requests refused for passing `overhead`;
+    /// - `mapped_regions`, `mapped_bytes`: memory of a granted kind mapped for it;
+    /// - `client_misuse`: misuse of arrays it reported; `recent_misuse`: the latest
+    ///   reports, as sentences;
+    /// - `counters`: its own counters, `{name: value}` (contract 0.2.0).
     fn link_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let Some(h) = &self.handler else {
             return Ok(Vec::new());
@@ -460,10 +526,16 @@ impl Policy {
                     ("live_bytes", l.live_bytes),
                     ("peak_bytes", l.peak_bytes),
                     ("budget_refusals", l.budget_refusals),
+                    ("mapped_regions", l.mapped_regions),
+                    ("mapped_bytes", l.mapped_bytes),
+                    ("client_misuse", l.client_misuse),
                 ] {
                     d.set_item(k, v)?;
                 }
                 d.set_item("failure", l.failure)?;
+                let recent: Vec<String> = l.recent_misuse.iter().map(|m| m.to_string()).collect();
+                d.set_item("recent_misuse", recent)?;
+                d.set_item("counters", counters_dict(py, l.counters)?)?;
                 Ok(d)
             })
             .collect()
@@ -536,19 +608,28 @@ impl Policy {
 
 /// `CompileBounds` from `{"functions": 100000, "code-bytes": ...}` (`_` for `-` too), the
 /// others at their defaults.
+/// A policy's counters as a dict that keeps its order.
+fn counters_dict(py: Python<'_>, counters: Vec<(String, u64)>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    for (name, value) in counters {
+        d.set_item(name, value)?;
+    }
+    Ok(d)
+}
+
 fn compile_bounds_from(given: Option<Bound<'_, PyDict>>) -> PyResult<CompileBounds> {
     let mut bounds = CompileBounds::default();
     for (key, value) in given.iter().flat_map(|d| d.iter()) {
         let name = key.str()?.to_string().replace('_', "-");
         let Some(bound) = CompileBound::named(&name) else {
             let names: Vec<&str> = CompileBound::ALL.iter().map(|b| b.name()).collect();
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            return Err(PyValueError::new_err(format!(
                 "no compile bound is called '{name}'; the bounds are {}",
                 names.join(", ")
             )));
         };
         let value: u64 = value.extract().map_err(|_| {
-            pyo3::exceptions::PyValueError::new_err(format!(
+            PyValueError::new_err(format!(
                 "compile bound '{name}' must be a whole number of at least 0, got {value}"
             ))
         })?;
@@ -578,7 +659,7 @@ fn call_time_or_default(call_time: Option<f64>) -> PyResult<Duration> {
         .ok()
         .filter(|d| !d.is_zero())
         .ok_or_else(|| {
-            pyo3::exceptions::PyValueError::new_err(format!(
+            PyValueError::new_err(format!(
                 "call_time must be a positive number of seconds, got {secs}"
             ))
         })
@@ -594,7 +675,7 @@ fn call_time_or_default(call_time: Option<f64>) -> PyResult<Duration> {
 /// compiled (`allocbox::CompileBounds`: functions, code-bytes, function-bytes,
 /// data-bytes, modules, text-bytes).
 #[pyfunction]
-#[pyo3(signature = (*chain, record = None, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None))]
+#[pyo3(signature = (*chain, record = None, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None, grant = None))]
 #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
 fn load_chain(
     chain: Vec<Bound<'_, PyAny>>,
@@ -605,15 +686,22 @@ fn load_chain(
     overhead: Option<u64>,
     host_memory_limit: Option<u64>,
     compile_bounds: Option<Bound<'_, PyDict>>,
+    grant: Option<Vec<String>>,
 ) -> PyResult<Policy> {
     let runtime = Runtime::shared();
     let bounds = compile_bounds_from(compile_bounds)?;
     let defaults = Limits::default();
+    let kinds = allocbox::mapped::KindGrants::from_names(grant.unwrap_or_default())
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
     let limits = Limits {
         call_time: call_time_or_default(call_time)?,
         memory: memory.unwrap_or(defaults.memory),
         batch: batch.unwrap_or(defaults.batch),
         overhead: overhead.unwrap_or(defaults.overhead),
+        grants: allocbox::Grants {
+            memory: kinds,
+            ..defaults.grants
+        },
         ..defaults
     };
     let mut builder = HandlerBuilder::new(runtime).limits(limits);
@@ -662,9 +750,13 @@ fn load_chain(
             (rec.clone(), None, Some(rec))
         }
     };
+    let bridge = match handler.diagnoses() {
+        true => Bridge::new(shared, direct).diagnosing(handler.clone()),
+        false => Bridge::new(shared, direct),
+    };
     Ok(Policy {
         handler: Some(handler),
-        bridge: Arc::new(Bridge::new(shared, direct)),
+        bridge: Arc::new(bridge),
         recorder,
         capsule: Mutex::new(None),
     })
@@ -886,6 +978,10 @@ fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ContractViolation", py.get_type::<ContractViolation>())?;
     m.add("PoisonedPolicy", py.get_type::<PoisonedPolicy>())?;
     m.add("ClientError", py.get_type::<ClientError>())?;
+    m.add(
+        "ClientMisuseWarning",
+        py.get_type::<diagnosis::ClientMisuseWarning>(),
+    )?;
     m.add("DEFAULT_POLICY_WAT", allocbox::DEFAULT_POLICY_WAT)?;
     Ok(())
 }
