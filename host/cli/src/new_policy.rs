@@ -248,7 +248,15 @@ const SDK_FILES: &[(&str, &str)] = &[
         "src/upstream.rs",
         include_str!("../../../guest-handlers/sdk/src/upstream.rs"),
     ),
-    ("wit/policy.wit", allocbox::POLICY_WIT),
+    (
+        "src/memory.rs",
+        include_str!("../../../guest-handlers/sdk/src/memory.rs"),
+    ),
+    (
+        "src/diagnostics.rs",
+        include_str!("../../../guest-handlers/sdk/src/diagnostics.rs"),
+    ),
+    ("wit/policy.wit", allocbox::POLICY_WIT_2),
 ];
 
 /// The `template` guest: the policy a new Rust project starts from.
@@ -354,8 +362,9 @@ fn keeps_the_handler_contract() {{
 ## Layout
 
 - `src/lib.rs`: the policy: one `Policy` implementation and `export_policy!`.
-- `allocbox-policy/`: the policy SDK (`Policy`, `Config`, `Info`, `upstream`, `bytes`),
-  vendored from allocbox with the WIT world it implements (`allocbox-policy/wit/policy.wit`).
+- `allocbox-policy/`: the policy SDK (`Policy`, `Config`, `Info`, `upstream`, `bytes`,
+  `memory`, `diagnostics`), vendored from allocbox with the WIT world it implements
+  (`allocbox-policy/wit/policy.wit`, contract 0.2.0).
 "#
     );
     let mut files = vec![

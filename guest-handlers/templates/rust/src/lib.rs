@@ -20,6 +20,17 @@
 //! `calloc`, `realloc`, `malloc_many`, `free_many` and `trim` have correct defaults
 //! built on `malloc` and `free`; this template forwards them upstream, which is faster.
 //!
+//! Contract 0.2.0 (what this SDK speaks) gives a policy three more things:
+//! - `report`: its own counters, shown by `allocbox check` and Python's `stats()` (this
+//!   template reports the blocks it has lent);
+//! - `allocbox_policy::memory::map(size, Kind { pages: Pages::TransparentHuge,
+//!   ..Kind::NORMAL })`: memory of a kind the embedder granted (`--grant huge-pages`,
+//!   `grant=["huge-pages"]`), or the refusal when it did not; give it back with
+//!   `memory::unmap`;
+//! - `allocbox_policy::diagnostics::client_misuse(block, size, offset, "what happened")`:
+//!   a misuse of a block by the client that the policy found (an overwritten canary),
+//!   shown to the embedder as a warning.
+//!
 //! Check it against the whole handler contract before anyone uses it:
 //!
 //! ```text
@@ -93,6 +104,10 @@ impl Policy for Template {
 
     // Nothing cached, so nothing to give back.
     fn trim(&self) {}
+
+    fn report(&self) -> Vec<(String, u64)> {
+        vec![("lent-blocks".to_string(), self.lent.get())]
+    }
 }
 
 export_policy!(Template);
