@@ -76,6 +76,24 @@ def zeros_huge():
         np.zeros(1 << 27)  # 1 GiB, never touched
 
 
+def gathers():
+    """Random gathers over 1 GiB of 64 KiB - 4 MiB arrays, made under the handler each
+    round: bound by TLB misses where those arrays sit in 4 KiB pages (NumPy's default
+    advises huge pages only from 4 MiB)."""
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(64 << 10, 4 << 20, size=500) // 8
+    # Made under NumPy's default, once: the indices are not what is measured.
+    picks = [rng.integers(0, n, 1 << 13) for n in sizes]
+
+    def work():
+        arrays = [np.ones(n) for n in sizes]
+        for _ in range(2):
+            for a, i in zip(arrays, picks):
+                a[i].sum()
+
+    return work
+
+
 # glibc serves blocks up to 32 MiB from its heap once one was freed (its mmap threshold
 # rises), so NumPy's default reuses them; larger ones are mapped and faulted in anew.
 WORKLOADS = [
@@ -86,6 +104,7 @@ WORKLOADS = [
     ("np.zeros, 1-100 elements", zeros_small),
     ("np.zeros, 64 KiB", zeros_mid),
     ("np.zeros, 1 GiB", zeros_huge),
+    ("random gathers, 64 KiB-4 MiB", gathers()),
 ]
 
 
@@ -110,6 +129,9 @@ def medians(work, handlers, rounds=9):
     return [statistics.median(t) for t in times]
 
 
+# Policies that ask for a kind of memory get it granted here.
+GRANTS = {"thp-arena": ["huge-pages"], "numa": ["numa"], "guard": ["guarded"]}
+
 DEFAULT_POLICIES = (
     ("system", "system", None),
     ("size-classes", "size-classes", None),
@@ -121,10 +143,10 @@ DEFAULT_POLICIES = (
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", action="append", help="a built guest by name (repeatable); default: system, size-classes, arena, +large-cache")
-    parser.add_argument("--workload", action="append", choices=["small", "mid", "large", "64mib", "zeros-small", "zeros-mid", "zeros-1gib"], help="repeatable; default: all")
+    parser.add_argument("--workload", action="append", choices=["small", "mid", "large", "64mib", "zeros-small", "zeros-mid", "zeros-1gib", "gathers"], help="repeatable; default: all")
     args = parser.parse_args()
     policies = [(n, n, None) for n in args.policy] if args.policy else DEFAULT_POLICIES
-    keys = ["small", "mid", "large", "64mib", "zeros-small", "zeros-mid", "zeros-1gib"]
+    keys = ["small", "mid", "large", "64mib", "zeros-small", "zeros-mid", "zeros-1gib", "gathers"]
     workloads = [w for k, w in zip(keys, WORKLOADS) if not args.workload or k in args.workload]
     # "native, bridged": NumPy's default reimplemented natively, installed through the
     # same capsule and callbacks as the policies: the cost of any custom handler.
@@ -133,7 +155,7 @@ def main():
         path = GUESTS / f"policy_{name.replace('-', '_')}.wasm"
         if not path.exists():
             sys.exit(f"{path} is missing: build the guests first (cargo test)")
-        handlers.append((label, allocbox.load(path, config)))
+        handlers.append((label, allocbox.load(path, config, grant=GRANTS.get(name, []))))
     print(f"{'workload':<32}" + "".join(f"{name:>16}" for name, _ in handlers))
     for label, work in workloads:
         work()  # warm up caches and page tables

@@ -18,6 +18,7 @@ const RUST_GUESTS: &[(&str, &str, bool)] = &[
     ("arena", "policies/rust/arena", true),
     ("guard", "policies/rust/guard", true),
     ("numa", "policies/rust/numa", true),
+    ("thp-arena", "policies/rust/thp-arena", true),
     ("template", "templates/rust", true),
     ("broken", "fixtures/broken", false),
     ("chaos", "fixtures/chaos", false),

@@ -191,6 +191,14 @@ fn base_page() -> u64 {
     u64::try_from(page).unwrap_or(4096)
 }
 
+/// The size of a transparent huge page (`hpage_pmd_size`); the base page when unknown.
+fn transparent_huge_page() -> u64 {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
+        .ok()
+        .and_then(|text| text.trim().parse().ok())
+        .unwrap_or_else(base_page)
+}
+
 /// The default explicit huge page size (`Hugepagesize` in /proc/meminfo); 0 when unknown.
 fn hugetlb_page() -> u64 {
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
@@ -275,12 +283,23 @@ pub(crate) fn map(
         Pages::Hugetlb => libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB,
         _ => libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
     };
+    // Transparent huge pages back only whole, aligned huge pages of a mapping: the
+    // usable part starts on one, from a mapping made larger by the slack it takes.
+    let usable_at = match kind.guard {
+        Guard::Before => guard_len,
+        _ => 0,
+    };
+    let align = match kind.pages {
+        Pages::TransparentHuge => transparent_huge_page().max(base),
+        _ => base,
+    };
+    let slack = align - base;
     // SAFETY: a fresh anonymous mapping at an address the kernel chooses; it overlaps
     // nothing that exists.
     let at = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            map_len as usize,
+            (map_len + slack) as usize,
             libc::PROT_READ | libc::PROT_WRITE,
             flags,
             -1,
@@ -293,7 +312,16 @@ pub(crate) fn map(
             _ => Refusal::OutOfMemory,
         });
     }
-    let map_start = at as u64;
+    let raw = at as u64;
+    let map_start = (raw + usable_at).next_multiple_of(align) - usable_at;
+    let (head, tail) = (map_start - raw, raw + slack - map_start);
+    for (from, bytes) in [(raw, head), (map_start + map_len, tail)] {
+        if bytes > 0 {
+            // SAFETY: the slack before and after `[map_start, map_start + map_len)`,
+            // inside the mapping just made, which no one else knows of.
+            unsafe { libc::munmap(from as *mut libc::c_void, bytes as usize) };
+        }
+    }
     let (start, guard) = match kind.guard {
         Guard::None => (map_start, None),
         Guard::After => (map_start, Some(map_start + len)),
@@ -539,6 +567,25 @@ mod tests {
         );
         let region = map(&name(), 1, kind, &grants, |_| true).unwrap();
         assert_eq!(region.cost(), 2 * base_page());
+    }
+
+    #[test]
+    fn a_transparent_huge_region_starts_on_a_huge_page() {
+        let grants = KindGrants {
+            huge_pages: true,
+            ..KindGrants::default()
+        };
+        let kind = Kind {
+            pages: Pages::TransparentHuge,
+            ..NORMAL
+        };
+        for _ in 0..4 {
+            let region = map(&name(), 3 << 20, kind, &grants, |_| true).unwrap();
+            assert_eq!(region.start % transparent_huge_page(), 0);
+            assert_eq!(region.len, 3 << 20);
+            // SAFETY: the region is mapped, writable and this test's alone.
+            unsafe { std::ptr::write_bytes(region.start as *mut u8, 1, region.len as usize) };
+        }
     }
 
     #[test]

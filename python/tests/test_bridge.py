@@ -16,7 +16,7 @@ from conftest import guest
 
 # What the wheel carries, by name; and the good policies only the repository has (paths),
 # in every language.
-SHIPPED = ["aligned", "arena", "size-classes", "system"]
+SHIPPED = ["aligned", "arena", "guard", "numa", "size-classes", "system"]
 GOOD = [*SHIPPED, "template", "binning", "buddy", "slab", "limit", "bump", "tracker"]
 
 
