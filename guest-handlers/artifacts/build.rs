@@ -24,6 +24,7 @@ const RUST_GUESTS: &[(&str, &str, bool)] = &[
     ("chaos", "fixtures/chaos", false),
     ("sandbox-probe", "fixtures/sandbox-probe", false),
     ("kinds-probe", "fixtures/kinds-probe", false),
+    ("quota", "fixtures/quota", false),
 ];
 
 /// Hand-written WAT policies, `(name, folder)`: `<folder>/<name>.wat`, loaded from source

@@ -24,6 +24,8 @@ pub enum Call {
     MemoryMap,
     MemoryUnmap,
     ClientMisuse,
+    Observe,
+    Renew,
 }
 
 impl fmt::Display for Call {
@@ -45,6 +47,8 @@ impl fmt::Display for Call {
             Call::MemoryMap => "memory.map-region",
             Call::MemoryUnmap => "memory.unmap-region",
             Call::ClientMisuse => "diagnostics.client-misuse",
+            Call::Observe => "observe",
+            Call::Renew => "renew",
         })
     }
 }

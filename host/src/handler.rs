@@ -5,6 +5,7 @@
 mod builder;
 mod chain;
 mod inspect;
+mod observe;
 
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -17,7 +18,9 @@ use allocbox_ledger::cache::{
     self as cache, Caches, MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, Mine, Reach, Unreachable,
 };
 pub use builder::HandlerBuilder;
-use chain::{Books, Chain, flush_magazines, refill, settle, shelve};
+use chain::{Books, Chain, Via, flush_magazines, refill, settle, shelve};
+pub(crate) use observe::Observations;
+use observe::Op;
 
 /// A NEP 49 data-memory handler whose placement decisions are made by a chain of
 /// sandboxed policies. `Send + Sync`: many threads may call it at once. A malloc served
@@ -31,6 +34,9 @@ pub struct Handler {
     names: Vec<Arc<str>>,
     fallback: Option<Arc<Handler>>,
     diagnoses: bool,
+    /// When the top policy observes (0.2.0 `observer`): what was served without asking
+    /// it, and its lease.
+    observed: Option<Arc<Observations>>,
 }
 
 impl std::fmt::Debug for Handler {
@@ -95,6 +101,9 @@ impl Handler {
     /// from the chain (refilling the magazine on the way).
     #[inline]
     fn lend<const ZEROED: bool>(&self, size: u64) -> Result<Option<NonNull<u8>>, Error> {
+        if let Some(obs) = &self.observed {
+            return self.lend_observed::<ZEROED>(obs, size);
+        }
         let mut mine = self.caches.mine();
         let from_magazine = self.caches.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
         if from_magazine
@@ -107,6 +116,76 @@ impl Handler {
             return Ok(to_ptr(zeroed_if::<ZEROED>(addr, size)));
         }
         self.lend_from_chain::<ZEROED>(mine, size, from_magazine)
+            .map(|(block, _)| block)
+    }
+
+    /// [`Handler::lend`] for an observing policy: within its lease (renewed when it does
+    /// not cover the request), from a magazine or the policy, and told to the policy.
+    #[inline(never)]
+    fn lend_observed<const ZEROED: bool>(
+        &self,
+        obs: &Observations,
+        size: u64,
+    ) -> Result<Option<NonNull<u8>>, Error> {
+        if !obs.reserve(size) && !self.renew(obs, size)? {
+            let mut mine = self.caches.mine();
+            mine.with(|c| {
+                count_request::<ZEROED>(&mut c.counts);
+                c.counts.failed += 1;
+            });
+            return Ok(None);
+        }
+        let op = if ZEROED { Op::Calloc } else { Op::Malloc };
+        let mut mine = self.caches.mine();
+        let from_magazine = self.caches.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
+        if from_magazine
+            && let Some(addr) = mine.with(|c| {
+                let addr = c.take::<{ Reach::FULL }>(size)?;
+                count_request::<ZEROED>(&mut c.counts);
+                Some(addr)
+            })
+        {
+            let addr = zeroed_if::<ZEROED>(addr, size);
+            if obs.lent(op, addr, size) {
+                self.deliver();
+            }
+            return Ok(to_ptr(addr));
+        }
+        let answer = self.lend_from_chain::<ZEROED>(mine, size, from_magazine);
+        match &answer {
+            Ok((Some(block), Via::Magazine)) => {
+                if obs.lent(op, block.as_ptr() as u64, size) {
+                    self.deliver();
+                }
+            }
+            Ok((Some(_), Via::Policy)) => obs.served_by_policy(size),
+            _ => obs.cancel(size),
+        }
+        answer.map(|(block, _)| block)
+    }
+
+    /// Renew an observing policy's lease for a request of `size` bytes and reserve the
+    /// request from it: false when the policy's answer does not cover it.
+    #[cold]
+    fn renew(&self, obs: &Observations, size: u64) -> Result<bool, Error> {
+        let mut c = self.lock()?;
+        if c.failure.is_some() {
+            // Served by the fallback, or refused as on every path of a failed chain.
+            return Ok(true);
+        }
+        let renewed = c.head.renew(size).map(|()| 0);
+        settle(&mut c, renewed)?;
+        Ok(obs.reserve(size))
+    }
+
+    /// Tell an observing policy what was served without it. A failure stops the chain
+    /// (settled here); the blocks already lent stand.
+    #[cold]
+    fn deliver(&self) {
+        if let Ok(mut c) = self.lock() {
+            let delivered = c.head.deliver().map(|()| 0);
+            let _ = settle(&mut c, delivered);
+        }
     }
 
     /// The most common magazine hits alone: a block from the calling thread's
@@ -118,7 +197,7 @@ impl Handler {
     #[inline]
     pub fn malloc_from_magazine(&self, size: usize) -> Option<NonNull<u8>> {
         let size = (size as u64).max(1);
-        if !self.caches.keeps_magazines() || size > MAGAZINE_TABLE_SIZE {
+        if !self.caches.keeps_magazines() || size > MAGAZINE_TABLE_SIZE || self.observed.is_some() {
             return None;
         }
         let mut mine = self.caches.primary()?;
@@ -130,7 +209,8 @@ impl Handler {
         .and_then(to_ptr)
     }
 
-    /// A request the calling thread's magazine could not serve.
+    /// A request the calling thread's magazine could not serve, and which way its
+    /// block came.
     #[cold]
     #[inline(never)]
     fn lend_from_chain<const ZEROED: bool>(
@@ -138,7 +218,7 @@ impl Handler {
         mut mine: Mine<'_>,
         size: u64,
         from_magazine: bool,
-    ) -> Result<Option<NonNull<u8>>, Error> {
+    ) -> Result<(Option<NonNull<u8>>, Via), Error> {
         let mut c = self.lock()?;
         if c.failure.is_some() {
             let unserved = self.fallback.is_none();
@@ -147,26 +227,28 @@ impl Handler {
                 n.failed += u64::from(unserved);
             });
             drop(c);
-            return self.reroute(|f| match ZEROED {
+            let rerouted = self.reroute(|f| match ZEROED {
                 true => f.calloc(size as usize, 1),
                 false => f.malloc(size as usize),
             });
+            return rerouted.map(|block| (block, Via::Policy));
         }
-        let answer = match (from_magazine, ZEROED) {
+        let (answer, via) = match (from_magazine, ZEROED) {
             // A block for a magazine comes from `malloc-many`: zeroed here.
-            (true, _) => {
-                refill(&mut c, &mut mine, size).map(|addr| zeroed_if::<ZEROED>(addr, size))
-            }
-            (false, false) => c.head.malloc(size),
+            (true, _) => match refill(&mut c, &mut mine, size) {
+                Ok((addr, via)) => (Ok(zeroed_if::<ZEROED>(addr, size)), via),
+                Err(e) => (Err(e), Via::Policy),
+            },
+            (false, false) => (c.head.malloc(size), Via::Policy),
             // Magazines stopped since `calloc` looked (the chain failed meanwhile).
-            (false, true) => c.head.calloc(size, 1),
+            (false, true) => (c.head.calloc(size, 1), Via::Policy),
         };
         let answer = settle(&mut c, answer);
         count(&mut c, &mut mine, |n| {
             count_request::<ZEROED>(n);
             served(n, &answer, size);
         });
-        Ok(to_ptr(answer?))
+        Ok((to_ptr(answer?), via))
     }
 
     /// A zero-filled block of `nelem * elsize` bytes; `None` when out of memory or when
@@ -177,8 +259,8 @@ impl Handler {
     pub fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error> {
         let size = (nelem as u64).saturating_mul(elsize as u64).max(1);
         if nelem.checked_mul(elsize).is_some()
-            && self.caches.keeps_magazines()
-            && size <= MAGAZINE_MAX_SIZE
+            && (self.observed.is_some()
+                || (self.caches.keeps_magazines() && size <= MAGAZINE_MAX_SIZE))
         {
             return self.lend::<true>(size);
         }
@@ -244,7 +326,28 @@ impl Handler {
         if c.failure.is_some() {
             return self.move_to_fallback(c, &mut mine, addr, entry.size, new);
         }
+        // An observing policy's lease covers the growth, renewed if need be.
+        let growth = new.saturating_sub(entry.size);
+        if let Some(obs) = &self.observed
+            && growth > 0
+            && !obs.reserve(growth)
+        {
+            let renewed = c.head.renew(growth).map(|()| 0);
+            settle(&mut c, renewed)?;
+            if !obs.reserve(growth) {
+                count(&mut c, &mut mine, |n| n.failed += 1);
+                return Ok(None);
+            }
+        }
         let answer = c.head.realloc(addr, entry.size, new);
+        if let Some(obs) = &self.observed {
+            match answer {
+                Ok(moved) if moved != 0 && growth > 0 => obs.served_by_policy(growth),
+                Ok(moved) if moved != 0 => obs.shrunk(entry.size - new),
+                _ if growth > 0 => obs.cancel(growth),
+                _ => {}
+            }
+        }
         let moved = settle(&mut c, answer).inspect_err(|_| {
             count(&mut c, &mut mine, |n| n.failed += 1);
         })?;
@@ -268,9 +371,15 @@ impl Handler {
         // A block this thread's cache lent goes back into its magazine when there is
         // room; otherwise it takes the chain's path, still on the books.
         let mut mine = self.caches.mine();
+        let addr = ptr.as_ptr() as u64;
         if self.caches.keeps_magazines()
-            && mine.with(|c| c.put_back::<{ Reach::FULL }>(ptr.as_ptr() as u64, size as u64))
+            && let Some(kept) = mine.with(|c| c.put_back::<{ Reach::FULL }>(addr, size as u64))
         {
+            if let Some(obs) = &self.observed
+                && obs.returned(addr, kept, true)
+            {
+                self.deliver();
+            }
             return Ok(());
         }
         self.free_to_chain(mine, ptr, size)
@@ -283,14 +392,18 @@ impl Handler {
     pub fn free_to_magazine(&self, ptr: NonNull<u8>, size: usize) -> bool {
         // The size said is only a filter here (the recorded one is what counts): a block
         // said to be larger than the table's sizes is left to the full path.
-        if !self.caches.keeps_magazines() || size as u64 > MAGAZINE_TABLE_SIZE {
+        if !self.caches.keeps_magazines()
+            || size as u64 > MAGAZINE_TABLE_SIZE
+            || self.observed.is_some()
+        {
             return false;
         }
         let Some(mut mine) = self.caches.primary() else {
             return false;
         };
         mine.try_with(|c| c.put_back::<{ Reach::IN_PLACE }>(ptr.as_ptr() as u64, size as u64))
-            .unwrap_or(false)
+            .flatten()
+            .is_some()
     }
 
     /// A free the calling thread's magazine could not take.
@@ -343,15 +456,26 @@ impl Handler {
         });
         let answer = match self.caches.keeps_magazines() && entry.size <= MAGAZINE_MAX_SIZE {
             true => shelve(&mut c, &mut mine, addr, entry.size),
-            false => c.give_back(addr, entry.size),
+            false => c.give_back(addr, entry.size).map(|_| Via::Policy),
         };
-        settle(&mut c, answer).map(drop)
+        let full = self.observed.as_ref().is_some_and(|obs| {
+            let kept = matches!(answer, Ok(Via::Magazine));
+            obs.returned(addr, entry.size, kept)
+        });
+        settle(&mut c, answer.map(|_| 0))?;
+        if full {
+            let delivered = c.head.deliver().map(|()| 0);
+            settle(&mut c, delivered)?;
+        }
+        Ok(())
     }
 
     /// Give every cached block back: every thread's magazines, then each policy's
     /// `trim`, top first.
     pub fn trim(&self) -> Result<(), Error> {
         let mut c = self.lock()?;
+        let delivered = c.head.deliver().map(|()| 0);
+        settle(&mut c, delivered)?;
         let flushed = flush_magazines(&mut c);
         settle(&mut c, flushed)?;
         let trimmed = c.head.trim().map(|()| 0);

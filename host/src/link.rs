@@ -35,6 +35,7 @@ use wasmtime::Store;
 use wasmtime_wasi::{WasiCtxView, WasiView};
 
 use crate::error::{Call, Error, Rule, Violation};
+use crate::handler::Observations;
 use crate::ledger::Ledger;
 
 pub(crate) mod bindings {
@@ -54,6 +55,8 @@ pub(crate) mod bindings_v2 {
         imports: { default: trappable },
     });
 }
+
+use bindings_v2::exports::allocbox::policy::observer::Guest as Observer;
 
 /// A started policy's exports, in the version of the world it was built against.
 pub(crate) enum Exports {
@@ -153,6 +156,9 @@ pub struct LinkStats {
     /// Batch calls the policy answered: magazine refills and flushes, many blocks each.
     pub malloc_many: u64,
     pub free_many: u64,
+    /// Deliveries of events to an observing policy, and renewals of its lease.
+    pub observed: u64,
+    pub renewals: u64,
     /// Blocks the policy lent and has not got back: to the client, to the host's
     /// magazines ([`crate::Stats::cached_blocks`]) or to the policy above it.
     pub live_blocks: u64,
@@ -186,6 +192,9 @@ pub(crate) struct Link {
     inherited_deadline: Option<u64>,
     limits: Limits,
     calls: LinkStats,
+    /// What the host served this link's client without asking it, when it observes
+    /// (0.2.0 `observer`) as the top of its chain.
+    observed: Option<Arc<Observations>>,
 }
 
 impl std::fmt::Debug for Link {
@@ -215,7 +224,89 @@ impl Link {
             inherited_deadline: None,
             limits,
             calls: LinkStats::default(),
+            observed: None,
         }
+    }
+
+    /// One call into an observing policy's `observer` export, under its own deadline; a
+    /// failure stops the policy.
+    fn observer_call<R>(
+        &mut self,
+        call: Call,
+        f: impl FnOnce(&Observer, &mut Store<LinkState>) -> wasmtime::Result<R>,
+    ) -> Result<R, Error> {
+        self.start_call(0);
+        let Exports::V2(b) = &self.bindings else {
+            unreachable!("only a 0.2.0 policy observes");
+        };
+        match f(b.allocbox_policy_observer(), &mut self.store) {
+            Ok(r) => Ok(r),
+            Err(e) => {
+                let err = classify(&mut self.store, &self.limits, call, e);
+                self.poison(err.clone());
+                Err(err)
+            }
+        }
+    }
+
+    /// How the policy observes, `(batch, lease)`, asked once after `init`: none for a
+    /// 0.1.0 policy or one that does not. A batch outside 1..=the batch limit passes a
+    /// bound, and the policy is stopped.
+    pub(crate) fn observes(&mut self) -> Result<Option<(u32, Option<u64>)>, Error> {
+        if !matches!(self.bindings, Exports::V2(_)) {
+            return Ok(None);
+        }
+        let Some(terms) = self.observer_call(Call::Observe, |o, s| o.call_observes(s))? else {
+            return Ok(None);
+        };
+        if terms.batch == 0 || terms.batch > self.limits.batch {
+            let err = Error::WorkLimit {
+                policy: self.info.name.clone(),
+                call: Call::Observe,
+                bound: crate::error::Bound::Batch,
+                asked: terms.batch.into(),
+                limit: self.limits.batch.into(),
+            };
+            self.poison(err.clone());
+            return Err(err);
+        }
+        Ok(Some((terms.batch, terms.lease)))
+    }
+
+    /// From now on the host serves this link's client from magazines and tells it
+    /// through `obs`.
+    pub(crate) fn observe_with(&mut self, obs: Arc<Observations>) {
+        self.observed = Some(obs);
+    }
+
+    /// Deliver every event not yet delivered, a batch per call.
+    pub(crate) fn deliver(&mut self) -> Result<(), Error> {
+        let Some(obs) = self.observed.clone() else {
+            return Ok(());
+        };
+        let events = obs.take();
+        if self.poisoned.is_some() {
+            // A stopped policy is told nothing more.
+            return Ok(());
+        }
+        for batch in events.chunks(obs.batch()) {
+            self.calls.observed += 1;
+            self.observer_call(Call::Observe, |o, s| o.call_observe(s, batch))?;
+        }
+        Ok(())
+    }
+
+    /// Ask the policy for a new lease for a request of `size` bytes, every event
+    /// delivered first; the lease is set on the observations.
+    pub(crate) fn renew(&mut self, size: u64) -> Result<(), Error> {
+        self.deliver()?;
+        let Some(obs) = self.observed.clone() else {
+            return Ok(());
+        };
+        self.calls.renewals += 1;
+        let headroom = self.observer_call(Call::Renew, |o, s| o.call_renew(s, size))?;
+        obs.renewed(headroom);
+        Ok(())
     }
 
     /// This link's counters.
@@ -241,6 +332,8 @@ impl Link {
     /// (`lifecycle.report`; a 0.1.0 policy has none). A policy that fails to answer is
     /// stopped, as for any call, and its counters are left out.
     pub(crate) fn report(&mut self) -> LinkStats {
+        // What it counts includes everything served without it. A failure stops it.
+        let _ = self.deliver();
         let reports = matches!(self.bindings, Exports::V2(_)) && self.poisoned.is_none();
         if reports {
             self.start_call(0);
@@ -315,6 +408,10 @@ impl Link {
                 policy: self.info.name.clone(),
                 cause: cause.clone(),
             });
+        }
+        // The policy hears of what was served without it before anything it serves.
+        if self.observed.as_ref().is_some_and(|o| o.pending()) {
+            self.deliver()?;
         }
         self.start_call(demand);
         match f(&self.bindings, &mut self.store) {

@@ -17,6 +17,7 @@ mod limits;
 mod load;
 mod nep49;
 mod new_policy;
+mod observe;
 mod pool;
 mod report;
 mod threads;

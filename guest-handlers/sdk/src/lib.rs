@@ -50,6 +50,8 @@ pub mod diagnostics;
 pub mod memory;
 pub mod upstream;
 
+/// What an observing policy hears of ([`Policy::observes`]).
+pub use bindings::exports::allocbox::policy::observer::{Event, Observing, Op};
 pub use config::{Config, Limits};
 
 /// The raw wit-bindgen bindings of the `policy` world, for what this crate does not wrap.
@@ -217,6 +219,30 @@ pub trait Policy: Sized + 'static {
     fn report(&self) -> Vec<(String, u64)> {
         Vec::new()
     }
+
+    /// Whether the policy observes rather than being asked on every call: `Some`
+    /// terms let the host serve its client from magazines of blocks it placed (as for
+    /// [`Info::batch`]) and tell it what it served through [`Policy::observe`], in
+    /// batches of at most `batch` events; a `lease` of bytes bounds what the host may
+    /// lend meanwhile, renewed through [`Policy::renew`]. Called once, after `init`.
+    /// Default: `None`, asked on every call (or batched, as [`Info::batch`] says).
+    fn observes(&self) -> Option<Observing> {
+        None
+    }
+
+    /// What the host served without asking, in order: mallocs and callocs lent from a
+    /// magazine, frees kept in one. Default: nothing (only called when observing).
+    fn observe(&self, events: Vec<Event>) {
+        let _ = events;
+    }
+
+    /// The lease does not cover a request of `size` bytes (every event before it was
+    /// observed): the new lease, the bytes the host may lend from now on without asking.
+    /// Less than `size` refuses the request. Default: 0.
+    fn renew(&self, size: u64) -> u64 {
+        let _ = size;
+        0
+    }
 }
 
 /// Export a [`Policy`] type as this crate's component: `export_policy!(MyPolicy);` once,
@@ -277,7 +303,7 @@ macro_rules! export_policy {
 pub mod __private {
     use std::marker::PhantomData;
 
-    use crate::bindings::exports::allocbox::policy::{allocator, lifecycle};
+    use crate::bindings::exports::allocbox::policy::{allocator, lifecycle, observer};
     use crate::{Config, Policy};
 
     /// Holds the one instance, from `init` on.
@@ -384,6 +410,20 @@ pub mod __private {
 
         fn report() -> Vec<(String, u64)> {
             policy::<I, _>(|p| p.report())
+        }
+    }
+
+    impl<I: Instance> observer::Guest for Export<I> {
+        fn observes() -> Option<observer::Observing> {
+            policy::<I, _>(|p| p.observes())
+        }
+
+        fn observe(events: Vec<observer::Event>) {
+            policy::<I, _>(|p| p.observe(events))
+        }
+
+        fn renew(size: u64) -> u64 {
+            policy::<I, _>(|p| p.renew(size))
         }
     }
 }

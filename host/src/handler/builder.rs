@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use super::{Chain, Handler};
+use super::{Chain, Handler, Observations};
 use crate::error::LoadError;
 use crate::link::{Limits, Upstream};
 use crate::memhandler::Stats;
@@ -137,9 +137,19 @@ impl HandlerBuilder {
             names.push(link.name().clone());
             upstream = Upstream::Policy(Box::new(link));
         }
-        let head = self
+        let mut head = self
             .runtime
             .start(top, top_config, upstream, &self.limits, self.checked)?;
+        // The top policy alone is served without being asked: its client is the host's.
+        let observed = match head.observes() {
+            Ok(None) => None,
+            Ok(Some((batch, lease))) => {
+                let obs = Arc::new(Observations::new(batch, lease));
+                head.observe_with(Arc::clone(&obs));
+                Some(obs)
+            }
+            Err(e) => return Err(LoadError::Start(Box::new(e))),
+        };
         names.push(head.name().clone());
         names.reverse();
         let info = head.info.clone();
@@ -155,7 +165,7 @@ impl HandlerBuilder {
                     failure: None,
                     rerouted: HashSet::new(),
                 },
-                self.magazines && info.batch,
+                self.magazines && (info.batch || observed.is_some()),
                 fork_patience,
             ),
             info,
@@ -163,6 +173,7 @@ impl HandlerBuilder {
             names,
             fallback: self.fallback,
             diagnoses,
+            observed,
         })
     }
 }

@@ -141,7 +141,19 @@ pub(super) fn fail(c: &mut Books<'_>, cause: Arc<Error>) {
 
 /// Fill `mine`'s empty magazine of `size` from the top policy and lend the client one
 /// block of it.
-pub(super) fn refill(c: &mut Books<'_>, mine: &mut Mine<'_>, size: u64) -> Result<u64, Error> {
+/// Which way a block went between the client and the top policy: through a magazine
+/// (the policy was not asked), or through the policy itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Via {
+    Magazine,
+    Policy,
+}
+
+pub(super) fn refill(
+    c: &mut Books<'_>,
+    mine: &mut Mine<'_>,
+    size: u64,
+) -> Result<(u64, Via), Error> {
     let count = {
         let mut t = c.own(mine);
         let magazines = t.magazines.as_mut().expect("the handler keeps magazines");
@@ -151,12 +163,12 @@ pub(super) fn refill(c: &mut Books<'_>, mine: &mut Mine<'_>, size: u64) -> Resul
         (room >= size * u64::from(count)).then_some(count)
     };
     let Some(count) = count else {
-        return c.head.malloc(size);
+        return c.head.malloc(size).map(|addr| (addr, Via::Policy));
     };
     let mut blocks = c.head.malloc_many(size, count)?;
     let Some(first) = blocks.pop() else {
         // The policy placed nothing in bulk; ask once the ordinary way.
-        return c.head.malloc(size);
+        return c.head.malloc(size).map(|addr| (addr, Via::Policy));
     };
     for &addr in blocks.iter().chain([&first]) {
         let named = c.head.lent_mut().set_cache(addr, Some(mine.id()));
@@ -167,7 +179,7 @@ pub(super) fn refill(c: &mut Books<'_>, mine: &mut Mine<'_>, size: u64) -> Resul
     let magazines = t.magazines.as_mut().expect("checked above");
     magazines.cached_bytes += size * blocks.len() as u64;
     magazines.of_size(size).blocks.extend(blocks);
-    Ok(first)
+    Ok((first, Via::Magazine))
 }
 
 /// Put a block the client gave back into `mine`'s magazine, spilling half of a full
@@ -177,7 +189,7 @@ pub(super) fn shelve(
     mine: &mut Mine<'_>,
     addr: u64,
     size: u64,
-) -> Result<u64, Error> {
+) -> Result<Via, Error> {
     let spill = {
         let mut t = c.own(mine);
         let magazines = t.magazines.as_mut().expect("the handler keeps magazines");
@@ -199,9 +211,9 @@ pub(super) fn shelve(
     if c.own(mine).keep(addr, size) {
         let named = c.head.lent_mut().set_cache(addr, Some(mine.id()));
         assert!(named, "the caller found it");
-        return Ok(0);
+        return Ok(Via::Magazine);
     }
-    c.give_back(addr, size)
+    c.give_back(addr, size).map(|_| Via::Policy)
 }
 
 /// Hand every thread's cached blocks back to the top policy.

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use allocbox_ledger::cache::{Magazines, Unreachable};
 
 use super::Handler;
-use super::chain::{Books, unreachable};
+use super::chain::{Books, settle, unreachable};
 use crate::error::{Error, InvariantBroken};
 use crate::ledger::Ordered;
 use crate::link::Link;
@@ -20,6 +20,9 @@ impl Handler {
     /// highest total seen when their counters are gathered (here and on each read).
     pub fn stats(&self) -> Result<Stats, Error> {
         let mut c = self.lock()?;
+        // An observing policy hears of everything served before anyone reads counters.
+        let delivered = c.head.deliver().map(|()| 0);
+        settle(&mut c, delivered)?;
         let mut cached_blocks = 0;
         for slot in c.slots() {
             let counts = c.claim(slot).map(|mut cache| {

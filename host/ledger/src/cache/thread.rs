@@ -57,24 +57,17 @@ impl ThreadCache {
     }
 
     /// A client's free of `addr`, said to have `said` bytes, taken back into a magazine
-    /// if this cache lent it and the magazine has room. False leaves everything as it
-    /// was (also for what is beyond [`Reach`] `IN_PLACE`).
+    /// if this cache lent it and the magazine has room: the size it was lent with. None
+    /// leaves everything as it was (also for what is beyond [`Reach`] `IN_PLACE`).
     #[inline(always)]
-    pub fn put_back<const IN_PLACE: bool>(&mut self, addr: u64, said: u64) -> bool {
+    pub fn put_back<const IN_PLACE: bool>(&mut self, addr: u64, said: u64) -> Option<u64> {
         let (place, recorded) = match self.lent.recent_place(addr) {
             Some(place) => (Some(place), self.lent.recent[place].1),
-            None if IN_PLACE => return false,
-            None => match self.lent.older_size(addr) {
-                Some(size) => (None, size),
-                None => return false,
-            },
+            None if IN_PLACE => return None,
+            None => (None, self.lent.older_size(addr)?),
         };
-        let Some(magazines) = self.magazines.as_mut() else {
-            return false;
-        };
-        let Some(magazine) = magazines.with_room::<IN_PLACE>(recorded) else {
-            return false;
-        };
+        let magazines = self.magazines.as_mut()?;
+        let magazine = magazines.with_room::<IN_PLACE>(recorded)?;
         magazine.blocks.push(addr);
         magazines.cached_bytes += recorded;
         match place {
@@ -85,7 +78,7 @@ impl ThreadCache {
         }
         self.counts.frees += 1;
         self.counts.freed(recorded, said);
-        true
+        Some(recorded)
     }
 
     /// Put a block the client gave back into its magazine if there is room without a
@@ -138,18 +131,18 @@ mod tests {
         assert_eq!(c.lent.older.len(), 1, "the oldest record moved to the map");
         // A block recorded in the map goes back only on the full path.
         let in_map = taken[0];
-        assert!(!c.put_back::<IN_PLACE>(in_map, 16));
+        assert!(c.put_back::<IN_PLACE>(in_map, 16).is_none());
         assert_eq!(c.lent.get(in_map), Some(16), "nothing changed");
         // With no spare capacity, in place would have to grow the magazine.
         c.magazines.as_mut().unwrap().small[16]
             .blocks
             .shrink_to_fit();
-        assert!(!c.put_back::<IN_PLACE>(spilled_by, 16));
+        assert!(c.put_back::<IN_PLACE>(spilled_by, 16).is_none());
         assert_eq!(c.lent.get(spilled_by), Some(16), "nothing changed");
-        assert!(c.put_back::<FULL>(spilled_by, 16));
-        assert!(c.put_back::<FULL>(in_map, 16));
+        assert_eq!(c.put_back::<FULL>(spilled_by, 16), Some(16));
+        assert_eq!(c.put_back::<FULL>(in_map, 16), Some(16));
         // Now there is room: in place takes a recent block back.
-        assert!(c.put_back::<IN_PLACE>(taken[1], 16));
+        assert_eq!(c.put_back::<IN_PLACE>(taken[1], 16), Some(16));
         assert_eq!(c.lent.get(taken[1]), None);
         assert_eq!((c.counts.mallocs, c.counts.frees), (9, 3));
         // Mid sizes are the full path's.

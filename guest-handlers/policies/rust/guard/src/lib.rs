@@ -60,7 +60,7 @@ impl Guarded {
     fn sampled(&self) -> bool {
         let n = self.allocations.get();
         self.allocations.set(n.wrapping_add(1));
-        n % self.sample == 0
+        n.is_multiple_of(self.sample)
     }
 
     /// A block of `size` bytes ending at a guard page, or `None` when the region is
