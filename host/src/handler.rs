@@ -19,8 +19,8 @@ use allocbox_ledger::cache::{
 };
 pub use builder::HandlerBuilder;
 use chain::{Books, Chain, Via, flush_magazines, refill, settle, shelve};
-pub(crate) use observe::Observations;
 use observe::Op;
+pub(crate) use observe::{Detail, Observations, observation};
 
 /// A NEP 49 data-memory handler whose placement decisions are made by a chain of
 /// sandboxed policies. `Send + Sync`: many threads may call it at once. A malloc served
@@ -63,8 +63,8 @@ impl Handler {
         &self.name
     }
 
-    /// Does a policy of the chain import client diagnostics or memory kinds (0.2.0)? An
-    /// embedder then records where each block was allocated, to name it when a policy
+    /// Does a policy of the chain say it diagnoses its client (0.2.0 `info.diagnoses`)?
+    /// An embedder then records where each block was allocated, to name it when a policy
     /// reports its misuse ([`Handler::take_client_misuse`]) or a client faults in a
     /// guard page ([`crate::mapped::guard_page_at`]).
     pub fn diagnoses(&self) -> bool {

@@ -88,6 +88,8 @@ pub struct PolicyInfo {
     pub version: u8,
     pub alignment: u64,
     pub batch: bool,
+    /// It reports its client's misuse (0.2.0): allocation sites are worth recording.
+    pub diagnoses: bool,
 }
 
 /// The store data of one policy instance.
@@ -249,10 +251,12 @@ impl Link {
         }
     }
 
-    /// How the policy observes, `(batch, lease)`, asked once after `init`: none for a
+    /// How the policy observes, `(batch, lease, detail)`, asked once after `init`: none for a
     /// 0.1.0 policy or one that does not. A batch outside 1..=the batch limit passes a
     /// bound, and the policy is stopped.
-    pub(crate) fn observes(&mut self) -> Result<Option<(u32, Option<u64>)>, Error> {
+    pub(crate) fn observes(
+        &mut self,
+    ) -> Result<Option<(u32, Option<u64>, crate::handler::Detail)>, Error> {
         if !matches!(self.bindings, Exports::V2(_)) {
             return Ok(None);
         }
@@ -270,7 +274,7 @@ impl Link {
             self.poison(err.clone());
             return Err(err);
         }
-        Ok(Some((terms.batch, terms.lease)))
+        Ok(Some((terms.batch, terms.lease, terms.detail)))
     }
 
     /// From now on the host serves this link's client from magazines and tells it
@@ -291,7 +295,8 @@ impl Link {
         }
         for batch in events.chunks(obs.batch()) {
             self.calls.observed += 1;
-            self.observer_call(Call::Observe, |o, s| o.call_observe(s, batch))?;
+            let batch = crate::handler::observation(batch, obs.detail());
+            self.observer_call(Call::Observe, |o, s| o.call_observe(s, &batch))?;
         }
         Ok(())
     }

@@ -438,6 +438,7 @@ impl Runtime {
                         version: i.version,
                         alignment: i.alignment,
                         batch: i.batch,
+                        diagnoses: false,
                     })
                 }),
             Exports::V2(b) => {
@@ -455,6 +456,7 @@ impl Runtime {
                             version: i.version,
                             alignment: i.alignment,
                             batch: i.batch,
+                            diagnoses: i.diagnoses,
                         })
                     })
             }

@@ -500,6 +500,8 @@ impl Policy {
     ///   and flushes);
     /// - `live_blocks`, `live_bytes`: blocks it has lent and not got back, to NumPy, to
     ///   the host's magazines, or to the policy above it; `peak_bytes` the most bytes;
+    /// - `observed`, `renewals`: deliveries of events to an observing policy, and
+    ///   renewals of its lease;
     /// - `budget_refusals`: its upstream requests refused for passing `overhead`;
     /// - `mapped_regions`, `mapped_bytes`: memory of a granted kind mapped for it;
     /// - `client_misuse`: misuse of arrays it reported; `recent_misuse`: the latest
@@ -522,6 +524,8 @@ impl Policy {
                     ("frees", l.frees),
                     ("malloc_many", l.malloc_many),
                     ("free_many", l.free_many),
+                    ("observed", l.observed),
+                    ("renewals", l.renewals),
                     ("live_blocks", l.live_blocks),
                     ("live_bytes", l.live_bytes),
                     ("peak_bytes", l.peak_bytes),

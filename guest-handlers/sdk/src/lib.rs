@@ -51,7 +51,16 @@ pub mod memory;
 pub mod upstream;
 
 /// What an observing policy hears of ([`Policy::observes`]).
-pub use bindings::exports::allocbox::policy::observer::{Event, Observing, Op};
+pub use bindings::exports::allocbox::policy::observer::{Detail, Observing, Op, Totals};
+
+/// One thing the host served an observing policy's client without asking it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Event {
+    pub op: Op,
+    pub addr: u64,
+    /// The block's size as allocated.
+    pub size: u64,
+}
 pub use config::{Config, Limits};
 
 /// The raw wit-bindgen bindings of the `policy` world, for what this crate does not wrap.
@@ -85,6 +94,10 @@ pub struct Info {
     /// The handler contract version the policy speaks. Default [`Info::VERSION`], the
     /// only one the host accepts.
     pub version: u8,
+    /// The policy checks how its client uses blocks and reports misuse through
+    /// [`diagnostics`]: the embedder records where each block was allocated, at a cost
+    /// on every allocation. Default false.
+    pub diagnoses: bool,
 }
 
 impl Info {
@@ -98,7 +111,14 @@ impl Info {
             batch: true,
             name: None,
             version: Info::VERSION,
+            diagnoses: false,
         }
+    }
+
+    /// Say that the policy reports its client's misuse (true), so that the embedder
+    /// records allocation sites to name the blocks in reports.
+    pub const fn diagnoses(self, diagnoses: bool) -> Info {
+        Info { diagnoses, ..self }
     }
 
     /// Promise that every block is aligned to `alignment` (a power of two).
@@ -231,9 +251,15 @@ pub trait Policy: Sized + 'static {
     }
 
     /// What the host served without asking, in order: mallocs and callocs lent from a
-    /// magazine, frees kept in one. Default: nothing (only called when observing).
+    /// magazine, frees kept in one ([`Detail::Events`]). Default: nothing.
     fn observe(&self, events: Vec<Event>) {
         let _ = events;
+    }
+
+    /// The sums of what the host served without asking ([`Detail::Totals`]). Default:
+    /// nothing.
+    fn observe_totals(&self, totals: Totals) {
+        let _ = totals;
     }
 
     /// The lease does not cover a request of `size` bytes (every event before it was
@@ -363,6 +389,7 @@ pub mod __private {
             version: info.version,
             alignment: info.alignment,
             batch: info.batch,
+            diagnoses: info.diagnoses,
         };
         Ok((policy, record))
     }
@@ -418,7 +445,27 @@ pub mod __private {
             policy::<I, _>(|p| p.observes())
         }
 
-        fn observe(events: Vec<observer::Event>) {
+        fn observe(observed: observer::Observation) {
+            let events = match observed {
+                observer::Observation::Events(events) => events,
+                observer::Observation::Totals(totals) => {
+                    return policy::<I, _>(|p| p.observe_totals(totals));
+                }
+            };
+            let ops = events.ops.iter().map(|&op| match op {
+                0 => observer::Op::Malloc,
+                1 => observer::Op::Calloc,
+                _ => observer::Op::Free,
+            });
+            let words = |column: &[u8]| -> Vec<u64> {
+                let (words, _) = column.as_chunks::<8>();
+                words.iter().map(|&w| u64::from_le_bytes(w)).collect()
+            };
+            let events = ops
+                .zip(words(&events.addrs))
+                .zip(words(&events.sizes))
+                .map(|((op, addr), size)| crate::Event { op, addr, size })
+                .collect();
             policy::<I, _>(|p| p.observe(events))
         }
 

@@ -143,8 +143,8 @@ impl HandlerBuilder {
         // The top policy alone is served without being asked: its client is the host's.
         let observed = match head.observes() {
             Ok(None) => None,
-            Ok(Some((batch, lease))) => {
-                let obs = Arc::new(Observations::new(batch, lease));
+            Ok(Some((batch, lease, detail))) => {
+                let obs = Arc::new(Observations::new(batch, lease, detail));
                 head.observe_with(Arc::clone(&obs));
                 Some(obs)
             }
@@ -153,7 +153,18 @@ impl HandlerBuilder {
         names.push(head.name().clone());
         names.reverse();
         let info = head.info.clone();
-        let diagnoses = self.links.iter().any(|(policy, _)| policy.diagnoses());
+        let mut diagnoses = head.info.diagnoses;
+        let mut below = match head.upstream() {
+            Upstream::Policy(next) => Some(&**next),
+            Upstream::System(_) => None,
+        };
+        while let Some(link) = below {
+            diagnoses |= link.info.diagnoses;
+            below = match link.upstream() {
+                Upstream::Policy(next) => Some(&**next),
+                Upstream::System(_) => None,
+            };
+        }
         // A fork waits for calls in other threads to end: they end within the call
         // limit, and the time past it that the host needs to stop them.
         let fork_patience = self.limits.call_time + std::time::Duration::from_secs(1);

@@ -14,13 +14,59 @@
 
 use parking_lot::Mutex;
 
-pub(crate) use crate::link::bindings_v2::exports::allocbox::policy::observer::{Event, Op};
+pub(crate) use crate::link::bindings_v2::exports::allocbox::policy::observer::{
+    Detail, Events, Observation, Op, Totals,
+};
+
+/// One thing served without asking the policy.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Event {
+    pub(crate) op: Op,
+    pub(crate) addr: u64,
+    pub(crate) size: u64,
+}
+
+/// `events` as the policy asked to hear of them: in columns of bytes, or summed.
+pub(crate) fn observation(events: &[Event], detail: Detail) -> Observation {
+    match detail {
+        Detail::Events => Observation::Events(Events {
+            ops: events.iter().map(|e| e.op as u8).collect(),
+            addrs: events.iter().flat_map(|e| e.addr.to_le_bytes()).collect(),
+            sizes: events.iter().flat_map(|e| e.size.to_le_bytes()).collect(),
+        }),
+        Detail::Totals => {
+            let mut totals = Totals {
+                lent_blocks: 0,
+                lent_bytes: 0,
+                freed_blocks: 0,
+                freed_bytes: 0,
+                lent_by_bits: Vec::new(),
+            };
+            for e in events {
+                if e.op == Op::Free {
+                    totals.freed_blocks += 1;
+                    totals.freed_bytes += e.size;
+                    continue;
+                }
+                totals.lent_blocks += 1;
+                totals.lent_bytes += e.size;
+                let bits = (u64::BITS - e.size.leading_zeros()) as usize;
+                if totals.lent_by_bits.len() < bits {
+                    totals.lent_by_bits.resize(bits, 0);
+                }
+                totals.lent_by_bits[bits.saturating_sub(1)] += 1;
+            }
+            Observation::Totals(totals)
+        }
+    }
+}
 
 /// One observing handler's undelivered events and lease.
 #[derive(Debug)]
 pub(crate) struct Observations {
     /// Events delivered per `observe` at most; a full batch is delivered at once.
     batch: usize,
+    detail: Detail,
     state: Mutex<State>,
 }
 
@@ -40,9 +86,10 @@ fn signed(size: u64) -> i128 {
 }
 
 impl Observations {
-    pub(crate) fn new(batch: u32, lease: Option<u64>) -> Self {
+    pub(crate) fn new(batch: u32, lease: Option<u64>, detail: Detail) -> Self {
         Observations {
             batch: batch.max(1) as usize,
+            detail,
             state: Mutex::new(State {
                 lease: lease.map(signed),
                 events: Vec::new(),
@@ -53,6 +100,10 @@ impl Observations {
 
     pub(crate) fn batch(&self) -> usize {
         self.batch
+    }
+
+    pub(crate) fn detail(&self) -> Detail {
+        self.detail
     }
 
     /// Take `size` bytes from the lease for a request about to be served; false when
@@ -149,7 +200,7 @@ mod tests {
 
     #[test]
     fn a_lease_is_taken_by_lending_and_given_back_by_frees() {
-        let obs = Observations::new(8, Some(100));
+        let obs = Observations::new(8, Some(100), Detail::Events);
         assert!(obs.reserve(60));
         assert!(!obs.reserve(60), "40 left");
         assert!(!obs.lent(Op::Malloc, 0x1000, 60));
@@ -161,7 +212,7 @@ mod tests {
 
     #[test]
     fn a_renewal_counts_what_the_policy_has_not_seen() {
-        let obs = Observations::new(8, Some(0));
+        let obs = Observations::new(8, Some(0), Detail::Events);
         // Another thread reserved 30 bytes it has not finished serving.
         obs.state.lock().lease = Some(30);
         assert!(obs.reserve(30));
@@ -176,12 +227,47 @@ mod tests {
 
     #[test]
     fn a_full_batch_asks_for_delivery() {
-        let obs = Observations::new(2, None);
+        let obs = Observations::new(2, None, Detail::Events);
         assert!(obs.reserve(u64::MAX));
         assert!(!obs.lent(Op::Malloc, 1, 8));
         assert!(obs.lent(Op::Calloc, 2, 8));
         let taken = obs.take();
         assert_eq!(taken.len(), 2);
         assert!(!obs.pending());
+    }
+
+    #[test]
+    fn totals_sum_the_events_and_count_sizes_by_bits() {
+        let events = [
+            Event {
+                op: Op::Malloc,
+                addr: 1,
+                size: 1,
+            },
+            Event {
+                op: Op::Calloc,
+                addr: 2,
+                size: 1000,
+            },
+            Event {
+                op: Op::Free,
+                addr: 1,
+                size: 1,
+            },
+        ];
+        let Observation::Totals(t) = observation(&events, Detail::Totals) else {
+            panic!("totals asked for");
+        };
+        assert_eq!(
+            (t.lent_blocks, t.lent_bytes, t.freed_blocks, t.freed_bytes),
+            (2, 1001, 1, 1)
+        );
+        assert_eq!(t.lent_by_bits.len(), 10);
+        assert_eq!((t.lent_by_bits[0], t.lent_by_bits[9]), (1, 1));
+        let Observation::Events(e) = observation(&events, Detail::Events) else {
+            panic!("events asked for");
+        };
+        assert_eq!(e.ops, [0, 1, 2]);
+        assert_eq!(e.sizes.len(), 24);
     }
 }

@@ -130,16 +130,6 @@ impl Policy {
     pub fn exports(&self) -> &[String] {
         &self.meta.exports
     }
-    /// Does it import client diagnostics or memory kinds (the 0.2.0 `diagnostics` and
-    /// `memory` interfaces)?
-    pub fn diagnoses(&self) -> bool {
-        self.meta.imports.iter().any(|i| {
-            ["diagnostics", "memory"]
-                .iter()
-                .any(|name| i.starts_with(&format!("{}/{name}@", crate::WORLD_PACKAGE)))
-        })
-    }
-
     /// The source language the component's toolchain recorded (`producers` sections),
     /// e.g. `Rust`; none when it recorded none.
     pub fn language(&self) -> Option<&str> {
@@ -154,6 +144,8 @@ pub(super) struct Said {
     pub(super) version: u8,
     pub(super) alignment: u64,
     pub(super) batch: bool,
+    /// 0.2.0 only: false for 0.1.0.
+    pub(super) diagnoses: bool,
 }
 
 /// Check what a policy says about itself (C1, C6).
@@ -181,5 +173,6 @@ pub(super) fn check_info(info: Said) -> Result<PolicyInfo, LoadError> {
         version: info.version,
         alignment: info.alignment,
         batch: info.batch,
+        diagnoses: info.diagnoses,
     })
 }

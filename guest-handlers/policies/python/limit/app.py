@@ -1,26 +1,28 @@
 """`limit`: a memory cap and statistics for NumPy's data allocations, in Python.
 
-The adaptor a NumPy user writes first. It forwards every call to its upstream
-unchanged, and on the way:
+The adaptor a NumPy user writes first. It observes rather than being asked on every
+call (contract 0.2.0 `observer`): the host serves NumPy's small arrays from magazines of
+blocks this policy placed, and tells it the sums of what it served (`totals`: blocks and
+bytes lent and given back, sizes by power of two) once per thousands of events. On the
+way it
 
-- caps the bytes lent to its client at `max-bytes`: a request that would take the
-  client past the cap is answered 0 (out of memory) without asking upstream, exactly
-  as a NEP 49 handler reports failure, so NumPy raises `MemoryError` instead of the
-  process being killed by the OOM killer;
-- optionally refuses any single request above `max-request` bytes (a runaway shape,
+- caps the bytes lent to its client at `max-bytes`, through a lease: the host lends
+  without asking while the lease covers a request and asks `renew` when it does not,
+  which answers the bytes left under the cap, so a request that would take the client
+  past the cap is refused exactly where a per-call check would refuse it; NumPy raises
+  `MemoryError` instead of the process being killed by the OOM killer;
+- optionally refuses any single request above `max-request` bytes that it serves itself
+  (every request above the host's magazine sizes, 64 KiB: a runaway shape,
   `np.empty((n, n))` with the wrong `n`, fails alone while small arrays still work);
-- counts what it sees: a log2 histogram of request sizes, the bytes lent now and at
-  their peak, the number of blocks lent, and the number of refusals.
+- counts what it sees, and reports it (`lifecycle.report`, shown by `allocbox check`
+  and Python's `stats()`): the bytes and blocks lent now, the peak, the refusals, and a
+  log2 histogram of request sizes.
 
 It caches nothing, so `trim` has nothing to give back. It passes every size through
 exactly, so the sized-free rule towards upstream holds because the client keeps it
 towards us. Its blocks are upstream's blocks, so it promises upstream's alignment, 16.
-It declares `batch: false`: a cap must see each call, and host-side magazines would
-hold blocks that the cap has counted but the client has not asked for.
-
-The statistics live in the guest (the world has no export to read them; see
-README.md). The host calls a policy on one thread at a time, so plain module-level
-state needs no lock.
+The host calls a policy on one thread at a time, so plain module-level state needs no
+lock.
 
 Config keys (each at most once; sizes are bytes, or a number with a KiB/MiB/GiB/TiB
 suffix, or `unlimited`):
@@ -29,17 +31,19 @@ suffix, or `unlimited`):
 - `max-request` largest single request served (default: unlimited).
 """
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import wit_world
 from componentize_py_types import Err
-from wit_world.exports import lifecycle
+from wit_world.exports import lifecycle, observer
 from wit_world.imports import allocator as upstream
 
 NAME = "limit"
 U64_MAX = (1 << 64) - 1
 UNITS = {"": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 KEYS = ("max-bytes", "max-request")
+# Events per `observe`, set at `init` within the host's batch limit.
+BATCH = 4096
 
 
 class Stats:
@@ -91,47 +95,42 @@ def parse_size(key: str, value: str) -> int:
     return size
 
 
+def lend(s: Stats, size: int) -> None:
+    """Count a block of `size` bytes lent to the client."""
+    s.histogram[size.bit_length() - 1] += 1
+    s.lent += size
+    s.blocks += 1
+    if s.lent > s.peak:
+        s.peak = s.lent
+
+
 class Allocator(wit_world.exports.Allocator):
-    # The hot paths are written out rather than shared through helpers: a Python call
-    # costs more than the bookkeeping it would hold. Each method reads the state into
-    # a local `s` once.
+    # Only what the host does not serve from its magazines reaches these: requests
+    # above 64 KiB, every realloc, and the magazines' own refills and flushes. The host
+    # admitted each request within the lease already: only `max-request` is checked.
 
     def malloc(self, size: int) -> int:
         s = S
-        s.histogram[size.bit_length() - 1] += 1
-        lent = s.lent + size
-        if size > s.max_request or lent > s.max_bytes:
+        if size > s.max_request:
+            s.histogram[size.bit_length() - 1] += 1
             s.refusals += 1
             return 0
         ptr = upstream.malloc(size)
         if ptr:  # 0: upstream is out of memory; nothing is lent.
-            s.lent = lent
-            s.blocks += 1
-            if lent > s.peak:
-                s.peak = lent
+            lend(s, size)
         return ptr
 
     def calloc(self, nelem: int, elsize: int) -> int:
         s = S
         # Python ints do not wrap: an overflowing product is simply > U64_MAX, which
-        # the contract says is answered 0. Upstream is not asked what it must refuse.
+        # the contract says is answered 0 (the host answers it without asking).
         size = nelem * elsize
-        if size == 0 or size > U64_MAX:
-            # Size 0 never comes (the host sends at least 1 byte), but it has no
-            # histogram bucket: refuse it rather than fail.
-            s.refusals += 1
-            return 0
-        s.histogram[size.bit_length() - 1] += 1
-        lent = s.lent + size
-        if size > s.max_request or lent > s.max_bytes:
+        if size == 0 or size > U64_MAX or size > s.max_request:
             s.refusals += 1
             return 0
         ptr = upstream.calloc(nelem, elsize)
         if ptr:
-            s.lent = lent
-            s.blocks += 1
-            if lent > s.peak:
-                s.peak = lent
+            lend(s, size)
         return ptr
 
     def realloc(self, ptr: int, old_size: int, new_size: int) -> int:
@@ -139,59 +138,68 @@ class Allocator(wit_world.exports.Allocator):
             return self.malloc(new_size)
         s = S
         s.histogram[new_size.bit_length() - 1] += 1
-        # The client gives back old_size and takes new_size: a shrink always fits. On
-        # a refusal the old block stays live, unchanged and counted, as the contract
-        # says of a 0 answer.
-        lent = s.lent - old_size + new_size
-        if new_size > s.max_request or lent > s.max_bytes:
+        if new_size > s.max_request:
             s.refusals += 1
             return 0
         new = upstream.realloc(ptr, old_size, new_size)
         if new:
-            s.lent = lent
-            if lent > s.peak:
-                s.peak = lent
+            s.lent += new_size - old_size
+            if s.lent > s.peak:
+                s.peak = s.lent
         return new
 
     def free(self, ptr: int, size: int) -> None:
         s = S
         s.lent -= size
         s.blocks -= 1
-        # The exact size the client gave: the sized-free rule holds upstream because
-        # the client keeps it towards us.
         upstream.free(ptr, size)
 
+    # Refills and flushes of the host's magazines: blocks not lent to the client yet,
+    # or given back by it already (the events say which reach the client).
+
     def malloc_many(self, size: int, count: int) -> List[int]:
-        # With `batch: false` the host does not prefetch, but a client may still ask
-        # for several blocks at once: serve as many as fit under the limits ("fewer"
-        # is allowed by the contract) and count the rest as refused.
-        if count == 0:
-            return []
-        s = S
-        s.histogram[size.bit_length() - 1] += count
-        fit = count if size <= s.max_request else 0
-        if s.max_bytes != U64_MAX:
-            fit = min(fit, max(0, s.max_bytes - s.lent) // size)
-        s.refusals += count - fit
-        if fit == 0:
-            return []
-        ptrs = upstream.malloc_many(size, fit)
-        s.lent += len(ptrs) * size
-        s.blocks += len(ptrs)
-        if s.lent > s.peak:
-            s.peak = s.lent
-        return ptrs
+        return upstream.malloc_many(size, count)
 
     def free_many(self, ptrs: List[int], size: int) -> None:
-        s = S
-        s.lent -= len(ptrs) * size
-        s.blocks -= len(ptrs)
         upstream.free_many(ptrs, size)
 
 
+class Observer(wit_world.exports.Observer):
+    def observes(self) -> Optional[observer.Observing]:
+        s = S
+        lease = None if s.max_bytes == U64_MAX else s.max_bytes - s.lent
+        return observer.Observing(
+            batch=BATCH, detail=observer.Detail.TOTALS, lease=lease
+        )
+
+    def observe(self, observed: observer.Observation) -> None:
+        # Sums, as `observes` asked: a delivery of thousands of events is a few numbers.
+        t = observed.value
+        s = S
+        # The peak between deliveries is not seen event by event: the highest it can
+        # have been is before the frees of the batch.
+        if s.lent + t.lent_bytes > s.peak:
+            s.peak = s.lent + t.lent_bytes
+        s.lent += t.lent_bytes - t.freed_bytes
+        s.blocks += t.lent_blocks - t.freed_blocks
+        histogram = s.histogram
+        for bits, n in enumerate(t.lent_by_bits):
+            histogram[bits] += n
+
+    def renew(self, size: int) -> int:
+        s = S
+        left = max(0, s.max_bytes - s.lent)
+        if left < size:
+            s.histogram[size.bit_length() - 1] += 1
+            s.refusals += 1
+        return left
+
+
 class Lifecycle(wit_world.exports.Lifecycle):
-    def init(self, config: List[Tuple[str, str]]) -> lifecycle.Info:
-        global S
+    def init(
+        self, config: List[Tuple[str, str]], limits: lifecycle.Limits
+    ) -> lifecycle.Info:
+        global S, BATCH
         fresh = Stats()
         seen = set()
         for key, value in config:
@@ -208,8 +216,27 @@ class Lifecycle(wit_world.exports.Lifecycle):
             else:
                 fresh.max_request = parse_size(key, value)
         S = fresh
-        return lifecycle.Info(name=NAME, version=1, alignment=16, batch=False)
+        # Events per delivery: each costs a call into CPython, so many at once, within
+        # the host's batch limit.
+        BATCH = min(4096, limits.batch)
+        return lifecycle.Info(
+            name=NAME, version=1, alignment=16, batch=True, diagnoses=False
+        )
 
     def trim(self) -> None:
         # Nothing is cached: every block we hold is lent to the client.
         pass
+
+    def report(self) -> List[Tuple[str, int]]:
+        s = S
+        counters = [
+            ("lent-bytes", s.lent),
+            ("lent-blocks", s.blocks),
+            ("peak-bytes", s.peak),
+            ("refusals", s.refusals),
+        ]
+        # Request sizes seen, by power of two.
+        counters += [
+            (f"sizes-{1 << k}-to-{(2 << k) - 1}", n) for k, n in enumerate(s.histogram) if n
+        ]
+        return counters

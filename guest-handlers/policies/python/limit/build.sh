@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the `limit` policy into OUT: a component (CPython 3.x for WASI, snapshotted
-# after importing app.py) made by componentize-py from app.py and the world in wit/.
+# after importing app.py) made by componentize-py from app.py and the 0.2.0 world in wit/0.2.0/.
 #
 #   guest-handlers/policies/python/limit/build.sh OUT.wasm
 #
@@ -32,9 +32,9 @@ mkdir -p "$BUILD/cache"
 
 # Bindings are cheap (50 ms): always fresh, so they never lag behind the WIT.
 rm -rf "$BUILD/bindings"
-"$TOOL" -q -d "$ROOT/wit" -w policy bindings "$BUILD/bindings"
+"$TOOL" -q -d "$ROOT/wit/0.2.0" -w policy bindings "$BUILD/bindings"
 
-key=$(cat "$HERE/app.py" "$HERE/build.sh" "$ROOT"/wit/*.wit <(echo "componentize-py $VERSION") \
+key=$(cat "$HERE/app.py" "$HERE/build.sh" "$ROOT"/wit/0.2.0/*.wit <(echo "componentize-py $VERSION") \
     | sha256sum | cut -c1-16)
 cached="$BUILD/cache/limit-$key.wasm"
 
@@ -51,7 +51,7 @@ else
     # Without VIRTUAL_ENV componentize-py adds the host python3's site-packages (and
     # the user's) to the guest's path; an empty one keeps the build independent of
     # what this machine has installed.
-    (cd "$TMP/src" && VIRTUAL_ENV="$TMP/venv" "$TOOL" -q -d "$ROOT/wit" -w policy \
+    (cd "$TMP/src" && VIRTUAL_ENV="$TMP/venv" "$TOOL" -q -d "$ROOT/wit/0.2.0" -w policy \
         componentize -p "$TMP/src" app -o "$TMP/out.wasm")
     # Keep only the newest build in the cache.
     rm -f "$BUILD"/cache/limit-*.wasm

@@ -141,7 +141,7 @@ impl Policy for Guarded {
     fn info(&self) -> Info {
         // Guarded blocks end at a page boundary; canaries are reported at free, so the
         // host must pass each free on (no batching).
-        Info::new().alignment(1).batch(false)
+        Info::new().alignment(1).batch(false).diagnoses(true)
     }
 
     fn malloc(&self, size: u64) -> u64 {
