@@ -110,8 +110,11 @@ impl Policy for Aligned {
     }
 
     fn info(&self) -> Info {
-        // NEP 49's example exists to see every call; no host-side magazines.
-        Info::new().alignment(self.alignment).batch(false)
+        // The host may keep this policy's blocks in its magazines: a block's header lies
+        // outside the lent range, so neither the client nor the host writes it while the
+        // block waits there, and the size check runs when the block comes back (a free,
+        // or a flush through `free_many`).
+        Info::new().alignment(self.alignment).batch(true)
     }
 
     fn malloc(&self, size: u64) -> u64 {
