@@ -2,11 +2,22 @@
 `allocbox new`. A pass-through that counts the blocks it has lent out: every call goes
 upstream (the next policy in the chain, or the host's memory) unchanged.
 
-componentize-py builds it into a component of the `policy` world in wit/policy.wit: it
-generates the `wit_world` package from the WIT and imports this module (`app`). For
-each exported interface there is a class named after it (`Allocator`, `Lifecycle`); for
-each imported one a module of functions (`allocator` is the upstream, `bytes` reads and
-writes the bytes of blocks this policy holds).
+componentize-py builds it into a component of the `policy` world in wit/policy.wit
+(contract 0.2.0): it generates the `wit_world` package from the WIT and imports this
+module (`app`). For each exported interface there is a class named after it
+(`Allocator`, `Lifecycle`, `Observer`); for each imported one a module of functions
+(`allocator` is the upstream, `bytes` reads and writes the bytes of blocks this policy
+holds, `memory` maps memory of a kind the embedder granted, `diagnostics` reports a
+client's misuse).
+
+What 0.2.0 adds, in this file: `Lifecycle.report` answers the policy's own counters
+(`allocbox check` and Python's `stats()` show them), `init` is told the limits the host
+enforces, and `Observer.observes` may ask to observe rather than be asked on every call.
+A kind of memory, e.g. huge pages:
+`memory.map_region(size, memory.Kind(memory.Pages.TRANSPARENT_HUGE, memory.Numa_Any(),
+False, memory.Guard.NONE))` answers an `Err(memory.Refusal.NOT_GRANTED)` unless the
+embedder granted `huge-pages`; a client's misuse:
+`diagnostics.client_misuse(block, size, offset, "what happened")`.
 
 The rules the host enforces (it stops the policy at the first break):
 - every address you return lies inside a block you got from upstream and have not
@@ -23,10 +34,10 @@ and reports it. The host calls a policy on one thread at a time: module-level st
 needs no lock.
 """
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import wit_world
-from wit_world.exports import lifecycle
+from wit_world.exports import lifecycle, observer
 from wit_world.imports import allocator as upstream
 
 NAME = "policy_name"
@@ -73,13 +84,35 @@ class Allocator(wit_world.exports.Allocator):
 
 
 class Lifecycle(wit_world.exports.Lifecycle):
-    def init(self, config: List[Tuple[str, str]]) -> lifecycle.Info:
+    def init(
+        self, config: List[Tuple[str, str]], limits: lifecycle.Limits
+    ) -> lifecycle.Info:
         # This policy reads no settings.
         if config:
             raise wit_world.Err(f"{NAME} takes no configuration")
-        # batch: the host may fetch blocks ahead with `malloc-many`.
-        return lifecycle.Info(name=NAME, version=1, alignment=16, batch=True)
+        # batch: the host may fetch blocks ahead with `malloc-many`; diagnoses: this
+        # policy reports no misuse of its client.
+        return lifecycle.Info(
+            name=NAME, version=1, alignment=16, batch=True, diagnoses=False
+        )
 
     def trim(self) -> None:
         # Nothing cached, so nothing to give back.
         pass
+
+    def report(self) -> List[Tuple[str, int]]:
+        return [("lent-blocks", lent)]
+
+
+class Observer(wit_world.exports.Observer):
+    def observes(self) -> Optional[observer.Observing]:
+        # None: asked on every call (or batched, as `init` says). To observe instead,
+        # answer `observer.Observing(batch=..., detail=observer.Detail.TOTALS,
+        # lease=None)` and count in `observe`.
+        return None
+
+    def observe(self, observed: observer.Observation) -> None:
+        pass
+
+    def renew(self, size: int) -> int:
+        return 0
