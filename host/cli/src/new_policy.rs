@@ -521,7 +521,7 @@ fn foreign_files(lang: Lang) -> (TemplateFiles, Vec<(&'static str, String)>) {
             vec![
                 ("build.mjs", TRACKER_BUILD.to_string()),
                 ("package-lock.json", js_lock()),
-                ("wit/policy.wit", allocbox::POLICY_WIT.to_string()),
+                ("wit/policy.wit", allocbox::POLICY_WIT_2.to_string()),
             ],
         ),
         Lang::Python => (
