@@ -106,13 +106,7 @@ impl Handler {
         }
         let mut mine = self.caches.mine();
         let from_magazine = self.caches.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
-        if from_magazine
-            && let Some(addr) = mine.with(|c| {
-                let addr = c.take::<{ Reach::FULL }>(size)?;
-                count_request::<ZEROED>(&mut c.counts);
-                Some(addr)
-            })
-        {
+        if from_magazine && let Some(addr) = take_counted::<ZEROED>(&mut mine, size) {
             return Ok(to_ptr(zeroed_if::<ZEROED>(addr, size)));
         }
         self.lend_from_chain::<ZEROED>(mine, size, from_magazine)
@@ -138,13 +132,7 @@ impl Handler {
         let op = if ZEROED { Op::Calloc } else { Op::Malloc };
         let mut mine = self.caches.mine();
         let from_magazine = self.caches.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
-        if from_magazine
-            && let Some(addr) = mine.with(|c| {
-                let addr = c.take::<{ Reach::FULL }>(size)?;
-                count_request::<ZEROED>(&mut c.counts);
-                Some(addr)
-            })
-        {
+        if from_magazine && let Some(addr) = take_counted::<ZEROED>(&mut mine, size) {
             let addr = zeroed_if::<ZEROED>(addr, size);
             if obs.lent(op, addr, size) {
                 self.deliver();
@@ -547,6 +535,16 @@ impl Handler {
         c.rerouted.insert(fresh.as_ptr() as u64);
         Ok(Some(fresh))
     }
+}
+
+/// A block of `size` bytes from the calling thread's magazine, counted as a request.
+#[inline(always)]
+fn take_counted<const ZEROED: bool>(mine: &mut Mine<'_>, size: u64) -> Option<u64> {
+    mine.with(|c| {
+        let addr = c.take::<{ Reach::FULL }>(size)?;
+        count_request::<ZEROED>(&mut c.counts);
+        Some(addr)
+    })
 }
 
 /// Count a `malloc` or, `ZEROED`, a `calloc`.

@@ -432,15 +432,7 @@ impl Runtime {
             Exports::V1(b) => b
                 .allocbox_policy_lifecycle()
                 .call_init(&mut store, config)
-                .map(|r| {
-                    r.map(|i| Said {
-                        name: i.name,
-                        version: i.version,
-                        alignment: i.alignment,
-                        batch: i.batch,
-                        diagnoses: false,
-                    })
-                }),
+                .map(|r| r.map(Said::from)),
             Exports::V2(b) => {
                 use bindings_v2::exports::allocbox::policy::lifecycle::Limits as Told;
                 let told = Told {
@@ -450,15 +442,7 @@ impl Runtime {
                 };
                 b.allocbox_policy_lifecycle()
                     .call_init(&mut store, config, told)
-                    .map(|r| {
-                        r.map(|i| Said {
-                            name: i.name,
-                            version: i.version,
-                            alignment: i.alignment,
-                            batch: i.batch,
-                            diagnoses: i.diagnoses,
-                        })
-                    })
+                    .map(|r| r.map(Said::from))
             }
         };
         let info = match answer {

@@ -526,7 +526,10 @@ fn foreign_files(lang: Lang) -> (TemplateFiles, Vec<(&'static str, String)>) {
         ),
         Lang::Python => (
             template!("python": "app.py", "build.sh", "setup.sh", "README.md", ".gitignore"),
-            vec![stamp, ("wit/policy.wit", allocbox::POLICY_WIT_2.to_string())],
+            vec![
+                stamp,
+                ("wit/policy.wit", allocbox::POLICY_WIT_2.to_string()),
+            ],
         ),
         Lang::Go => (
             template!("go": "policy.go", "go.mod", "build.sh", "setup.sh", "README.md",

@@ -148,6 +148,30 @@ pub(super) struct Said {
     pub(super) diagnoses: bool,
 }
 
+impl From<bindings::exports::allocbox::policy::lifecycle::Info> for Said {
+    fn from(i: bindings::exports::allocbox::policy::lifecycle::Info) -> Said {
+        Said {
+            name: i.name,
+            version: i.version,
+            alignment: i.alignment,
+            batch: i.batch,
+            diagnoses: false,
+        }
+    }
+}
+
+impl From<bindings_v2::exports::allocbox::policy::lifecycle::Info> for Said {
+    fn from(i: bindings_v2::exports::allocbox::policy::lifecycle::Info) -> Said {
+        Said {
+            name: i.name,
+            version: i.version,
+            alignment: i.alignment,
+            batch: i.batch,
+            diagnoses: i.diagnoses,
+        }
+    }
+}
+
 /// Check what a policy says about itself (C1, C6).
 pub(super) fn check_info(info: Said) -> Result<PolicyInfo, LoadError> {
     if info.name.is_empty() || info.name.len() > 127 {
