@@ -24,7 +24,7 @@ use wasmtime::{Config, Engine, Store};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 mod raw {
-    wasmtime::component::bindgen!({ path: "../wit", world: "policy" });
+    wasmtime::component::bindgen!({ path: "../wit/0.2.0", world: "policy" });
 }
 
 /// NumPy's most common request size (72% of its mallocs are 8-15 bytes).
@@ -91,6 +91,25 @@ impl raw::allocbox::policy::bytes::Host for RawHost {
     fn write_u64(&mut self, _at: u64, _value: u64) {}
 }
 
+// `system` imports neither; the world needs them served.
+impl raw::allocbox::policy::memory::Host for RawHost {
+    fn map_region(
+        &mut self,
+        _size: u64,
+        _kind: raw::allocbox::policy::memory::Kind,
+    ) -> Result<u64, raw::allocbox::policy::memory::Refusal> {
+        Err(raw::allocbox::policy::memory::Refusal::NotGranted)
+    }
+    fn unmap_region(&mut self, _addr: u64, _size: u64) {}
+    fn page_size(&mut self, _pages: raw::allocbox::policy::memory::Pages) -> u64 {
+        4096
+    }
+}
+
+impl raw::allocbox::policy::diagnostics::Host for RawHost {
+    fn client_misuse(&mut self, _block: u64, _size: u64, _offset: u64, _message: String) {}
+}
+
 fn raw_system(real_memory: bool) -> (Store<RawHost>, raw::Policy) {
     let mut config = Config::new();
     config.concurrency_support(false);
@@ -110,9 +129,14 @@ fn raw_system(real_memory: bool) -> (Store<RawHost>, raw::Policy) {
         },
     );
     let policy = raw::Policy::instantiate(&mut store, &component, &linker).unwrap();
+    let limits = raw::exports::allocbox::policy::lifecycle::Limits {
+        batch: 4096,
+        memory: 128 << 20,
+        overhead: 256 << 20,
+    };
     policy
         .allocbox_policy_lifecycle()
-        .call_init(&mut store, &[])
+        .call_init(&mut store, &[], limits)
         .unwrap()
         .unwrap();
     (store, policy)
