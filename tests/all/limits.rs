@@ -399,3 +399,35 @@ fn a_policy_whose_start_function_loops_is_stopped_at_start() {
         "{err}"
     );
 }
+
+/// `memory.grow` past the memory budget answers -1, as the core specification allows
+/// (and the 0.2.0 WIT says): a policy that checks it answers "none" and goes on.
+#[test]
+fn a_growth_past_the_memory_budget_answers_minus_one_and_the_policy_recovers() {
+    let malloc = r#"(func (export "allocbox:policy/allocator@0.1.0#malloc") (param $size i64) (result i64)
+    (call $count (call $up_malloc (local.get $size))))"#;
+    assert!(allocbox::DEFAULT_POLICY_WAT.contains(malloc));
+    // A malloc that first asks for 256 MiB more of its own memory, and answers none
+    // when it is refused.
+    let growing = r#"(func (export "allocbox:policy/allocator@0.1.0#malloc") (param $size i64) (result i64)
+    (if (i32.eq (memory.grow (i32.const 4096)) (i32.const -1))
+      (then (return (i64.const 0))))
+    (call $count (call $up_malloc (local.get $size))))"#;
+    let wat = allocbox::DEFAULT_POLICY_WAT.replace(malloc, growing);
+    let policy = Runtime::shared().load(wat.as_bytes()).unwrap();
+    let h = HandlerBuilder::new(Runtime::shared())
+        .link_with(&policy, &[])
+        .limits(Limits {
+            memory: 16 << 20,
+            ..Limits::default()
+        })
+        .build()
+        .unwrap();
+    // Past the magazines' sizes: the policy's own malloc is asked.
+    assert_eq!(h.malloc(100_000).unwrap(), None, "out of memory, not stopped");
+    assert_eq!(h.malloc(100_000).unwrap(), None);
+    assert!(h.failure().is_none());
+    // The other calls still work.
+    let p = h.calloc(8, 8).unwrap().expect("calloc does not grow");
+    h.free(Some(p), 64).unwrap();
+}
