@@ -424,7 +424,11 @@ fn a_growth_past_the_memory_budget_answers_minus_one_and_the_policy_recovers() {
         .build()
         .unwrap();
     // Past the magazines' sizes: the policy's own malloc is asked.
-    assert_eq!(h.malloc(100_000).unwrap(), None, "out of memory, not stopped");
+    assert_eq!(
+        h.malloc(100_000).unwrap(),
+        None,
+        "out of memory, not stopped"
+    );
     assert_eq!(h.malloc(100_000).unwrap(), None);
     assert!(h.failure().is_none());
     // The other calls still work.

@@ -91,7 +91,10 @@ fn new_rust_policy_builds_with_its_readme_command_and_passes_check() {
     let wasm = wasm.to_str().unwrap();
     let out = allocbox_ok(&["check", wasm, "--cases", "64"], &project);
     assert!(out.contains("every rule held"), "{out}");
-    assert!(out.contains("its counters, summed over the cases: lent-blocks 0"), "{out}");
+    assert!(
+        out.contains("its counters, summed over the cases: lent-blocks 0"),
+        "{out}"
+    );
     let out = allocbox_ok(&["inspect", wasm], &project);
     assert!(out.starts_with("policy     demo\n"), "{out}");
     // Unknown configuration is refused by the SDK, naming the policy and the key.
@@ -185,7 +188,10 @@ fn new_project_builds_and_passes_check(lang: &str, language: &str) {
     assert!(out.contains("every rule held"), "{out}");
     // The templates of languages that speak contract 0.2.0 report their counter.
     if ["Python", "JavaScript"].contains(&language) {
-        assert!(out.contains("its counters, summed over the cases: lent-blocks 0"), "{out}");
+        assert!(
+            out.contains("its counters, summed over the cases: lent-blocks 0"),
+            "{out}"
+        );
     }
     let out = allocbox_ok(&["inspect", "demo.wasm"], &project);
     assert!(out.starts_with("policy     demo\n"), "{out}");
