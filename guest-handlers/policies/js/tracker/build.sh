@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the JavaScript `tracker` policy into the component OUT: the SpiderMonkey
 # engine (StarlingMonkey, compiled to WebAssembly) with tracker.js evaluated and its
-# heap snapshotted by Wizer, bound to the world in wit/ by componentize-js.
+# heap snapshotted by Wizer, bound to the 0.2.0 world in wit/0.2.0/ by componentize-js.
 #
 #   guest-handlers/policies/js/tracker/build.sh OUT.wasm
 #
@@ -28,7 +28,7 @@ CJS="$HERE/node_modules/@bytecodealliance/componentize-js"
 CACHE="$HERE/build/cache"
 mkdir -p "$CACHE"
 key=$(cat "$HERE/tracker.js" "$HERE/build.mjs" "$HERE/build.sh" "$HERE/package-lock.json" \
-  "$ROOT"/wit/*.wit | sha256sum | cut -c1-16)
+  "$ROOT"/wit/0.2.0/*.wit | sha256sum | cut -c1-16)
 cached="$CACHE/tracker-$key.wasm"
 
 TMP="$(mktemp -d)"
@@ -41,7 +41,7 @@ else
   # TMPDIR: its scratch files go there and are removed with it.
   mkdir -p "$TMP/src"
   cp "$HERE/tracker.js" "$TMP/src/tracker.js"
-  (cd "$TMP/src" && TMPDIR="$TMP" node "$HERE/build.mjs" tracker.js "$ROOT/wit" "$TMP/out.wasm")
+  (cd "$TMP/src" && TMPDIR="$TMP" node "$HERE/build.mjs" tracker.js "$ROOT/wit/0.2.0" "$TMP/out.wasm")
   # Keep only the newest build in the cache.
   rm -f "$CACHE"/tracker-*.wasm
   cp "$TMP/out.wasm" "$cached"

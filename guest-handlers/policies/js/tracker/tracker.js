@@ -1,32 +1,39 @@
 // `tracker`: a tracking adaptor (a leak finder) for NumPy's data allocations, in
 // JavaScript.
 //
-// It sits between its client and its upstream, like RMM's tracking_resource_adaptor:
-// every call goes upstream unchanged (the exact sizes, so the sized-free rule holds
-// towards upstream because the client keeps it towards us), and on the way it keeps:
+// It sits between its client and its upstream, like RMM's tracking_resource_adaptor.
+// It speaks contract 0.2.0 and observes rather than being asked on every call: the
+// host serves NumPy's small arrays from magazines of blocks this policy placed and tells
+// it every block it lent or took back, a few thousand at a time (`observer`, detail
+// `events`: ops, addresses and sizes as columns of bytes). Every call that does reach
+// it goes upstream unchanged (the exact sizes, so the sized-free rule holds towards
+// upstream because the client keeps it towards us). It keeps:
 //
 // - every block lent: address -> size and the sequence number of the call that
 //   (re)allocated it (`report()` lists the oldest live ones first: the leak
 //   suspects);
 // - the bytes and blocks lent now, and their peaks;
-// - how many blocks it refused, and how many calls it has seen.
+// - how many blocks it lent or took back (the sequence numbers), and how many it counted
+//   without tracking them one by one because the index was full.
+//
+// Its counters are the policy's `report` (`allocbox check`, Python's `stats()`).
 //
 // Knobs (`init` configuration; each key at most once):
 //
-// - `max-blocks`: most blocks tracked at once (default 100000, or `unlimited`). Each
-//   tracked block costs guest memory; past the bound a request that would need a new
-//   entry is answered 0 (out of memory) without asking upstream, so the policy's own
-//   memory stays bounded instead of meeting the host's `--guest-memory` cap, which
-//   stops the policy. README.md has the memory each bound needs.
+// - `max-blocks`: most blocks tracked one by one at once (default 100000, or
+//   `unlimited`). Each tracked block costs guest memory; past the bound a new block is
+//   only counted (`untracked`), so the policy's own memory stays bounded instead of
+//   meeting the host's `--guest-memory` cap, which stops the policy. (A request is never
+//   refused for it: one served from a magazine cannot be.) README.md has the memory
+//   each bound needs.
 // - `min-size`: only blocks of at least this many bytes are tracked one by one
 //   (default 1: all). Smaller blocks are only counted (blocks and bytes), so a program
 //   with millions of tiny arrays can still have its big ones watched. The sized-free
 //   rule tells which kind a freed block is: its size decides.
 //
-// It caches nothing: `trim` has nothing to give back and forwards nothing. It says
-// `batch: false` because it must see every call (host magazines would hand out blocks
-// it never saw) and promises 16-byte alignment: its blocks are upstream's blocks, and
-// the host's memory and every shipped policy align to 16.
+// It caches nothing: `trim` has nothing to give back and forwards nothing. It promises
+// 16-byte alignment: its blocks are upstream's blocks, and the host's memory and every
+// shipped policy align to 16.
 //
 // Numbers: the canonical ABI hands every u64 to JavaScript as a BigInt. Comparisons
 // against requests, which may be any u64, stay BigInt. What is stored and counted is
@@ -39,7 +46,7 @@
 // runs this code in an interpreter (no JIT inside wasm), where a variable is a step
 // cheaper than a property.
 
-import * as upstream from 'allocbox:policy/allocator@0.1.0';
+import * as upstream from 'allocbox:policy/allocator@0.2.0';
 
 const NAME = 'tracker';
 const U64_MAX = (1n << 64n) - 1n;
@@ -61,7 +68,8 @@ let peakBlocks = 0;
 let smallBytes = 0; // the part of the above below `min-size`
 let smallBlocks = 0;
 let allocated = 0; // blocks ever lent (a realloc counts as the same block)
-let refused = 0; // blocks this policy refused (upstream's 0s are not ours)
+let untracked = 0; // blocks counted but not tracked: the index was full
+let batch = 4096; // events per delivery, set at `init` within the host's batch limit
 
 // The index: an open-addressing hash table (linear probing) in typed arrays, keyed by
 // the address as a Number. Not a Map: the collector walks every entry of a Map at
@@ -112,13 +120,21 @@ function grow() {
   }
 }
 
-// Record a block lent (`size` a Number) with this call's seq.
+// Record a block lent at `addr` (a BigInt; `size` a Number) with this call's seq.
 function track(addr, size) {
   if (addr > SAFE) {
     far.set(addr, [size, calls]);
     return;
   }
-  const a = Number(addr);
+  trackNumber(Number(addr), size);
+}
+
+// `track` for an address already a Number (below 2^53), or a BigInt above.
+function trackNumber(a, size) {
+  if (typeof a === 'bigint') {
+    far.set(a, [size, calls]);
+    return;
+  }
   // Grow at 3/4 full: linear probing stays short below that.
   if (4 * (tracked + 1) > 3 * capacity) grow();
   let i = home(a);
@@ -140,8 +156,16 @@ function untrack(addr) {
     far.delete(addr);
     return;
   }
+  untrackNumber(Number(addr));
+}
+
+// `untrack` for an address already a Number (below 2^53), or a BigInt above.
+function untrackNumber(a) {
+  if (typeof a === 'bigint') {
+    far.delete(a);
+    return;
+  }
   if (tracked === 0) return;
-  const a = Number(addr);
   let i = home(a);
   let k;
   while ((k = keys[i]) !== a) {
@@ -189,107 +213,115 @@ function given(size, small) {
   }
 }
 
+// Count a block lent at `addr` (`size` a BigInt) as the `calls`-th, tracked unless it
+// is small or the index is full.
+function lendBlock(addr, size) {
+  calls += 1;
+  const small = size < minSize;
+  if (!small) {
+    if (tracked + far.size < maxBlocks) track(addr, Number(size));
+    else untracked += 1;
+  }
+  lent(Number(size), small);
+}
+
+// Count a block taken back (`size` a BigInt).
+function takeBack(addr, size) {
+  calls += 1;
+  const small = size < minSize;
+  if (!small) untrack(addr);
+  given(Number(size), small);
+}
+
+// Only what the host does not serve from its magazines reaches these: requests above
+// 64 KiB, every realloc, and the magazines' own refills and flushes (not the client's
+// blocks yet, or no more: the events say which reach the client).
 export const allocator = {
-  // malloc and calloc are written out rather than sharing a helper that takes the
-  // upstream call as a closure: a closure a call is one more object for the collector.
   malloc(size) {
-    calls += 1;
-    const small = size < minSize;
-    if (!small && tracked + far.size >= maxBlocks) {
-      refused += 1;
-      return 0n;
-    }
     const addr = upstream.malloc(size);
-    if (addr !== 0n) {
-      const n = Number(size);
-      if (!small) track(addr, n);
-      lent(n, small);
-    }
+    if (addr !== 0n) lendBlock(addr, size);
     return addr;
   },
 
   calloc(nelem, elsize) {
-    calls += 1;
-    // BigInts do not wrap: an overflowing product is simply > U64_MAX. Upstream gets
-    // the call as it came and answers 0 for it, as the contract says; the product
-    // only decides tracked or small.
-    const size = nelem * elsize;
-    const small = size < minSize;
-    if (!small && tracked + far.size >= maxBlocks) {
-      refused += 1;
-      return 0n;
-    }
+    // BigInts do not wrap: an overflowing product is simply > U64_MAX, and upstream
+    // answers it 0, as the contract says.
     const addr = upstream.calloc(nelem, elsize);
-    if (addr !== 0n) {
-      const n = Number(size);
-      if (!small) track(addr, n);
-      lent(n, small);
-    }
+    if (addr !== 0n) lendBlock(addr, nelem * elsize);
     return addr;
   },
 
   realloc(ptr, oldSize, newSize) {
-    calls += 1;
-    // ptr = 0 is a malloc (old-size is then 0): there is no old block.
-    const hadOld = ptr !== 0n;
-    const oldSmall = oldSize < minSize;
-    const newSmall = newSize < minSize;
-    // A new index entry is needed only when the old block had none.
-    if (!newSmall && (!hadOld || oldSmall) && tracked + far.size >= maxBlocks) {
-      refused += 1;
-      return 0n; // the old block stays live and unchanged, as the contract says
-    }
     const addr = upstream.realloc(ptr, oldSize, newSize);
     if (addr === 0n) return 0n; // upstream kept the old block: nothing changed
-    if (hadOld) {
+    // ptr = 0 is a malloc (old-size is then 0): there is no old block. One call: the
+    // old block leaves without a sequence number of its own.
+    if (ptr !== 0n) {
+      const oldSmall = oldSize < minSize;
       if (!oldSmall) untrack(ptr);
       given(Number(oldSize), oldSmall);
       allocated -= 1; // the same block, resized
     }
-    const n = Number(newSize);
-    // Recorded anew even when it stayed in place: it is now the newest block, with
-    // this call's seq.
-    if (!newSmall) track(addr, n);
-    lent(n, newSmall);
+    // Recorded anew even when it stayed in place: it is now the newest block.
+    lendBlock(addr, newSize);
     return addr;
   },
 
   free(ptr, size) {
-    calls += 1;
-    const small = size < minSize;
-    if (!small) untrack(ptr);
-    given(Number(size), small);
+    takeBack(ptr, size);
     upstream.free(ptr, size);
   },
 
   mallocMany(size, count) {
-    // With `batch: false` the host does not prefetch, but a client may still ask for
-    // several blocks at once: serve as many as the bound leaves room for ("fewer" is
-    // allowed) and count the rest as refused.
-    calls += 1;
-    if (count === 0) return [];
-    const small = size < minSize;
-    const fit = small ? count : Math.max(0, Math.min(count, maxBlocks - tracked - far.size));
-    refused += count - fit;
-    if (fit === 0) return [];
-    const addrs = upstream.mallocMany(size, fit);
-    const n = Number(size);
-    for (const addr of addrs) {
-      if (!small) track(addr, n);
-      lent(n, small);
-    }
-    return addrs;
+    return upstream.mallocMany(size, count);
   },
 
   freeMany(ptrs, size) {
-    calls += 1;
-    const small = size < minSize;
-    const n = Number(size);
-    for (const ptr of ptrs) {
-      if (!small) untrack(ptr);
-      given(n, small);
-    }
     upstream.freeMany(ptrs, size);
+  },
+};
+
+// The u64 at byte `i` of a column as a Number: exact below 2^53 (every size, every
+// address on today's machines); larger ones as the BigInt `far` keys them by.
+function word(view, i) {
+  const lo = view.getUint32(i, true);
+  const hi = view.getUint32(i + 4, true);
+  return hi < 0x200000 ? hi * 4294967296 + lo : view.getBigUint64(i, true);
+}
+
+export const observer = {
+  observes() {
+    return { batch, detail: 'events', lease: undefined };
+  },
+
+  // Every block the host lent or took back without asking, in order: ops 0 malloc,
+  // 1 calloc, 2 free; addresses and sizes 8 bytes little-endian each.
+  observe(observed) {
+    if (observed.tag !== 'events') return;
+    const { ops, addrs, sizes } = observed.val;
+    const at = new DataView(addrs.buffer, addrs.byteOffset, addrs.byteLength);
+    const of = new DataView(sizes.buffer, sizes.byteOffset, sizes.byteLength);
+    const small = Number(minSize);
+    for (let k = 0; k < ops.length; k++) {
+      const a = word(at, 8 * k);
+      const n = Number(word(of, 8 * k));
+      const addr = typeof a === 'bigint' || a > Number.MAX_SAFE_INTEGER ? BigInt(a) : a;
+      calls += 1;
+      if (ops[k] === 2) {
+        if (n >= small) untrackNumber(addr);
+        given(n, n < small);
+      } else {
+        if (n >= small) {
+          if (tracked + far.size < maxBlocks) trackNumber(addr, n);
+          else untracked += 1;
+        }
+        lent(n, n < small);
+      }
+    }
+  },
+
+  renew(size) {
+    return 0n; // no lease: never asked
   },
 };
 
@@ -306,7 +338,7 @@ export function report(n = 10) {
   live.sort((x, y) => x[2] - y[2]);
   return {
     calls, liveBytes, liveBlocks, trackedBlocks: tracked + far.size, smallBytes, smallBlocks,
-    peakBytes, peakBlocks, allocated, refused, oldest: live.slice(0, n),
+    peakBytes, peakBlocks, allocated, untracked, oldest: live.slice(0, n),
   };
 }
 
@@ -344,7 +376,7 @@ function parseCount(k, value) {
 }
 
 export const lifecycle = {
-  init(config) {
+  init(config, limits) {
     let max = DEFAULT_MAX_BLOCKS;
     let min = 1n;
     const seen = new Set();
@@ -368,11 +400,22 @@ export const lifecycle = {
     tracked = 0;
     far = new Map();
     calls = liveBytes = liveBlocks = peakBytes = peakBlocks = 0;
-    smallBytes = smallBlocks = allocated = refused = 0;
-    return { name: NAME, version: 1, alignment: 16n, batch: false };
+    smallBytes = smallBlocks = allocated = untracked = 0;
+    // Each delivery is a call into the interpreter: as many events at once as allowed.
+    batch = Math.min(4096, limits.batch);
+    return { name: NAME, version: 1, alignment: 16n, batch: true, diagnoses: false };
   },
 
   trim() {
     // Nothing is cached: every block upstream lent us is lent to the client.
+  },
+
+  report() {
+    return [
+      ['live-bytes', liveBytes], ['live-blocks', liveBlocks], ['tracked-blocks', tracked + far.size],
+      ['untracked-blocks', untracked], ['small-bytes', smallBytes], ['small-blocks', smallBlocks],
+      ['peak-bytes', peakBytes], ['peak-blocks', peakBlocks], ['allocated', allocated],
+      ['calls', calls],
+    ].map(([name, n]) => [name, BigInt(n)]);
   },
 };
