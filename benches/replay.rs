@@ -28,15 +28,18 @@ fn main() {
             .into()
         });
     let events = read_trace(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-    use allocbox_artifacts::{ALIGNED, ARENA, SIZE_CLASSES, SYSTEM};
+    use allocbox_artifacts::{ALIGNED, ARENA, LIMIT, SIZE_CLASSES, SYSTEM, TRACKER};
     let handlers: Vec<(&str, Arc<dyn MemHandler>)> = vec![
         ("native NumPy default", default_handler()),
         ("system", wasm(&SYSTEM)),
         ("size-classes", wasm(&SIZE_CLASSES)),
         ("arena", wasm(&ARENA)),
-        // NEP 49's example sees every call (it asks for no magazines): the cost of a
-        // component call per event.
-        ("aligned (per call)", wasm(&ALIGNED)),
+        // NEP 49's example, batched: its header survives in the magazines.
+        ("aligned", wasm(&ALIGNED)),
+        // Observing (contract 0.2.0): told of every event in batches, in sums (`limit`,
+        // Python) or one by one (`tracker`, JavaScript).
+        ("limit (observing)", wasm(&LIMIT)),
+        ("tracker (observing)", wasm(&TRACKER)),
     ];
     println!(
         "{} events from {path}; median of 3 replays each",
