@@ -10,9 +10,14 @@
 //! policy, seeing every call, would have refused it.
 //!
 //! Lock order: the chain's lock, then this one; a thread holding this one never waits
-//! for the chain.
+//! for the chain. The lock is taken outside the thread caches' protocol, so a fork does
+//! not wait for it: a forked child releases a lock a thread of its parent held
+//! ([`Observations::lock`]).
 
-use parking_lot::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use allocbox_ledger::platform::fork;
+use parking_lot::{Mutex, MutexGuard};
 
 pub(crate) use crate::link::bindings_v2::exports::allocbox::policy::observer::{
     Detail, Events, Observation, Op, Totals,
@@ -68,7 +73,13 @@ pub(crate) struct Observations {
     batch: usize,
     detail: Detail,
     state: Mutex<State>,
+    /// The fork generation ([`fork::generation`]) the lock is known good in, or
+    /// [`SETTLING`] while a forked child releases it.
+    good_in: AtomicU64,
 }
+
+/// [`Observations::good_in`] while one thread of a forked child settles the lock.
+const SETTLING: u64 = u64::MAX;
 
 #[derive(Debug)]
 struct State {
@@ -95,6 +106,51 @@ impl Observations {
                 events: Vec::new(),
                 undelivered: 0,
             }),
+            good_in: AtomicU64::new(fork::generation()),
+        }
+    }
+
+    /// The state, locked. In a forked child, first release the lock if a thread of the
+    /// parent held it as the process forked: that thread does not exist here, and its
+    /// guard will never be dropped. (What it was doing is lost: a reservation it made
+    /// stays taken from the lease, which errs towards refusing.)
+    #[inline]
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.lock_in(fork::generation())
+    }
+
+    fn lock_in(&self, generation: u64) -> MutexGuard<'_, State> {
+        if self.good_in.load(Ordering::Acquire) != generation {
+            self.settle_after_fork(generation);
+        }
+        self.state.lock()
+    }
+
+    #[cold]
+    fn settle_after_fork(&self, generation: u64) {
+        loop {
+            let seen = self.good_in.load(Ordering::Acquire);
+            if seen == generation {
+                return;
+            }
+            let won = seen != SETTLING
+                && self
+                    .good_in
+                    .compare_exchange(seen, SETTLING, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok();
+            if won {
+                if self.state.try_lock().is_none() {
+                    // SAFETY: this process forked since the lock was last known good, so
+                    // its threads are the forking one and those started since; each
+                    // checks the generation before it locks and waits while another
+                    // settles. No thread here holds the lock: its holder was a thread of
+                    // the parent, and its guard is gone with it.
+                    unsafe { self.state.force_unlock() };
+                }
+                self.good_in.store(generation, Ordering::Release);
+                return;
+            }
+            std::hint::spin_loop();
         }
     }
 
@@ -110,7 +166,7 @@ impl Observations {
     /// the lease does not cover it (the policy must renew it first).
     pub(crate) fn reserve(&self, size: u64) -> bool {
         let size = signed(size);
-        let mut s = self.state.lock();
+        let mut s = self.lock();
         match s.lease {
             Some(left) if left < size => return false,
             Some(left) => s.lease = Some(left - size),
@@ -123,7 +179,7 @@ impl Observations {
     /// A reserved request got no block.
     pub(crate) fn cancel(&self, size: u64) {
         let size = signed(size);
-        let mut s = self.state.lock();
+        let mut s = self.lock();
         if let Some(left) = &mut s.lease {
             *left += size;
         }
@@ -133,21 +189,21 @@ impl Observations {
     /// A reserved request was served from a magazine with the block at `addr`: the
     /// policy is told later. True when a batch is full and should be delivered now.
     pub(crate) fn lent(&self, op: Op, addr: u64, size: u64) -> bool {
-        let mut s = self.state.lock();
+        let mut s = self.lock();
         s.events.push(Event { op, addr, size });
         s.events.len() >= self.batch
     }
 
     /// A reserved request was served by the policy itself: it knows.
     pub(crate) fn served_by_policy(&self, size: u64) {
-        self.state.lock().undelivered -= signed(size);
+        self.lock().undelivered -= signed(size);
     }
 
     /// The client gave back `size` bytes: to a magazine (`kept`, the policy is told
     /// later), or to the policy itself. True when a batch is full.
     pub(crate) fn returned(&self, addr: u64, size: u64, kept: bool) -> bool {
         let size_signed = signed(size);
-        let mut s = self.state.lock();
+        let mut s = self.lock();
         if let Some(left) = &mut s.lease {
             *left += size_signed;
         }
@@ -165,18 +221,18 @@ impl Observations {
 
     /// A block the policy resized shrank by `size` bytes: the lease gets them back.
     pub(crate) fn shrunk(&self, size: u64) {
-        if let Some(left) = &mut self.state.lock().lease {
+        if let Some(left) = &mut self.lock().lease {
             *left += signed(size);
         }
     }
 
     pub(crate) fn pending(&self) -> bool {
-        !self.state.lock().events.is_empty()
+        !self.lock().events.is_empty()
     }
 
     /// The events to deliver now, oldest first; the policy knows them from here on.
     pub(crate) fn take(&self) -> Vec<Event> {
-        let mut s = self.state.lock();
+        let mut s = self.lock();
         let events = std::mem::take(&mut s.events);
         for e in &events {
             s.undelivered += match e.op {
@@ -189,7 +245,7 @@ impl Observations {
 
     /// The policy renewed the lease to `headroom` bytes, given what it has seen.
     pub(crate) fn renewed(&self, headroom: u64) {
-        let mut s = self.state.lock();
+        let mut s = self.lock();
         s.lease = Some(signed(headroom) - s.undelivered);
     }
 }
@@ -223,6 +279,17 @@ mod tests {
         // Once it is told of a free of 20 kept in a magazine, 20 more fit.
         assert!(!obs.returned(0x2000, 20, true));
         assert!(obs.reserve(20));
+    }
+
+    #[test]
+    fn a_forked_child_releases_a_lock_a_thread_of_its_parent_held() {
+        let obs = Observations::new(8, Some(100), Detail::Events);
+        // As if another thread were inside `reserve` when the process forked.
+        std::mem::forget(obs.state.lock());
+        let next = fork::generation() + 1;
+        assert!(obs.lock_in(next).lease == Some(100));
+        // Known good from then on: a lock held now is a live thread's, and waited for.
+        assert_eq!(obs.good_in.load(Ordering::Relaxed), next);
     }
 
     #[test]
