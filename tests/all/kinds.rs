@@ -254,3 +254,25 @@ fn check_prints_a_policy_s_counters_and_grants_kinds_by_name() {
     assert_eq!(code, 2, "{out}");
     assert!(out.contains("`gpu` is not a kind of memory allocbox can grant: use numa, huge-pages, locked or guarded"), "{out}");
 }
+
+#[test]
+fn an_unmap_with_another_size_is_a_named_wrong_size_free_and_the_region_comes_back() {
+    let h = probe(
+        "normal",
+        "unmap-wrong-size",
+        KindGrants::default(),
+        256 << 20,
+    );
+    let block = h.malloc(100).unwrap().expect("mapped");
+    let err = h.free(Some(block), 100).unwrap_err();
+    match err {
+        Error::Violation(v) => {
+            assert_eq!(v.rule, Rule::WrongSizeFree { recorded: 100 }, "{v}");
+            assert_eq!(v.call, allocbox::Call::MemoryUnmap);
+            assert_eq!(&*v.policy, "kinds-probe");
+        }
+        other => panic!("{other}"),
+    }
+    // The stopped policy's region goes back once its client holds nothing.
+    assert_eq!(h.held_from_host().unwrap(), (0, 0));
+}

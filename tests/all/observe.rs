@@ -241,3 +241,19 @@ mod agreement {
         }
     }
 }
+
+#[test]
+fn an_observing_batch_past_the_batch_limit_stops_the_policy_at_start_naming_it() {
+    let err = HandlerBuilder::new(Runtime::shared())
+        .link_with(
+            &load(&allocbox_artifacts::QUOTA),
+            &[("observe", "true"), ("batch", "5000")],
+        )
+        .build()
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("quota") && text.contains("5000") && text.contains("4096"),
+        "{text}"
+    );
+}

@@ -242,33 +242,27 @@ impl diagnostics::Host for LinkState {
         message: String,
     ) -> wasmtime::Result<()> {
         self.on_time(Call::ClientMisuse)?;
-        let mut message = crate::untrusted::escape(&message);
-        if message.len() > ClientMisuse::MESSAGE_BYTES {
-            let mut cut = ClientMisuse::MESSAGE_BYTES;
-            while !message.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            message.truncate(cut);
-            message.push('…');
+        // Cut before escaping: a policy may send a message as long as a host call
+        // allows, and only the first bytes are kept.
+        let mut cut = message.len().min(ClientMisuse::MESSAGE_BYTES);
+        while !message.is_char_boundary(cut) {
+            cut -= 1;
         }
-        let policy = self.sandbox.name.clone();
-        log::warn!(
-            "{}",
-            ClientMisuse {
-                policy: policy.clone(),
-                block,
-                size,
-                offset,
-                message: message.clone(),
-            }
-        );
-        self.mapped.record(ClientMisuse {
-            policy,
+        let mut kept = crate::untrusted::escape(&message[..cut]);
+        if cut < message.len() {
+            kept.push('…');
+        }
+        let misuse = ClientMisuse {
+            policy: self.sandbox.name.clone(),
             block,
             size,
             offset,
-            message,
-        });
+            message: kept,
+        };
+        // The embedder is handed each report (`Handler::take_client_misuse`); a policy
+        // that reports in a loop must not flood the log too.
+        log::debug!("{misuse}");
+        self.mapped.record(misuse);
         Ok(())
     }
 }
