@@ -231,6 +231,11 @@ fn build_foreign(guests: &Path, folder: &str, out: &Path) -> Result<(), String> 
     let mut sources = source_files(&dir);
     // Every build.sh sources the shared toolchain script and stamps its language with it.
     sources.extend(source_files(&guests.join(SCRIPTS)));
+    // And binds the policy to the contract's WIT: a changed contract is a changed guest.
+    let root = guests
+        .parent()
+        .expect("guest-handlers lies in the repository");
+    sources.extend(source_files(&root.join("wit")));
     for file in &sources {
         println!("cargo:rerun-if-changed={}", file.display());
     }
