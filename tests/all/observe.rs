@@ -10,7 +10,7 @@ use allocbox::{Handler, HandlerBuilder, Runtime};
 use super::support::*;
 
 /// The `quota` fixture capping its client at `max_bytes`, asked on every call (`None`)
-/// or observing with the `detail` given (`events`, `totals`).
+/// or observing with the `detail` given (`events`, `totals`, `survivors`).
 fn quota_as(max_bytes: u64, detail: Option<&str>) -> Handler {
     let max = max_bytes.to_string();
     let mut config = vec![("max-bytes", max.as_str())];
@@ -62,7 +62,7 @@ fn a_quota_over_leases_refuses_at_the_same_byte_as_asked_on_every_call_from_4_th
     const QUOTA: u64 = 1_000_000;
     for size in [1000, 100_000] {
         let mut totals = Vec::new();
-        for form in [None, Some("events"), Some("totals")] {
+        for form in [None, Some("events"), Some("totals"), Some("survivors")] {
             let h = quota_as(QUOTA, form);
             let blocks = until_refused(&h, 4, size);
             let total = blocks.len() as u64 * size as u64;
@@ -192,13 +192,16 @@ mod agreement {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
-        /// What an observing policy counts from its events and its own calls is what
-        /// the host lent, after every step, with upstream requests refused now and then;
-        /// and a quota is never passed.
+        /// What an observing policy counts from what it is told and from its own calls
+        /// is what the host lent, whenever it is told (every `told_every` steps), with
+        /// upstream requests refused now and then; its peak is the host's where the
+        /// form tells peaks; and a quota is never passed.
         #[test]
-        fn an_observing_policy_s_count_matches_the_host_s_after_every_step(
+        fn an_observing_policy_s_count_matches_the_host_s_whenever_it_is_told(
             steps in proptest::collection::vec(step(), 1..60),
             refuse_every in 2u32..9,
+            detail in prop_oneof![Just("events"), Just("totals"), Just("survivors")],
+            told_every in 1usize..8,
         ) {
             const QUOTA: u64 = 400_000;
             let adversary = allocbox::Adversary::new(7);
@@ -206,14 +209,14 @@ mod agreement {
             let h = HandlerBuilder::new(Runtime::shared())
                 .link_with(
                     &load(&allocbox_artifacts::QUOTA),
-                    &[("max-bytes", "400000"), ("observe", "true")],
+                    &[("max-bytes", "400000"), ("observe", "true"), ("detail", detail)],
                 )
                 .checked(true)
                 .adversary(std::sync::Arc::clone(&adversary))
                 .build()
                 .unwrap();
             let mut live: Vec<(NonNull<u8>, usize)> = Vec::new();
-            for step in steps {
+            for (n, step) in steps.into_iter().enumerate() {
                 match step {
                     Step::Malloc(size) => live.extend(h.malloc(size).unwrap().map(|p| (p, size))),
                     Step::Calloc(size) => live.extend(h.calloc(size, 1).unwrap().map(|p| (p, size))),
@@ -229,9 +232,15 @@ mod agreement {
                     }
                     _ => {}
                 }
-                let lent = h.stats().unwrap().live_bytes;
-                prop_assert_eq!(counter(&h, "lent"), lent);
-                prop_assert!(lent <= QUOTA);
+                if n % told_every != 0 {
+                    continue;
+                }
+                let stats = h.stats().unwrap();
+                prop_assert_eq!(counter(&h, "lent"), stats.live_bytes);
+                prop_assert!(stats.live_bytes <= QUOTA);
+                if detail != "totals" {
+                    prop_assert_eq!(counter(&h, "peak"), stats.peak_bytes);
+                }
             }
             for (p, size) in live {
                 h.free(Some(p), size).unwrap();

@@ -61,6 +61,23 @@ pub struct Event {
     /// The block's size as allocated.
     pub size: u64,
 }
+
+/// What a policy observing [`Detail::Survivors`] hears of a batch: the events of blocks
+/// that outlive it, and sums of the blocks that came and went within it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Survivors {
+    /// Oldest first, each with its place among all of the batch's events (from 0).
+    pub events: Vec<(u32, Event)>,
+    /// The batch's events, listed or not.
+    pub count: u32,
+    /// Blocks lent and given back within the batch, and their bytes.
+    pub transient_blocks: u64,
+    pub transient_bytes: u64,
+    /// How far the bytes, and the blocks, lent at once rose above their level at the
+    /// batch's start at most (0 when they never did).
+    pub peak_bytes_rise: u64,
+    pub peak_blocks_rise: u64,
+}
 pub use config::{Config, Limits};
 
 /// The raw wit-bindgen bindings of the `policy` world, for what this crate does not wrap.
@@ -262,6 +279,12 @@ pub trait Policy: Sized + 'static {
         let _ = totals;
     }
 
+    /// What the host served without asking, as [`Detail::Survivors`] tells it: the
+    /// events of blocks that outlive the batch, the others summed. Default: nothing.
+    fn observe_survivors(&self, survivors: Survivors) {
+        let _ = survivors;
+    }
+
     /// The lease does not cover a request of `size` bytes (every event before it was
     /// observed): the new lease, the bytes the host may lend from now on without asking.
     /// Less than `size` refuses the request. Default: 0.
@@ -440,33 +463,51 @@ pub mod __private {
         }
     }
 
+    /// The little-endian u64s of a column of bytes.
+    fn words(column: &[u8]) -> impl Iterator<Item = u64> + '_ {
+        let (words, _) = column.as_chunks::<8>();
+        words.iter().map(|&w| u64::from_le_bytes(w))
+    }
+
+    /// The events in `columns`, oldest first.
+    fn unpack(columns: &observer::Events) -> impl Iterator<Item = crate::Event> + '_ {
+        let ops = columns.ops.iter().map(|&op| match op {
+            0 => observer::Op::Malloc,
+            1 => observer::Op::Calloc,
+            _ => observer::Op::Free,
+        });
+        ops.zip(words(&columns.addrs))
+            .zip(words(&columns.sizes))
+            .map(|((op, addr), size)| crate::Event { op, addr, size })
+    }
+
     impl<I: Instance> observer::Guest for Export<I> {
         fn observes() -> Option<observer::Observing> {
             policy::<I, _>(|p| p.observes())
         }
 
         fn observe(observed: observer::Observation) {
-            let events = match observed {
-                observer::Observation::Events(events) => events,
-                observer::Observation::Totals(totals) => {
-                    return policy::<I, _>(|p| p.observe_totals(totals));
+            match observed {
+                observer::Observation::Events(events) => {
+                    policy::<I, _>(|p| p.observe(unpack(&events).collect()))
                 }
-            };
-            let ops = events.ops.iter().map(|&op| match op {
-                0 => observer::Op::Malloc,
-                1 => observer::Op::Calloc,
-                _ => observer::Op::Free,
-            });
-            let words = |column: &[u8]| -> Vec<u64> {
-                let (words, _) = column.as_chunks::<8>();
-                words.iter().map(|&w| u64::from_le_bytes(w)).collect()
-            };
-            let events = ops
-                .zip(words(&events.addrs))
-                .zip(words(&events.sizes))
-                .map(|((op, addr), size)| crate::Event { op, addr, size })
-                .collect();
-            policy::<I, _>(|p| p.observe(events))
+                observer::Observation::Totals(totals) => {
+                    policy::<I, _>(|p| p.observe_totals(totals))
+                }
+                observer::Observation::Survivors(s) => {
+                    let (places, _) = s.places.as_chunks::<4>();
+                    let places = places.iter().map(|&w| u32::from_le_bytes(w));
+                    let survivors = crate::Survivors {
+                        events: places.zip(unpack(&s.events)).collect(),
+                        count: s.count,
+                        transient_blocks: s.transient_blocks,
+                        transient_bytes: s.transient_bytes,
+                        peak_bytes_rise: s.peak_bytes_rise,
+                        peak_blocks_rise: s.peak_blocks_rise,
+                    };
+                    policy::<I, _>(|p| p.observe_survivors(survivors))
+                }
+            }
         }
 
         fn renew(size: u64) -> u64 {

@@ -96,7 +96,7 @@ export const lifecycle = {
 export const observer = {
   // Undefined (none): asked on every call, or batched as `init` says. To observe
   // instead, answer `{ batch: 4096, detail: 'totals', lease: undefined }` and count in
-  // `observe`.
+  // `observe` (`'survivors'` to follow blocks: those that outlive a batch are listed).
   observes() {
     return undefined;
   },

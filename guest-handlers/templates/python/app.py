@@ -108,7 +108,8 @@ class Observer(wit_world.exports.Observer):
     def observes(self) -> Optional[observer.Observing]:
         # None: asked on every call (or batched, as `init` says). To observe instead,
         # answer `observer.Observing(batch=..., detail=observer.Detail.TOTALS,
-        # lease=None)` and count in `observe`.
+        # lease=None)` and count in `observe` (`Detail.SURVIVORS` to follow blocks:
+        # those that outlive a batch are listed).
         return None
 
     def observe(self, observed: observer.Observation) -> None:

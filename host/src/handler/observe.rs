@@ -19,8 +19,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use allocbox_ledger::platform::fork;
 use parking_lot::{Mutex, MutexGuard};
 
+use allocbox_ledger::fasthash::FastMap;
+
 pub(crate) use crate::link::bindings_v2::exports::allocbox::policy::observer::{
-    Detail, Events, Observation, Op, Totals,
+    Detail, Events, Observation, Op, Survivors, Totals,
 };
 
 /// One thing served without asking the policy.
@@ -31,14 +33,12 @@ pub(crate) struct Event {
     pub(crate) size: u64,
 }
 
-/// `events` as the policy asked to hear of them: in columns of bytes, or summed.
+/// `events` as the policy asked to hear of them: in columns of bytes, summed, or only
+/// those of blocks that outlive the batch.
 pub(crate) fn observation(events: &[Event], detail: Detail) -> Observation {
     match detail {
-        Detail::Events => Observation::Events(Events {
-            ops: events.iter().map(|e| e.op as u8).collect(),
-            addrs: events.iter().flat_map(|e| e.addr.to_le_bytes()).collect(),
-            sizes: events.iter().flat_map(|e| e.size.to_le_bytes()).collect(),
-        }),
+        Detail::Events => Observation::Events(columns(events.iter())),
+        Detail::Survivors => Observation::Survivors(survivors(events)),
         Detail::Totals => {
             let mut totals = Totals {
                 lent_blocks: 0,
@@ -63,6 +63,67 @@ pub(crate) fn observation(events: &[Event], detail: Detail) -> Observation {
             }
             Observation::Totals(totals)
         }
+    }
+}
+
+/// Events in the columns of bytes of `events`.
+fn columns<'a>(events: impl Iterator<Item = &'a Event> + Clone) -> Events {
+    Events {
+        ops: events.clone().map(|e| e.op as u8).collect(),
+        addrs: events.clone().flat_map(|e| e.addr.to_le_bytes()).collect(),
+        sizes: events.flat_map(|e| e.size.to_le_bytes()).collect(),
+    }
+}
+
+/// The events of blocks that outlive the batch `events`, the others summed. The ledger
+/// lends an address again only after it was given back, so a free pairs with the
+/// latest lend of its address in the batch, if any.
+fn survivors(events: &[Event]) -> Survivors {
+    let mut lent_at: FastMap<u64, usize> = FastMap::default();
+    lent_at.reserve(events.len());
+    let mut transient = vec![false; events.len()];
+    let (mut transient_blocks, mut transient_bytes) = (0u64, 0u64);
+    // The level of bytes and blocks lent, from 0 at the batch's start, and its peak.
+    let (mut bytes, mut blocks, mut peak_bytes, mut peak_blocks) = (0i128, 0i64, 0i128, 0i64);
+    for (i, e) in events.iter().enumerate() {
+        if e.op == Op::Free {
+            bytes -= i128::from(e.size);
+            blocks -= 1;
+            if let Some(lent) = lent_at.remove(&e.addr) {
+                transient[lent] = true;
+                transient[i] = true;
+                transient_blocks += 1;
+                transient_bytes = u64::saturating_add(transient_bytes, e.size);
+            }
+        } else {
+            bytes += i128::from(e.size);
+            blocks += 1;
+            peak_bytes = peak_bytes.max(bytes);
+            peak_blocks = peak_blocks.max(blocks);
+            lent_at.insert(e.addr, i);
+        }
+    }
+    let listed = || {
+        events
+            .iter()
+            .zip(&transient)
+            .filter(|&(_, &gone)| !gone)
+            .map(|(e, _)| e)
+    };
+    let places = (0u32..)
+        .zip(&transient)
+        .filter(|&(_, &gone)| !gone)
+        .flat_map(|(place, _)| place.to_le_bytes())
+        .collect();
+    Survivors {
+        events: columns(listed()),
+        places,
+        count: u32::try_from(events.len()).expect("a batch is at most the batch limit, a u32"),
+        transient_blocks,
+        transient_bytes,
+        // Both at most the batch's lent sum, which fits the u64 sizes lent.
+        peak_bytes_rise: u64::try_from(peak_bytes).unwrap_or(u64::MAX),
+        peak_blocks_rise: peak_blocks as u64,
     }
 }
 
@@ -301,6 +362,57 @@ mod tests {
         let taken = obs.take();
         assert_eq!(taken.len(), 2);
         assert!(!obs.pending());
+    }
+
+    fn event(op: Op, addr: u64, size: u64) -> Event {
+        Event { op, addr, size }
+    }
+
+    fn words<const N: usize>(column: &[u8]) -> Vec<[u8; N]> {
+        column.as_chunks::<N>().0.to_vec()
+    }
+
+    #[test]
+    fn survivors_list_only_blocks_that_cross_the_batch_and_keep_their_places() {
+        let events = [
+            // Lent before the batch, given back in it: listed.
+            event(Op::Free, 0x10, 5),
+            // Lent and given back within it: counted, and its peak kept.
+            event(Op::Malloc, 0x20, 100),
+            event(Op::Calloc, 0x30, 7),
+            event(Op::Free, 0x20, 100),
+            // The same address lent again, and kept past the batch: listed.
+            event(Op::Malloc, 0x20, 8),
+            event(Op::Free, 0x30, 7),
+        ];
+        let Observation::Survivors(s) = observation(&events, Detail::Survivors) else {
+            panic!("survivors asked for");
+        };
+        assert_eq!(s.events.ops, [2, 0]);
+        let addrs: Vec<u64> = words(&s.events.addrs)
+            .into_iter()
+            .map(u64::from_le_bytes)
+            .collect();
+        assert_eq!(addrs, [0x10, 0x20]);
+        let places: Vec<u32> = words(&s.places)
+            .into_iter()
+            .map(u32::from_le_bytes)
+            .collect();
+        assert_eq!(places, [0, 4]);
+        assert_eq!(s.count, 6);
+        assert_eq!((s.transient_blocks, s.transient_bytes), (2, 107));
+        // From -5 bytes and -1 block after the first free: up to 102 bytes, 1 block.
+        assert_eq!((s.peak_bytes_rise, s.peak_blocks_rise), (102, 1));
+    }
+
+    #[test]
+    fn a_batch_of_frees_only_rises_to_no_peak() {
+        let events = [event(Op::Free, 0x10, 5), event(Op::Free, 0x20, 5)];
+        let Observation::Survivors(s) = observation(&events, Detail::Survivors) else {
+            panic!("survivors asked for");
+        };
+        assert_eq!((s.peak_bytes_rise, s.peak_blocks_rise), (0, 0));
+        assert_eq!(s.events.ops, [2, 2]);
     }
 
     #[test]

@@ -67,20 +67,27 @@ function init(mod, config = []) {
   return mod.lifecycle.init(config, LIMITS);
 }
 
-// Events as the host delivers them: columns of bytes, addresses and sizes 8 bytes
-// little-endian each.
-function events(list) {
+// A batch as the host delivers it to a policy observing `survivors`: the listed events
+// (those of blocks that outlived the batch) as [op, address, size, place] in columns of
+// bytes (addresses and sizes 8 bytes little-endian each, places 4), and the sums.
+function survivors(list, { count, transientBlocks = 0n, transientBytes = 0n, peakBytesRise = 0n, peakBlocksRise = 0n }) {
   const ops = new Uint8Array(list.length);
   const addrs = new Uint8Array(8 * list.length);
   const sizes = new Uint8Array(8 * list.length);
+  const places = new Uint8Array(4 * list.length);
   const a = new DataView(addrs.buffer);
   const z = new DataView(sizes.buffer);
-  list.forEach(([op, addr, size], k) => {
+  const p = new DataView(places.buffer);
+  list.forEach(([op, addr, size, place], k) => {
     ops[k] = { malloc: 0, calloc: 1, free: 2 }[op];
     a.setBigUint64(8 * k, addr, true);
     z.setBigUint64(8 * k, size, true);
+    p.setUint32(4 * k, place, true);
   });
-  return { tag: 'events', val: { ops, addrs, sizes } };
+  return {
+    tag: 'survivors',
+    val: { events: { ops, addrs, sizes }, places, count, transientBlocks, transientBytes, peakBytesRise, peakBlocksRise },
+  };
 }
 
 test('init: info, and errors that name the key and why', async () => {
@@ -88,7 +95,7 @@ test('init: info, and errors that name the key and why', async () => {
   assert.deepEqual(init(m), {
     name: 'tracker', version: 1, alignment: 16n, batch: true, diagnoses: false,
   });
-  assert.deepEqual(m.observer.observes(), { batch: 4096, detail: 'events', lease: undefined });
+  assert.deepEqual(m.observer.observes(), { batch: 4096, detail: 'survivors', lease: undefined });
   assert.throws(() => init(m, [['max-block', '1']]), /unknown config key `max-block` \(value `1`\); known: max-blocks, min-size/);
   assert.throws(() => init(m, [['max-blocks', '1e6']]), /`max-blocks` = `1e6` is not a count/);
   assert.throws(() => init(m, [['max-blocks', '99999999999999999999']]), /too large/);
@@ -220,36 +227,54 @@ test('malloc-many and free-many only forward: magazine blocks are not the client
   assert.equal(r.liveBlocks, 1);
 });
 
-test('observe: the events of a delivery are tracked as calls are, in order', async () => {
+test('observe: survivors are tracked as calls are, in order, and transient blocks counted', async () => {
   const m = await load();
   init(m);
   const O = m.observer;
-  O.observe(events([
-    ['malloc', 0x1000n, 16n],
-    ['calloc', 0x2000n, 64n],
-    ['free', 0x1000n, 16n],
-    ['malloc', 0x3000n, 32n],
-  ]));
+  // malloc 0x1000 (16), calloc 0x2000 (64), free 0x1000, malloc 0x3000 (32): the first
+  // block came and went within the batch.
+  O.observe(survivors([
+    ['calloc', 0x2000n, 64n, 1],
+    ['malloc', 0x3000n, 32n, 3],
+  ], { count: 4, transientBlocks: 1n, transientBytes: 16n, peakBytesRise: 96n, peakBlocksRise: 2n }));
   let r = m.report();
   assert.equal(r.calls, 4);
+  assert.equal(r.allocated, 3);
   assert.equal(r.liveBlocks, 2);
   assert.equal(r.liveBytes, 96);
   assert.equal(r.peakBytes, 96);
+  assert.equal(r.peakBlocks, 2);
   assert.deepEqual(r.oldest, [[0x2000n, 64, 2], [0x3000n, 32, 4]]);
+  // A batch of transient blocks only: no live count moves, the peak they made is kept.
+  O.observe(survivors([], { count: 2, transientBlocks: 1n, transientBytes: 1000n, peakBytesRise: 1000n, peakBlocksRise: 1n }));
+  r = m.report();
+  assert.equal(r.calls, 6);
+  assert.equal(r.allocated, 4);
+  assert.equal(r.liveBytes, 96);
+  assert.equal(r.peakBytes, 1096);
+  assert.equal(r.peakBlocks, 3);
+  assert.equal(r.trackedBlocks, 2);
   // A block lent by an event and freed by the policy's own call leaves the index.
   m.allocator.free(0x2000n, 64n);
-  O.observe(events([['free', 0x3000n, 32n]]));
+  O.observe(survivors([['free', 0x3000n, 32n, 0]], { count: 1 }));
   r = m.report();
   assert.equal(r.liveBlocks, 0);
   assert.equal(r.trackedBlocks, 0);
   // Addresses above 2^53 keep exact keys.
   const far = (1n << 60n) + 16n;
-  O.observe(events([['malloc', far, 16n], ['malloc', far + 32n, 16n], ['free', far, 16n]]));
+  O.observe(survivors([['malloc', far + 32n, 16n, 1]], { count: 3, transientBlocks: 1n, transientBytes: 16n, peakBytesRise: 32n, peakBlocksRise: 2n }));
   assert.deepEqual(m.report().oldest.map(([p]) => p), [far + 32n]);
   // The lifecycle report is the counters, by name.
   const counters = Object.fromEntries(m.lifecycle.report());
   assert.equal(counters['live-blocks'], 1n);
   assert.equal(counters['tracked-blocks'], 1n);
+});
+
+test('observe: other forms of observation are not this policy\'s and change nothing', async () => {
+  const m = await load();
+  init(m);
+  m.observer.observe({ tag: 'totals', val: { lentBlocks: 1n, lentBytes: 8n, freedBlocks: 0n, freedBytes: 0n, lentByBits: [] } });
+  assert.equal(m.report().calls, 0);
 });
 
 test('upstream out of memory changes nothing', async () => {

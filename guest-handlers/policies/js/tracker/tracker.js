@@ -4,8 +4,10 @@
 // It sits between its client and its upstream, like RMM's tracking_resource_adaptor.
 // It speaks contract 0.2.0 and observes rather than being asked on every call: the
 // host serves NumPy's small arrays from magazines of blocks this policy placed and tells
-// it every block it lent or took back, a few thousand at a time (`observer`, detail
-// `events`: ops, addresses and sizes as columns of bytes). Every call that does reach
+// it, a few thousand events at a time, of every block that outlived the batch it was
+// lent or taken back in (`observer`, detail `survivors`: ops, addresses, sizes and
+// places as columns of bytes), and sums the blocks that came and went within one (most
+// of them: they can be neither live nor leaked at any delivery). Every call that does reach
 // it goes upstream unchanged (the exact sizes, so the sized-free rule holds towards
 // upstream because the client keeps it towards us). It keeps:
 //
@@ -13,8 +15,9 @@
 //   (re)allocated it (`report()` lists the oldest live ones first: the leak
 //   suspects);
 // - the bytes and blocks lent now, and their peaks;
-// - how many blocks it lent or took back (the sequence numbers), and how many it counted
-//   without tracking them one by one because the index was full.
+// - how many blocks it lent or took back (the sequence numbers), and how many that
+//   outlived their batch it counted without tracking them one by one because the index
+//   was full.
 //
 // Its counters are the policy's `report` (`allocbox check`, Python's `stats()`).
 //
@@ -291,22 +294,32 @@ function word(view, i) {
 
 export const observer = {
   observes() {
-    return { batch, detail: 'events', lease: undefined };
+    return { batch, detail: 'survivors', lease: undefined };
   },
 
-  // Every block the host lent or took back without asking, in order: ops 0 malloc,
-  // 1 calloc, 2 free; addresses and sizes 8 bytes little-endian each.
+  // What the host lent or took back without asking, as `detail: survivors` tells it:
+  // the events of blocks that outlived the batch, in order, each with its place among
+  // the batch's events (ops 0 malloc, 1 calloc, 2 free; addresses and sizes 8 bytes
+  // little-endian each, places 4); the blocks that came and went within the batch only
+  // as sums. Those change no live count and are never leak suspects, and most of a
+  // program's blocks are among them: this loop runs for a few events of the thousands.
   observe(observed) {
-    if (observed.tag !== 'events') return;
-    const { ops, addrs, sizes } = observed.val;
+    if (observed.tag !== 'survivors') return;
+    const s = observed.val;
+    const { ops, addrs, sizes } = s.events;
     const at = new DataView(addrs.buffer, addrs.byteOffset, addrs.byteLength);
     const of = new DataView(sizes.buffer, sizes.byteOffset, sizes.byteLength);
+    const places = new DataView(s.places.buffer, s.places.byteOffset, s.places.byteLength);
     const small = Number(minSize);
+    const before = calls;
+    const startBytes = liveBytes;
+    const startBlocks = liveBlocks;
     for (let k = 0; k < ops.length; k++) {
       const a = word(at, 8 * k);
       const n = Number(word(of, 8 * k));
       const addr = typeof a === 'bigint' || a > Number.MAX_SAFE_INTEGER ? BigInt(a) : a;
-      calls += 1;
+      // Its sequence number, as if every event of the batch had been told.
+      calls = before + places.getUint32(4 * k, true) + 1;
       if (ops[k] === 2) {
         if (n >= small) untrackNumber(addr);
         given(n, n < small);
@@ -318,6 +331,13 @@ export const observer = {
         lent(n, n < small);
       }
     }
+    calls = before + s.count;
+    allocated += Number(s.transientBlocks);
+    // The peaks the transient blocks made, which the survivors alone do not reach.
+    const bytesAtPeak = startBytes + Number(s.peakBytesRise);
+    const blocksAtPeak = startBlocks + Number(s.peakBlocksRise);
+    if (bytesAtPeak > peakBytes) peakBytes = bytesAtPeak;
+    if (blocksAtPeak > peakBlocks) peakBlocks = blocksAtPeak;
   },
 
   renew(size) {

@@ -20,7 +20,7 @@
 //! `calloc`, `realloc`, `malloc_many`, `free_many` and `trim` have correct defaults
 //! built on `malloc` and `free`; this template forwards them upstream, which is faster.
 //!
-//! Contract 0.2.0 (what this SDK speaks) gives a policy three more things:
+//! Contract 0.2.0 (what this SDK speaks) gives a policy four more things:
 //! - `report`: its own counters, shown by `allocbox check` and Python's `stats()` (this
 //!   template reports the blocks it has lent);
 //! - `allocbox_policy::memory::map(size, Kind { pages: Pages::TransparentHuge,
@@ -29,7 +29,12 @@
 //!   `memory::unmap`;
 //! - `allocbox_policy::diagnostics::client_misuse(block, size, offset, "what happened")`:
 //!   a misuse of a block by the client that the policy found (an overwritten canary),
-//!   shown to the embedder as a warning.
+//!   shown to the embedder as a warning;
+//! - `observes`: observe rather than be asked on every call. The host serves the client
+//!   from magazines and tells the policy in batches: every event (`observe`), sums
+//!   (`observe_totals`), or the events of blocks that outlive their batch
+//!   (`observe_survivors`); a lease of bytes, renewed through `renew`, bounds what it
+//!   lends meanwhile.
 //!
 //! Check it against the whole handler contract before anyone uses it:
 //!
