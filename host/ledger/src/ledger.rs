@@ -16,15 +16,16 @@
 //! before giving it back (NEP 49's `aligned`) still orders nothing.
 
 use std::collections::BTreeMap;
-use std::collections::hash_map::Entry as Slot;
 
-use crate::fasthash::FastMap;
+use index::Index;
+
+mod index;
 
 /// Names one of a handler's per-thread caches.
 pub type CacheId = std::num::NonZeroU32;
 
 /// One lent block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Entry {
     pub size: u64,
     /// For the top policy's blocks: the thread cache that holds the block, in its
@@ -34,7 +35,7 @@ pub struct Entry {
 }
 
 /// A block as the ledger keeps it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct Record {
     entry: Entry,
     /// In `ranges`; otherwise in `unordered`.
@@ -71,7 +72,7 @@ pub struct Ledger {
     /// The sum of `footprint` over the live blocks.
     footprint_bytes: u64,
     /// Address -> block: every live block.
-    blocks: FastMap<u64, Record>,
+    blocks: Index<Record>,
     /// Address -> size, for range queries: the live blocks marked `ordered`.
     ranges: BTreeMap<u64, u64>,
     /// Address and size of exactly the live blocks not in `ranges`. Newest last.
@@ -106,7 +107,7 @@ impl Ledger {
         Ledger {
             footprint,
             footprint_bytes: 0,
-            blocks: FastMap::default(),
+            blocks: Index::default(),
             ranges: BTreeMap::new(),
             unordered: Vec::with_capacity(UNORDERED_LIMIT),
             bytes: 0,
@@ -149,13 +150,13 @@ impl Ledger {
     }
 
     pub fn get(&self, addr: u64) -> Option<Entry> {
-        self.blocks.get(&addr).map(|r| r.entry)
+        self.blocks.get(addr).map(|r| r.entry)
     }
 
     /// Name the thread cache that holds the block at `addr`; false if there is none.
     /// (The only change made to a block in place: its address and size never change.)
     pub fn set_cache(&mut self, addr: u64, cache: Option<CacheId>) -> bool {
-        match self.blocks.get_mut(&addr) {
+        match self.blocks.get_mut(addr) {
             Some(record) => {
                 record.entry.cache = cache;
                 true
@@ -171,7 +172,7 @@ impl Ledger {
     /// Every block, by address. O(n log n), from the address index alone: for audits
     /// and for releasing a dead link's memory, not hot paths.
     pub fn iter(&self) -> impl Iterator<Item = (u64, Entry)> + use<> {
-        let mut all: Vec<(u64, Entry)> = self.blocks.iter().map(|(&a, r)| (a, r.entry)).collect();
+        let mut all: Vec<(u64, Entry)> = self.blocks.iter().map(|(a, r)| (a, r.entry)).collect();
         all.sort_unstable_by_key(|&(a, _)| a);
         all.into_iter()
     }
@@ -186,7 +187,7 @@ impl Ledger {
     /// The order of every live block, for range queries.
     pub fn ordered(&mut self) -> Ordered<'_> {
         for (addr, size) in self.unordered.drain(..) {
-            let record = self.blocks.get_mut(&addr).expect("waiting blocks are live");
+            let record = self.blocks.get_mut(addr).expect("waiting blocks are live");
             record.ordered = true;
             self.ranges.insert(addr, size);
         }
@@ -237,25 +238,23 @@ impl Ledger {
     /// Take back the block at `addr` that must have been lent with `size` bytes.
     pub fn take_back(&mut self, addr: u64, size: u64) -> Result<Entry, TakeBack> {
         // One probe for the check and the removal: this is every give-back's path.
-        match self.blocks.entry(addr) {
-            Slot::Occupied(found) if found.get().entry.size == size => {
-                let record = found.remove();
-                Ok(self.forget(addr, record))
-            }
-            Slot::Occupied(found) => Err(TakeBack::WrongSize {
-                recorded: found.get().entry.size,
+        match self.blocks.remove_unless(addr, |r| r.entry.size != size) {
+            Ok(record) => Ok(self.forget(addr, record)),
+            Err(Some(kept)) => Err(TakeBack::WrongSize {
+                recorded: kept.entry.size,
             }),
-            Slot::Vacant(_) => Err(self.why_unknown(addr)),
+            Err(None) => Err(self.why_unknown(addr)),
         }
     }
 
     /// Remove the block at `addr` whatever its size.
     pub fn remove(&mut self, addr: u64) -> Option<Entry> {
-        let record = self.blocks.remove(&addr)?;
+        let record = self.blocks.remove(addr)?;
         Some(self.forget(addr, record))
     }
 
     /// The bookkeeping of a block just removed from the address index.
+    #[inline]
     fn forget(&mut self, addr: u64, record: Record) -> Entry {
         if record.ordered {
             self.ranges.remove(&addr);
@@ -298,20 +297,20 @@ impl Ledger {
     /// Do the address index, the order and the waiting list hold the same blocks,
     /// disjoint, with the byte count their sum? O(n log n): for audits, not hot paths.
     pub fn check_consistent(&self) -> Result<(), &'static str> {
-        let ordered = self.blocks.values().filter(|r| r.ordered).count();
+        let ordered = self.blocks.iter().filter(|(_, r)| r.ordered).count();
         if self.ranges.len() != ordered {
             return Err("ledger order and address index disagree on the number of blocks");
         }
         for (&addr, &size) in &self.ranges {
-            match self.blocks.get(&addr) {
+            match self.blocks.get(addr) {
                 Some(r) if r.ordered && r.entry.size == size => {}
                 _ => return Err("ledger order and address index disagree on a block"),
             }
         }
-        let waiting = self.blocks.values().filter(|r| !r.ordered).count();
+        let waiting = self.blocks.iter().filter(|(_, r)| !r.ordered).count();
         let listed = self.unordered.iter().all(|&(a, size)| {
             self.blocks
-                .get(&a)
+                .get(a)
                 .is_some_and(|r| !r.ordered && r.entry.size == size)
         });
         if waiting != self.unordered.len() || !listed {
@@ -339,7 +338,8 @@ impl Ledger {
         self.generation += 1;
         self.ranges.clear();
         self.unordered.clear();
-        std::mem::take(&mut self.blocks)
+        self.blocks
+            .take_all()
             .into_iter()
             .map(|(a, r)| (a, r.entry))
             .collect()
