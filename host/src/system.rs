@@ -47,6 +47,10 @@ const HUGEPAGE_THRESHOLD: usize = 1 << 22;
 /// pages with a header page for mapped ones. The overhead budget counts this, not the
 /// size: a policy holding a million 1-byte blocks holds 32 MB of chunks.
 pub(crate) fn footprint(size: u64) -> u64 {
+    // Most blocks, first: every block of a per-op pair passes here three times.
+    if size < LINE_ALIGNED_FROM {
+        return size.saturating_add(8).next_multiple_of(16).max(32);
+    }
     let Some(layout) = SystemMemory::layout(size) else {
         return size;
     };
