@@ -77,12 +77,14 @@ impl Handler {
     }
 
     /// The chain, locked, or why it cannot be.
+    #[inline]
     fn lock(&self) -> Result<Books<'_>, Error> {
         self.caches
             .lock()
             .map_err(|reason| self.unreachable(reason))
     }
 
+    #[cold]
     fn unreachable(&self, reason: Unreachable) -> Error {
         Error::Unreachable {
             handler: self.name.clone(),

@@ -512,6 +512,7 @@ impl Link {
     }
 
     /// The rule a block this link returned breaks, if any.
+    #[inline]
     fn misplaced(&mut self, addr: u64, size: u64) -> Option<Rule> {
         let alignment = self.info.alignment;
         let state = self.store.data_mut();

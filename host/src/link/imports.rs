@@ -129,17 +129,24 @@ impl LinkState {
 
     /// Stop an import of a call that has run past its time: wasm code is interrupted by
     /// the epoch, host code checks here, at every import and between chunks of long ones.
+    #[inline]
     pub(super) fn on_time(&mut self, call: Call) -> wasmtime::Result<()> {
-        if !self.out_of_time() {
-            return Ok(());
+        if self.out_of_time() {
+            return Err(self.timed_out(call));
         }
+        Ok(())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn timed_out(&mut self, call: Call) -> wasmtime::Error {
         let policy = self.sandbox.name.clone();
         let limit = self.call_time;
-        Err(self.fail(Error::Timeout {
+        self.fail(Error::Timeout {
             policy,
             call,
             limit,
-        }))
+        })
     }
 
     fn out_of_time(&self) -> bool {
@@ -293,6 +300,7 @@ impl LinkState {
     /// lent, other than the block in transit during its own realloc (whose upstream memory
     /// is held back instead): the client would lose its data, and the host would free
     /// memory a client still writes to.
+    #[inline]
     pub(super) fn check_nothing_lent_inside(
         &mut self,
         call: Call,
@@ -302,6 +310,17 @@ impl LinkState {
         if size > 0 && self.cleared(ptr, size) {
             return Ok(());
         }
+        self.check_nothing_lent_inside_by_query(call, ptr, size)
+    }
+
+    /// [`Self::check_nothing_lent_inside`] outside the clearance: a range query.
+    #[inline(never)]
+    fn check_nothing_lent_inside_by_query(
+        &mut self,
+        call: Call,
+        ptr: u64,
+        size: u64,
+    ) -> wasmtime::Result<()> {
         let in_transit = self.transit.block_addr();
         let inside = self
             .lent

@@ -90,6 +90,7 @@ impl<C: Books> Caches<C> {
     }
 
     /// The books, under their lock.
+    #[inline]
     pub fn lock(&self) -> Result<Locked<'_, C>, Unreachable> {
         if self.forked_mid_call.load(Ordering::Relaxed) {
             return Err(Unreachable::ForkedMidCall);
@@ -169,6 +170,7 @@ impl<'l, C: Books> Locked<'l, C> {
 
     /// The calling thread's own cache. A cache that is about to get blocks is known to
     /// its thread's exit from here on, which gives them back.
+    #[inline]
     pub fn own<'g>(&'g mut self, mine: &'g mut Mine<'_>) -> CacheGuard<'g> {
         #[cfg(not(allocbox_loom))]
         if mine.slot().mark_exit_known() {
