@@ -1,11 +1,12 @@
 //! The ledger's address index: address -> record, for every live block.
 //!
-//! Most blocks live for one malloc/free pair, and a hash insert and remove for each was
-//! the larger part of what a ledger costs a component call (callgrind, `system` per op:
-//! about 100 instructions each way, at two boundaries). So the newest few blocks wait in
-//! a short array beside the hash map and enter it only when newer ones push them out; a
-//! block taken back before then never touches the map. A lookup scans the array first:
-//! a few compares, newest first, which is where a pair's free finds its block.
+//! Most blocks live for one malloc/free pair, and a hash insert and removal for each was
+//! the larger part of what a ledger costs a component call. So the newest few blocks
+//! wait in a short array beside the hash map and enter it only when newer ones push them
+//! out; a block taken back before then never touches the map. A lookup scans the array
+//! first: a few compares, newest first, which is where a pair's free finds its block.
+//! (callgrind, a `system` per-op pair, which passes two ledgers: the host's
+//! instructions went from 1,876 to 1,559 with this.)
 
 use crate::fasthash::FastMap;
 
