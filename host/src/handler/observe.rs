@@ -415,6 +415,114 @@ mod tests {
         assert_eq!(s.events.ops, [2, 2]);
     }
 
+    mod survivors_model {
+        use std::collections::BTreeMap;
+
+        use super::*;
+        use proptest::prelude::*;
+
+        /// A batch the ledger could have made: blocks live before it, then lends of
+        /// addresses not lent and gives-back of lent ones, an address lent again only
+        /// after it was given back.
+        fn batch() -> impl Strategy<Value = (BTreeMap<u64, u64>, Vec<Event>)> {
+            let before = proptest::collection::btree_map(0u64..16, 1u64..100, 0..8);
+            let steps = proptest::collection::vec((any::<bool>(), 0u64..16, 1u64..100), 0..64);
+            (before, steps).prop_map(|(before, steps)| {
+                let mut live = before.clone();
+                let mut events = Vec::new();
+                for (lend, addr, size) in steps {
+                    match (lend, live.get(&addr).copied()) {
+                        (true, None) => {
+                            live.insert(addr, size);
+                            let op = if size % 2 == 0 {
+                                Op::Malloc
+                            } else {
+                                Op::Calloc
+                            };
+                            events.push(Event { op, addr, size });
+                        }
+                        (false, Some(size)) => {
+                            live.remove(&addr);
+                            events.push(Event {
+                                op: Op::Free,
+                                addr,
+                                size,
+                            });
+                        }
+                        _ => {}
+                    }
+                }
+                (before, events)
+            })
+        }
+
+        fn unpacked(s: &Survivors) -> Vec<(u32, Event)> {
+            let ops = s.events.ops.iter().map(|&op| match op {
+                0 => Op::Malloc,
+                1 => Op::Calloc,
+                _ => Op::Free,
+            });
+            let u64s = |c: &[u8]| -> Vec<u64> {
+                words::<8>(c).into_iter().map(u64::from_le_bytes).collect()
+            };
+            let places = words::<4>(&s.places).into_iter().map(u32::from_le_bytes);
+            let events = ops
+                .zip(u64s(&s.events.addrs))
+                .zip(u64s(&s.events.sizes))
+                .map(|((op, addr), size)| Event { op, addr, size });
+            places.zip(events).collect()
+        }
+
+        proptest! {
+            /// A policy that applies only the survivors to what it knew before the
+            /// batch knows what one told every event knows: the same live blocks, the
+            /// same lends, each survivor at its own place, and the same peaks.
+            #[test]
+            fn survivors_tell_what_every_event_tells((before, events) in batch()) {
+                let Observation::Survivors(s) = observation(&events, Detail::Survivors) else {
+                    panic!("survivors asked for");
+                };
+                let listed = unpacked(&s);
+                prop_assert_eq!(s.count as usize, events.len());
+                let mut last = None;
+                for &(place, e) in &listed {
+                    let at = events[place as usize];
+                    prop_assert_eq!((at.op, at.addr, at.size), (e.op, e.addr, e.size));
+                    prop_assert!(last < Some(place), "places in order");
+                    last = Some(place);
+                }
+                let apply = |live: &mut BTreeMap<u64, u64>, e: &Event| match e.op {
+                    Op::Free => {
+                        live.remove(&e.addr);
+                    }
+                    _ => {
+                        live.insert(e.addr, e.size);
+                    }
+                };
+                let (mut told_all, mut told_survivors) = (before.clone(), before.clone());
+                let (mut bytes, mut blocks, mut peak_bytes, mut peak_blocks) = (0i64, 0i64, 0, 0);
+                for e in &events {
+                    apply(&mut told_all, e);
+                    let sign = if e.op == Op::Free { -1 } else { 1 };
+                    bytes += sign * e.size as i64;
+                    blocks += sign;
+                    peak_bytes = peak_bytes.max(bytes);
+                    peak_blocks = peak_blocks.max(blocks);
+                }
+                for (_, e) in &listed {
+                    apply(&mut told_survivors, e);
+                }
+                prop_assert_eq!(told_survivors, told_all);
+                let lends = |es: &mut dyn Iterator<Item = &Event>| {
+                    es.filter(|e| e.op != Op::Free).count() as u64
+                };
+                let listed_lends = lends(&mut listed.iter().map(|(_, e)| e));
+                prop_assert_eq!(listed_lends + s.transient_blocks, lends(&mut events.iter()));
+                prop_assert_eq!((s.peak_bytes_rise, s.peak_blocks_rise), (peak_bytes as u64, peak_blocks as u64));
+            }
+        }
+    }
+
     #[test]
     fn totals_sum_the_events_and_count_sizes_by_bits() {
         let events = [
