@@ -84,7 +84,9 @@ impl Slot {
 
     /// Mark the owner's exit known; true if it was not before. Only the owner calls it.
     pub(super) fn mark_exit_known(&self) -> bool {
-        !self.exit_known.swap(true, Ordering::Relaxed)
+        // A load first: after the first call it is all there is, where a swap would be
+        // a locked instruction on every call of the chain's path (`Locked::own`).
+        !self.exit_known.load(Ordering::Relaxed) && !self.exit_known.swap(true, Ordering::Relaxed)
     }
 
     /// The cache, from any thread: claim it, then wait until its owner is off its fast
