@@ -174,9 +174,17 @@ impl<'l, C: Books> Locked<'l, C> {
     pub fn own<'g>(&'g mut self, mine: &'g mut Mine<'_>) -> CacheGuard<'g> {
         #[cfg(not(allocbox_loom))]
         if mine.slot().mark_exit_known() {
-            exit::remember(self.caches.this.clone(), mine.id());
+            self.remember_exit(mine.id());
         }
         mine.cache()
+    }
+
+    /// Once a thread: out of line, so that [`Locked::own`] stays small enough to inline.
+    #[cfg(not(allocbox_loom))]
+    #[cold]
+    #[inline(never)]
+    fn remember_exit(&self, id: CacheId) {
+        exit::remember(self.caches.this.clone(), id);
     }
 
     /// Every thread's cache, to claim one by one.
