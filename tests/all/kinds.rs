@@ -241,7 +241,7 @@ fn check_prints_a_policy_s_counters_and_grants_kinds_by_name() {
     let (code, out) = allocbox_cli(&["check", guard, "--cases", "16"], &dir);
     assert_eq!(code, 0, "{out}");
     assert!(
-        out.contains("its counters, summed over the cases: guarded 0, guard-refused "),
+        out.contains("its counters, summed over the cases (a `peak-` one: its largest): guarded 0, guard-refused "),
         "{out}"
     );
     let args = [

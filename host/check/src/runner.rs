@@ -283,8 +283,8 @@ pub(super) struct Subject<'a> {
     pub(super) tally: Tally,
 }
 
-/// Upstream requests refused on purpose, and the policy's own counters, summed over the
-/// cases run.
+/// Upstream requests refused on purpose, and the policy's own counters, over the cases
+/// run: summed, a `peak-` counter (a high-water mark) its largest.
 #[derive(Debug, Default)]
 pub(super) struct Tally {
     /// Past the overhead budget: the impossible sizes the checker asks for.
@@ -298,11 +298,12 @@ pub(super) struct Tally {
 
 impl Tally {
     fn add_counters(&self, counters: Vec<(String, u64)>) {
-        let mut sums = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+        let mut all = self.counters.lock().unwrap_or_else(|p| p.into_inner());
         for (name, value) in counters {
-            match sums.iter_mut().find(|(n, _)| *n == name) {
+            match all.iter_mut().find(|(n, _)| *n == name) {
+                Some((n, peak)) if n.starts_with("peak-") => *peak = (*peak).max(value),
                 Some((_, sum)) => *sum = sum.saturating_add(value),
-                None => sums.push((name, value)),
+                None => all.push((name, value)),
             }
         }
     }
@@ -533,4 +534,23 @@ pub(super) fn leak_check(handler: &Handler) -> Option<Finding> {
         return Some(Finding::from_error(&failure));
     }
     handler.leak_check().err().map(|e| Finding::from_error(&e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_add_up_over_cases_but_a_peak_is_the_largest() {
+        let tally = Tally::default();
+        let case = |lent, peak| vec![("lent".to_string(), lent), ("peak-bytes".to_string(), peak)];
+        tally.add_counters(case(3, 4096));
+        tally.add_counters(case(5, 100));
+        tally.add_counters(vec![("refused".to_string(), 1)]);
+        let all = tally.counters.into_inner().unwrap();
+        let expected = [("lent", 8), ("peak-bytes", 4096), ("refused", 1)];
+        let expected: Vec<(String, u64)> =
+            expected.iter().map(|&(n, v)| (n.to_string(), v)).collect();
+        assert_eq!(all, expected);
+    }
 }

@@ -166,7 +166,8 @@ pub struct CheckReport {
     /// case, to run the policy's out-of-memory paths.
     pub injected_refusals: u64,
     /// The policy's own counters (`lifecycle.report`, 0.2.0) at the end of each case,
-    /// summed over the cases, in the policy's order; none for a 0.1.0 policy.
+    /// over the cases (summed; a `peak-` counter its largest), in the policy's order;
+    /// none for a 0.1.0 policy.
     pub counters: Vec<(String, u64)>,
     /// The first broken rule, with the shrunk script that shows it.
     pub failure: Option<(Finding, Script)>,

@@ -113,7 +113,7 @@ fn text_report(
         let mut out = format!("{named}: every rule held — {totals}\n");
         if !report.counters.is_empty() {
             out += &format!(
-                "  its counters, summed over the cases: {}\n",
+                "  its counters, summed over the cases (a `peak-` one: its largest): {}\n",
                 counter_list(&report.counters)
             );
         }
