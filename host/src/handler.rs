@@ -76,6 +76,13 @@ impl Handler {
         &self.names
     }
 
+    /// The calling thread's cache while the handler keeps magazines. Without them it
+    /// needs none: what it serves is counted under the chain's lock (see [`count`]).
+    #[inline]
+    fn thread_cache(&self) -> Option<Mine<'_>> {
+        self.caches.keeps_magazines().then(|| self.caches.mine())
+    }
+
     /// The chain, locked, or why it cannot be.
     #[inline]
     fn lock(&self) -> Result<Books<'_>, Error> {
@@ -106,9 +113,12 @@ impl Handler {
         if let Some(obs) = &self.observed {
             return self.lend_observed::<ZEROED>(obs, size);
         }
-        let mut mine = self.caches.mine();
-        let from_magazine = self.caches.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
-        if from_magazine && let Some(addr) = take_counted::<ZEROED>(&mut mine, size) {
+        let mut mine = self.thread_cache();
+        let from_magazine = mine.is_some() && size <= MAGAZINE_MAX_SIZE;
+        if from_magazine
+            && let Some(mine) = &mut mine
+            && let Some(addr) = take_counted::<ZEROED>(mine, size)
+        {
             return Ok(to_ptr(zeroed_if::<ZEROED>(addr, size)));
         }
         self.lend_from_chain::<ZEROED>(mine, size, from_magazine)
@@ -132,9 +142,12 @@ impl Handler {
             return Ok(None);
         }
         let op = if ZEROED { Op::Calloc } else { Op::Malloc };
-        let mut mine = self.caches.mine();
-        let from_magazine = self.caches.keeps_magazines() && size <= MAGAZINE_MAX_SIZE;
-        if from_magazine && let Some(addr) = take_counted::<ZEROED>(&mut mine, size) {
+        let mut mine = self.thread_cache();
+        let from_magazine = mine.is_some() && size <= MAGAZINE_MAX_SIZE;
+        if from_magazine
+            && let Some(mine) = &mut mine
+            && let Some(addr) = take_counted::<ZEROED>(mine, size)
+        {
             let addr = zeroed_if::<ZEROED>(addr, size);
             if obs.lent(op, addr, size) {
                 self.deliver();
@@ -205,7 +218,7 @@ impl Handler {
     #[inline(never)]
     fn lend_from_chain<const ZEROED: bool>(
         &self,
-        mut mine: Mine<'_>,
+        mut mine: Option<Mine<'_>>,
         size: u64,
         from_magazine: bool,
     ) -> Result<(Option<NonNull<u8>>, Via), Error> {
@@ -223,15 +236,15 @@ impl Handler {
             });
             return rerouted.map(|block| (block, Via::Policy));
         }
-        let (answer, via) = match (from_magazine, ZEROED) {
+        let (answer, via) = match (&mut mine, from_magazine, ZEROED) {
             // A block for a magazine comes from `malloc-many`: zeroed here.
-            (true, _) => match refill(&mut c, &mut mine, size) {
+            (Some(mine), true, _) => match refill(&mut c, mine, size) {
                 Ok((addr, via)) => (Ok(zeroed_if::<ZEROED>(addr, size)), via),
                 Err(e) => (Err(e), Via::Policy),
             },
-            (false, false) => (c.head.malloc(size), Via::Policy),
+            (_, _, false) => (c.head.malloc(size), Via::Policy),
             // Magazines stopped since `calloc` looked (the chain failed meanwhile).
-            (false, true) => (c.head.calloc(size, 1), Via::Policy),
+            (_, _, true) => (c.head.calloc(size, 1), Via::Policy),
         };
         let answer = settle(&mut c, answer);
         count(&mut c, &mut mine, |n| {
@@ -254,7 +267,7 @@ impl Handler {
         {
             return self.lend::<true>(size);
         }
-        let mut mine = self.caches.mine();
+        let mut mine = self.thread_cache();
         let mut c = self.lock()?;
         if c.failure.is_some() {
             let unserved = self.fallback.is_none();
@@ -286,7 +299,7 @@ impl Handler {
         };
         let addr = ptr.as_ptr() as u64;
         let new = (new_size as u64).max(1);
-        let mut mine = self.caches.mine();
+        let mut mine = self.thread_cache();
         let mut c = self.lock()?;
         count(&mut c, &mut mine, |n| n.reallocs += 1);
         let Some(entry) = c.head.lent().get(addr) else {
@@ -360,9 +373,9 @@ impl Handler {
         };
         // A block this thread's cache lent goes back into its magazine when there is
         // room; otherwise it takes the chain's path, still on the books.
-        let mut mine = self.caches.mine();
+        let mut mine = self.thread_cache();
         let addr = ptr.as_ptr() as u64;
-        if self.caches.keeps_magazines()
+        if let Some(mine) = &mut mine
             && let Some(kept) = mine.with(|c| c.put_back::<{ Reach::FULL }>(addr, size as u64))
         {
             if let Some(obs) = &self.observed
@@ -399,9 +412,9 @@ impl Handler {
     /// A free the calling thread's magazine could not take.
     #[cold]
     #[inline(never)]
-    fn free_to_chain(
-        &self,
-        mut mine: Mine<'_>,
+    fn free_to_chain<'h>(
+        &'h self,
+        mut mine: Option<Mine<'h>>,
         ptr: NonNull<u8>,
         size: usize,
     ) -> Result<(), Error> {
@@ -444,9 +457,11 @@ impl Handler {
             n.frees += 1;
             n.freed(entry.size, size as u64);
         });
-        let answer = match self.caches.keeps_magazines() && entry.size <= MAGAZINE_MAX_SIZE {
-            true => shelve(&mut c, &mut mine, addr, entry.size),
-            false => c.give_back(addr, entry.size).map(|_| Via::Policy),
+        let answer = match &mut mine {
+            Some(mine) if c.keeps_magazines() && entry.size <= MAGAZINE_MAX_SIZE => {
+                shelve(&mut c, mine, addr, entry.size)
+            }
+            _ => c.give_back(addr, entry.size).map(|_| Via::Policy),
         };
         let full = self.observed.as_ref().is_some_and(|obs| {
             let kept = matches!(answer, Ok(Via::Magazine));
@@ -475,14 +490,16 @@ impl Handler {
     /// Take a block the client holds out of the thread cache that lent it; the client
     /// holds it straight from the policy now. False when that cache has not lent it (it
     /// sits in a magazine).
-    fn take_from_cache(
-        &self,
+    fn take_from_cache<'h>(
+        &'h self,
         c: &mut Books<'_>,
-        mine: &mut Mine<'_>,
+        mine: &mut Option<Mine<'h>>,
         addr: u64,
     ) -> Result<bool, Error> {
         let entry = c.head.lent().get(addr).expect("the caller found it");
         let holder = entry.cache.expect("the caller saw a thread cache");
+        // A cache lent it, so the handler kept magazines; they may have stopped since.
+        let mine = mine.get_or_insert_with(|| self.caches.mine());
         let taken = c
             .cache_of(mine, holder)
             .map(|mut cache| cache.lent.remove(addr).is_some())
@@ -513,7 +530,7 @@ impl Handler {
     fn move_to_fallback(
         &self,
         mut c: Books<'_>,
-        mine: &mut Mine<'_>,
+        mine: &mut Option<Mine<'_>>,
         addr: u64,
         old: u64,
         new: u64,
@@ -581,8 +598,14 @@ fn served(counts: &mut cache::Counts, answer: &Result<u64, Error>, size: u64) {
     }
 }
 
-fn count(c: &mut Books<'_>, mine: &mut Mine<'_>, f: impl FnOnce(&mut cache::Counts)) {
-    f(&mut c.own(mine).counts);
+/// Count under the chain's lock: in the calling thread's cache while the handler keeps
+/// magazines (its fast path counts there too), else in the chain's own counters.
+#[inline]
+fn count(c: &mut Books<'_>, mine: &mut Option<Mine<'_>>, f: impl FnOnce(&mut cache::Counts)) {
+    match mine {
+        Some(mine) if c.keeps_magazines() => f(&mut c.own(mine).counts),
+        _ => f(&mut c.counts),
+    }
 }
 
 impl MemHandler for Handler {

@@ -267,6 +267,39 @@ fn one_thread_s_peak_is_exact_across_its_magazine_hits() {
     h.free(p, 64).unwrap();
 }
 
+/// A handler that asks its policy on every call keeps no thread caches: it counts
+/// under the chain's lock. What several threads did adds up exactly, and the peak one
+/// thread made is exact.
+#[test]
+fn a_handler_without_magazines_counts_every_thread_s_calls_under_its_lock() {
+    let runtime = allocbox::Runtime::shared();
+    let policy = runtime
+        .load_file(allocbox_artifacts::SYSTEM.path())
+        .unwrap();
+    let h = allocbox::HandlerBuilder::new(runtime)
+        .magazines(false)
+        .link(&policy)
+        .build()
+        .unwrap();
+    let blocks: Vec<_> = (0..10).map(|_| h.malloc(64).unwrap()).collect();
+    for &p in &blocks {
+        h.free(p, 64).unwrap();
+    }
+    let kept = taken_on_another_thread(&h, 32);
+    let stats = h.stats().unwrap();
+    assert_eq!(stats.peak_bytes, 640);
+    assert_eq!((stats.mallocs, stats.frees), (12, 11));
+    assert_eq!((stats.live_blocks, stats.live_bytes), (1, 32));
+    assert_eq!(stats.magazine_hits, 0);
+    h.free(ptr(kept), 32).unwrap();
+    let stats = h.stats().unwrap();
+    assert_eq!(
+        (stats.frees, stats.live_blocks, stats.live_bytes),
+        (12, 0, 0)
+    );
+    h.audit().unwrap();
+}
+
 /// The first thread to use a handler owns the cache found by its thread pointer. Once
 /// that thread has exited, its blocks are still freed from other threads (a double free
 /// still caught), later threads are served, its magazines still flush, and nothing leaks.

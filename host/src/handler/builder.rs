@@ -173,6 +173,7 @@ impl HandlerBuilder {
                 Chain {
                     head,
                     stats: Stats::default(),
+                    counts: Default::default(),
                     failure: None,
                     rerouted: HashSet::new(),
                 },

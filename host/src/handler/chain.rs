@@ -18,6 +18,11 @@ pub(super) struct Chain {
     pub(super) head: Link,
     /// Every thread's counters folded so far.
     pub(super) stats: Stats,
+    /// What was served under the lock while no magazines are kept (a handler that never
+    /// keeps them, or one whose chain failed): counted here rather than in the calling
+    /// thread's cache, which such a handler does not need. Folded after the threads'
+    /// counters, which only count before it, so one thread's peak stays exact.
+    pub(super) counts: cache::Counts,
     /// The first failure anywhere in the chain; from then on new requests go to the
     /// fallback or fail.
     pub(super) failure: Option<Arc<Error>>,

@@ -38,6 +38,8 @@ impl Handler {
                 Err(reason) => return Err(unreachable(&c, reason)),
             }
         }
+        let counts = std::mem::take(&mut c.counts);
+        c.stats.fold(counts);
         let mut stats = c.stats.clone();
         stats.cached_blocks = cached_blocks as u64;
         stats.budget_refusals = c.links().map(|l| l.stats().budget_refusals).sum();

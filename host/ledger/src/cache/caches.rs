@@ -192,6 +192,13 @@ impl<'l, C: Books> Locked<'l, C> {
         self.caches.slots.iter()
     }
 
+    /// Whether blocks may go into magazines: see [`Caches::keeps_magazines`]. Under the
+    /// lock it only goes from true to false.
+    #[inline(always)]
+    pub fn keeps_magazines(&self) -> bool {
+        self.caches.keeps_magazines()
+    }
+
     /// No block enters a magazine from now on: the books failed.
     pub fn stop_serving(&self) {
         self.caches.slots.set_failed();

@@ -36,6 +36,7 @@ impl Counts {
     }
 
     /// Count a request's answer: a block of `size` bytes, or "none" for address 0.
+    #[inline]
     pub fn served(&mut self, addr: u64, size: u64) {
         if addr == 0 {
             self.failed += 1;
