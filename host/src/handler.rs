@@ -588,7 +588,6 @@ fn zeroed_if<const ZEROED: bool>(addr: u64, size: u64) -> u64 {
     addr
 }
 
-/// Update the calling thread's counters.
 /// Count a request's answer: a block lent, or none (out of memory, or a failure that
 /// stopped the chain): either way the client got no block.
 fn served(counts: &mut cache::Counts, answer: &Result<u64, Error>, size: u64) {

@@ -1,5 +1,6 @@
 //! A thread's counters, kept without atomics and gathered into a handler's statistics
-//! when they are read.
+//! when they are read. A handler that keeps no magazines has one set of its own,
+//! updated under its lock.
 
 /// What one thread did on a handler since its counters were last folded into the
 /// handler's statistics. Live counts are signed: a thread may free what another took.
