@@ -511,15 +511,30 @@ impl Link {
         state.mapped.unmap_all();
     }
 
-    /// The rule a block this link returned breaks, if any.
+    /// Is a block this link returned aligned and inside the clearance (the block the
+    /// policy just took, or was given back)? Then it breaks no rule, and no query is
+    /// needed: most blocks are, so the callers inline this and keep the queries out of
+    /// line.
     #[inline]
+    fn in_clearance(&self, addr: u64, size: u64) -> bool {
+        addr.is_multiple_of(self.info.alignment) && self.store.data().cleared(addr, size)
+    }
+
+    /// The rule a block this link returned breaks, if any.
     fn misplaced(&mut self, addr: u64, size: u64) -> Option<Rule> {
+        if self.in_clearance(addr, size) {
+            return None;
+        }
+        self.misplaced_by_query(addr, size)
+    }
+
+    /// [`Self::misplaced`] for a block outside the clearance.
+    #[inline(never)]
+    fn misplaced_by_query(&mut self, addr: u64, size: u64) -> Option<Rule> {
         let alignment = self.info.alignment;
         let state = self.store.data_mut();
         if !addr.is_multiple_of(alignment) {
             Some(Rule::Misaligned { alignment })
-        } else if state.cleared(addr, size) {
-            None
         } else if let Some((released, released_size)) =
             state.transit.held_back_overlapping(addr, size)
         {
@@ -551,24 +566,20 @@ impl Link {
         err
     }
 
-    /// Check and record a block this link returned. Most blocks lie in the clearance
-    /// (the block the policy just took or was given back), which needs no query: that
-    /// case is inlined into the calls, the rest is not.
+    /// Check and record a block this link returned.
     #[inline]
     fn admit(&mut self, call: Call, addr: u64, size: u64) -> Result<u64, Error> {
-        let alignment = self.info.alignment;
-        let state = self.store.data_mut();
-        if addr.is_multiple_of(alignment) && state.cleared(addr, size) {
-            state.lent.insert(addr, size);
+        if self.in_clearance(addr, size) {
+            self.lent_mut().insert(addr, size);
             return Ok(addr);
         }
         self.admit_by_query(call, addr, size)
     }
 
-    /// [`Self::admit`] outside the clearance.
+    /// [`Self::admit`] for a block outside the clearance.
     #[inline(never)]
     fn admit_by_query(&mut self, call: Call, addr: u64, size: u64) -> Result<u64, Error> {
-        match self.misplaced(addr, size) {
+        match self.misplaced_by_query(addr, size) {
             None => {
                 self.lent_mut().insert(addr, size);
                 Ok(addr)
