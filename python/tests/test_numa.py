@@ -12,16 +12,18 @@ MIB = 1 << 20
 
 def placement_of(address):
     """The NUMA policy numa_maps shows for the mapping that holds `address` (adjacent
-    mappings with the same policy are merged into one)."""
-    with open("/proc/self/maps") as maps:
-        ranges = [line.split()[0].split("-") for line in maps]
-    start = next(int(s, 16) for s, e in ranges if int(s, 16) <= address < int(e, 16))
+    mappings with the same policy are merged into one): the one that starts last at or
+    below it. One read of one file: other threads map and unmap meanwhile, so a start
+    read from /proc/self/maps may no longer start a mapping by the time numa_maps is
+    read."""
+    holder = None
     with open("/proc/self/numa_maps") as maps:
         for line in maps:
             first, policy = line.split()[:2]
-            if int(first, 16) == start:
-                return policy
-    return None
+            start = int(first, 16)
+            if start <= address and (holder is None or start > holder[0]):
+                holder = (start, policy)
+    return holder and holder[1]
 
 
 def test_a_64_mib_array_is_bound_to_node_0_in_each_of_8_threads_at_once():
