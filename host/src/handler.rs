@@ -420,9 +420,16 @@ impl Handler {
     ) -> Result<(), Error> {
         let addr = ptr.as_ptr() as u64;
         let mut c = self.lock()?;
-        let entry = match c.head.lent().get(addr) {
-            Some(e) => e,
-            None if c.rerouted.remove(&addr) => {
+        // A block the client holds straight from the policy, and that no magazine may
+        // keep, leaves the books in the probe that finds it: the policy gets it back.
+        let may_shelve = mine.is_some() && c.keeps_magazines();
+        let found = c.head.lent_mut().remove_unless(addr, |e| {
+            e.cache.is_some() || (may_shelve && e.size <= MAGAZINE_MAX_SIZE)
+        });
+        let (entry, taken) = match found {
+            Ok(e) => (e, true),
+            Err(Some(e)) => (e, false),
+            Err(None) if c.rerouted.remove(&addr) => {
                 count(&mut c, &mut mine, |n| n.frees += 1);
                 drop(c);
                 let fallback = self
@@ -431,7 +438,7 @@ impl Handler {
                     .expect("rerouted blocks have a fallback");
                 return fallback.free(Some(ptr), size);
             }
-            None => {
+            Err(None) => {
                 count(&mut c, &mut mine, |n| n.frees += 1);
                 return Err(match c.head.lent().why_unknown(addr) {
                     TakeBack::AlreadyFreed => ClientError::DoubleFree { addr },
@@ -458,6 +465,7 @@ impl Handler {
             n.freed(entry.size, size as u64);
         });
         let answer = match &mut mine {
+            _ if taken => c.head.free_taken(addr, entry.size).map(|()| Via::Policy),
             Some(mine) if c.keeps_magazines() && entry.size <= MAGAZINE_MAX_SIZE => {
                 shelve(&mut c, mine, addr, entry.size)
             }

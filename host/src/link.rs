@@ -733,14 +733,33 @@ impl Link {
     /// Give back a block the caller holds with `size` bytes, as this link's ledger
     /// records it (the caller checked).
     pub(crate) fn free(&mut self, ptr: u64, size: u64) -> Result<(), Error> {
-        let entry = self.lent_mut().remove(ptr);
-        debug_assert_eq!(entry.map(|e| e.size), Some(size), "checked by the caller");
+        match self.lent_mut().remove(ptr) {
+            Some(entry) => {
+                debug_assert_eq!(entry.size, size, "checked by the caller");
+                self.free_taken(ptr, entry.size)
+            }
+            None => {
+                debug_assert!(false, "checked by the caller");
+                self.ask_free(ptr, size)
+            }
+        }
+    }
+
+    /// [`Self::free`] of a block the caller already took off this link's books, where
+    /// it was recorded with `size` bytes: the client's free, which found and removed it
+    /// in one probe.
+    pub(crate) fn free_taken(&mut self, ptr: u64, size: u64) -> Result<(), Error> {
+        if self.poisoned.is_none() {
+            self.store.data_mut().clear_taken_back(ptr, size);
+        }
+        self.ask_free(ptr, size)
+    }
+
+    /// Ask the policy to take back a block that is off its books.
+    fn ask_free(&mut self, ptr: u64, size: u64) -> Result<(), Error> {
         if self.poisoned.is_some() {
             self.release_if_done();
             return Ok(());
-        }
-        if let Some(entry) = entry {
-            self.store.data_mut().clear_taken_back(ptr, entry.size);
         }
         self.calls.frees += 1;
         self.enter(Call::Free, 0, |g, s| {

@@ -237,13 +237,27 @@ impl Ledger {
 
     /// Take back the block at `addr` that must have been lent with `size` bytes.
     pub fn take_back(&mut self, addr: u64, size: u64) -> Result<Entry, TakeBack> {
-        // One probe for the check and the removal: this is every give-back's path.
-        match self.blocks.remove_unless(addr, |r| r.entry.size != size) {
-            Ok(record) => Ok(self.forget(addr, record)),
+        match self.remove_unless(addr, |e| e.size != size) {
+            Ok(entry) => Ok(entry),
             Err(Some(kept)) => Err(TakeBack::WrongSize {
-                recorded: kept.entry.size,
+                recorded: kept.size,
             }),
             Err(None) => Err(self.why_unknown(addr)),
+        }
+    }
+
+    /// Remove the block at `addr` unless `keep` holds for it: `Ok` with the entry removed,
+    /// `Err(Some)` with the entry left on the books, `Err(None)` when no block starts
+    /// there. One probe for the look and the removal: every give-back's path.
+    #[inline]
+    pub fn remove_unless(
+        &mut self,
+        addr: u64,
+        keep: impl FnOnce(&Entry) -> bool,
+    ) -> Result<Entry, Option<Entry>> {
+        match self.blocks.remove_unless(addr, |r| keep(&r.entry)) {
+            Ok(record) => Ok(self.forget(addr, record)),
+            Err(kept) => Err(kept.map(|r| r.entry)),
         }
     }
 

@@ -144,6 +144,33 @@ fn take_back_enforces_the_sized_free_rule_and_tells_double_from_unknown() {
     assert!(l.is_empty());
 }
 
+#[test]
+fn remove_unless_keeps_a_block_its_test_holds_for_and_removes_any_other() {
+    let mut l = ledger(&[(100, 50), (200, 30)]);
+    l.set_cache(200, CacheId::new(7));
+    let cached = |e: &Entry| e.cache.is_some();
+    let held = Entry {
+        size: 30,
+        cache: CacheId::new(7),
+    };
+    assert_eq!(l.remove_unless(200, cached), Err(Some(held)));
+    assert_eq!(
+        l.get(200).map(|e| e.size),
+        Some(30),
+        "a kept block stays lent"
+    );
+    assert_eq!(l.bytes(), 80, "keeping changes nothing");
+    assert_eq!(l.remove_unless(100, cached).map(|e| e.size), Ok(50));
+    assert_eq!(l.remove_unless(100, cached), Err(None));
+    assert_eq!(
+        l.why_unknown(100),
+        TakeBack::AlreadyFreed,
+        "remembered as freed"
+    );
+    assert_eq!((l.len(), l.bytes()), (1, 30));
+    l.check_consistent().unwrap();
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Lend {
