@@ -92,6 +92,16 @@ pub struct PolicyInfo {
     pub diagnoses: bool,
 }
 
+impl PolicyInfo {
+    /// Does `addr` meet the alignment the policy declared? A mask, not a division: the
+    /// alignment is a power of two, checked when the policy loads.
+    #[inline]
+    fn aligns(&self, addr: u64) -> bool {
+        debug_assert!(self.alignment.is_power_of_two());
+        addr & (self.alignment - 1) == 0
+    }
+}
+
 /// The store data of one policy instance.
 pub(crate) struct LinkState {
     pub(crate) sandbox: Sandbox,
@@ -517,7 +527,7 @@ impl Link {
     /// line.
     #[inline]
     fn in_clearance(&self, addr: u64, size: u64) -> bool {
-        addr.is_multiple_of(self.info.alignment) && self.store.data().cleared(addr, size)
+        self.info.aligns(addr) && self.store.data().cleared(addr, size)
     }
 
     /// The rule a block this link returned breaks, if any.
@@ -532,8 +542,9 @@ impl Link {
     #[inline(never)]
     fn misplaced_by_query(&mut self, addr: u64, size: u64) -> Option<Rule> {
         let alignment = self.info.alignment;
+        let aligned = self.info.aligns(addr);
         let state = self.store.data_mut();
-        if !addr.is_multiple_of(alignment) {
+        if !aligned {
             Some(Rule::Misaligned { alignment })
         } else if let Some((released, released_size)) =
             state.transit.held_back_overlapping(addr, size)
