@@ -131,6 +131,7 @@ impl Ledger {
     }
 
     /// Host memory one more block of `size` bytes would take with its record.
+    #[inline]
     pub fn cost_of(&self, size: u64) -> u64 {
         (self.footprint)(size).saturating_add(LEDGER_ENTRY_COST)
     }
@@ -149,6 +150,7 @@ impl Ledger {
         self.peak_bytes
     }
 
+    #[inline]
     pub fn get(&self, addr: u64) -> Option<Entry> {
         self.blocks.get(addr).map(|r| r.entry)
     }
