@@ -11,7 +11,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::error::{ClientError, Error};
-use crate::ledger::TakeBack;
+use crate::ledger::{CacheId, TakeBack};
 use crate::link::PolicyInfo;
 use crate::memhandler::{MemHandler, Stats};
 use allocbox_ledger::cache::{
@@ -323,7 +323,9 @@ impl Handler {
         };
         // Only the policy resizes: the block leaves its thread cache, and the client
         // holds it straight from the policy from now on.
-        if entry.cache.is_some() && !self.take_from_cache(&mut c, &mut mine, addr)? {
+        if let Some(holder) = entry.cache
+            && !self.take_from_cache(&mut c, &mut mine, addr, holder)?
+        {
             return Err(ClientError::UnknownRealloc { addr }.into());
         }
         if c.failure.is_some() {
@@ -449,7 +451,9 @@ impl Handler {
         };
         // A block in a thread cache that the cache has not lent sits in a magazine:
         // the client gave it back already.
-        if entry.cache.is_some() && !self.take_from_cache(&mut c, &mut mine, addr)? {
+        if let Some(holder) = entry.cache
+            && !self.take_from_cache(&mut c, &mut mine, addr, holder)?
+        {
             count(&mut c, &mut mine, |n| n.frees += 1);
             return Err(ClientError::DoubleFree { addr }.into());
         }
@@ -496,16 +500,15 @@ impl Handler {
     }
 
     /// Take a block the client holds out of the thread cache that lent it; the client
-    /// holds it straight from the policy now. False when that cache has not lent it (it
-    /// sits in a magazine).
+    /// holds it straight from the policy now. `holder` is the cache the ledger names for
+    /// it. False when that cache has not lent it (it sits in a magazine).
     fn take_from_cache<'h>(
         &'h self,
         c: &mut Books<'_>,
         mine: &mut Option<Mine<'h>>,
         addr: u64,
+        holder: CacheId,
     ) -> Result<bool, Error> {
-        let entry = c.head.lent().get(addr).expect("the caller found it");
-        let holder = entry.cache.expect("the caller saw a thread cache");
         // A cache lent it, so the handler kept magazines; they may have stopped since.
         let mine = mine.get_or_insert_with(|| self.caches.mine());
         let taken = c
