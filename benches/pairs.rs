@@ -142,18 +142,44 @@ fn raw_system(real_memory: bool) -> (Store<RawHost>, raw::Policy) {
     (store, policy)
 }
 
-/// Median ns per iteration of `f` over `rounds` rounds of `iters` iterations.
-fn median_ns(rounds: usize, iters: usize, mut f: impl FnMut()) -> f64 {
-    for _ in 0..iters / 10 {
+/// Ns per iteration of `f` over `iters` iterations.
+fn ns_per_iter(iters: usize, f: &mut impl FnMut()) -> f64 {
+    let start = Instant::now();
+    for _ in 0..iters {
         f();
     }
+    start.elapsed().as_nanos() as f64 / iters as f64
+}
+
+/// Median ns per iteration of `f` over `rounds` rounds of `iters` iterations.
+fn median_ns(rounds: usize, iters: usize, mut f: impl FnMut()) -> f64 {
+    ns_per_iter(iters / 10, &mut f);
+    let mut samples: Vec<f64> = (0..rounds).map(|_| ns_per_iter(iters, &mut f)).collect();
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+/// Median over `rounds` of the ns per iteration that `case` takes beyond `base`, each
+/// round timing `iters` iterations of both back to back (in turn first), so that both
+/// sides of a difference see the same machine: on a shared machine whose speed drifts
+/// between seconds, two medians taken apart differ by more than the difference measured.
+fn median_difference_ns(
+    rounds: usize,
+    iters: usize,
+    mut base: impl FnMut(),
+    mut case: impl FnMut(),
+) -> f64 {
+    ns_per_iter(iters / 10, &mut base);
+    ns_per_iter(iters / 10, &mut case);
     let mut samples: Vec<f64> = (0..rounds)
-        .map(|_| {
-            let start = Instant::now();
-            for _ in 0..iters {
-                f();
+        .map(|round| {
+            if round % 2 == 0 {
+                let base_ns = ns_per_iter(iters, &mut base);
+                ns_per_iter(iters, &mut case) - base_ns
+            } else {
+                let case_ns = ns_per_iter(iters, &mut case);
+                case_ns - ns_per_iter(iters, &mut base)
             }
-            start.elapsed().as_nanos() as f64 / iters as f64
         })
         .collect();
     samples.sort_by(f64::total_cmp);
@@ -212,6 +238,13 @@ fn pair(h: &Handler, size: usize) {
     h.free(black_box(p), size).unwrap();
 }
 
+/// A pair straight through plain wasmtime, as allocbox's `system` per op makes it.
+fn raw_pair(store: &mut Store<RawHost>, raw: &raw::Policy) {
+    let a = raw.allocbox_policy_allocator();
+    let p = a.call_malloc(&mut *store, black_box(SIZE as u64)).unwrap();
+    a.call_free(&mut *store, p, SIZE as u64).unwrap();
+}
+
 fn glibc_pair(size: usize) {
     let layout = std::alloc::Layout::from_size_align(size, 16).unwrap();
     // SAFETY: a non-zero layout, freed right away with the same layout.
@@ -232,9 +265,7 @@ fn profiled_system_per_op(h: &Handler) {
 #[inline(never)]
 fn profiled_floor(store: &mut Store<RawHost>, raw: &raw::Policy) {
     for _ in 0..PROFILED_PAIRS {
-        let a = raw.allocbox_policy_allocator();
-        let p = a.call_malloc(&mut *store, black_box(SIZE as u64)).unwrap();
-        a.call_free(&mut *store, p, SIZE as u64).unwrap();
+        raw_pair(store, raw);
     }
 }
 
@@ -259,19 +290,9 @@ fn main() {
             .call_trim(&mut store)
             .unwrap();
     });
-    let floor = median_ns(rounds, iters, || {
-        let a = raw.allocbox_policy_allocator();
-        let p = a.call_malloc(&mut store, black_box(SIZE as u64)).unwrap();
-        a.call_free(&mut store, p, SIZE as u64).unwrap();
-    });
+    let floor = median_ns(rounds, iters, || raw_pair(&mut store, &raw));
     let (mut real_store, real) = raw_system(true);
-    let floor_with_memory = median_ns(rounds, iters, || {
-        let a = real.allocbox_policy_allocator();
-        let p = a
-            .call_malloc(&mut real_store, black_box(SIZE as u64))
-            .unwrap();
-        a.call_free(&mut real_store, p, SIZE as u64).unwrap();
-    });
+    let floor_with_memory = median_ns(rounds, iters, || raw_pair(&mut real_store, &real));
 
     use allocbox_artifacts::{SIZE_CLASSES, SYSTEM};
     let cases: Vec<(&str, Handler)> = vec![
@@ -313,6 +334,15 @@ fn main() {
     for (name, h) in &cases {
         row(name, median_ns(rounds, iters, || pair(h, SIZE)));
     }
+    let host_work = median_difference_ns(
+        rounds,
+        iters,
+        || raw_pair(&mut real_store, &real),
+        || pair(&cases[0].1, SIZE),
+    );
+    println!(
+        "host work: system per op less the glibc-upstream floor, rounds in turn: {host_work:.1} ns"
+    );
 
     // Threads: the same handler shared by 2 threads on this machine's cores, against
     // 1 thread, in pairs per microsecond (throughput, not latency).
