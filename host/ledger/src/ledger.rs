@@ -209,6 +209,7 @@ impl Ledger {
     }
 
     /// Record a newly lent block. The caller has checked that it overlaps nothing.
+    #[inline]
     pub fn insert(&mut self, addr: u64, size: u64) {
         debug_assert!(!self.overlaps_any(addr, size));
         if self.unordered.len() == UNORDERED_LIMIT {

@@ -60,6 +60,7 @@ impl Upstream {
         }
     }
 
+    #[inline]
     pub(crate) fn free(&mut self, ptr: u64, size: u64) -> Result<(), TakeBack> {
         match self {
             Upstream::System(s) => s.free(ptr, size),
