@@ -578,7 +578,7 @@ impl Link {
     }
 
     /// Check and record a block this link returned.
-    #[inline]
+    #[inline(always)]
     fn admit(&mut self, call: Call, addr: u64, size: u64) -> Result<u64, Error> {
         if self.in_clearance(addr, size) {
             self.lent_mut().insert(addr, size);

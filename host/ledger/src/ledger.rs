@@ -239,6 +239,7 @@ impl Ledger {
     }
 
     /// Take back the block at `addr` that must have been lent with `size` bytes.
+    #[inline]
     pub fn take_back(&mut self, addr: u64, size: u64) -> Result<Entry, TakeBack> {
         match self.remove_unless(addr, |e| e.size != size) {
             Ok(entry) => Ok(entry),
