@@ -155,16 +155,26 @@ impl SystemMemory {
     }
 
     /// Release a block that is off the books: to the system, or into quarantine.
+    #[inline]
     fn release(&mut self, ptr: u64, size: u64) {
-        let q = &mut self.quarantine;
-        if size > q.capacity {
+        if size > self.quarantine.capacity {
             // SAFETY: the caller took `ptr` off the books: it was allocated here with
             // exactly `size` bytes and is released once.
             unsafe { give_back(&mut self.checker, ptr, size) };
             return;
         }
-        // SAFETY: as above, the block is live host memory of `size` bytes that no one
-        // may use any more; poisoning it shows any later use.
+        self.hold_in_quarantine(ptr, size);
+    }
+
+    /// [`Self::release`] of a block the quarantine takes. Out of line: most handlers
+    /// keep no quarantine, and every pair releases a block.
+    #[cold]
+    #[inline(never)]
+    fn hold_in_quarantine(&mut self, ptr: u64, size: u64) {
+        let q = &mut self.quarantine;
+        // SAFETY: the caller took `ptr` off the books: it is live host memory of `size`
+        // bytes, allocated here, that no one may use any more; poisoning it shows any
+        // later use.
         unsafe { std::ptr::write_bytes(ptr as *mut u8, QUARANTINE_POISON, size as usize) };
         q.order.push_back((ptr, size));
         q.ranges.insert(ptr, size);
@@ -204,21 +214,7 @@ impl SystemMemory {
             return 0;
         };
         let ptr = match &mut self.checker {
-            Some((adversary, arena)) => {
-                if adversary.refuses(size) {
-                    return 0;
-                }
-                let Some(addr) = arena.alloc(size) else {
-                    return 0;
-                };
-                if zeroed {
-                    // SAFETY: the arena just placed `size` bytes at `addr`, inside its
-                    // reservation and under no other block; they may hold a freed
-                    // block's bytes.
-                    unsafe { std::ptr::write_bytes(addr as *mut u8, 0, size as usize) };
-                }
-                addr as *mut u8
-            }
+            Some((adversary, arena)) => Self::checker_alloc(adversary, arena, size, zeroed),
             // SAFETY: `layout` has a non-zero size (sizes are normalised to at least 1).
             None => unsafe {
                 if zeroed {
@@ -238,6 +234,25 @@ impl SystemMemory {
         }
         self.lent.insert(ptr as u64, size);
         ptr as u64
+    }
+
+    /// [`Self::malloc`] from the contract checker's arena, which may refuse. Out of line:
+    /// only the checker's own handlers take it.
+    #[cold]
+    #[inline(never)]
+    fn checker_alloc(adversary: &Adversary, arena: &mut Arena, size: u64, zeroed: bool) -> *mut u8 {
+        if adversary.refuses(size) {
+            return std::ptr::null_mut();
+        }
+        let Some(addr) = arena.alloc(size) else {
+            return std::ptr::null_mut();
+        };
+        if zeroed {
+            // SAFETY: the arena just placed `size` bytes at `addr`, inside its reservation
+            // and under no other block; they may hold a freed block's bytes.
+            unsafe { std::ptr::write_bytes(addr as *mut u8, 0, size as usize) };
+        }
+        addr as *mut u8
     }
 
     pub(crate) fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> Result<u64, TakeBack> {

@@ -492,6 +492,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
 }
 
 /// Is `ptr` lent with exactly `size` bytes?
+#[inline]
 pub(super) fn check_lent(ledger: &Ledger, ptr: u64, size: u64) -> Result<(), TakeBack> {
     match ledger.get(ptr) {
         Some(e) if e.size == size => Ok(()),
