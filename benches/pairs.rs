@@ -13,7 +13,10 @@
 //! does nothing: the same two calls and two imports per pair that allocbox's `system`
 //! makes, without the ledger, the checks or the lock. The difference is the host's work.
 //! A second floor's upstream allocates for real (glibc, as allocbox's host memory does),
-//! so the difference from it is what allocbox's ledger, checks and lock cost alone.
+//! so the difference from it is what allocbox's ledger, checks and lock cost alone. The
+//! `host work` line measures that difference for `system` per op with both sides timed
+//! in turn, round by round: two medians taken seconds apart on a shared machine differ
+//! by more than it.
 
 use std::hint::black_box;
 use std::time::Instant;
