@@ -224,17 +224,7 @@ impl Handler {
     ) -> Result<(Option<NonNull<u8>>, Via), Error> {
         let mut c = self.lock()?;
         if c.failure.is_some() {
-            let unserved = self.fallback.is_none();
-            count(&mut c, &mut mine, |n| {
-                count_request::<ZEROED>(n);
-                n.failed += u64::from(unserved);
-            });
-            drop(c);
-            let rerouted = self.reroute(|f| match ZEROED {
-                true => f.calloc(size as usize, 1),
-                false => f.malloc(size as usize),
-            });
-            return rerouted.map(|block| (block, Via::Policy));
+            return self.lend_from_fallback::<ZEROED>(c, mine, size);
         }
         let (answer, via) = match (&mut mine, from_magazine, ZEROED) {
             // A block for a magazine comes from `malloc-many`: zeroed here.
@@ -252,6 +242,29 @@ impl Handler {
             served(n, &answer, size);
         });
         Ok((to_ptr(answer?), via))
+    }
+
+    /// [`Self::lend_from_chain`] once the chain has failed: the fallback serves, if
+    /// there is one.
+    #[cold]
+    #[inline(never)]
+    fn lend_from_fallback<const ZEROED: bool>(
+        &self,
+        mut c: Books<'_>,
+        mut mine: Option<Mine<'_>>,
+        size: u64,
+    ) -> Result<(Option<NonNull<u8>>, Via), Error> {
+        let unserved = self.fallback.is_none();
+        count(&mut c, &mut mine, |n| {
+            count_request::<ZEROED>(n);
+            n.failed += u64::from(unserved);
+        });
+        drop(c);
+        let rerouted = self.reroute(|f| match ZEROED {
+            true => f.calloc(size as usize, 1),
+            false => f.malloc(size as usize),
+        });
+        rerouted.map(|block| (block, Via::Policy))
     }
 
     /// A zero-filled block of `nelem * elsize` bytes; `None` when out of memory or when
@@ -431,23 +444,7 @@ impl Handler {
         let (entry, taken) = match found {
             Ok(e) => (e, true),
             Err(Some(e)) => (e, false),
-            Err(None) if c.rerouted.remove(&addr) => {
-                count(&mut c, &mut mine, |n| n.frees += 1);
-                drop(c);
-                let fallback = self
-                    .fallback
-                    .as_ref()
-                    .expect("rerouted blocks have a fallback");
-                return fallback.free(Some(ptr), size);
-            }
-            Err(None) => {
-                count(&mut c, &mut mine, |n| n.frees += 1);
-                return Err(match c.head.lent().why_unknown(addr) {
-                    TakeBack::AlreadyFreed => ClientError::DoubleFree { addr },
-                    _ => ClientError::UnknownBlock { addr },
-                }
-                .into());
-            }
+            Err(None) => return self.free_off_the_books(c, mine, ptr, size),
         };
         // A block in a thread cache that the cache has not lent sits in a magazine:
         // the client gave it back already.
@@ -458,11 +455,7 @@ impl Handler {
             return Err(ClientError::DoubleFree { addr }.into());
         }
         if (size as u64).max(1) != entry.size {
-            log::debug!(
-                "{}: free of {addr:#x} with {size} bytes corrected to {}",
-                self.info.name,
-                entry.size
-            );
+            self.note_size_correction(addr, size, entry.size);
         }
         count(&mut c, &mut mine, |n| {
             n.frees += 1;
@@ -485,6 +478,43 @@ impl Handler {
             settle(&mut c, delivered)?;
         }
         Ok(())
+    }
+
+    /// [`Self::free_to_chain`] of a block the policy's books do not hold: one the
+    /// fallback lends on this handler's behalf, or the client's mistake.
+    #[cold]
+    #[inline(never)]
+    fn free_off_the_books<'h>(
+        &'h self,
+        mut c: Books<'_>,
+        mut mine: Option<Mine<'h>>,
+        ptr: NonNull<u8>,
+        size: usize,
+    ) -> Result<(), Error> {
+        let addr = ptr.as_ptr() as u64;
+        count(&mut c, &mut mine, |n| n.frees += 1);
+        if c.rerouted.remove(&addr) {
+            drop(c);
+            let fallback = self
+                .fallback
+                .as_ref()
+                .expect("rerouted blocks have a fallback");
+            return fallback.free(Some(ptr), size);
+        }
+        Err(match c.head.lent().why_unknown(addr) {
+            TakeBack::AlreadyFreed => ClientError::DoubleFree { addr },
+            _ => ClientError::UnknownBlock { addr },
+        }
+        .into())
+    }
+
+    /// A free said the wrong size; the recorded one was used.
+    #[cold]
+    fn note_size_correction(&self, addr: u64, said: usize, recorded: u64) {
+        log::debug!(
+            "{}: free of {addr:#x} with {said} bytes corrected to {recorded}",
+            self.info.name
+        );
     }
 
     /// Give every cached block back: every thread's magazines, then each policy's
