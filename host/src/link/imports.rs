@@ -83,6 +83,7 @@ impl LinkState {
 
     /// Record that this policy did `fault` inside an import and produce the error that
     /// traps it.
+    #[cold]
     fn fail(&mut self, fault: Error) -> wasmtime::Error {
         let err = wasmtime::Error::new(fault.clone());
         self.sandbox.fault = Some(fault);
@@ -185,6 +186,7 @@ impl LinkState {
         ok
     }
 
+    #[cold]
     pub(super) fn caller_fault(
         &mut self,
         call: Call,
@@ -265,6 +267,8 @@ impl LinkState {
 
     /// Is `ptr` an upstream block this policy holds with exactly `size` bytes? A block
     /// it already gave back during the current realloc is a double free.
+    // Always: like its one caller, `check_give_back`.
+    #[inline(always)]
     fn check_held(&mut self, call: Call, ptr: u64, size: u64) -> wasmtime::Result<()> {
         let fault = if self.transit.is_held_back(ptr) {
             Err(TakeBack::AlreadyFreed)
@@ -340,6 +344,9 @@ impl LinkState {
 
     /// The checks every give-back upstream (free, or the old block of a realloc) passes
     /// before the host acts on it. Returns whether the memory must be held back.
+    // Always: on every give-back's path, and left a call (with its own frame) when
+    // merely marked inline.
+    #[inline(always)]
     fn check_give_back(&mut self, call: Call, ptr: u64, size: u64) -> wasmtime::Result<bool> {
         self.check_held(call, ptr, size)?;
         self.check_nothing_lent_inside(call, ptr, size)?;
