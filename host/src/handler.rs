@@ -318,11 +318,7 @@ impl Handler {
         let Some(entry) = c.head.lent().get(addr) else {
             if c.rerouted.contains(&addr) {
                 drop(c);
-                let fallback = self
-                    .fallback
-                    .as_ref()
-                    .expect("rerouted blocks have a fallback");
-                let moved = fallback.realloc(Some(ptr), new_size)?;
+                let moved = self.rerouted_to().realloc(Some(ptr), new_size)?;
                 if let Some(moved) = moved {
                     // The block may have moved: the fallback now lends it at its new
                     // address, on this handler's behalf.
@@ -495,11 +491,7 @@ impl Handler {
         count(&mut c, &mut mine, |n| n.frees += 1);
         if c.rerouted.remove(&addr) {
             drop(c);
-            let fallback = self
-                .fallback
-                .as_ref()
-                .expect("rerouted blocks have a fallback");
-            return fallback.free(Some(ptr), size);
+            return self.rerouted_to().free(Some(ptr), size);
         }
         Err(match c.head.lent().why_unknown(addr) {
             TakeBack::AlreadyFreed => ClientError::DoubleFree { addr },
@@ -549,6 +541,13 @@ impl Handler {
             c.head.lent_mut().set_cache(addr, None);
         }
         Ok(taken)
+    }
+
+    /// The fallback that lends the blocks rerouted to it on this handler's behalf.
+    fn rerouted_to(&self) -> &Handler {
+        self.fallback
+            .as_ref()
+            .expect("rerouted blocks have a fallback")
     }
 
     fn reroute(
