@@ -744,15 +744,11 @@ impl Link {
     /// Give back a block the caller holds with `size` bytes, as this link's ledger
     /// records it (the caller checked).
     pub(crate) fn free(&mut self, ptr: u64, size: u64) -> Result<(), Error> {
-        match self.lent_mut().remove(ptr) {
-            Some(entry) => {
-                debug_assert_eq!(entry.size, size, "checked by the caller");
-                self.free_taken(ptr, entry.size)
-            }
-            None => {
-                debug_assert!(false, "checked by the caller");
-                self.ask_free(ptr, size)
-            }
+        let entry = self.lent_mut().remove(ptr);
+        debug_assert_eq!(entry.map(|e| e.size), Some(size), "checked by the caller");
+        match entry {
+            Some(entry) => self.free_taken(ptr, entry.size),
+            None => self.ask_free(ptr, size),
         }
     }
 
