@@ -145,6 +145,12 @@ fn raw_system(real_memory: bool) -> (Store<RawHost>, raw::Policy) {
     (store, policy)
 }
 
+/// The middle sample (the upper one of an even count).
+fn median(mut samples: Vec<f64>) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
 /// Ns per iteration of `f` over `iters` iterations.
 fn ns_per_iter(iters: usize, f: &mut impl FnMut()) -> f64 {
     let start = Instant::now();
@@ -157,9 +163,8 @@ fn ns_per_iter(iters: usize, f: &mut impl FnMut()) -> f64 {
 /// Median ns per iteration of `f` over `rounds` rounds of `iters` iterations.
 fn median_ns(rounds: usize, iters: usize, mut f: impl FnMut()) -> f64 {
     ns_per_iter(iters / 10, &mut f);
-    let mut samples: Vec<f64> = (0..rounds).map(|_| ns_per_iter(iters, &mut f)).collect();
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
+    let samples: Vec<f64> = (0..rounds).map(|_| ns_per_iter(iters, &mut f)).collect();
+    median(samples)
 }
 
 /// Median over `rounds` of the ns per iteration that `case` takes beyond `base`, each
@@ -174,7 +179,7 @@ fn median_difference_ns(
 ) -> f64 {
     ns_per_iter(iters / 10, &mut base);
     ns_per_iter(iters / 10, &mut case);
-    let mut samples: Vec<f64> = (0..rounds)
+    let samples: Vec<f64> = (0..rounds)
         .map(|round| {
             if round % 2 == 0 {
                 let base_ns = ns_per_iter(iters, &mut base);
@@ -185,8 +190,7 @@ fn median_difference_ns(
             }
         })
         .collect();
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
+    median(samples)
 }
 
 /// Median pairs per microsecond of `threads` threads each running `iters` calls of `f`
@@ -216,15 +220,14 @@ fn median_throughput(threads: usize, rounds: usize, iters: usize, f: impl Fn() +
             .collect();
         workers.into_iter().map(|w| w.join().unwrap()).collect()
     });
-    let mut samples: Vec<f64> = (0..rounds)
+    let samples: Vec<f64> = (0..rounds)
         .map(|round| {
             let start = spans.iter().map(|w| w[round].0).min().unwrap();
             let end = spans.iter().map(|w| w[round].1).max().unwrap();
             (threads * iters) as f64 / (end - start).as_nanos() as f64 * 1000.0
         })
         .collect();
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
+    median(samples)
 }
 
 fn handler(links: &[(&allocbox_artifacts::Guest, &[(&str, &str)])], magazines: bool) -> Handler {
@@ -337,11 +340,15 @@ fn main() {
     for (name, h) in &cases {
         row(name, median_ns(rounds, iters, || pair(h, SIZE)));
     }
+    let (_, system_per_op) = cases
+        .iter()
+        .find(|(name, _)| *name == "allocbox system, per op")
+        .expect("the cases include system per op");
     let host_work = median_difference_ns(
         rounds,
         iters,
         || raw_pair(&mut real_store, &real),
-        || pair(&cases[0].1, SIZE),
+        || pair(system_per_op, SIZE),
     );
     println!(
         "host work: system per op less the glibc-upstream floor, rounds in turn: {host_work:.1} ns"
