@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use allocbox::{Error, Handler, HandlerBuilder, Limits, Runtime};
+use allocbox::{Error, Grants, Handler, HandlerBuilder, Limits, Runtime};
 use allocbox_artifacts::hostile;
 
 const LIMIT: Duration = Duration::from_secs(1);
@@ -205,6 +205,43 @@ fn main() {
                     h.free(Some(q), 4 * GIB).unwrap();
                 }
                 text
+            },
+        );
+    }
+    {
+        // One client call causes a magazine refill and the delivery of the event it
+        // completes: 0.7 s in each is one call of 1.4 s unless both run under the call's
+        // one deadline.
+        let quota = Runtime::shared()
+            .load_file(allocbox_artifacts::QUOTA.path())
+            .unwrap();
+        let h = HandlerBuilder::new(Runtime::shared())
+            .limits(Limits {
+                grants: Grants {
+                    clocks: true,
+                    ..Grants::default()
+                },
+                ..limits()
+            })
+            .link_with(
+                &quota,
+                &[("observe", "true"), ("batch", "1"), ("dawdle-ms", "700")],
+            )
+            .build()
+            .unwrap();
+        time.timed(
+            "0.7 s in each guest call one malloc causes (refill, delivery)",
+            "1 s",
+            || {
+                let served = outcome(h.malloc(64));
+                match h.failure() {
+                    Some(f) => format!(
+                        "{served}, then {}: `{}` named",
+                        f.kind(),
+                        f.policy().unwrap_or("?")
+                    ),
+                    None => format!("{served}; nothing stopped"),
+                }
             },
         );
     }

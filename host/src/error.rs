@@ -26,6 +26,8 @@ pub enum Call {
     ClientMisuse,
     Observe,
     Renew,
+    /// An event hook told of one event (`events.on-event`).
+    Event,
 }
 
 impl fmt::Display for Call {
@@ -49,6 +51,7 @@ impl fmt::Display for Call {
             Call::ClientMisuse => "diagnostics.client-misuse",
             Call::Observe => "observe",
             Call::Renew => "renew",
+            Call::Event => "on-event",
         })
     }
 }
@@ -83,8 +86,15 @@ pub enum Rule {
     ReallocLostBytes { offset: u64 },
     /// A block's bytes changed while the client held it (checked mode).
     LiveBlockChanged { offset: u64 },
-    /// After every block was freed and the policy trimmed, it still holds upstream memory.
-    Leak { blocks: usize, bytes: u64 },
+    /// After every block was freed and the policy trimmed, it still holds upstream memory
+    /// (`blocks` of it, `bytes` in all) or regions mapped for it (`regions`,
+    /// `region_bytes`).
+    Leak {
+        blocks: usize,
+        bytes: u64,
+        regions: usize,
+        region_bytes: u64,
+    },
     /// The policy answered `malloc-many` with more blocks than were asked for.
     TooManyBlocks { asked: u32, got: usize },
 }
@@ -154,11 +164,29 @@ impl fmt::Display for Rule {
                     "a live block's bytes changed under its client (byte {offset})"
                 )
             }
-            Rule::Leak { blocks, bytes } => write!(
-                f,
-                "{blocks} upstream blocks ({bytes} bytes) still held after the client freed \
-                 every block and the policy was trimmed"
-            ),
+            Rule::Leak {
+                blocks,
+                bytes,
+                regions,
+                region_bytes,
+            } => {
+                let plural = |n: usize| if n == 1 { "" } else { "s" };
+                let mut held = Vec::new();
+                if *blocks > 0 {
+                    let s = plural(*blocks);
+                    held.push(format!("{blocks} upstream block{s} ({bytes} bytes)"));
+                }
+                if *regions > 0 {
+                    let s = plural(*regions);
+                    held.push(format!("{regions} mapped region{s} ({region_bytes} bytes)"));
+                }
+                write!(
+                    f,
+                    "{} still held after the client freed every block and the policy was \
+                     trimmed",
+                    held.join(" and ")
+                )
+            }
             Rule::TooManyBlocks { asked, got } => {
                 write!(f, "malloc-many returned {got} blocks for {asked} asked")
             }
@@ -178,6 +206,9 @@ pub enum Bound {
     Resources,
     /// Core instances, linear memories or tables one policy instance creates.
     Objects,
+    /// Bytes a policy holds beyond what its client holds once a request is answered
+    /// ([`crate::Limits::overhead`]): what it took for a request it refused is not kept.
+    Overhead,
 }
 
 impl Bound {
@@ -188,6 +219,7 @@ impl Bound {
             Bound::ReadLength => "read-limit",
             Bound::Resources => "resource-limit",
             Bound::Objects => "object-limit",
+            Bound::Overhead => "overhead-limit",
         }
     }
 }
@@ -202,6 +234,10 @@ impl fmt::Display for Bound {
             Bound::Resources => "resource bound (WASI streams, pollables and errors held at once)",
             Bound::Objects => {
                 "object bound (core instances, linear memories and tables one policy creates)"
+            }
+            Bound::Overhead => {
+                "overhead budget (bytes held beyond the client's once a request is answered; \
+                 `--overhead`)"
             }
         })
     }
@@ -360,7 +396,8 @@ pub enum Error {
     },
     #[error(
         "policy `{policy}` ran past the time limit of {limit:?} in `{call}` (one limit covers \
-         a call through the whole chain, host work in imports included)"
+         a client's call through the whole chain, every guest call it causes and host work \
+         in imports included)"
     )]
     Timeout {
         policy: Arc<str>,
@@ -398,6 +435,19 @@ pub enum Error {
     },
     #[error(transparent)]
     Client(#[from] ClientError),
+    /// An event hook (the `hook` world) failed: `cause` is what it did, which names the
+    /// hook as a policy would be named.
+    #[error("{}", hook_message(cause))]
+    Hook { hook: Arc<str>, cause: Box<Error> },
+}
+
+/// A hook's failure, told as a hook's: "event hook `sizes` trapped in `on-event`: ...".
+fn hook_message(cause: &Error) -> String {
+    let text = cause.to_string();
+    match text.strip_prefix("policy ") {
+        Some(rest) => format!("event hook {rest}"),
+        None => text,
+    }
 }
 
 impl Error {
@@ -410,6 +460,7 @@ impl Error {
             | Error::MemoryLimit { policy, .. }
             | Error::WorkLimit { policy, .. }
             | Error::Poisoned { policy, .. } => Some(policy),
+            Error::Hook { hook, .. } => Some(hook),
             Error::Client(_) | Error::Unreachable { .. } => None,
         }
     }
@@ -427,6 +478,7 @@ impl Error {
             Error::Poisoned { cause, .. } => cause.kind(),
             Error::Client(_) => "client",
             Error::Unreachable { .. } => "unreachable",
+            Error::Hook { cause, .. } => cause.kind(),
         }
     }
 

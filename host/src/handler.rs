@@ -10,6 +10,7 @@ mod observe;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+use crate::clock::{Clock, Deadline};
 use crate::error::{ClientError, Error};
 use crate::ledger::{CacheId, TakeBack};
 use crate::link::PolicyInfo;
@@ -37,6 +38,10 @@ pub struct Handler {
     /// When the top policy observes (0.2.0 `observer`): what was served without asking
     /// it, and its lease.
     observed: Option<Arc<Observations>>,
+    /// The clock every call of the chain is timed by, and how long one call of the
+    /// client's may take, every guest call it causes included.
+    clock: Arc<Clock>,
+    call_time: std::time::Duration,
 }
 
 impl std::fmt::Debug for Handler {
@@ -91,6 +96,23 @@ impl Handler {
             .map_err(|reason| self.unreachable(reason))
     }
 
+    /// The deadline of a call of the client's that enters here: every guest call it
+    /// causes runs under it. Only an entry point of the handler makes one.
+    #[inline]
+    fn client_call(&self) -> Deadline {
+        Deadline::for_client_call(&self.clock, self.call_time)
+    }
+
+    /// The chain, locked for a call under `deadline`: the time spent waiting for
+    /// another thread's call is not this call's guests' time.
+    #[inline]
+    fn lock_for(&self, deadline: &mut Deadline) -> Result<Books<'_>, Error> {
+        let since = self.clock.now();
+        let c = self.lock()?;
+        deadline.excuse(self.clock.now().saturating_sub(since));
+        Ok(c)
+    }
+
     #[cold]
     fn unreachable(&self, reason: Unreachable) -> Error {
         Error::Unreachable {
@@ -121,7 +143,7 @@ impl Handler {
         {
             return Ok(to_ptr(zeroed_if::<ZEROED>(addr, size)));
         }
-        self.lend_from_chain::<ZEROED>(mine, size, from_magazine)
+        self.lend_from_chain::<ZEROED>(&mut self.client_call(), mine, size, from_magazine)
             .map(|(block, _)| block)
     }
 
@@ -133,7 +155,9 @@ impl Handler {
         obs: &Observations,
         size: u64,
     ) -> Result<Option<NonNull<u8>>, Error> {
-        if !obs.reserve(size) && !self.renew(obs, size)? {
+        // The renewal, the request and the delivery it completes are one call.
+        let deadline = &mut self.client_call();
+        if !obs.reserve(size) && !self.renew(deadline, obs, size)? {
             let mut mine = self.caches.mine();
             mine.with(|c| {
                 count_request::<ZEROED>(&mut c.counts);
@@ -150,15 +174,15 @@ impl Handler {
         {
             let addr = zeroed_if::<ZEROED>(addr, size);
             if obs.lent(op, addr, size) {
-                self.deliver();
+                self.deliver(deadline);
             }
             return Ok(to_ptr(addr));
         }
-        let answer = self.lend_from_chain::<ZEROED>(mine, size, from_magazine);
+        let answer = self.lend_from_chain::<ZEROED>(deadline, mine, size, from_magazine);
         match &answer {
             Ok((Some(block), Via::Magazine)) => {
                 if obs.lent(op, block.as_ptr() as u64, size) {
-                    self.deliver();
+                    self.deliver(deadline);
                 }
             }
             Ok((Some(_), Via::Policy)) => obs.served_by_policy(size),
@@ -170,13 +194,13 @@ impl Handler {
     /// Renew an observing policy's lease for a request of `size` bytes and reserve the
     /// request from it: false when the policy's answer does not cover it.
     #[cold]
-    fn renew(&self, obs: &Observations, size: u64) -> Result<bool, Error> {
-        let mut c = self.lock()?;
+    fn renew(&self, deadline: &mut Deadline, obs: &Observations, size: u64) -> Result<bool, Error> {
+        let mut c = self.lock_for(deadline)?;
         if c.failure.is_some() {
             // Served by the fallback, or refused as on every path of a failed chain.
             return Ok(true);
         }
-        let renewed = c.head.renew(size).map(|()| 0);
+        let renewed = c.head.renew(deadline, size).map(|()| 0);
         settle(&mut c, renewed)?;
         Ok(obs.reserve(size))
     }
@@ -184,9 +208,9 @@ impl Handler {
     /// Tell an observing policy what was served without it. A failure stops the chain
     /// (settled here); the blocks already lent stand.
     #[cold]
-    fn deliver(&self) {
-        if let Ok(mut c) = self.lock() {
-            let delivered = c.head.deliver().map(|()| 0);
+    fn deliver(&self, deadline: &mut Deadline) {
+        if let Ok(mut c) = self.lock_for(deadline) {
+            let delivered = c.head.deliver(deadline).map(|()| 0);
             let _ = settle(&mut c, delivered);
         }
     }
@@ -218,23 +242,24 @@ impl Handler {
     #[inline(never)]
     fn lend_from_chain<const ZEROED: bool>(
         &self,
+        deadline: &mut Deadline,
         mut mine: Option<Mine<'_>>,
         size: u64,
         from_magazine: bool,
     ) -> Result<(Option<NonNull<u8>>, Via), Error> {
-        let mut c = self.lock()?;
+        let mut c = self.lock_for(deadline)?;
         if c.failure.is_some() {
             return self.lend_from_fallback::<ZEROED>(c, mine, size);
         }
         let (answer, via) = match (&mut mine, from_magazine, ZEROED) {
             // A block for a magazine comes from `malloc-many`: zeroed here.
-            (Some(mine), true, _) => match refill(&mut c, mine, size) {
+            (Some(mine), true, _) => match refill(&mut c, deadline, mine, size) {
                 Ok((addr, via)) => (Ok(zeroed_if::<ZEROED>(addr, size)), via),
                 Err(e) => (Err(e), Via::Policy),
             },
-            (_, _, false) => (c.head.malloc(size), Via::Policy),
+            (_, _, false) => (c.head.malloc(deadline, size), Via::Policy),
             // Magazines stopped since `calloc` looked (the chain failed meanwhile).
-            (_, _, true) => (c.head.calloc(size, 1), Via::Policy),
+            (_, _, true) => (c.head.calloc(deadline, size, 1), Via::Policy),
         };
         let answer = settle(&mut c, answer);
         count(&mut c, &mut mine, |n| {
@@ -281,7 +306,8 @@ impl Handler {
             return self.lend::<true>(size);
         }
         let mut mine = self.thread_cache();
-        let mut c = self.lock()?;
+        let deadline = &mut self.client_call();
+        let mut c = self.lock_for(deadline)?;
         if c.failure.is_some() {
             let unserved = self.fallback.is_none();
             count(&mut c, &mut mine, |n| {
@@ -291,7 +317,7 @@ impl Handler {
             drop(c);
             return self.reroute(|f| f.calloc(nelem, elsize));
         }
-        let answer = c.head.calloc(nelem as u64, elsize as u64);
+        let answer = c.head.calloc(deadline, nelem as u64, elsize as u64);
         let answer = settle(&mut c, answer);
         count(&mut c, &mut mine, |n| {
             n.callocs += 1;
@@ -313,7 +339,8 @@ impl Handler {
         let addr = ptr.as_ptr() as u64;
         let new = (new_size as u64).max(1);
         let mut mine = self.thread_cache();
-        let mut c = self.lock()?;
+        let deadline = &mut self.client_call();
+        let mut c = self.lock_for(deadline)?;
         count(&mut c, &mut mine, |n| n.reallocs += 1);
         let Some(entry) = c.head.lent().get(addr) else {
             if c.rerouted.contains(&addr) {
@@ -338,7 +365,7 @@ impl Handler {
             return Err(ClientError::UnknownRealloc { addr }.into());
         }
         if c.failure.is_some() {
-            return self.move_to_fallback(c, &mut mine, addr, entry.size, new);
+            return self.move_to_fallback(c, deadline, &mut mine, addr, entry.size, new);
         }
         // An observing policy's lease covers the growth, renewed if need be.
         let growth = new.saturating_sub(entry.size);
@@ -346,14 +373,14 @@ impl Handler {
             && growth > 0
             && !obs.reserve(growth)
         {
-            let renewed = c.head.renew(growth).map(|()| 0);
+            let renewed = c.head.renew(deadline, growth).map(|()| 0);
             settle(&mut c, renewed)?;
             if !obs.reserve(growth) {
                 count(&mut c, &mut mine, |n| n.failed += 1);
                 return Ok(None);
             }
         }
-        let answer = c.head.realloc(addr, entry.size, new);
+        let answer = c.head.realloc(deadline, addr, entry.size, new);
         if let Some(obs) = &self.observed {
             match answer {
                 Ok(moved) if moved != 0 && growth > 0 => obs.served_by_policy(growth),
@@ -392,7 +419,7 @@ impl Handler {
             if let Some(obs) = &self.observed
                 && obs.returned(addr, kept, true)
             {
-                self.deliver();
+                self.deliver(&mut self.client_call());
             }
             return Ok(());
         }
@@ -430,7 +457,8 @@ impl Handler {
         size: usize,
     ) -> Result<(), Error> {
         let addr = ptr.as_ptr() as u64;
-        let mut c = self.lock()?;
+        let deadline = &mut self.client_call();
+        let mut c = self.lock_for(deadline)?;
         // A block the client holds straight from the policy, and that no magazine may
         // keep, leaves the books in the probe that finds it: the policy gets it back.
         let may_shelve = mine.is_some() && c.keeps_magazines();
@@ -458,11 +486,14 @@ impl Handler {
             n.freed(entry.size, size as u64);
         });
         let answer = match &mut mine {
-            _ if taken => c.head.free_taken(addr, entry.size).map(|()| Via::Policy),
+            _ if taken => c
+                .head
+                .free_taken(deadline, addr, entry.size)
+                .map(|()| Via::Policy),
             Some(mine) if c.keeps_magazines() && entry.size <= MAGAZINE_MAX_SIZE => {
-                shelve(&mut c, mine, addr, entry.size)
+                shelve(&mut c, deadline, mine, addr, entry.size)
             }
-            _ => c.give_back(addr, entry.size).map(|_| Via::Policy),
+            _ => c.give_back(deadline, addr, entry.size).map(|_| Via::Policy),
         };
         let full = self.observed.as_ref().is_some_and(|obs| {
             let kept = matches!(answer, Ok(Via::Magazine));
@@ -470,7 +501,7 @@ impl Handler {
         });
         settle(&mut c, answer.map(|_| 0))?;
         if full {
-            let delivered = c.head.deliver().map(|()| 0);
+            let delivered = c.head.deliver(deadline).map(|()| 0);
             settle(&mut c, delivered)?;
         }
         Ok(())
@@ -512,12 +543,13 @@ impl Handler {
     /// Give every cached block back: every thread's magazines, then each policy's
     /// `trim`, top first.
     pub fn trim(&self) -> Result<(), Error> {
-        let mut c = self.lock()?;
-        let delivered = c.head.deliver().map(|()| 0);
+        let deadline = &mut self.client_call();
+        let mut c = self.lock_for(deadline)?;
+        let delivered = c.head.deliver(deadline).map(|()| 0);
         settle(&mut c, delivered)?;
-        let flushed = flush_magazines(&mut c);
+        let flushed = flush_magazines(&mut c, deadline);
         settle(&mut c, flushed)?;
-        let trimmed = c.head.trim().map(|()| 0);
+        let trimmed = c.head.trim(deadline).map(|()| 0);
         settle(&mut c, trimmed).map(drop)
     }
 
@@ -570,6 +602,7 @@ impl Handler {
     fn move_to_fallback(
         &self,
         mut c: Books<'_>,
+        deadline: &mut Deadline,
         mine: &mut Option<Mine<'_>>,
         addr: u64,
         old: u64,
@@ -590,7 +623,7 @@ impl Handler {
         };
         count(&mut c, mine, |n| n.take_back(old));
         // The block was found with its size; a dead head only updates its books.
-        let _ = c.head.free(addr, old);
+        let _ = c.head.free(deadline, addr, old);
         c.rerouted.insert(fresh.as_ptr() as u64);
         Ok(Some(fresh))
     }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use wasmtime::Store;
 
+use crate::clock::{Clock, Deadline};
 use crate::error::{Call, Error, LoadError};
 use crate::link::{Limits, Sandbox};
 use crate::nep49::{Hook, HookData};
@@ -16,6 +17,9 @@ use crate::trace::{EventOp, Watcher};
 mod bindings {
     wasmtime::component::bindgen!({ path: "../wit", world: "hook" });
 }
+
+/// Numbers of a hook's report kept: more are left out.
+pub const MAX_REPORTED_NUMBERS: usize = 1024;
 
 /// A started hook component. A hook that fails (traps, loops, grows too much) is stopped:
 /// later events skip it, and [`WasmHook::failure`] says why. Allocation never fails
@@ -28,7 +32,7 @@ pub struct WasmHook {
 struct HookState {
     store: Store<Sandbox>,
     bindings: bindings::Hook,
-    ticks: u64,
+    clock: Arc<Clock>,
     limits: Limits,
     failure: Option<Arc<Error>>,
 }
@@ -51,9 +55,12 @@ impl WasmHook {
         limits: Limits,
     ) -> Result<Arc<WasmHook>, LoadError> {
         let pre = runtime.compile_hook(bytes)?;
-        let (mut store, ticks) = runtime.guest_store(name, &limits, |s| s, |s| s);
+        let mut store = runtime.guest_store(name, &limits, |s| s, |s| s);
         let instance = pre.instantiate(&mut store).map_err(|e| {
-            LoadError::Start(Box::new(store.data_mut().classify(&limits, Call::Init, e)))
+            LoadError::Start(Box::new(Error::Hook {
+                hook: name.into(),
+                cause: Box::new(store.data_mut().classify(&limits, Call::Init, e)),
+            }))
         })?;
         let bindings =
             bindings::Hook::new(&mut store, &instance).map_err(|e| LoadError::WrongWorld {
@@ -64,7 +71,7 @@ impl WasmHook {
             state: Mutex::new(HookState {
                 store,
                 bindings,
-                ticks,
+                clock: runtime.clock().clone(),
                 limits,
                 failure: None,
             }),
@@ -81,13 +88,15 @@ impl WasmHook {
     ) -> Result<R, Error> {
         let mut st = self.state.lock();
         if let Some(cause) = &st.failure {
-            return Err(Error::Poisoned {
+            return Err(self.as_hook_s(Error::Poisoned {
                 policy: self.name.as_str().into(),
                 cause: cause.clone(),
-            });
+            }));
         }
-        let ticks = st.ticks;
-        let armed = st.store.data_mut().begin_call(ticks, None);
+        // Each event is a call of the embedder's of its own: the hook is told after the
+        // client's call has ended.
+        let deadline = Deadline::for_client_call(&st.clock, st.limits.call_time);
+        let armed = st.store.data_mut().begin_call(deadline);
         st.store.set_epoch_deadline(armed);
         let HookState {
             store,
@@ -97,11 +106,19 @@ impl WasmHook {
             ..
         } = &mut *st;
         f(bindings.allocbox_policy_events(), store).map_err(|e| {
-            let err = store.data_mut().classify(limits, call, e);
-            log::warn!("hook stopped: {err}");
+            let err = self.as_hook_s(store.data_mut().classify(limits, call, e));
+            log::warn!("{err}");
             *failure = Some(Arc::new(err.clone()));
             err
         })
+    }
+
+    /// A failure of this hook, told as a hook's.
+    fn as_hook_s(&self, cause: Error) -> Error {
+        Error::Hook {
+            hook: self.name.as_str().into(),
+            cause: Box::new(cause),
+        }
     }
 
     /// The name it was started with.
@@ -117,14 +134,18 @@ impl WasmHook {
         size: usize,
     ) -> Result<(), Error> {
         let addr = |p: Option<NonNull<u8>>| p.map_or(0, |p| p.as_ptr() as u64);
-        self.call(Call::Malloc, |g, s| {
+        self.call(Call::Event, |g, s| {
             g.call_on_event(s, addr(old), addr(new), size as u64)
         })
     }
 
-    /// The numbers the hook keeps.
+    /// The numbers the hook keeps, the first [`MAX_REPORTED_NUMBERS`] of them: a hook
+    /// may answer with its whole memory, which no reader wants printed.
     pub fn report(&self) -> Result<Vec<u64>, Error> {
-        self.call(Call::Trim, |g, s| g.call_report(s))
+        let mut numbers = self.call(Call::Report, |g, s| g.call_report(s))?;
+        numbers.truncate(MAX_REPORTED_NUMBERS);
+        numbers.shrink_to_fit();
+        Ok(numbers)
     }
 
     /// Why the hook was stopped, if it was.

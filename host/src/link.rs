@@ -34,7 +34,8 @@ use std::time::Duration;
 use wasmtime::Store;
 use wasmtime_wasi::{WasiCtxView, WasiView};
 
-use crate::error::{Call, Error, Rule, Violation};
+use crate::clock::Deadline;
+use crate::error::{Bound, Call, Error, Rule, Violation};
 use crate::handler::Observations;
 use crate::ledger::Ledger;
 
@@ -117,6 +118,8 @@ pub(crate) struct LinkState {
     /// Bytes the client is asking for in the current call, on top of what it holds:
     /// the part of the overhead budget that is not overhead.
     demand: u64,
+    /// What the policy held from upstream and in regions when the current call began.
+    held_at_start: u64,
     call_time: Duration,
     batch_limit: u32,
     read_limit: u64,
@@ -198,10 +201,6 @@ pub(crate) struct Link {
     bindings: Exports,
     pub(crate) info: PolicyInfo,
     pub(crate) poisoned: Option<Arc<Error>>,
-    deadline_ticks: u64,
-    /// The deadline of the call of the link above, when that call is what calls this
-    /// link: the next call here runs under it instead of a fresh one.
-    inherited_deadline: Option<u64>,
     limits: Limits,
     calls: LinkStats,
     /// What the host served this link's client without asking it, when it observes
@@ -224,7 +223,6 @@ impl Link {
         store: Store<LinkState>,
         bindings: Exports,
         info: PolicyInfo,
-        deadline_ticks: u64,
         limits: Limits,
     ) -> Self {
         Link {
@@ -232,26 +230,27 @@ impl Link {
             bindings,
             info,
             poisoned: None,
-            deadline_ticks,
-            inherited_deadline: None,
             limits,
             calls: LinkStats::default(),
             observed: None,
         }
     }
 
-    /// One call into an observing policy's `observer` export, under its own deadline; a
-    /// failure stops the policy.
+    /// One call into an observing policy's `observer` export, under the deadline of the
+    /// embedder's call that causes it; a failure stops the policy.
     fn observer_call<R>(
         &mut self,
         call: Call,
+        deadline: &mut Deadline,
         f: impl FnOnce(&Observer, &mut Store<LinkState>) -> wasmtime::Result<R>,
     ) -> Result<R, Error> {
-        self.start_call(0);
+        self.start_call(*deadline, 0);
         let Exports::V2(b) = &self.bindings else {
             unreachable!("only a 0.2.0 policy observes");
         };
-        match f(b.allocbox_policy_observer(), &mut self.store) {
+        let answer = f(b.allocbox_policy_observer(), &mut self.store);
+        self.end_call(deadline);
+        match answer {
             Ok(r) => Ok(r),
             Err(e) => {
                 let err = classify(&mut self.store, &self.limits, call, e);
@@ -266,18 +265,20 @@ impl Link {
     /// bound, and the policy is stopped.
     pub(crate) fn observes(
         &mut self,
+        deadline: &mut Deadline,
     ) -> Result<Option<(u32, Option<u64>, crate::handler::Detail)>, Error> {
         if !matches!(self.bindings, Exports::V2(_)) {
             return Ok(None);
         }
-        let Some(terms) = self.observer_call(Call::Observe, |o, s| o.call_observes(s))? else {
+        let terms = self.observer_call(Call::Observe, deadline, |o, s| o.call_observes(s))?;
+        let Some(terms) = terms else {
             return Ok(None);
         };
         if terms.batch == 0 || terms.batch > self.limits.batch {
             let err = Error::WorkLimit {
                 policy: self.info.name.clone(),
                 call: Call::Observe,
-                bound: crate::error::Bound::Batch,
+                bound: Bound::Batch,
                 asked: terms.batch.into(),
                 limit: self.limits.batch.into(),
             };
@@ -293,8 +294,9 @@ impl Link {
         self.observed = Some(obs);
     }
 
-    /// Deliver every event not yet delivered, a batch per call.
-    pub(crate) fn deliver(&mut self) -> Result<(), Error> {
+    /// Deliver every event not yet delivered, a batch per call, every batch under the
+    /// one deadline of the embedder's call that causes the delivery.
+    pub(crate) fn deliver(&mut self, deadline: &mut Deadline) -> Result<(), Error> {
         let Some(obs) = self.observed.clone() else {
             return Ok(());
         };
@@ -306,20 +308,20 @@ impl Link {
         for batch in events.chunks(obs.batch()) {
             self.calls.observed += 1;
             let batch = crate::handler::observation(batch, obs.detail());
-            self.observer_call(Call::Observe, |o, s| o.call_observe(s, &batch))?;
+            self.observer_call(Call::Observe, deadline, |o, s| o.call_observe(s, &batch))?;
         }
         Ok(())
     }
 
     /// Ask the policy for a new lease for a request of `size` bytes, every event
     /// delivered first; the lease is set on the observations.
-    pub(crate) fn renew(&mut self, size: u64) -> Result<(), Error> {
-        self.deliver()?;
+    pub(crate) fn renew(&mut self, deadline: &mut Deadline, size: u64) -> Result<(), Error> {
+        self.deliver(deadline)?;
         let Some(obs) = self.observed.clone() else {
             return Ok(());
         };
         self.calls.renewals += 1;
-        let headroom = self.observer_call(Call::Renew, |o, s| o.call_renew(s, size))?;
+        let headroom = self.observer_call(Call::Renew, deadline, |o, s| o.call_renew(s, size))?;
         obs.renewed(headroom);
         Ok(())
     }
@@ -346,21 +348,26 @@ impl Link {
     /// [`Link::stats`] with the policy's own counters, which it is asked for
     /// (`lifecycle.report`; a 0.1.0 policy has none). A policy that fails to answer is
     /// stopped, as for any call, and its counters are left out.
-    pub(crate) fn report(&mut self) -> LinkStats {
+    pub(crate) fn report(&mut self, deadline: &mut Deadline) -> LinkStats {
         // What it counts includes everything served without it. A failure stops it.
-        let _ = self.deliver();
+        let _ = self.deliver(deadline);
         let reports = matches!(self.bindings, Exports::V2(_)) && self.poisoned.is_none();
         if reports {
-            self.start_call(0);
+            self.start_call(*deadline, 0);
         }
         let counters = match &self.bindings {
             Exports::V2(b) if reports => {
                 let lifecycle = b.allocbox_policy_lifecycle();
-                match lifecycle.call_report(&mut self.store) {
+                let answer = lifecycle.call_report(&mut self.store);
+                self.end_call(deadline);
+                match answer {
                     Ok(counters) => counters
                         .into_iter()
                         .take(MAX_COUNTERS)
-                        .map(|(name, value)| (crate::untrusted::escape(&name), value))
+                        .map(|(name, value)| {
+                            let name = crate::untrusted::escape_at_most(&name, MAX_COUNTER_NAME);
+                            (name, value)
+                        })
                         .collect(),
                     Err(e) => {
                         let err = classify(&mut self.store, &self.limits, Call::Report, e);
@@ -397,6 +404,12 @@ impl Link {
         &self.info.name
     }
 
+    /// The deadline of a call of the embedder's that reaches this link with no call of
+    /// the handler's around it (a thread's end): only such an entry point makes one.
+    pub(crate) fn client_call(&self) -> Deadline {
+        Deadline::for_client_call(self.store.data().sandbox.clock(), self.limits.call_time)
+    }
+
     pub(crate) fn lent(&self) -> &Ledger {
         &self.store.data().lent
     }
@@ -415,6 +428,7 @@ impl Link {
     fn enter<R>(
         &mut self,
         call: Call,
+        deadline: &mut Deadline,
         demand: u64,
         f: impl FnOnce(&Exports, &mut Store<LinkState>) -> wasmtime::Result<R>,
     ) -> Result<R, Error> {
@@ -426,10 +440,12 @@ impl Link {
         }
         // The policy hears of what was served without it before anything it serves.
         if self.observed.as_ref().is_some_and(|o| o.pending()) {
-            self.deliver()?;
+            self.deliver(deadline)?;
         }
-        self.start_call(demand);
-        match f(&self.bindings, &mut self.store) {
+        self.start_call(*deadline, demand);
+        let answer = f(&self.bindings, &mut self.store);
+        self.end_call(deadline);
+        match answer {
             Ok(r) => Ok(r),
             Err(e) => {
                 let err = classify(&mut self.store, &self.limits, call, e);
@@ -439,17 +455,24 @@ impl Link {
         }
     }
 
-    /// Arm the time limit of a call (the epoch for wasm code, the deadline for imports):
-    /// the deadline of the call above when it is what calls this link, else a fresh one;
-    /// and say what the call asks for.
-    fn start_call(&mut self, demand: u64) {
+    /// Arm the time limit of a call (the epoch for wasm code, the deadline for imports)
+    /// at the deadline of the embedder's call that causes it, and say what the call asks
+    /// for.
+    #[inline]
+    fn start_call(&mut self, deadline: Deadline, demand: u64) {
         let state = self.store.data_mut();
-        let armed = state
-            .sandbox
-            .begin_call(self.deadline_ticks, self.inherited_deadline);
+        let armed = state.sandbox.begin_call(deadline);
         state.demand = demand;
+        state.held_at_start = state.held();
         state.zeroed.clear();
         self.store.set_epoch_deadline(armed);
+    }
+
+    /// A call into the guest ended: the embedder's call takes on the host work excused
+    /// in it, so the next guest call it causes runs under the same, moved, deadline.
+    #[inline]
+    fn end_call(&mut self, deadline: &mut Deadline) {
+        deadline.extend_to(self.store.data().sandbox.deadline());
     }
 
     /// Stop this link and every link below it because the chain failed at `cause`: no
@@ -466,6 +489,10 @@ impl Link {
                 policy: cause.policy().unwrap_or("?").into(),
                 cause: cause.clone(),
             }));
+        } else {
+            // Stopped earlier, over a link that was still running: its give-backs waited
+            // for that link to stop too.
+            self.release_if_done();
         }
         self.store.data_mut().unreported = None;
     }
@@ -501,12 +528,20 @@ impl Link {
         self.store.data_mut().unreported.take()
     }
 
-    /// A dead link whose client holds nothing returns all its upstream memory.
+    /// A dead link whose client holds nothing returns all its upstream memory, once the
+    /// link below is stopped too (the chain stops every link when one fails): a
+    /// give-back never calls a guest that no embedder's call is waiting for, so it needs
+    /// no deadline, and a running link below is never timed out for a link above.
     fn release_if_done(&mut self) {
         if self.poisoned.is_none() || !self.lent().is_empty() {
             return;
         }
         let state = self.store.data_mut();
+        if let Upstream::Policy(next) = &state.upstream
+            && next.poisoned.is_none()
+        {
+            return;
+        }
         let held: Vec<(u64, u64)> = state
             .upstream
             .lent()
@@ -514,9 +549,9 @@ impl Link {
             .map(|(a, e)| (a, e.size))
             .collect();
         for (addr, size) in held {
-            // These are exactly the recorded sizes, so the upstream cannot refuse them.
-            // No call of this dead link is running: each give-back has its own deadline.
-            let _ = state.call_upstream(None, |u| u.free(addr, size));
+            // These are exactly the recorded sizes, so the upstream cannot refuse them;
+            // it is the host's memory or a stopped link, so no guest is called.
+            let _ = state.call_upstream(&mut Deadline::passed(), |u, d| u.free(d, addr, size));
         }
         state.mapped.unmap_all();
     }
@@ -577,6 +612,24 @@ impl Link {
         err
     }
 
+    /// End the allowance of the request just answered: a policy that kept what it took
+    /// for it past its overhead budget is stopped, and named now rather than when the
+    /// run ends.
+    fn end_allowance(&mut self, call: Call) -> Result<(), Error> {
+        let Some((asked, limit)) = self.store.data_mut().end_allowance() else {
+            return Ok(());
+        };
+        let err = Error::WorkLimit {
+            policy: self.info.name.clone(),
+            call,
+            bound: Bound::Overhead,
+            asked,
+            limit,
+        };
+        self.poison(err.clone());
+        Err(err)
+    }
+
     /// Check and record a block this link returned.
     #[inline(always)]
     fn admit(&mut self, call: Call, addr: u64, size: u64) -> Result<u64, Error> {
@@ -599,30 +652,35 @@ impl Link {
         }
     }
 
-    pub(crate) fn malloc(&mut self, size: u64) -> Result<u64, Error> {
+    pub(crate) fn malloc(&mut self, deadline: &mut Deadline, size: u64) -> Result<u64, Error> {
         let size = size.max(1);
         self.calls.mallocs += 1;
-        let addr = self.enter(Call::Malloc, size, |g, s| {
+        let addr = self.enter(Call::Malloc, deadline, size, |g, s| {
             allocator!(g, |a| a.call_malloc(s, size))
         })?;
         if addr == 0 {
-            return Ok(0);
+            return self.end_allowance(Call::Malloc).map(|()| 0);
         }
         self.admit(Call::Malloc, addr, size)
     }
 
     /// `calloc`; an overflowing product is "none" without asking the policy (C3).
-    pub(crate) fn calloc(&mut self, nelem: u64, elsize: u64) -> Result<u64, Error> {
+    pub(crate) fn calloc(
+        &mut self,
+        deadline: &mut Deadline,
+        nelem: u64,
+        elsize: u64,
+    ) -> Result<u64, Error> {
         let Some(size) = nelem.checked_mul(elsize) else {
             return Ok(0);
         };
         let (nelem, elsize) = if size == 0 { (1, 1) } else { (nelem, elsize) };
         self.calls.callocs += 1;
-        let addr = self.enter(Call::Calloc, size, |g, s| {
+        let addr = self.enter(Call::Calloc, deadline, size, |g, s| {
             allocator!(g, |a| a.call_calloc(s, nelem, elsize))
         })?;
         if addr == 0 {
-            return Ok(0);
+            return self.end_allowance(Call::Calloc).map(|()| 0);
         }
         let size = size.max(1);
         self.admit(Call::Calloc, addr, size)?;
@@ -663,10 +721,16 @@ impl Link {
 
     /// Resize a block the caller holds with `old` bytes, as this link's ledger records
     /// it (the caller checked); 0 leaves it live and unchanged.
-    pub(crate) fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> Result<u64, Error> {
+    pub(crate) fn realloc(
+        &mut self,
+        deadline: &mut Deadline,
+        ptr: u64,
+        old: u64,
+        new: u64,
+    ) -> Result<u64, Error> {
         let new = new.max(1);
         if ptr == 0 {
-            return self.malloc(new);
+            return self.malloc(deadline, new);
         }
         debug_assert!(
             check_lent(self.lent(), ptr, old).is_ok(),
@@ -677,7 +741,7 @@ impl Link {
         }
         self.calls.reallocs += 1;
         self.store.data_mut().transit.begin(ptr, old);
-        let answer = self.enter(Call::Realloc, new, |g, s| {
+        let answer = self.enter(Call::Realloc, deadline, new, |g, s| {
             allocator!(g, |a| a.call_realloc(s, ptr, old, new))
         });
         let addr = match answer {
@@ -696,7 +760,7 @@ impl Link {
                     };
                     return Err(self.violation(Call::Realloc, addr, size, rule));
                 }
-                return Ok(0);
+                return self.end_allowance(Call::Realloc).map(|()| 0);
             }
             Ok(addr) => addr,
             Err(e) => return Err(e),
@@ -724,61 +788,75 @@ impl Link {
             return Err(self.violation(Call::Realloc, addr, new, rule));
         }
         self.lent_mut().insert(addr, new);
-        self.release_held_back();
+        self.release_held_back(deadline);
         Ok(addr)
     }
 
     /// End the transit of an admitted realloc: what the policy gave back during it goes
     /// upstream now, when no block lent here lies inside it.
-    fn release_held_back(&mut self) {
+    fn release_held_back(&mut self, deadline: &mut Deadline) {
         let state = self.store.data_mut();
         state.mapped.end_transit(true);
         for (addr, size) in state.transit.end() {
             // Sizes were checked when the policy asked, and each block once; still the
-            // chain's call that resized the block.
-            let deadline = state.sandbox.deadline();
-            let _ = state.call_upstream(Some(deadline), |u| u.free(addr, size));
+            // embedder's call that resized the block.
+            let _ = state.call_upstream(deadline, |u, d| u.free(d, addr, size));
         }
     }
 
     /// Give back a block the caller holds with `size` bytes, as this link's ledger
     /// records it (the caller checked).
-    pub(crate) fn free(&mut self, ptr: u64, size: u64) -> Result<(), Error> {
+    pub(crate) fn free(
+        &mut self,
+        deadline: &mut Deadline,
+        ptr: u64,
+        size: u64,
+    ) -> Result<(), Error> {
         let entry = self.lent_mut().remove(ptr);
         debug_assert_eq!(entry.map(|e| e.size), Some(size), "checked by the caller");
         match entry {
-            Some(entry) => self.free_taken(ptr, entry.size),
-            None => self.ask_free(ptr, size),
+            Some(entry) => self.free_taken(deadline, ptr, entry.size),
+            None => self.ask_free(deadline, ptr, size),
         }
     }
 
     /// [`Self::free`] of a block the caller already took off this link's books, where
     /// it was recorded with `size` bytes: the client's free, which found and removed it
     /// in one probe.
-    pub(crate) fn free_taken(&mut self, ptr: u64, size: u64) -> Result<(), Error> {
+    pub(crate) fn free_taken(
+        &mut self,
+        deadline: &mut Deadline,
+        ptr: u64,
+        size: u64,
+    ) -> Result<(), Error> {
         if self.poisoned.is_none() {
             self.store.data_mut().clear_taken_back(ptr, size);
         }
-        self.ask_free(ptr, size)
+        self.ask_free(deadline, ptr, size)
     }
 
     /// Ask the policy to take back a block that is off its books.
-    fn ask_free(&mut self, ptr: u64, size: u64) -> Result<(), Error> {
+    fn ask_free(&mut self, deadline: &mut Deadline, ptr: u64, size: u64) -> Result<(), Error> {
         if self.poisoned.is_some() {
             self.release_if_done();
             return Ok(());
         }
         self.calls.frees += 1;
-        self.enter(Call::Free, 0, |g, s| {
+        self.enter(Call::Free, deadline, 0, |g, s| {
             allocator!(g, |a| a.call_free(s, ptr, size))
         })
     }
 
-    pub(crate) fn malloc_many(&mut self, size: u64, count: u32) -> Result<Vec<u64>, Error> {
+    pub(crate) fn malloc_many(
+        &mut self,
+        deadline: &mut Deadline,
+        size: u64,
+        count: u32,
+    ) -> Result<Vec<u64>, Error> {
         let size = size.max(1);
         self.calls.malloc_many += 1;
         let demand = size.saturating_mul(count.into());
-        let blocks = self.enter(Call::MallocMany, demand, |g, s| {
+        let blocks = self.enter(Call::MallocMany, deadline, demand, |g, s| {
             allocator!(g, |a| a.call_malloc_many(s, size, count))
         })?;
         if blocks.len() > count as usize {
@@ -804,7 +882,12 @@ impl Link {
 
     /// Give back several blocks the caller holds with `size` bytes each, as this link's
     /// ledger records them (the caller checked).
-    pub(crate) fn free_many(&mut self, ptrs: Vec<u64>, size: u64) -> Result<(), Error> {
+    pub(crate) fn free_many(
+        &mut self,
+        deadline: &mut Deadline,
+        ptrs: Vec<u64>,
+        size: u64,
+    ) -> Result<(), Error> {
         for &ptr in &ptrs {
             let entry = self.lent_mut().remove(ptr);
             debug_assert_eq!(entry.map(|e| e.size), Some(size), "checked by the caller");
@@ -814,23 +897,21 @@ impl Link {
             return Ok(());
         }
         self.calls.free_many += 1;
-        self.enter(Call::FreeMany, 0, |g, s| {
+        self.enter(Call::FreeMany, deadline, 0, |g, s| {
             allocator!(g, |a| a.call_free_many(s, &ptrs, size))
         })
     }
 
     /// Ask this link, then every link below it, to give back what it caches.
-    pub(crate) fn trim(&mut self) -> Result<(), Error> {
-        // The links below trim under this call's deadline, or under the one this link
-        // inherited when it is stopped and made no call of its own.
-        let deadline = if self.poisoned.is_some() {
-            self.inherited_deadline
-        } else {
-            self.start_call(0);
+    /// Every link trims under the one deadline of the embedder's call.
+    pub(crate) fn trim(&mut self, deadline: &mut Deadline) -> Result<(), Error> {
+        if self.poisoned.is_none() {
+            self.start_call(*deadline, 0);
             let trimmed = match &self.bindings {
                 Exports::V1(b) => b.allocbox_policy_lifecycle().call_trim(&mut self.store),
                 Exports::V2(b) => b.allocbox_policy_lifecycle().call_trim(&mut self.store),
             };
+            self.end_call(deadline);
             if let Err(e) = trimmed {
                 // The chain stops for this failure, and every link below gives its
                 // memory back as it stops: no trim below, under a deadline now passed.
@@ -838,8 +919,7 @@ impl Link {
                 self.poison(err.clone());
                 return Err(err);
             }
-            Some(self.store.data().sandbox.deadline())
-        };
+        }
         self.store
             .data_mut()
             .call_upstream(deadline, Upstream::trim);
@@ -875,6 +955,8 @@ fn lost_byte(old: u64, new: u64, len: u64) -> Option<Rule> {
 
 /// Counters of one policy kept from one `report`: more are left out.
 const MAX_COUNTERS: usize = 64;
+/// Bytes of a counter's name kept: a longer one is cut.
+const MAX_COUNTER_NAME: usize = 64;
 
 /// Turn a failed call into the error that says what happened.
 pub(crate) fn classify(

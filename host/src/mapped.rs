@@ -58,7 +58,10 @@ pub enum Refusal {
     NotGranted(KindGrant),
     #[error("the machine cannot give that kind of memory")]
     Unavailable,
-    #[error("the policy's overhead budget or the memory-lock limit does not allow it")]
+    #[error(
+        "the policy's overhead budget, the memory-lock limit or the policies' share of \
+         the process's mappings does not allow it"
+    )]
     OverLimit,
     #[error("the operating system refused the memory")]
     OutOfMemory,
@@ -222,6 +225,8 @@ pub(crate) struct Region {
     map_start: u64,
     map_len: u64,
     guard: Option<u64>,
+    /// The kernel mappings it holds, taken from the policies' share.
+    _mappings: crate::shares::Mappings,
 }
 
 impl Region {
@@ -277,6 +282,12 @@ pub(crate) fn map(
     if usize::try_from(map_len).is_err() || !cost_allowed(map_len) {
         return Err(Refusal::OverLimit);
     }
+    // A guard page, and any advice on the usable part alone, splits the mapping in two.
+    let split = kind.guard != Guard::None
+        || kind.locked
+        || kind.numa != Numa::Any
+        || kind.pages == Pages::TransparentHuge;
+    let mappings = crate::shares::Mappings::take(1 + u64::from(split)).ok_or(Refusal::OverLimit)?;
     // Explicit huge pages are reserved when mapped (no MAP_NORESERVE), so an empty pool
     // refuses here rather than with a SIGBUS when a page is first touched.
     let flags = match kind.pages {
@@ -335,6 +346,7 @@ pub(crate) fn map(
         map_start,
         map_len,
         guard: None,
+        _mappings: mappings,
     };
     if let Some(guard) = guard {
         // SAFETY: `[guard, guard + guard_len)` lies inside the mapping just made, which

@@ -27,7 +27,7 @@ use wasmtime::{
     Store,
 };
 
-use crate::clock::{Clock, EPOCH_TICK};
+use crate::clock::{Clock, Deadline};
 use crate::compile_bounds::CompileBounds;
 use crate::error::{Call, LoadError};
 use crate::link::classify;
@@ -312,24 +312,30 @@ impl Runtime {
     /// A store for one guest: the virtual WASI (`crate::wasi`: no files, network,
     /// environment or real time unless `limits.grants` says otherwise), output kept up
     /// to the limit, memory capped, calls time-limited.
-    /// Returns the store and the epoch ticks of one call's time limit.
+    /// Starting the guest is the embedder's call: its instantiation (a start function)
+    /// and `init` run under one deadline, armed here.
     pub(crate) fn guest_store<T>(
         &self,
         name: &str,
         limits: &Limits,
         state: impl FnOnce(Sandbox) -> T,
         sandbox: fn(&mut T) -> &mut Sandbox,
-    ) -> (Store<T>, u64) {
+    ) -> Store<T> {
         let sandboxed = Sandbox::new(Arc::from(name), limits, self.inner.clock.clone());
         let mut store = Store::new(&self.inner.engine, state(sandboxed));
         store.limiter(move |s| sandbox(s).limiter());
         store.set_max_component_handles(MAX_COMPONENT_HANDLES);
         store.epoch_deadline_callback(move |mut ctx| Ok(sandbox(ctx.data_mut()).on_epoch()));
-        let ticks = limits.call_time.as_nanos().div_ceil(EPOCH_TICK.as_nanos()) as u64 + 1;
-        // Instantiation (a start function) and `init` run under one call's deadline.
-        let armed = sandbox(store.data_mut()).begin_call(ticks, None);
+        let starting = Deadline::for_client_call(&self.inner.clock, limits.call_time);
+        let armed = sandbox(store.data_mut()).begin_call(starting);
         store.set_epoch_deadline(armed);
-        (store, ticks)
+        store
+    }
+
+    /// The clock every guest of this runtime is timed by: the embedder's entry points
+    /// start their calls' deadlines on it.
+    pub(crate) fn clock(&self) -> &Arc<Clock> {
+        &self.inner.clock
     }
 
     fn check_world(
@@ -408,7 +414,7 @@ impl Runtime {
             // A policy loaded by another runtime: compiled again here, once.
             return self.start(&self.adopt(policy)?, config, upstream, limits, checked);
         }
-        let (mut store, ticks) = self.guest_store(
+        let mut store = self.guest_store(
             &policy.meta.source,
             limits,
             |sandbox| LinkState::new(sandbox, upstream, limits, checked),
@@ -457,7 +463,7 @@ impl Runtime {
         };
         let info = check_info(info)?;
         store.data_mut().sandbox.name = info.name.clone();
-        Ok(Link::new(store, bindings, info, ticks, limits.clone()))
+        Ok(Link::new(store, bindings, info, limits.clone()))
     }
 }
 

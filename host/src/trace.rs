@@ -203,9 +203,14 @@ pub struct ReplayReport {
 
 /// After a replay that freed every block of the trace, the leak of `handler`'s chain if it
 /// has one: it is trimmed, and whatever it still holds from the host is named, as
-/// `allocbox check` names it. A failing trim is the answer too.
+/// `allocbox check` names it. A failing trim is the answer too, and so is a policy that
+/// fails when asked for its counters (`lifecycle.report`), which stops the chain.
 pub fn leak_after_replay(handler: &crate::Handler) -> Option<Error> {
-    handler.trim().and_then(|()| handler.leak_check()).err()
+    if let Err(e) = handler.trim().and_then(|()| handler.leak_check()) {
+        return Some(e);
+    }
+    let _ = handler.link_stats();
+    handler.failure().map(|cause| (*cause).clone())
 }
 
 impl ReplayReport {

@@ -21,6 +21,17 @@ pub(crate) fn escape(text: &str) -> String {
     out
 }
 
+/// [`escape`] of the first `bytes` bytes of `text` at most (cut at a character
+/// boundary, with `…` where it was cut): for text a policy may make as long as its
+/// memory, shown where a line is expected.
+pub(crate) fn escape_at_most(text: &str, bytes: usize) -> String {
+    if text.len() <= bytes {
+        return escape(text);
+    }
+    let cut = text.floor_char_boundary(bytes);
+    format!("{}…", escape(&text[..cut]))
+}
+
 /// Characters that reorder the text around them: embeddings and overrides
 /// (U+202A..=U+202E), isolates (U+2066..=U+2069) and the marks (U+200E, U+200F, U+061C).
 fn is_bidi_control(c: char) -> bool {
@@ -30,6 +41,16 @@ fn is_bidi_control(c: char) -> bool {
 #[cfg(test)]
 mod tests {
     use super::escape;
+
+    #[test]
+    fn long_text_is_cut_at_a_character_boundary_before_it_is_escaped() {
+        use super::escape_at_most;
+        assert_eq!(escape_at_most("short", 64), "short");
+        assert_eq!(escape_at_most(&"n".repeat(4096), 8), "nnnnnnnn…");
+        // `é` is two bytes: a cut inside it falls before it.
+        assert_eq!(escape_at_most("abé", 3), "ab…");
+        assert_eq!(escape_at_most("\u{1b}\u{1b}x", 2), "\\u{1b}\\u{1b}…");
+    }
 
     #[test]
     fn terminal_escape_sequences_become_visible_text() {

@@ -30,6 +30,31 @@ fn a_huge_malloc_many_from_a_policy_is_a_typed_work_limit() {
     assert!(matches!(h.malloc(8), Err(Error::Poisoned { .. })));
 }
 
+/// Found probing: a policy took the client's whole request from upstream, filled it,
+/// answered none and kept it; the request's allowance never ended, so the host held it
+/// past the overhead budget until the run ended. Now the allowance ends with the
+/// answer: the policy is stopped and named at once, and what it kept goes back.
+#[test]
+fn a_policy_keeping_a_request_it_refused_is_stopped_and_named_at_the_answer() {
+    let h = broken("keep-refused");
+    let small = h.malloc(100).unwrap().unwrap();
+    fill(small, 100, 0x31);
+    let err = h.malloc(1 << 30).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            Error::WorkLimit { policy, bound: Bound::Overhead, .. }
+                if &**policy == "broken"
+        ),
+        "{err}"
+    );
+    assert_eq!(err.kind(), "overhead-limit");
+    // The client's block stands; once it is given back, nothing is held.
+    assert!(holds(small, 100, 0x31));
+    h.free(Some(small), 100).unwrap();
+    assert_eq!(h.held_from_host().unwrap(), (0, 0));
+}
+
 #[test]
 fn a_policy_hoarding_upstream_memory_is_refused_past_its_overhead_budget() {
     let h = broken("hoard");

@@ -292,7 +292,10 @@ fn the_memory_budget_covers_every_memory_of_every_instance_a_component_creates()
     let allocbox::LoadError::Start(err) = err else {
         panic!("{err}")
     };
-    assert!(matches!(*err, Error::MemoryLimit { .. }), "{err}");
+    assert!(
+        matches!(&*err, Error::Hook { cause, .. } if matches!(**cause, Error::MemoryLimit { .. })),
+        "{err}"
+    );
 }
 
 #[test]
@@ -434,4 +437,97 @@ fn a_growth_past_the_memory_budget_answers_minus_one_and_the_policy_recovers() {
     // The other calls still work.
     let p = h.calloc(8, 8).unwrap().expect("calloc does not grow");
     h.free(Some(p), 64).unwrap();
+}
+
+/// The `quota` fixture observing with a batch of one event, spending `dawdle_ms` of its
+/// granted clock in every call, under a 200 ms limit.
+fn dawdling_observer(dawdle_ms: u64) -> allocbox::Handler {
+    let dawdle = dawdle_ms.to_string();
+    HandlerBuilder::new(Runtime::shared())
+        .link_with(
+            &load(&allocbox_artifacts::QUOTA),
+            &[("observe", "true"), ("batch", "1"), ("dawdle-ms", &dawdle)],
+        )
+        .limits(Limits {
+            call_time: Duration::from_millis(200),
+            grants: allocbox::Grants {
+                clocks: true,
+                ..Default::default()
+            },
+            ..Limits::default()
+        })
+        .build()
+        .unwrap()
+}
+
+/// Found probing 0.2.0: each guest call one client call caused (a magazine refill, the
+/// delivery of the events it completed, a renewal) started a deadline of its own, so a
+/// policy spending most of the limit in each made one client call last several limits.
+/// Here one `malloc` causes a `malloc-many` and an `observe` of 120 ms each under a
+/// 200 ms limit: the second runs out of the call's time, and the policy is named.
+#[test]
+fn one_client_call_has_one_deadline_through_every_guest_call_it_causes() {
+    let h = dawdling_observer(120);
+    // The block was served before the delivery ran out of time: it stands.
+    let block = h.malloc(64).unwrap().expect("served from the refill");
+    fill(block, 64, 7);
+    let failure = h
+        .failure()
+        .expect("the delivery ran past the call's deadline");
+    assert!(
+        matches!(
+            &*failure,
+            Error::Timeout { policy, call: Call::Observe, .. } if &**policy == "quota"
+        ),
+        "{failure}"
+    );
+    assert!(holds(block, 64, 7));
+    h.free(Some(block), 64).unwrap();
+    // The same policy spending a little in each call serves on.
+    let h = dawdling_observer(0);
+    let blocks: Vec<_> = (0..8).map(|_| h.malloc(64).unwrap().unwrap()).collect();
+    for b in blocks {
+        h.free(Some(b), 64).unwrap();
+    }
+    assert!(h.failure().is_none());
+}
+
+/// Found probing 0.2.0: a `lifecycle.report` that trapped stopped the policy, yet the
+/// handler said nothing had failed, so `replay-trace` and `check` reported success.
+#[test]
+fn a_policy_that_fails_to_report_stops_its_chain_and_is_named() {
+    let h = handler(&allocbox_artifacts::QUOTA, &[("trap-report", "true")]);
+    let p = h.malloc(100).unwrap().unwrap();
+    let stats = h.link_stats().unwrap();
+    assert!(stats[0].counters.is_empty());
+    let failure = h.failure().expect("the failed report stopped the chain");
+    assert!(
+        matches!(
+            &*failure,
+            Error::Trap { policy, call: Call::Report, .. } if &**policy == "quota"
+        ),
+        "{failure}"
+    );
+    // The client's block stands, and is given back.
+    fill(p, 100, 1);
+    h.free(Some(p), 100).unwrap();
+    assert_eq!(h.held_from_host().unwrap(), (0, 0));
+
+    let dir = tempdir("report-trap");
+    let trace = dir.join("t.trace");
+    std::fs::write(&trace, "m 1 100\nf 1 100\n").unwrap();
+    let quota = allocbox_artifacts::QUOTA.path();
+    let (code, out) = allocbox_cli(
+        &[
+            "replay-trace",
+            trace.to_str().unwrap(),
+            "-p",
+            quota,
+            "-c",
+            "trap-report=true",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("FAILED") && out.contains("`report`"), "{out}");
 }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
 use allocbox::nep49::{self, Buffer, HookData, SharedHandler};
-use allocbox::{Error, HandlerBuilder, Limits, Runtime, WasmHook};
+use allocbox::{Call, Error, HandlerBuilder, Limits, Runtime, WasmHook};
 
 use super::support::*;
 
@@ -240,12 +240,22 @@ fn a_failing_wasm_hook_is_stopped_and_allocation_goes_on() {
     let buffer = Buffer::new(64);
     nep49::set_event_hook(None);
     assert_eq!(buffer.unwrap().len(), 64, "the allocation stands");
+    let failure = hook.failure().expect("the hook was stopped");
     assert!(
-        matches!(hook.failure().as_deref(), Some(Error::Trap { .. })),
-        "{:?}",
-        hook.failure()
+        matches!(&*failure, Error::Hook { cause, .. } if matches!(**cause, Error::Trap { call: Call::Event, .. })),
+        "{failure}"
     );
-    assert!(matches!(hook.report(), Err(Error::Poisoned { .. })));
+    // Named as the hook it is, in the call it was making.
+    assert!(
+        failure
+            .to_string()
+            .starts_with("event hook `trapping` trapped in `on-event`"),
+        "{failure}"
+    );
+    assert!(matches!(
+        hook.report(),
+        Err(Error::Hook { cause, .. }) if matches!(*cause, Error::Poisoned { .. })
+    ));
 }
 
 #[test]
@@ -292,4 +302,26 @@ fn per_link_statistics_and_a_leak_check_a_test_can_assert_on() {
     leaky.free(p, 100).unwrap();
     let err = leaky.leak_check().unwrap_err();
     assert_eq!(err.rule().map(|r| r.name()), Some("leak"), "{err}");
+}
+
+/// Found probing the hook world: a hook answered its report with its whole memory as
+/// numbers (16.7 M of them), which the command line printed, a GB of it. A report is
+/// cut at its bound right after it is lifted.
+#[test]
+fn a_hook_s_report_is_cut_at_its_bound() {
+    // The answer: a list at byte 8 of 2,000,000 numbers (0x1e8480), all of its memory.
+    let flooding = r#"(module
+        (memory (export "memory") 300)
+        (data (i32.const 0) "\08\00\00\00\80\84\1e\00")
+        (func (export "allocbox:policy/events@0.1.0#on-event") (param i64 i64 i64))
+        (func (export "allocbox:policy/events@0.1.0#report") (result i32) i32.const 0))"#;
+    let hook = WasmHook::start(
+        Runtime::shared(),
+        flooding.as_bytes(),
+        "flooding",
+        Limits::default(),
+    )
+    .unwrap();
+    let numbers = hook.report().unwrap();
+    assert_eq!(numbers.len(), allocbox::MAX_REPORTED_NUMBERS);
 }

@@ -288,3 +288,49 @@ fn a_hook_report_longer_than_the_sizes_there_are_is_cut_not_a_crash() {
     assert_eq!(rows, 64, "{out}");
     assert!(out.contains("16384 PiB"), "{out}");
 }
+
+/// Found probing the hook world: a hook that trapped was stopped and the run went on,
+/// yet `replay-trace` and `report` exited 0 and said the hook failed "in `malloc`" as a
+/// policy. A failed hook is named as a hook, in its own call, and fails the run.
+#[test]
+fn a_failing_hook_fails_the_run_and_is_named_as_a_hook() {
+    let dir = tempdir("hook-fails");
+    std::fs::write(dir.join("t.trace"), "m 1 100\nf 1 100\n").unwrap();
+    let trapping = r#"(module
+        (func (export "allocbox:policy/events@0.1.0#on-event") (param i64 i64 i64) unreachable)
+        (func (export "allocbox:policy/events@0.1.0#report") (result i32) unreachable)
+        (memory (export "memory") 1))"#;
+    std::fs::write(dir.join("trapping.wat"), trapping).unwrap();
+    let (code, out) = allocbox_cli(
+        &[
+            "replay-trace",
+            "t.trace",
+            "-p",
+            "system",
+            "--hook",
+            "trapping.wat",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("event hook `trapping` trapped in `on-event`"),
+        "{out}"
+    );
+    assert!(!out.contains("policy `trapping`"), "{out}");
+    let (code, out) = allocbox_cli(
+        &[
+            "report",
+            "t.trace",
+            "-p",
+            "system",
+            "--hook",
+            "trapping.wat",
+            "-o",
+            "r.html",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("event hook `trapping`"), "{out}");
+}

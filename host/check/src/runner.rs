@@ -533,7 +533,15 @@ pub(super) fn leak_check(handler: &Handler) -> Option<Finding> {
     if let Some(failure) = handler.failure() {
         return Some(Finding::from_error(&failure));
     }
-    handler.leak_check().err().map(|e| Finding::from_error(&e))
+    if let Err(leak) = handler.leak_check() {
+        return Some(Finding::from_error(&leak));
+    }
+    // Its counters are part of what a policy serves: one that fails to report them is
+    // stopped, and that is a finding like any other failure.
+    let _ = handler.link_stats();
+    handler
+        .failure()
+        .map(|failure| Finding::from_error(&failure))
 }
 
 #[cfg(test)]

@@ -395,12 +395,7 @@ pub(crate) fn load_hook(path: &Path, limits: &Limits) -> Result<Arc<WasmHook>> {
 pub(crate) fn hook_report(hook: &WasmHook, handler: &str) -> String {
     let numbers = match hook.report() {
         Ok(numbers) => numbers,
-        Err(e) => {
-            return format!(
-                "hook `{}` on `{handler}` gave no report: {e}\n",
-                hook.name()
-            );
-        }
+        Err(e) => return format!("FAILED     on `{handler}`, {e}\n"),
     };
     if hook.name() != "sizes" {
         let numbers: Vec<String> = numbers.iter().map(u64::to_string).collect();

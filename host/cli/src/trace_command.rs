@@ -157,7 +157,7 @@ pub(crate) fn run_replay_trace(
             }
         }
     }
-    let outcome = match (&report.failure, &report.leak) {
+    let mut outcome = match (&report.failure, &report.leak) {
         (None, None) => {
             out += "failures   none (and nothing held from the host once every block was freed)\n";
             Outcome::Held
@@ -173,6 +173,10 @@ pub(crate) fn run_replay_trace(
     };
     if let Some(hook) = &hook {
         out += &hook_report(hook, handler.name());
+        // A hook that failed broke the run it watched, though every allocation stood.
+        if hook.failure().is_some() {
+            outcome = Outcome::Broken;
+        }
     }
     print_report(&out);
     Ok(outcome)
@@ -192,6 +196,7 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
     let allocbox::trace::Trace { events, marks } = read_trace(&args.trace)?;
     let mut timelines = Vec::new();
     let mut hook_reports = String::new();
+    let mut hook_failed = false;
     for name in &args.policies {
         let built = build_handler(
             std::slice::from_ref(name),
@@ -220,6 +225,7 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         });
         if let Some(hook) = &hook {
             hook_reports += &hook_report(hook, name);
+            hook_failed |= hook.failure().is_some();
         }
         if let (None, BuiltHandler::Chain(chain)) = (&timeline.replay.failure, &built) {
             timeline.replay.leak = leak_after_replay(chain);
@@ -253,8 +259,10 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         print_report(&report::summary_table(&timelines));
         print_report(&hook_reports);
     }
-    Ok(match timelines.iter().any(|t| t.replay.failed()) {
-        true => Outcome::Broken,
-        false => Outcome::Held,
-    })
+    Ok(
+        match hook_failed || timelines.iter().any(|t| t.replay.failed()) {
+            true => Outcome::Broken,
+            false => Outcome::Held,
+        },
+    )
 }

@@ -4,6 +4,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use super::{Chain, Handler, Observations};
+use crate::clock::Deadline;
 use crate::error::LoadError;
 use crate::link::{Limits, Upstream};
 use crate::memhandler::Stats;
@@ -141,7 +142,9 @@ impl HandlerBuilder {
             .runtime
             .start(top, top_config, upstream, &self.limits, self.checked)?;
         // The top policy alone is served without being asked: its client is the host's.
-        let observed = match head.observes() {
+        // Asking the top policy how it observes is part of loading it.
+        let starting = &mut Deadline::for_client_call(self.runtime.clock(), self.limits.call_time);
+        let observed = match head.observes(starting) {
             Ok(None) => None,
             Ok(Some((batch, lease, detail))) => {
                 let obs = Arc::new(Observations::new(batch, lease, detail));
@@ -186,6 +189,8 @@ impl HandlerBuilder {
             fallback: self.fallback,
             diagnoses,
             observed,
+            clock: self.runtime.clock().clone(),
+            call_time: self.limits.call_time,
         })
     }
 }

@@ -8,6 +8,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
+use crate::clock::Deadline;
 use crate::error::Error;
 use crate::link::{Link, Upstream};
 use crate::memhandler::Stats;
@@ -66,8 +67,13 @@ impl Chain {
     }
 
     /// Give a block back to the top policy.
-    pub(super) fn give_back(&mut self, addr: u64, size: u64) -> Result<u64, Error> {
-        self.head.free(addr, size).map(|()| 0)
+    pub(super) fn give_back(
+        &mut self,
+        deadline: &mut Deadline,
+        addr: u64,
+        size: u64,
+    ) -> Result<u64, Error> {
+        self.head.free(deadline, addr, size).map(|()| 0)
     }
 }
 
@@ -77,7 +83,9 @@ impl cache::Books for Chain {
             let found = c.head.lent_mut().set_cache(addr, None);
             debug_assert!(found, "a cache lends only blocks on the books");
         }
-        let answer = give_back_cached(c, cached);
+        // A thread's end is a call of the embedder's of its own.
+        let deadline = &mut c.head.client_call();
+        let answer = give_back_cached(c, deadline, cached);
         // A failure stops the chain for every thread; this one is ending.
         let _ = settle(c, answer);
     }
@@ -138,9 +146,11 @@ pub(super) fn fail(c: &mut Books<'_>, cause: Arc<Error>) {
     if c.failure.is_none() {
         c.failure = Some(cause);
         c.stop_serving();
-        let _ = flush_magazines(c);
         let Chain { head, failure, .. } = &mut **c;
         head.retire(failure.as_ref().expect("just set"));
+        // Every link is stopped: the magazines go back onto their books with no guest
+        // called, so no deadline is needed.
+        let _ = flush_magazines(c, &mut Deadline::passed());
     }
 }
 
@@ -156,6 +166,7 @@ pub(super) enum Via {
 
 pub(super) fn refill(
     c: &mut Books<'_>,
+    deadline: &mut Deadline,
     mine: &mut Mine<'_>,
     size: u64,
 ) -> Result<(u64, Via), Error> {
@@ -168,12 +179,18 @@ pub(super) fn refill(
         (room >= size * u64::from(count)).then_some(count)
     };
     let Some(count) = count else {
-        return c.head.malloc(size).map(|addr| (addr, Via::Policy));
+        return c
+            .head
+            .malloc(deadline, size)
+            .map(|addr| (addr, Via::Policy));
     };
-    let mut blocks = c.head.malloc_many(size, count)?;
+    let mut blocks = c.head.malloc_many(deadline, size, count)?;
     let Some(first) = blocks.pop() else {
         // The policy placed nothing in bulk; ask once the ordinary way.
-        return c.head.malloc(size).map(|addr| (addr, Via::Policy));
+        return c
+            .head
+            .malloc(deadline, size)
+            .map(|addr| (addr, Via::Policy));
     };
     for &addr in blocks.iter().chain([&first]) {
         let named = c.head.lent_mut().set_cache(addr, Some(mine.id()));
@@ -191,6 +208,7 @@ pub(super) fn refill(
 /// magazine to the policy first; past the thread's byte cap the policy takes it.
 pub(super) fn shelve(
     c: &mut Books<'_>,
+    deadline: &mut Deadline,
     mine: &mut Mine<'_>,
     addr: u64,
     size: u64,
@@ -207,10 +225,10 @@ pub(super) fn shelve(
         spill
     };
     if !spill.is_empty()
-        && let Err(e) = c.head.free_many(spill, size)
+        && let Err(e) = c.head.free_many(deadline, spill, size)
     {
         // The client gave this block up; off the books of the now dead link.
-        let _ = c.head.free(addr, size);
+        let _ = c.head.free(deadline, addr, size);
         return Err(e);
     }
     if c.own(mine).keep(addr, size) {
@@ -218,11 +236,11 @@ pub(super) fn shelve(
         assert!(named, "the caller found it");
         return Ok(Via::Magazine);
     }
-    c.give_back(addr, size).map(|_| Via::Policy)
+    c.give_back(deadline, addr, size).map(|_| Via::Policy)
 }
 
 /// Hand every thread's cached blocks back to the top policy.
-pub(super) fn flush_magazines(c: &mut Books<'_>) -> Result<u64, Error> {
+pub(super) fn flush_magazines(c: &mut Books<'_>, deadline: &mut Deadline) -> Result<u64, Error> {
     let mut first_error = None;
     for slot in c.slots() {
         let drained = c
@@ -235,7 +253,7 @@ pub(super) fn flush_magazines(c: &mut Books<'_>) -> Result<u64, Error> {
                 continue;
             }
         };
-        if let Err(e) = give_back_cached(c, drained) {
+        if let Err(e) = give_back_cached(c, deadline, drained) {
             first_error.get_or_insert(e);
         }
     }
@@ -243,10 +261,14 @@ pub(super) fn flush_magazines(c: &mut Books<'_>) -> Result<u64, Error> {
 }
 
 /// Give blocks a thread cache held back to the top policy, `(size, blocks)`.
-fn give_back_cached(c: &mut Books<'_>, cached: Vec<(u64, Vec<u64>)>) -> Result<u64, Error> {
+fn give_back_cached(
+    c: &mut Books<'_>,
+    deadline: &mut Deadline,
+    cached: Vec<(u64, Vec<u64>)>,
+) -> Result<u64, Error> {
     let mut first_error = None;
     for (size, blocks) in cached {
-        if let Err(e) = c.head.free_many(blocks, size) {
+        if let Err(e) = c.head.free_many(deadline, blocks, size) {
             first_error.get_or_insert(e);
         }
     }

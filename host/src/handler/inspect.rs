@@ -8,7 +8,7 @@ use std::sync::Arc;
 use allocbox_ledger::cache::{Magazines, Unreachable};
 
 use super::Handler;
-use super::chain::{Books, settle, unreachable};
+use super::chain::{Books, fail, settle, unreachable};
 use crate::error::{Error, InvariantBroken};
 use crate::ledger::Ordered;
 use crate::link::Link;
@@ -19,9 +19,10 @@ impl Handler {
     /// exact while one thread at a time uses the handler; with several at once it is the
     /// highest total seen when their counters are gathered (here and on each read).
     pub fn stats(&self) -> Result<Stats, Error> {
-        let mut c = self.lock()?;
+        let deadline = &mut self.client_call();
+        let mut c = self.lock_for(deadline)?;
         // An observing policy hears of everything served before anyone reads counters.
-        let delivered = c.head.deliver().map(|()| 0);
+        let delivered = c.head.deliver(deadline).map(|()| 0);
         settle(&mut c, delivered)?;
         let mut cached_blocks = 0;
         for slot in c.slots() {
@@ -197,10 +198,23 @@ impl Handler {
 
     /// Counters of every policy in the chain, top first, each policy's own counters
     /// included (it is asked for them: `lifecycle.report`).
+    /// A policy that fails to report is stopped, and the chain with it, as for a
+    /// failure in any other call: the failure is the handler's from then on.
     pub fn link_stats(&self) -> Result<Vec<crate::link::LinkStats>, Error> {
-        let mut c = self.lock()?;
+        let deadline = &mut self.client_call();
+        let mut c = self.lock_for(deadline)?;
         let mut all = Vec::new();
-        c.each_link_mut(|link| all.push(link.report()));
+        let mut failed = None;
+        c.each_link_mut(|link| {
+            let stopped_before = link.poisoned.is_some();
+            all.push(link.report(deadline));
+            if !stopped_before && let Some(cause) = &link.poisoned {
+                failed.get_or_insert_with(|| cause.clone());
+            }
+        });
+        if let Some(cause) = failed {
+            fail(&mut c, cause);
+        }
         Ok(all)
     }
 
@@ -219,16 +233,29 @@ impl Handler {
     /// assertion).
     pub fn leak_check(&self) -> Result<(), Error> {
         self.trim()?;
-        let (blocks, bytes) = self.held_from_host()?;
-        if blocks == 0 {
+        let (blocks, bytes, regions, region_bytes) = {
+            let c = self.lock()?;
+            let host = &c.bottom().lent;
+            let (regions, region_bytes) = c
+                .links()
+                .map(Link::mapped_held)
+                .fold((0, 0), |(n, b), (regions, bytes)| (n + regions, b + bytes));
+            (host.len(), host.bytes(), regions, region_bytes)
+        };
+        if blocks + regions == 0 {
             return Ok(());
         }
         Err(Error::Violation(crate::error::Violation {
             policy: self.info.name.clone(),
             call: crate::error::Call::Trim,
             addr: 0,
-            size: bytes,
-            rule: crate::error::Rule::Leak { blocks, bytes },
+            size: bytes + region_bytes,
+            rule: crate::error::Rule::Leak {
+                blocks,
+                bytes,
+                regions,
+                region_bytes,
+            },
         }))
     }
 

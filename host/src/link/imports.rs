@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use super::bindings;
 use super::{Limits, LinkState, Sandbox, Transit, Upstream};
+use crate::clock::Deadline;
 use crate::error::{Bound, Call, Error, Rule, Violation};
 use crate::ledger::{Ledger, TakeBack};
 
@@ -24,6 +25,7 @@ impl LinkState {
             transit: Transit::default(),
             unreported: None,
             demand: 0,
+            held_at_start: 0,
             call_time: limits.call_time,
             batch_limit: limits.batch,
             read_limit: limits.memory,
@@ -37,16 +39,18 @@ impl LinkState {
     }
 
     /// Call the upstream from inside this link's current call. An upstream link runs
-    /// under this call's deadline: a chain's call has one deadline, not one per link.
+    /// under this call's deadline: an embedder's call has one deadline, not one per link.
     /// An upstream policy that fails answers this link's guest "none", and its failure
     /// is kept here, to travel up when this link's call ends; but when the chain's time
     /// ran out meanwhile, this guest can do nothing more either, and is stopped with
     /// that failure (so the link that was running when time ran out is the one named).
     pub(super) fn upstream_call<R>(
         &mut self,
-        f: impl FnOnce(&mut Upstream) -> R,
+        f: impl FnOnce(&mut Upstream, &mut Deadline) -> R,
     ) -> wasmtime::Result<R> {
-        let (answer, failed) = self.call_upstream(Some(self.sandbox.deadline()), f);
+        let mut deadline = self.sandbox.deadline();
+        let (answer, failed) = self.call_upstream(&mut deadline, f);
+        self.sandbox.extend_to(deadline);
         match failed {
             // A link below that ran out of time ran out of this call's time.
             Some(cause) if matches!(*cause, Error::Timeout { .. }) || self.out_of_time() => {
@@ -56,24 +60,17 @@ impl LinkState {
         }
     }
 
-    /// Call the upstream, its links under `deadline` (the caller's, or their own when
-    /// none), and return the answer with the failure of an upstream link meanwhile,
-    /// which is also kept to travel up.
+    /// Call the upstream, its links under `deadline`, and return the answer with the
+    /// failure of an upstream link meanwhile, which is also kept to travel up.
     pub(super) fn call_upstream<R>(
         &mut self,
-        deadline: Option<u64>,
-        f: impl FnOnce(&mut Upstream) -> R,
+        deadline: &mut Deadline,
+        f: impl FnOnce(&mut Upstream, &mut Deadline) -> R,
     ) -> (R, Option<Arc<Error>>) {
-        if let Upstream::Policy(l) = &mut self.upstream {
-            l.inherited_deadline = deadline;
-        }
-        let answer = f(&mut self.upstream);
+        let answer = f(&mut self.upstream, deadline);
         let Upstream::Policy(l) = &mut self.upstream else {
             return (answer, None);
         };
-        if l.inherited_deadline.take().is_some() {
-            self.sandbox.extend_to(l.store.data().sandbox.deadline());
-        }
         let failed = l.take_unreported();
         if let Some(cause) = &failed {
             self.unreported.get_or_insert(cause.clone());
@@ -162,12 +159,29 @@ impl LinkState {
             .bytes()
             .saturating_add(self.demand)
             .saturating_add(self.overhead_limit);
-        allowed.saturating_sub(
-            self.upstream
-                .lent()
-                .cost()
-                .saturating_add(self.mapped.cost()),
-        )
+        allowed.saturating_sub(self.held())
+    }
+
+    /// Host memory the policy holds: its upstream blocks and mapped regions, each at
+    /// what it costs the host.
+    #[inline]
+    pub(super) fn held(&self) -> u64 {
+        self.upstream
+            .lent()
+            .cost()
+            .saturating_add(self.mapped.cost())
+    }
+
+    /// The current request's allowance ends with its answer. What the policy holds
+    /// beyond its client's bytes and its overhead budget, and beyond what it held when
+    /// the call began (a cache it kept as its client gave blocks back), it took for the
+    /// request and kept: the bound it passed, or `None`.
+    pub(super) fn end_allowance(&mut self) -> Option<(u64, u64)> {
+        self.demand = 0;
+        let held = self.held();
+        let beyond = held.saturating_sub(self.lent.bytes());
+        (beyond > self.overhead_limit && held > self.held_at_start)
+            .then_some((beyond, self.overhead_limit))
     }
 
     /// May the policy take one more upstream block of `size` bytes?
@@ -375,7 +389,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         if size == 0 || !self.may_take(size) {
             return Ok(0);
         }
-        let block = self.upstream_call(|u| u.malloc(size))?;
+        let block = self.upstream_call(|u, d| u.malloc(d, size))?;
         if block != 0 {
             self.zeroed.forget(block, size);
             self.clear_fresh(block, size);
@@ -391,7 +405,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         if !self.may_take(size.max(1)) {
             return Ok(0);
         }
-        let block = self.upstream_call(|u| u.calloc(nelem, elsize))?;
+        let block = self.upstream_call(|u, d| u.calloc(d, nelem, elsize))?;
         if block != 0 {
             // The host's memory and a lower link's `calloc` answer are zero.
             self.zeroed.add(block, size.max(1));
@@ -415,7 +429,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
             if !self.may_take(new) {
                 return Ok(0);
             }
-            let fresh = self.upstream_call(|u| u.malloc(new))?;
+            let fresh = self.upstream_call(|u, d| u.malloc(d, new))?;
             if fresh != 0 {
                 self.zeroed.forget(fresh, new);
                 // Once a call (the old block is held back from here on), and as long as
@@ -443,7 +457,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         if !self.within_budget(growth) {
             return Ok(0);
         }
-        match self.upstream_call(|u| u.realloc(ptr, old, new))? {
+        match self.upstream_call(|u, d| u.realloc(d, ptr, old, new))? {
             Ok(addr) => {
                 self.zeroed.forget(addr, new);
                 Ok(addr)
@@ -458,7 +472,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
             self.transit.hold_back(ptr, size);
             return Ok(());
         }
-        self.upstream_call(|u| u.free(ptr, size))?
+        self.upstream_call(|u, d| u.free(d, ptr, size))?
             .map_err(|f| self.caller_fault(Call::Free, ptr, size, f))
     }
 
@@ -475,7 +489,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         if granted < count {
             self.budget_refusals += 1;
         }
-        let blocks = self.upstream_call(|u| u.malloc_many(size, granted))?;
+        let blocks = self.upstream_call(|u, d| u.malloc_many(d, size, granted))?;
         if !blocks.is_empty() {
             // Fresh blocks hold whatever their memory held.
             self.zeroed.clear();

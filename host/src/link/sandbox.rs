@@ -1,6 +1,6 @@
 //! What every guest store holds, policy or hook, and the bounds on a guest.
 
-use crate::clock::Clock;
+use crate::clock::{Clock, Deadline};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -78,10 +78,11 @@ pub(crate) struct Sandbox {
     wasi: GuestWasi,
     /// The runtime's tick count, advanced with the engine's epoch.
     clock: Arc<Clock>,
-    /// The tick at which the current call runs out of time: its wasm code, the host's
-    /// work in its imports and the links below it included. 0 (passed) until a call
-    /// arms it: a guest runs only under a deadline.
-    deadline: u64,
+    /// When the current call runs out of time: the deadline of the embedder's call that
+    /// caused it, which covers its wasm code, the host's work in its imports, the links
+    /// below it and every other guest call that embedder's call causes. Passed until a
+    /// call arms it: a guest runs only under a deadline.
+    deadline: Deadline,
 }
 
 impl Sandbox {
@@ -92,7 +93,7 @@ impl Sandbox {
             limiter: GuestBudget::new(limits.memory),
             wasi: GuestWasi::new(&limits.grants.env, limits.grants.clocks, limits.output),
             clock,
-            deadline: 0,
+            deadline: Deadline::passed(),
         }
     }
 
@@ -100,18 +101,24 @@ impl Sandbox {
         &mut self.limiter
     }
 
-    /// A new call into the guest begins, under `inherited` (the deadline of the call of
-    /// the link above, when that call is what makes this one) or a fresh deadline
-    /// `ticks` from now. Returns the epoch ticks to arm: what is left of the deadline,
-    /// at least one, so that a callee whose time is already out is stopped at once.
-    /// A growth the budget refused in an earlier call, which the guest survived, does not
-    /// explain a failure in this one.
+    /// A new call into the guest begins, under the deadline of the embedder's call that
+    /// causes it. Returns the epoch ticks to arm: what is left of the deadline, at least
+    /// one, so that a callee whose time is already out is stopped at once. A growth the
+    /// budget refused in an earlier call, which the guest survived, does not explain a
+    /// failure in this one.
     #[inline]
-    pub(crate) fn begin_call(&mut self, ticks: u64, inherited: Option<u64>) -> u64 {
+    pub(crate) fn begin_call(&mut self, deadline: Deadline) -> u64 {
         self.limiter.hit = false;
-        let now = self.clock.now_ticking();
-        self.deadline = inherited.unwrap_or(now + ticks);
-        self.deadline.saturating_sub(now).max(1)
+        self.deadline = deadline;
+        deadline
+            .tick()
+            .saturating_sub(self.clock.now_ticking())
+            .max(1)
+    }
+
+    /// The clock the guest is timed by.
+    pub(crate) fn clock(&self) -> &Arc<Clock> {
+        &self.clock
     }
 
     /// The runtime's tick count now.
@@ -120,8 +127,8 @@ impl Sandbox {
         self.clock.now()
     }
 
-    /// The current call's deadline, in ticks.
-    pub(crate) fn deadline(&self) -> u64 {
+    /// The current call's deadline, moved on by the host work excused in it.
+    pub(crate) fn deadline(&self) -> Deadline {
         self.deadline
     }
 
@@ -129,7 +136,7 @@ impl Sandbox {
     /// tick.
     #[inline]
     pub(crate) fn out_of_time(&self) -> bool {
-        self.now() >= self.deadline
+        self.now() >= self.deadline.tick()
     }
 
     /// Give the current call back the ticks spent since `since` on host work that the
@@ -137,21 +144,20 @@ impl Sandbox {
     /// block in transit, once a call): the guest is not stopped for its client's
     /// large resize.
     pub(crate) fn excuse_since(&mut self, since: u64) {
-        self.deadline = self
-            .deadline
-            .saturating_add(self.now().saturating_sub(since));
+        let spent = self.now().saturating_sub(since);
+        self.deadline.excuse(spent);
     }
 
     /// A deadline of a call below that ended: it may have moved on by host work excused
     /// there, which this call's deadline includes too.
-    pub(crate) fn extend_to(&mut self, deadline: u64) {
-        self.deadline = self.deadline.max(deadline);
+    pub(crate) fn extend_to(&mut self, deadline: Deadline) {
+        self.deadline.extend_to(deadline);
     }
 
     /// What the epoch does when it reaches the armed tick: go on until the deadline (it
     /// may have moved on since the tick was armed), or stop the guest.
     pub(crate) fn on_epoch(&self) -> wasmtime::UpdateDeadline {
-        match self.deadline.checked_sub(self.now()) {
+        match self.deadline.tick().checked_sub(self.now()) {
             Some(left) if left > 0 => wasmtime::UpdateDeadline::Continue(left),
             _ => wasmtime::UpdateDeadline::Interrupt,
         }

@@ -3,6 +3,7 @@
 //! that called it is never trapped for its upstream's fault.
 
 use super::Link;
+use crate::clock::Deadline;
 use crate::ledger::{Ledger, TakeBack};
 use crate::system::SystemMemory;
 
@@ -35,55 +36,73 @@ impl Upstream {
     // kept as the failing link's unreported failure and travels up as the calls return
     // (`LinkState::upstream_call`) to the handler, which stops the chain.
     // A give-back (free, realloc) is checked by the caller before it reaches a policy.
+    // A policy upstream runs under the deadline of the embedder's call that caused the
+    // call, which its own calls move on as host work is excused in them.
 
-    pub(super) fn malloc(&mut self, size: u64) -> u64 {
+    pub(super) fn malloc(&mut self, deadline: &mut Deadline, size: u64) -> u64 {
         match self {
             Upstream::System(s) => s.malloc(size, false),
-            Upstream::Policy(l) => l.malloc(size).unwrap_or(0),
+            Upstream::Policy(l) => l.malloc(deadline, size).unwrap_or(0),
         }
     }
 
-    pub(super) fn calloc(&mut self, nelem: u64, elsize: u64) -> u64 {
+    pub(super) fn calloc(&mut self, deadline: &mut Deadline, nelem: u64, elsize: u64) -> u64 {
         match self {
             Upstream::System(s) => match nelem.checked_mul(elsize) {
                 Some(size) => s.malloc(size.max(1), true),
                 None => 0,
             },
-            Upstream::Policy(l) => l.calloc(nelem, elsize).unwrap_or(0),
+            Upstream::Policy(l) => l.calloc(deadline, nelem, elsize).unwrap_or(0),
         }
     }
 
-    pub(super) fn realloc(&mut self, ptr: u64, old: u64, new: u64) -> Result<u64, TakeBack> {
+    pub(super) fn realloc(
+        &mut self,
+        deadline: &mut Deadline,
+        ptr: u64,
+        old: u64,
+        new: u64,
+    ) -> Result<u64, TakeBack> {
         match self {
             Upstream::System(s) => s.realloc(ptr, old, new),
-            Upstream::Policy(l) => Ok(l.realloc(ptr, old, new).unwrap_or(0)),
+            Upstream::Policy(l) => Ok(l.realloc(deadline, ptr, old, new).unwrap_or(0)),
         }
     }
 
     #[inline]
-    pub(crate) fn free(&mut self, ptr: u64, size: u64) -> Result<(), TakeBack> {
+    pub(crate) fn free(
+        &mut self,
+        deadline: &mut Deadline,
+        ptr: u64,
+        size: u64,
+    ) -> Result<(), TakeBack> {
         match self {
             Upstream::System(s) => s.free(ptr, size),
             Upstream::Policy(l) => {
-                let _ = l.free(ptr, size);
+                let _ = l.free(deadline, ptr, size);
                 Ok(())
             }
         }
     }
 
-    pub(super) fn malloc_many(&mut self, size: u64, count: u32) -> Vec<u64> {
+    pub(super) fn malloc_many(
+        &mut self,
+        deadline: &mut Deadline,
+        size: u64,
+        count: u32,
+    ) -> Vec<u64> {
         match self {
             Upstream::System(s) => (0..count)
                 .map_while(|_| Some(s.malloc(size, false)).filter(|&a| a != 0))
                 .collect(),
-            Upstream::Policy(l) => l.malloc_many(size, count).unwrap_or_default(),
+            Upstream::Policy(l) => l.malloc_many(deadline, size, count).unwrap_or_default(),
         }
     }
 
-    pub(super) fn trim(&mut self) {
+    pub(super) fn trim(&mut self, deadline: &mut Deadline) {
         if let Upstream::Policy(l) = self {
             // A failing trim poisons that link; its blocks are released host-side.
-            let _ = l.trim();
+            let _ = l.trim(deadline);
         }
     }
 }
