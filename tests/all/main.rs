@@ -9,6 +9,7 @@ mod check;
 mod client;
 mod compile_cache;
 mod contract;
+mod coverage;
 mod fuzz;
 mod hostile;
 mod kinds;

@@ -4,7 +4,7 @@
 
 use std::sync::OnceLock;
 
-use super::{POLICY_WIT, detail};
+use super::{POLICY_WIT, POLICY_WIT_2, detail};
 use crate::compile_bounds::CompileBounds;
 use crate::error::LoadError;
 
@@ -91,6 +91,9 @@ fn wasi_stub() -> &'static [u8] {
 /// then encode. The module must import and export the world's functions under their
 /// canonical-ABI names (`allocbox:policy/allocator@0.1.0#malloc`, ...).
 ///
+/// A module that names an interface of contract 0.2.0 (imports or exports
+/// `allocbox:policy/...@0.2.0`) is written to the 0.2.0 policy world; any other to 0.1.0.
+///
 /// It may also import `wasi_snapshot_preview1` (language runtimes such as Go's do even
 /// when they never print): those imports are served by allocbox's own stub adapter,
 /// which imports nothing but the module's memory and so grants nothing: clocks that
@@ -99,7 +102,11 @@ fn wasi_stub() -> &'static [u8] {
 fn componentize(mut module: Vec<u8>, world: &str) -> Result<Vec<u8>, LoadError> {
     let err = |e: anyhow::Error| LoadError::Componentize { detail: detail(&e) };
     let mut resolve = wit_parser::Resolve::default();
-    let pkg = resolve.push_str("policy.wit", POLICY_WIT).map_err(err)?;
+    let wit = match world == "policy" && names_contract_0_2_0(&module) {
+        true => POLICY_WIT_2,
+        false => POLICY_WIT,
+    };
+    let pkg = resolve.push_str("policy.wit", wit).map_err(err)?;
     let world = resolve.select_world(&[pkg], Some(world)).map_err(err)?;
     wit_component::embed_component_metadata(
         &mut module,
@@ -117,4 +124,30 @@ fn componentize(mut module: Vec<u8>, world: &str) -> Result<Vec<u8>, LoadError> 
         .validate(true)
         .encode()
         .map_err(err)
+}
+
+/// Does the core module import or export a function of a contract 0.2.0 interface?
+/// A module that does not parse says no; the encoder names what is wrong with it.
+fn names_contract_0_2_0(module: &[u8]) -> bool {
+    const VERSION: &str = "allocbox:policy/";
+    let of_0_2_0 = |name: &str| name.starts_with(VERSION) && name.contains("@0.2.0");
+    for payload in wasmparser::Parser::new(0).parse_all(module) {
+        match payload {
+            Ok(wasmparser::Payload::ImportSection(section)) => {
+                for import in section.into_imports().flatten() {
+                    if of_0_2_0(import.module) {
+                        return true;
+                    }
+                }
+            }
+            Ok(wasmparser::Payload::ExportSection(section)) => {
+                if section.into_iter().flatten().any(|e| of_0_2_0(e.name)) {
+                    return true;
+                }
+            }
+            Ok(_) => {}
+            Err(_) => return false,
+        }
+    }
+    false
 }
