@@ -6,7 +6,10 @@
 //!   `guarded`), so that the block ends where the guard page starts: a write one byte
 //!   past its end faults in the client at that write, and the embedder names the block.
 //!   Without the `guarded` grant the region is refused and the block gets a canary
-//!   instead (`guard-refused` counts them).
+//!   instead (`guard-refused` counts them). So does a block past the policy's share of
+//!   guarded memory: at most half of the overhead budget the host told at `init`, so that
+//!   canaries and the host's records of many small blocks fit in the rest and the
+//!   policy serves on rather than failing (`guard-budget` counts those).
 //! - Every other block carries [`CANARY`] bytes after its end, written when it is
 //!   lent and compared when it is freed; an overwritten canary is reported to the host as
 //!   the client's misuse (`diagnostics`), with the offset of the first byte changed,
@@ -33,6 +36,10 @@ struct Guarded {
     allocations: Cell<u64>,
     /// Guarded blocks: block address -> (region start, region size asked).
     regions: RefCell<HashMap<u64, (u64, u64)>>,
+    /// What the live guarded regions take of the host's memory (every page mapped, the
+    /// guard page included), and the most they may.
+    guarded_bytes: Cell<u64>,
+    guarded_share: u64,
     counters: RefCell<Counters>,
 }
 
@@ -40,6 +47,7 @@ struct Guarded {
 struct Counters {
     guarded: u64,
     guard_refused: u64,
+    guard_budget: u64,
     canaries_checked: u64,
     overruns: u64,
 }
@@ -70,6 +78,12 @@ impl Guarded {
             guard: Guard::After,
             ..Kind::NORMAL
         };
+        let cost = memory::region_size(size, kind.pages) + memory::page_size(kind.pages);
+        let after = self.guarded_bytes.get().saturating_add(cost);
+        if after > self.guarded_share {
+            self.counters.borrow_mut().guard_budget += 1;
+            return None;
+        }
         let region = match memory::map(size, kind) {
             Ok(region) => region,
             Err(_) => {
@@ -80,6 +94,7 @@ impl Guarded {
         let end = region + memory::region_size(size, kind.pages);
         let block = (end - size) & !(natural_alignment(size) - 1);
         self.regions.borrow_mut().insert(block, (region, size));
+        self.guarded_bytes.set(after);
         self.counters.borrow_mut().guarded += 1;
         Some(block)
     }
@@ -134,6 +149,8 @@ impl Policy for Guarded {
             sample,
             allocations: Cell::new(0),
             regions: RefCell::new(HashMap::new()),
+            guarded_bytes: Cell::new(0),
+            guarded_share: config.limits().overhead / 2,
             counters: RefCell::new(Counters::default()),
         })
     }
@@ -169,7 +186,12 @@ impl Policy for Guarded {
     fn free(&self, ptr: u64, size: u64) {
         let guarded = self.regions.borrow_mut().remove(&ptr);
         match guarded {
-            Some((region, asked)) => memory::unmap(region, asked),
+            Some((region, asked)) => {
+                let pages = Kind::NORMAL.pages;
+                let cost = memory::region_size(asked, pages) + memory::page_size(pages);
+                self.guarded_bytes.set(self.guarded_bytes.get() - cost);
+                memory::unmap(region, asked)
+            }
             None => {
                 self.check_canary(ptr, size);
                 upstream::free(ptr, size + CANARY);
@@ -182,6 +204,7 @@ impl Policy for Guarded {
         [
             ("guarded", c.guarded),
             ("guard-refused", c.guard_refused),
+            ("guard-budget", c.guard_budget),
             ("canaries-checked", c.canaries_checked),
             ("overruns", c.overruns),
         ]
