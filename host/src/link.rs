@@ -492,7 +492,7 @@ impl Link {
         } else {
             // Stopped earlier, over a link that was still running: its give-backs waited
             // for that link to stop too.
-            self.release_if_done();
+            self.release(true);
         }
         self.store.data_mut().unreported = None;
     }
@@ -519,7 +519,7 @@ impl Link {
         // link's books and is released with the rest once the client lets go.
         self.store.data_mut().transit.end();
         self.store.data_mut().mapped.end_transit(false);
-        self.release_if_done();
+        self.release(true);
     }
 
     /// The failure of this link, or of one below it, that happened since the last time
@@ -528,12 +528,22 @@ impl Link {
         self.store.data_mut().unreported.take()
     }
 
-    /// A dead link whose client holds nothing returns all its upstream memory, once the
-    /// link below is stopped too (the chain stops every link when one fails): a
-    /// give-back never calls a guest that no embedder's call is waiting for, so it needs
-    /// no deadline, and a running link below is never timed out for a link above.
+    /// A dead link whose client holds nothing returns all its upstream memory.
     fn release_if_done(&mut self) {
-        if self.poisoned.is_none() || !self.lent().is_empty() {
+        self.release(false);
+    }
+
+    /// A dead link gives its upstream memory back once the link below is stopped too
+    /// (the chain stops every link when one fails): a give-back never calls a guest that
+    /// no embedder's call is waiting for, so it needs no deadline, and a running link
+    /// below is never timed out for a link above. All of it once its client holds
+    /// nothing; with `clear_of_lent`, while its client still holds blocks, every upstream
+    /// block none of them lies in (what the policy cached, or kept of a request it
+    /// refused), so a stopped policy holds no more than its client's blocks need. That is
+    /// a range query per upstream block: made once, when the link stops.
+    fn release(&mut self, clear_of_lent: bool) {
+        let whole = self.lent().is_empty();
+        if self.poisoned.is_none() || !(whole || clear_of_lent) {
             return;
         }
         let state = self.store.data_mut();
@@ -549,11 +559,16 @@ impl Link {
             .map(|(a, e)| (a, e.size))
             .collect();
         for (addr, size) in held {
+            if !whole && state.lent.ordered().overlapping(addr, size).is_some() {
+                continue;
+            }
             // These are exactly the recorded sizes, so the upstream cannot refuse them;
             // it is the host's memory or a stopped link, so no guest is called.
             let _ = state.call_upstream(&mut Deadline::passed(), |u, d| u.free(d, addr, size));
         }
-        state.mapped.unmap_all();
+        if whole {
+            state.mapped.unmap_all();
+        }
     }
 
     /// Is a block this link returned aligned and inside the clearance (the block the

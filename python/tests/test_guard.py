@@ -116,3 +116,32 @@ def test_a_policy_without_counters_reports_an_empty_dict():
     policy = allocbox.load("passthrough" if "passthrough" in allocbox.policies() else "system")
     assert policy.stats()["counters"] == {}
     assert policy.stats()["client_misuse"] == 0
+
+
+def test_guard_with_sample_1_serves_800_000_live_small_arrays_as_numpy_does(tmp_path):
+    # Found on NumPy's own test_large_zip: after 526,782 live arrays every allocation
+    # failed, the live guarded regions holding the overhead budget. Guarded regions now
+    # take at most half the budget and the policies' share of the process's mappings;
+    # the rest get canaries. Run alone: it holds the mapping share while it runs.
+    result, _ = run_script(
+        tmp_path,
+        """
+        import numpy as np
+        import allocbox
+
+        policy = allocbox.load("guard", {"sample": "1"}, grant=["guarded"])
+        with allocbox.use(policy):
+            arrays = [np.empty(2) for _ in range(800_000)]
+        counters = policy.stats()["counters"]
+        print("live", len(arrays), "guarded", counters["guarded"], "canaries",
+              counters["guard-refused"] + counters["guard-budget"], flush=True)
+        del arrays
+        print("failure", policy.failure, flush=True)
+        """,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    words = result.stdout.split()
+    assert words[0:2] == ["live", "800000"], result.stdout
+    guarded, canaries = int(words[3]), int(words[5])
+    assert guarded > 1000 and guarded + canaries >= 800_000, result.stdout
+    assert "failure None" in result.stdout, result.stdout

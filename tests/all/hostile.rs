@@ -49,6 +49,12 @@ fn a_policy_keeping_a_request_it_refused_is_stopped_and_named_at_the_answer() {
         "{err}"
     );
     assert_eq!(err.kind(), "overhead-limit");
+    // What it kept goes back when it stops: it holds only what the client's block needs.
+    let (blocks, bytes) = h.held_from_host().unwrap();
+    assert!(
+        blocks == 1 && bytes < 4096,
+        "{blocks} blocks, {bytes} bytes"
+    );
     // The client's block stands; once it is given back, nothing is held.
     assert!(holds(small, 100, 0x31));
     h.free(Some(small), 100).unwrap();
