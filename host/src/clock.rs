@@ -26,6 +26,17 @@ pub(crate) const EPOCH_TICK: Duration = Duration::from_millis(5);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct Deadline(u64);
 
+/// A call's time limit in ticks: rounded up to whole ticks, and one more for the tick
+/// already begun. Worked out once, where the limit is set, off every call's path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CallTicks(u64);
+
+impl CallTicks {
+    pub(crate) fn of(limit: Duration) -> CallTicks {
+        CallTicks(limit.as_nanos().div_ceil(EPOCH_TICK.as_nanos()) as u64 + 1)
+    }
+}
+
 impl Deadline {
     /// A deadline already passed: what a guest runs under before any call arms one,
     /// and what a give-back that calls no guest is made under.
@@ -33,14 +44,12 @@ impl Deadline {
         Deadline(0)
     }
 
-    /// The deadline of a call of the embedder's that begins now and may take `limit`
-    /// (rounded up to whole ticks, and one more for the tick already begun). In a forked
+    /// The deadline of a call of the embedder's that begins now and may take `limit`. In a forked
     /// child whose clock does not tick yet, "now" is the tick it stopped at, where it
     /// goes on from once the first guest call starts it ([`Clock::now_ticking`]).
     #[inline]
-    pub(crate) fn for_client_call(clock: &Clock, limit: Duration) -> Deadline {
-        let ticks = limit.as_nanos().div_ceil(EPOCH_TICK.as_nanos()) as u64 + 1;
-        Deadline(clock.now().saturating_add(ticks))
+    pub(crate) fn for_client_call(clock: &Clock, limit: CallTicks) -> Deadline {
+        Deadline(clock.now().saturating_add(limit.0))
     }
 
     /// The tick it passes at.

@@ -10,7 +10,7 @@ mod observe;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use crate::clock::{Clock, Deadline};
+use crate::clock::{CallTicks, Clock, Deadline};
 use crate::error::{ClientError, Error};
 use crate::ledger::{CacheId, TakeBack};
 use crate::link::PolicyInfo;
@@ -41,7 +41,7 @@ pub struct Handler {
     /// The clock every call of the chain is timed by, and how long one call of the
     /// client's may take, every guest call it causes included.
     clock: Arc<Clock>,
-    call_time: std::time::Duration,
+    call_ticks: CallTicks,
 }
 
 impl std::fmt::Debug for Handler {
@@ -97,10 +97,11 @@ impl Handler {
     }
 
     /// The deadline of a call of the client's that enters here: every guest call it
-    /// causes runs under it. Only an entry point of the handler makes one.
+    /// causes runs under it. Only an entry point of the handler makes one, once it holds
+    /// the chain's lock: waiting for another thread's call is not this call's time.
     #[inline]
     fn client_call(&self) -> Deadline {
-        Deadline::for_client_call(&self.clock, self.call_time)
+        Deadline::for_client_call(&self.clock, self.call_ticks)
     }
 
     /// The chain, locked for a call under `deadline`: the time spent waiting for
@@ -143,7 +144,7 @@ impl Handler {
         {
             return Ok(to_ptr(zeroed_if::<ZEROED>(addr, size)));
         }
-        self.lend_from_chain::<ZEROED>(&mut self.client_call(), mine, size, from_magazine)
+        self.lend_from_chain::<ZEROED>(None, mine, size, from_magazine)
             .map(|(block, _)| block)
     }
 
@@ -178,7 +179,7 @@ impl Handler {
             }
             return Ok(to_ptr(addr));
         }
-        let answer = self.lend_from_chain::<ZEROED>(deadline, mine, size, from_magazine);
+        let answer = self.lend_from_chain::<ZEROED>(Some(deadline), mine, size, from_magazine);
         match &answer {
             Ok((Some(block), Via::Magazine)) => {
                 if obs.lent(op, block.as_ptr() as u64, size) {
@@ -242,12 +243,20 @@ impl Handler {
     #[inline(never)]
     fn lend_from_chain<const ZEROED: bool>(
         &self,
-        deadline: &mut Deadline,
+        deadline: Option<&mut Deadline>,
         mut mine: Option<Mine<'_>>,
         size: u64,
         from_magazine: bool,
     ) -> Result<(Option<NonNull<u8>>, Via), Error> {
-        let mut c = self.lock_for(deadline)?;
+        let mut fresh;
+        let (mut c, deadline) = match deadline {
+            Some(deadline) => (self.lock_for(deadline)?, deadline),
+            None => {
+                let c = self.lock()?;
+                fresh = self.client_call();
+                (c, &mut fresh)
+            }
+        };
         if c.failure.is_some() {
             return self.lend_from_fallback::<ZEROED>(c, mine, size);
         }
@@ -306,8 +315,8 @@ impl Handler {
             return self.lend::<true>(size);
         }
         let mut mine = self.thread_cache();
+        let mut c = self.lock()?;
         let deadline = &mut self.client_call();
-        let mut c = self.lock_for(deadline)?;
         if c.failure.is_some() {
             let unserved = self.fallback.is_none();
             count(&mut c, &mut mine, |n| {
@@ -339,8 +348,8 @@ impl Handler {
         let addr = ptr.as_ptr() as u64;
         let new = (new_size as u64).max(1);
         let mut mine = self.thread_cache();
+        let mut c = self.lock()?;
         let deadline = &mut self.client_call();
-        let mut c = self.lock_for(deadline)?;
         count(&mut c, &mut mine, |n| n.reallocs += 1);
         let Some(entry) = c.head.lent().get(addr) else {
             if c.rerouted.contains(&addr) {
@@ -457,8 +466,8 @@ impl Handler {
         size: usize,
     ) -> Result<(), Error> {
         let addr = ptr.as_ptr() as u64;
+        let mut c = self.lock()?;
         let deadline = &mut self.client_call();
-        let mut c = self.lock_for(deadline)?;
         // A block the client holds straight from the policy, and that no magazine may
         // keep, leaves the books in the probe that finds it: the policy gets it back.
         let may_shelve = mine.is_some() && c.keeps_magazines();
@@ -543,8 +552,8 @@ impl Handler {
     /// Give every cached block back: every thread's magazines, then each policy's
     /// `trim`, top first.
     pub fn trim(&self) -> Result<(), Error> {
+        let mut c = self.lock()?;
         let deadline = &mut self.client_call();
-        let mut c = self.lock_for(deadline)?;
         let delivered = c.head.deliver(deadline).map(|()| 0);
         settle(&mut c, delivered)?;
         let flushed = flush_magazines(&mut c, deadline);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use wasmtime::Store;
 
-use crate::clock::{Clock, Deadline};
+use crate::clock::{CallTicks, Clock, Deadline};
 use crate::error::{Call, Error, LoadError};
 use crate::link::{Limits, Sandbox};
 use crate::nep49::{Hook, HookData};
@@ -95,7 +95,7 @@ impl WasmHook {
         }
         // Each event is a call of the embedder's of its own: the hook is told after the
         // client's call has ended.
-        let deadline = Deadline::for_client_call(&st.clock, st.limits.call_time);
+        let deadline = Deadline::for_client_call(&st.clock, CallTicks::of(st.limits.call_time));
         let armed = st.store.data_mut().begin_call(deadline);
         st.store.set_epoch_deadline(armed);
         let HookState {

@@ -34,7 +34,7 @@ use std::time::Duration;
 use wasmtime::Store;
 use wasmtime_wasi::{WasiCtxView, WasiView};
 
-use crate::clock::Deadline;
+use crate::clock::{CallTicks, Deadline};
 use crate::error::{Bound, Call, Error, Rule, Violation};
 use crate::handler::Observations;
 use crate::ledger::Ledger;
@@ -118,8 +118,9 @@ pub(crate) struct LinkState {
     /// Bytes the client is asking for in the current call, on top of what it holds:
     /// the part of the overhead budget that is not overhead.
     demand: u64,
-    /// What the policy held from upstream and in regions when the current call began.
-    held_at_start: u64,
+    /// The policy took memory in the current call that only the request's allowance
+    /// let it take (`LinkState::end_allowance`).
+    on_allowance: bool,
     call_time: Duration,
     batch_limit: u32,
     read_limit: u64,
@@ -407,7 +408,10 @@ impl Link {
     /// The deadline of a call of the embedder's that reaches this link with no call of
     /// the handler's around it (a thread's end): only such an entry point makes one.
     pub(crate) fn client_call(&self) -> Deadline {
-        Deadline::for_client_call(self.store.data().sandbox.clock(), self.limits.call_time)
+        Deadline::for_client_call(
+            self.store.data().sandbox.clock(),
+            CallTicks::of(self.limits.call_time),
+        )
     }
 
     pub(crate) fn lent(&self) -> &Ledger {
@@ -463,7 +467,7 @@ impl Link {
         let state = self.store.data_mut();
         let armed = state.sandbox.begin_call(deadline);
         state.demand = demand;
-        state.held_at_start = state.held();
+        state.on_allowance = false;
         state.zeroed.clear();
         self.store.set_epoch_deadline(armed);
     }

@@ -27,7 +27,7 @@ use wasmtime::{
     Store,
 };
 
-use crate::clock::{Clock, Deadline};
+use crate::clock::{CallTicks, Clock, Deadline};
 use crate::compile_bounds::CompileBounds;
 use crate::error::{Call, LoadError};
 use crate::link::classify;
@@ -326,7 +326,8 @@ impl Runtime {
         store.limiter(move |s| sandbox(s).limiter());
         store.set_max_component_handles(MAX_COMPONENT_HANDLES);
         store.epoch_deadline_callback(move |mut ctx| Ok(sandbox(ctx.data_mut()).on_epoch()));
-        let starting = Deadline::for_client_call(&self.inner.clock, limits.call_time);
+        let starting =
+            Deadline::for_client_call(&self.inner.clock, CallTicks::of(limits.call_time));
         let armed = sandbox(store.data_mut()).begin_call(starting);
         store.set_epoch_deadline(armed);
         store

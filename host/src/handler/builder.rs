@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use super::{Chain, Handler, Observations};
-use crate::clock::Deadline;
+use crate::clock::{CallTicks, Deadline};
 use crate::error::LoadError;
 use crate::link::{Limits, Upstream};
 use crate::memhandler::Stats;
@@ -143,7 +143,10 @@ impl HandlerBuilder {
             .start(top, top_config, upstream, &self.limits, self.checked)?;
         // The top policy alone is served without being asked: its client is the host's.
         // Asking the top policy how it observes is part of loading it.
-        let starting = &mut Deadline::for_client_call(self.runtime.clock(), self.limits.call_time);
+        let starting = &mut Deadline::for_client_call(
+            self.runtime.clock(),
+            CallTicks::of(self.limits.call_time),
+        );
         let observed = match head.observes(starting) {
             Ok(None) => None,
             Ok(Some((batch, lease, detail))) => {
@@ -190,7 +193,7 @@ impl HandlerBuilder {
             diagnoses,
             observed,
             clock: self.runtime.clock().clone(),
-            call_time: self.limits.call_time,
+            call_ticks: CallTicks::of(self.limits.call_time),
         })
     }
 }

@@ -19,8 +19,8 @@ impl Handler {
     /// exact while one thread at a time uses the handler; with several at once it is the
     /// highest total seen when their counters are gathered (here and on each read).
     pub fn stats(&self) -> Result<Stats, Error> {
+        let mut c = self.lock()?;
         let deadline = &mut self.client_call();
-        let mut c = self.lock_for(deadline)?;
         // An observing policy hears of everything served before anyone reads counters.
         let delivered = c.head.deliver(deadline).map(|()| 0);
         settle(&mut c, delivered)?;
@@ -201,8 +201,8 @@ impl Handler {
     /// A policy that fails to report is stopped, and the chain with it, as for a
     /// failure in any other call: the failure is the handler's from then on.
     pub fn link_stats(&self) -> Result<Vec<crate::link::LinkStats>, Error> {
+        let mut c = self.lock()?;
         let deadline = &mut self.client_call();
-        let mut c = self.lock_for(deadline)?;
         let mut all = Vec::new();
         let mut failed = None;
         c.each_link_mut(|link| {

@@ -25,7 +25,7 @@ impl LinkState {
             transit: Transit::default(),
             unreported: None,
             demand: 0,
-            held_at_start: 0,
+            on_allowance: false,
             call_time: limits.call_time,
             batch_limit: limits.batch,
             read_limit: limits.memory,
@@ -44,7 +44,20 @@ impl LinkState {
     /// is kept here, to travel up when this link's call ends; but when the chain's time
     /// ran out meanwhile, this guest can do nothing more either, and is stopped with
     /// that failure (so the link that was running when time ran out is the one named).
+    #[inline]
     pub(super) fn upstream_call<R>(
+        &mut self,
+        f: impl FnOnce(&mut Upstream, &mut Deadline) -> R,
+    ) -> wasmtime::Result<R> {
+        if let Upstream::System(_) = &self.upstream {
+            // The host's own memory runs no guest: no deadline to pass or take back.
+            return Ok(f(&mut self.upstream, &mut Deadline::passed()));
+        }
+        self.upstream_policy_call(f)
+    }
+
+    /// [`Self::upstream_call`] of a policy upstream.
+    fn upstream_policy_call<R>(
         &mut self,
         f: impl FnOnce(&mut Upstream, &mut Deadline) -> R,
     ) -> wasmtime::Result<R> {
@@ -172,16 +185,18 @@ impl LinkState {
             .saturating_add(self.mapped.cost())
     }
 
-    /// The current request's allowance ends with its answer. What the policy holds
-    /// beyond its client's bytes and its overhead budget, and beyond what it held when
-    /// the call began (a cache it kept as its client gave blocks back), it took for the
-    /// request and kept: the bound it passed, or `None`.
+    /// The current request's allowance ends with its answer. A policy that took memory
+    /// in the call that only the allowance let it take, and still holds more than its
+    /// client's bytes and its overhead budget, took it for the request and kept it: the
+    /// bound it passed, or `None`. (One that was over its budget before the call, by a
+    /// cache it kept as its client gave blocks back, and took nothing, is not.)
     pub(super) fn end_allowance(&mut self) -> Option<(u64, u64)> {
         self.demand = 0;
-        let held = self.held();
-        let beyond = held.saturating_sub(self.lent.bytes());
-        (beyond > self.overhead_limit && held > self.held_at_start)
-            .then_some((beyond, self.overhead_limit))
+        if !std::mem::take(&mut self.on_allowance) {
+            return None;
+        }
+        let beyond = self.held().saturating_sub(self.lent.bytes());
+        (beyond > self.overhead_limit).then_some((beyond, self.overhead_limit))
     }
 
     /// May the policy take one more upstream block of `size` bytes?
@@ -193,10 +208,14 @@ impl LinkState {
     /// May the policy take `cost` more bytes of host memory from upstream? A refusal is
     /// counted.
     pub(super) fn within_budget(&mut self, cost: u64) -> bool {
-        let ok = cost <= self.budget_left();
+        let left = self.budget_left();
+        let ok = cost <= left;
         if !ok {
             self.budget_refusals += 1;
         }
+        // Past what the budget allows without the request, the request's allowance
+        // pays: see `end_allowance`.
+        self.on_allowance |= ok && cost > left.saturating_sub(self.demand);
         ok
     }
 
