@@ -36,10 +36,21 @@ fn a_huge_malloc_many_from_a_policy_is_a_typed_work_limit() {
 /// answer: the policy is stopped and named at once, and what it kept goes back.
 #[test]
 fn a_policy_keeping_a_request_it_refused_is_stopped_and_named_at_the_answer() {
-    let h = broken("keep-refused");
+    // A request of 64 MiB, filled and kept, past an overhead budget of 16 MiB.
+    let h = HandlerBuilder::new(Runtime::shared())
+        .link_with(
+            &load(&allocbox_artifacts::BROKEN),
+            &[("fault", "keep-refused")],
+        )
+        .limits(Limits {
+            overhead: 16 << 20,
+            ..Limits::default()
+        })
+        .build()
+        .unwrap();
     let small = h.malloc(100).unwrap().unwrap();
     fill(small, 100, 0x31);
-    let err = h.malloc(1 << 30).unwrap_err();
+    let err = h.malloc(64 << 20).unwrap_err();
     assert!(
         matches!(
             &err,
