@@ -50,6 +50,9 @@ pub const POLICY_WIT_2: &str = include_str!("../../wit/0.2.0/policy.wit");
 pub const DEFAULT_POLICY_WAT: &str =
     include_str!("../../guest-handlers/policies/wat/passthrough/passthrough.wat");
 
+/// Bytes of a policy's `init` error kept: a message is a sentence, not its memory.
+const MAX_INIT_ERROR: usize = 1024;
+
 /// Resource handles a guest's component instances may hold at once (wasmtime's default
 /// is 100,000): the policy world defines no resource, and WASI's are bounded more tightly
 /// by `wasi::MAX_RESOURCES`.
@@ -457,7 +460,7 @@ impl Runtime {
             Ok(Err(message)) => {
                 return Err(LoadError::ConfigRejected {
                     policy: policy.meta.source.clone(),
-                    message: crate::untrusted::escape(&message),
+                    message: crate::untrusted::escape_at_most(&message, MAX_INIT_ERROR),
                 });
             }
             Err(e) => return Err(start_err(&mut store, e)),

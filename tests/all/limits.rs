@@ -531,3 +531,24 @@ fn a_policy_that_fails_to_report_stops_its_chain_and_is_named() {
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("FAILED") && out.contains("`report`"), "{out}");
 }
+
+/// Found probing 0.2.0's outputs: an `init` error is the policy's text, and a policy
+/// may make it its whole memory (here 60,000 NUL bytes, each escaped to six). It is cut
+/// before it is escaped, so the error a user reads stays a sentence.
+#[test]
+fn a_policy_s_init_error_is_cut_before_it_is_escaped() {
+    let short = "(i32.store (i32.const 12) (i32.const 34))";
+    assert!(allocbox::DEFAULT_POLICY_WAT.contains(short));
+    let wat =
+        allocbox::DEFAULT_POLICY_WAT.replace(short, "(i32.store (i32.const 12) (i32.const 60000))");
+    let policy = Runtime::shared().load(wat.as_bytes()).unwrap();
+    let err = HandlerBuilder::new(Runtime::shared())
+        .link_with(&policy, &[("any", "key")])
+        .build()
+        .unwrap_err();
+    let allocbox::LoadError::ConfigRejected { message, .. } = &err else {
+        panic!("{err}")
+    };
+    assert!(message.len() <= 6 * 1024 + 8, "{} bytes", message.len());
+    assert!(message.ends_with('…'), "{message}");
+}
