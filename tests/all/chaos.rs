@@ -42,7 +42,7 @@ fn stream(seed: u64) -> Result<String, String> {
             call_time: CALL_TIME,
             memory: 16 << 20,
             batch: 256,
-            overhead: 8 << 20,
+            overhead: super::fuzz::OVERHEAD,
             grants: Grants {
                 memory: KindGrant::ALL
                     .into_iter()

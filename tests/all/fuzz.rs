@@ -10,6 +10,9 @@
 //!   a block a realloc answers holds the old block's bytes;
 //! - `Handler::audit` holds: every lent block lies in memory its link holds, and no client
 //!   block lies in memory the host released;
+//! - what the chain holds from the host (its blocks and regions, by the host's own
+//!   accounting) stays within its budgets: the most its top policy ever lent, and for
+//!   each link its overhead budget and the largest request's allowance;
 //! - once the client has freed everything, a stopped chain holds nothing from the host.
 //!
 //! A quarter of the mallocs and frees run on another client thread, so blocks cross
@@ -18,12 +21,19 @@
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
-use allocbox::{Error, Handler};
+use allocbox::{Error, Handler, LinkStats, Stats};
 
 use super::support::*;
 
 /// Past its links' limits and this, a call is taken for a hang.
 const HANG: Duration = Duration::from_secs(30);
+
+/// The overhead budget both fuzzers give each policy.
+pub const OVERHEAD: u64 = 8 << 20;
+
+/// More than the largest request the random client makes (1 MiB and a little) or a
+/// magazine refill asks for: the allowance a request adds to a link's budget.
+const LARGEST_DEMAND: u64 = 4 << 20;
 
 /// The client's side: splitmix64, independent of the policy's stream.
 pub struct Rng(pub u64);
@@ -132,7 +142,7 @@ pub fn drive(
                 "step {step} ({what}) took {took:?}, bound {bound:?}"
             ));
         }
-        check(h, &live).map_err(|e| format!("after step {step} ({what}): {e}"))?;
+        check(h, &live, links).map_err(|e| format!("after step {step} ({what}): {e}"))?;
     }
     for block in live.drain(..) {
         if let Err(Error::Client(e)) = h.free(Some(block.ptr), block.size) {
@@ -184,10 +194,21 @@ fn adopt(live: &mut Vec<Live>, p: Option<NonNull<u8>>, size: usize, byte: u8) {
     }
 }
 
-fn check(h: &Handler, live: &[Live]) -> Result<(), String> {
+fn check(h: &Handler, live: &[Live], links: u32) -> Result<(), String> {
     h.audit().map_err(|e| e.to_string())?;
-    if h.failure().is_none() {
-        counters_add_up(h, live)?;
+    // Counters are read once a step: a healthy chain's delivers events and asks each
+    // policy for its own (a guest call each); a stopped chain's calls no guest.
+    let counters = match h.failure() {
+        None => read_counters(h)?,
+        Some(_) => None,
+    };
+    let top = match &counters {
+        Some((_, links)) => links[0].clone(),
+        None => h.link_stats().map_err(|e| e.to_string())?.remove(0),
+    };
+    within_budgets(h, &top, links)?;
+    if let Some((stats, _)) = &counters {
+        counters_add_up(stats, &top, live)?;
     }
     for b in live {
         if !holds(b.ptr, b.size, b.byte) {
@@ -200,21 +221,37 @@ fn check(h: &Handler, live: &[Live]) -> Result<(), String> {
     Ok(())
 }
 
+/// The handler's counters and each policy's, or `None` when reading them stopped the
+/// chain: reading delivers an observing policy's events and asks it for its own
+/// counters, and a policy may fail there. Only the client may never be blamed.
+fn read_counters(h: &Handler) -> Result<Option<(Stats, Vec<LinkStats>)>, String> {
+    match h.stats().and_then(|stats| Ok((stats, h.link_stats()?))) {
+        Err(Error::Client(e)) => Err(format!("reading counters blamed the client: {e}")),
+        Err(_) => Ok(None),
+        Ok(_) if h.failure().is_some() => Ok(None),
+        Ok(read) => Ok(Some(read)),
+    }
+}
+
+/// Every upstream request of a link is refused past what it lends, what the request asks
+/// and its overhead budget, and a request's allowance ends with its answer: so what the
+/// chain holds from the host never passes the most its top policy lent plus, per link,
+/// the budget and the largest request.
+fn within_budgets(h: &Handler, top: &LinkStats, links: u32) -> Result<(), String> {
+    let (_, held) = h.held_from_host().map_err(|e| e.to_string())?;
+    let bound = top.peak_bytes + u64::from(links) * (OVERHEAD + LARGEST_DEMAND);
+    if held > bound {
+        return Err(format!(
+            "the chain holds {held} bytes from the host, past its budgets' {bound}"
+        ));
+    }
+    Ok(())
+}
+
 /// While the chain is healthy, the counters agree with the client and with each other:
 /// the client's blocks and bytes, and the top policy's lent blocks, which are the
 /// client's and those waiting in the host's magazines.
-fn counters_add_up(h: &Handler, live: &[Live]) -> Result<(), String> {
-    // Reading counters delivers an observing policy's events and asks it for its own
-    // counters: a policy may fail there, which stops the chain and leaves nothing to
-    // compare. Only the client may never be blamed.
-    let read = h.stats().and_then(|stats| Ok((stats, h.link_stats()?)));
-    let (stats, links) = match read {
-        Err(Error::Client(e)) => return Err(format!("reading counters blamed the client: {e}")),
-        Err(_) => return Ok(()),
-        Ok(_) if h.failure().is_some() => return Ok(()),
-        Ok(read) => read,
-    };
-    let top = &links[0];
+fn counters_add_up(stats: &Stats, top: &LinkStats, live: &[Live]) -> Result<(), String> {
     let bytes: u64 = live.iter().map(|b| b.size as u64).sum();
     if (stats.live_blocks, stats.live_bytes) != (live.len() as u64, bytes) {
         return Err(format!(

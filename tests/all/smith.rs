@@ -456,7 +456,7 @@ fn module_stream(runtime: &Runtime, seed: u64, bytes: &[u8]) -> Result<String, S
             call_time: CALL_TIME,
             memory: 16 << 20,
             batch: 256,
-            overhead: 8 << 20,
+            overhead: super::fuzz::OVERHEAD,
             ..Limits::default()
         })
         .quarantine(4 << 20)
