@@ -23,7 +23,7 @@ const HANG: Duration = Duration::from_secs(60);
 type Test = (&'static str, fn() -> Result<(), String>);
 
 fn main() {
-    let tests: [Test; 7] = [
+    let tests: [Test; 8] = [
         (
             "every_child_of_200_forks_amid_churning_threads_finishes_with_every_handler",
             every_child_of_200_forks_amid_churning_threads_finishes_with_every_handler,
@@ -51,6 +51,10 @@ fn main() {
         (
             "a_policy_keeping_a_refused_request_leaves_no_more_resident_than_its_budget",
             a_policy_keeping_a_refused_request_leaves_no_more_resident_than_its_budget,
+        ),
+        (
+            "policies_lock_at_most_their_share_of_a_lowered_lock_limit",
+            policies_lock_at_most_their_share_of_a_lowered_lock_limit,
         ),
     ];
     let filter: Vec<String> = std::env::args()
@@ -554,5 +558,58 @@ fn a_policy_keeping_a_refused_request_leaves_no_more_resident_than_its_budget() 
             ));
         }
         h.free(Some(held), 100).map_err(|e| e.to_string())
+    })
+}
+
+/// Granted `locked`, a policy that locks one-page regions until refused locks at most
+/// the policies' share (half) of `RLIMIT_MEMLOCK`, the rest kept for the host and its
+/// client: in a child whose limit is lowered to 1 MiB, read when the first region is
+/// locked (as root, the kernel itself would not refuse).
+fn policies_lock_at_most_their_share_of_a_lowered_lock_limit() -> Result<(), String> {
+    const LIMIT: u64 = 1 << 20;
+    in_child(|| {
+        let lowered = libc::rlimit {
+            rlim_cur: LIMIT,
+            rlim_max: LIMIT,
+        };
+        // SAFETY: `setrlimit` reads the live struct it is given.
+        if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lowered) } != 0 {
+            return Err(format!("setrlimit: {}", std::io::Error::last_os_error()));
+        }
+        let mut grants = allocbox::mapped::KindGrants::default();
+        grants.grant(allocbox::mapped::KindGrant::Locked);
+        let policy = Runtime::shared()
+            .load_file(allocbox_artifacts::KINDS_PROBE.path())
+            .map_err(|e| e.to_string())?;
+        let h = HandlerBuilder::new(Runtime::shared())
+            .link_with(
+                &policy,
+                &[("kind", "locked"), ("abuse", "exhaust-mappings")],
+            )
+            .limits(Limits {
+                grants: allocbox::Grants {
+                    memory: grants,
+                    ..Default::default()
+                },
+                ..Limits::default()
+            })
+            .build()
+            .map_err(|e| e.to_string())?;
+        // The policy locks until refused, then is refused its own region: none.
+        let answer = h.malloc(64).map_err(|e| e.to_string())?;
+        let locked = allocbox::shares::locked_held();
+        let share = allocbox::shares::locked_share().ok_or("no share read")?;
+        if answer.is_some() || share != LIMIT / 2 || locked > share || locked + 4096 < share {
+            return Err(format!(
+                "answer {answer:?}: {locked} bytes locked of a {share}-byte share"
+            ));
+        }
+        drop(h);
+        match allocbox::shares::locked_held() {
+            0 => Ok(()),
+            left => Err(format!(
+                "{left} bytes still counted locked after the handler ended"
+            )),
+        }
     })
 }

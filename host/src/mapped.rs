@@ -225,8 +225,10 @@ pub(crate) struct Region {
     map_start: u64,
     map_len: u64,
     guard: Option<u64>,
-    /// The kernel mappings it holds, taken from the policies' share.
+    /// The kernel mappings it holds, and the bytes it locks, taken from the policies'
+    /// shares.
     _mappings: crate::shares::Mappings,
+    _locked: Option<crate::shares::LockedBytes>,
 }
 
 impl Region {
@@ -347,6 +349,7 @@ pub(crate) fn map(
         map_len,
         guard: None,
         _mappings: mappings,
+        _locked: None,
     };
     if let Some(guard) = guard {
         // SAFETY: `[guard, guard + guard_len)` lies inside the mapping just made, which
@@ -372,6 +375,7 @@ pub(crate) fn map(
         place(start, len, kind.numa)?;
     }
     if kind.locked {
+        region._locked = Some(crate::shares::LockedBytes::take(len).ok_or(Refusal::OverLimit)?);
         // SAFETY: locks the usable part of the mapping just made in RAM; no contents
         // change. Past RLIMIT_MEMLOCK it fails with ENOMEM or EPERM, and the region is
         // unmapped on the way out.

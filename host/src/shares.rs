@@ -3,11 +3,12 @@
 //! never leave the host without the means to go on (wasmtime maps a signal stack for
 //! every thread that first enters wasm, and aborts when it cannot).
 //!
-//! Today that is kernel mappings: the regions mapped for policies (`memory.map-region`,
-//! 0.2.0) count against [`MAPPING_SHARE`] of the process's limit, `vm.max_map_count`,
-//! read once. A region past the share is refused as over the limit; the policy sees
-//! the refusal and goes on. Locked memory needs no share of its own: the kernel refuses
-//! `mlock` past `RLIMIT_MEMLOCK` with the same typed refusal, and the host locks none.
+//! The regions mapped for policies (`memory.map-region`, 0.2.0) count against a share of
+//! each process limit they touch, read once: kernel mappings against [`MAPPING_SHARE`]
+//! of `vm.max_map_count`, locked bytes against [`LOCKED_SHARE`] of `RLIMIT_MEMLOCK` (a
+//! process the kernel lets lock without limit, as root, has none to share). A region
+//! past a share is refused as over the limit; the policy sees the refusal and goes on.
+//! Policies cannot open descriptors or start threads at all (see SECURITY.md).
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,6 +17,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// `(numerator, denominator)`: a quarter, three quarters kept for the host, wasmtime
 /// (code, stacks, instances) and the client (NumPy, Python, its threads).
 pub const MAPPING_SHARE: (u64, u64) = (1, 4);
+
+/// The fraction of the process's locked-memory limit the policies may lock together.
+pub const LOCKED_SHARE: (u64, u64) = (1, 2);
 
 /// The limit when `/proc/sys/vm/max_map_count` cannot be read: Linux's default.
 const DEFAULT_MAX_MAP_COUNT: u64 = 65_530;
@@ -39,6 +43,37 @@ pub fn mappings_held() -> u64 {
     MAPPINGS_HELD.load(Ordering::Relaxed)
 }
 
+static LOCKED_HELD: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes the policies of this process may lock together: `None` when the process may
+/// lock without limit.
+pub fn locked_share() -> Option<u64> {
+    static SHARE: OnceLock<Option<u64>> = OnceLock::new();
+    *SHARE.get_or_init(|| {
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `getrlimit` writes the limit into the live struct it is given.
+        let read = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } == 0;
+        (read && limit.rlim_cur != libc::RLIM_INFINITY)
+            .then(|| limit.rlim_cur / LOCKED_SHARE.1 * LOCKED_SHARE.0)
+    })
+}
+
+/// Bytes the policies of this process have locked now.
+pub fn locked_held() -> u64 {
+    LOCKED_HELD.load(Ordering::Relaxed)
+}
+
+/// Take `amount` from `held` within `share`: false, and nothing taken, past it.
+fn take(held: &AtomicU64, amount: u64, share: u64) -> bool {
+    held.try_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
+        now.checked_add(amount).filter(|&after| after <= share)
+    })
+    .is_ok()
+}
+
 /// Mappings taken from the policies' share; given back when dropped.
 #[derive(Debug)]
 pub(crate) struct Mappings(u64);
@@ -47,13 +82,8 @@ impl Mappings {
     /// Take `count` mappings from the share, taken before any is made; `None` when the
     /// share does not hold them.
     pub(crate) fn take(count: u64) -> Option<Mappings> {
-        let share = mapping_share();
-        MAPPINGS_HELD
-            .try_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
-                held.checked_add(count).filter(|&after| after <= share)
-            })
-            .ok()
-            .map(|_| Mappings(count))
+        // Made only once taken: dropping one gives back what it holds.
+        take(&MAPPINGS_HELD, count, mapping_share()).then(|| Mappings(count))
     }
 }
 
@@ -63,17 +93,41 @@ impl Drop for Mappings {
     }
 }
 
+/// Locked bytes taken from the policies' share; given back when dropped.
+#[derive(Debug)]
+pub(crate) struct LockedBytes(u64);
+
+impl LockedBytes {
+    /// Take `bytes` from the share before they are locked; `None` when the share does not
+    /// hold them. Without a limit to share, they are only counted.
+    pub(crate) fn take(bytes: u64) -> Option<LockedBytes> {
+        take(&LOCKED_HELD, bytes, locked_share().unwrap_or(u64::MAX)).then(|| LockedBytes(bytes))
+    }
+}
+
+impl Drop for LockedBytes {
+    fn drop(&mut self) {
+        LOCKED_HELD.fetch_sub(self.0, Ordering::Relaxed);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn the_share_is_a_quarter_of_the_limit_and_what_is_taken_comes_back() {
+    fn the_shares_refuse_past_themselves_and_what_is_taken_comes_back() {
         let share = mapping_share();
         assert!(share >= DEFAULT_MAX_MAP_COUNT / 8, "{share}");
         // Other tests of this process may hold some; all of the share is never free
         // for one taker, and a taking past it is refused.
         assert!(Mappings::take(share + 1).is_none());
+        // A refusal takes nothing, and gives nothing back either.
+        assert!(mappings_held() <= share);
+        if let Some(locked) = locked_share() {
+            assert!(LockedBytes::take(locked + 1).is_none());
+            assert!(locked_held() <= locked);
+        }
         let before = mappings_held();
         let taken = Mappings::take(2).expect("two mappings fit");
         assert!(mappings_held() >= before + 2 || mappings_held() >= 2);
