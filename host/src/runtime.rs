@@ -50,8 +50,10 @@ pub const POLICY_WIT_2: &str = include_str!("../../wit/0.2.0/policy.wit");
 pub const DEFAULT_POLICY_WAT: &str =
     include_str!("../../guest-handlers/policies/wat/passthrough/passthrough.wat");
 
-/// Bytes of a policy's `init` error kept: a message is a sentence, not its memory.
-const MAX_INIT_ERROR: usize = 1024;
+/// Bytes of a policy's `init` error kept, as many as of what it prints
+/// (`Limits::output`'s default): a message, or a report of what it found, not its
+/// memory.
+const MAX_INIT_ERROR: usize = 16 << 10;
 
 /// Resource handles a guest's component instances may hold at once (wasmtime's default
 /// is 100,000): the policy world defines no resource, and WASI's are bounded more tightly
