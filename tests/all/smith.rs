@@ -114,12 +114,13 @@ impl World {
 
     /// What every module of the world must export, bodies aside.
     pub(super) fn exports(self) -> &'static [u8] {
-        static V1: OnceLock<Vec<u8>> = OnceLock::new();
-        match self {
+        static EXPORTED: [OnceLock<Vec<u8>>; 3] =
+            [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+        EXPORTED[self as usize].get_or_init(|| match self {
             // Written out before the other worlds came; the same modules for its seeds.
-            World::PolicyV1 => V1.get_or_init(|| wat::parse_str(EXPORTS).unwrap()),
-            _ => self.lowered(),
-        }
+            World::PolicyV1 => wat::parse_str(EXPORTS).unwrap(),
+            _ => with_a_page(self.lowered()),
+        })
     }
 
     /// What a module of the world may import: the world's imports and the WASI stub's.
@@ -190,6 +191,39 @@ const WORLD_IMPORTS: &str = r#"
   (import "allocbox:policy/bytes@0.1.0" "copy" (func (param i64 i64 i64)))
   (import "allocbox:policy/bytes@0.1.0" "read-u64" (func (param i64) (result i64)))
   (import "allocbox:policy/bytes@0.1.0" "write-u64" (func (param i64 i64)))"#;
+
+/// `module` with its memory at least a page, as the 0.1.0 exports have it: a lowered
+/// world's memory starts empty, and a generated data segment would then fail every
+/// start before any function ran.
+fn with_a_page(module: &[u8]) -> Vec<u8> {
+    let mut out = wasm_encoder::Module::new();
+    for payload in wasmparser::Parser::new(0).parse_all(module) {
+        let payload = payload.unwrap();
+        let Some((id, range)) = payload.as_section() else {
+            continue;
+        };
+        if let wasmparser::Payload::MemorySection(section) = &payload {
+            let mut memories = wasm_encoder::MemorySection::new();
+            for memory in section.clone() {
+                let memory = memory.unwrap();
+                memories.memory(wasm_encoder::MemoryType {
+                    minimum: memory.initial.max(1),
+                    maximum: memory.maximum,
+                    memory64: memory.memory64,
+                    shared: memory.shared,
+                    page_size_log2: memory.page_size_log2,
+                });
+            }
+            out.section(&memories);
+        } else {
+            out.section(&wasm_encoder::RawSection {
+                id,
+                data: &module[range.start as usize..range.end as usize],
+            });
+        }
+    }
+    out.finish()
+}
 
 /// The function imports of `module`, as WAT import fields.
 fn imports_of(module: &[u8]) -> String {
@@ -321,10 +355,13 @@ fn generated_module(seed: u64, world: World) -> Vec<u8> {
 /// batch, diagnoses: false})` at address 0 of its memory (result tag at 0; name pointer
 /// and length at 8 and 12, the name's bytes at 64; version at 16; alignment at 24;
 /// batch at 32; diagnoses, which 0.1.0 lacks, at 33), growing the memory to a page if
-/// it has none. `tame`: also a working `cabi_realloc`, and no start function.
+/// it has none. `tame`: also a working `cabi_realloc`, post-returns and `_initialize`
+/// that do nothing, an `observes` that answers none, and no start function.
 fn with_valid_init(module: &[u8], init: Option<(&str, u64, u64)>, tame: bool) -> Vec<u8> {
     let init_answer = init;
     let (mut imported, mut init, mut realloc) = (0, None, None);
+    let mut around = Vec::new();
+    let mut observes = None;
     for payload in wasmparser::Parser::new(0).parse_all(module) {
         match payload.unwrap() {
             wasmparser::Payload::ImportSection(section) => {
@@ -343,6 +380,14 @@ fn with_valid_init(module: &[u8], init: Option<(&str, u64, u64)>, tame: bool) ->
                     if export.name == REALLOC {
                         realloc = Some(export.index);
                     }
+                    // What the host calls around every call: after it (a post-return,
+                    // freeing a list it answered) and once at start.
+                    if export.name.starts_with("cabi_post_") || export.name == "_initialize" {
+                        around.push(export.index);
+                    }
+                    if export.name == OBSERVES {
+                        observes = Some(export.index);
+                    }
                 }
             }
             _ => {}
@@ -350,6 +395,8 @@ fn with_valid_init(module: &[u8], init: Option<(&str, u64, u64)>, tame: bool) ->
     }
     let init = init.map(|index| index - imported);
     let realloc = realloc.expect("wasm-smith exports what it is asked to") - imported;
+    let around: Vec<u32> = around.into_iter().map(|index| index - imported).collect();
+    let observes = observes.map(|index| index - imported);
     let body = init_answer.map(|(_, alignment, batch)| init_body(alignment, batch));
     let mut out = wasm_encoder::Module::new();
     let mut index = 0;
@@ -383,6 +430,12 @@ fn with_valid_init(module: &[u8], init: Option<(&str, u64, u64)>, tame: bool) ->
                     code.function(body);
                 } else if tame && index == realloc {
                     code.raw(bump_realloc_body());
+                } else if tame && Some(index) == observes {
+                    code.function(&observes_none_body());
+                } else if tame && around.contains(&index) {
+                    let mut nothing = wasm_encoder::Function::new([]);
+                    nothing.instruction(&wasm_encoder::Instruction::End);
+                    code.function(&nothing);
                 } else {
                     let range = function.range();
                     code.raw(&module[range.start as usize..range.end as usize]);
@@ -393,6 +446,26 @@ fn with_valid_init(module: &[u8], init: Option<(&str, u64, u64)>, tame: bool) ->
         out.section(&code);
     }
     out.finish()
+}
+
+/// The 0.2.0 export asked once after `init` how the policy observes.
+const OBSERVES: &str = "allocbox:policy/observer@0.2.0#observes";
+
+/// An `observes` that answers none (its option's tag, 0, at address 0), so that a tame
+/// 0.2.0 module goes on to serve calls.
+fn observes_none_body() -> wasm_encoder::Function {
+    use wasm_encoder::{Instruction as I, MemArg};
+    let mut f = wasm_encoder::Function::new([]);
+    f.instruction(&I::I32Const(0))
+        .instruction(&I::I32Const(0))
+        .instruction(&I::I32Store8(MemArg {
+            offset: 0,
+            align: 0,
+            memory_index: 0,
+        }))
+        .instruction(&I::I32Const(0))
+        .instruction(&I::End);
+    f
 }
 
 fn init_body(alignment: u64, batch: u64) -> wasm_encoder::Function {
