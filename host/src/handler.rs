@@ -97,8 +97,10 @@ impl Handler {
     }
 
     /// The deadline of a call of the client's that enters here: every guest call it
-    /// causes runs under it. Only an entry point of the handler makes one, once it holds
-    /// the chain's lock: waiting for another thread's call is not this call's time.
+    /// causes runs under it. Only an entry point of the handler makes one: once it holds
+    /// the chain's lock, or, for a call that takes the lock more than once, before it,
+    /// each wait excused ([`Self::lock_for`]): waiting for another thread's call is not
+    /// this call's time.
     #[inline]
     fn client_call(&self) -> Deadline {
         Deadline::for_client_call(&self.clock, self.call_ticks)
