@@ -10,10 +10,13 @@
 //! - [`transit`]: the block a policy's own `realloc` is resizing;
 //! - [`upstream`]: where a link's memory comes from, the host's or the next link's;
 //! - [`imports`]: the host side of a policy's imports, where every value it passes is
-//!   checked.
+//!   checked;
+//! - [`observer`]: what the host tells and asks a policy besides its allocator calls:
+//!   observation (terms, deliveries, renewals) and its counters.
 
 mod imports;
 mod mapped;
+mod observer;
 mod sandbox;
 mod transit;
 mod upstream;
@@ -237,96 +240,6 @@ impl Link {
         }
     }
 
-    /// One call into an observing policy's `observer` export, under the deadline of the
-    /// embedder's call that causes it; a failure stops the policy.
-    fn observer_call<R>(
-        &mut self,
-        call: Call,
-        deadline: &mut Deadline,
-        f: impl FnOnce(&Observer, &mut Store<LinkState>) -> wasmtime::Result<R>,
-    ) -> Result<R, Error> {
-        self.start_call(*deadline, 0);
-        let Exports::V2(b) = &self.bindings else {
-            unreachable!("only a 0.2.0 policy observes");
-        };
-        let answer = f(b.allocbox_policy_observer(), &mut self.store);
-        self.end_call(deadline);
-        match answer {
-            Ok(r) => Ok(r),
-            Err(e) => {
-                let err = classify(&mut self.store, &self.limits, call, e);
-                self.poison(err.clone());
-                Err(err)
-            }
-        }
-    }
-
-    /// How the policy observes, `(batch, lease, detail)`, asked once after `init`: none for a
-    /// 0.1.0 policy or one that does not. A batch outside 1..=the batch limit passes a
-    /// bound, and the policy is stopped.
-    pub(crate) fn observes(
-        &mut self,
-        deadline: &mut Deadline,
-    ) -> Result<Option<(u32, Option<u64>, crate::handler::Detail)>, Error> {
-        if !matches!(self.bindings, Exports::V2(_)) {
-            return Ok(None);
-        }
-        let terms = self.observer_call(Call::Observe, deadline, |o, s| o.call_observes(s))?;
-        let Some(terms) = terms else {
-            return Ok(None);
-        };
-        if terms.batch == 0 || terms.batch > self.limits.batch {
-            let err = Error::WorkLimit {
-                policy: self.info.name.clone(),
-                call: Call::Observe,
-                bound: Bound::Batch,
-                asked: terms.batch.into(),
-                limit: self.limits.batch.into(),
-            };
-            self.poison(err.clone());
-            return Err(err);
-        }
-        Ok(Some((terms.batch, terms.lease, terms.detail)))
-    }
-
-    /// From now on the host serves this link's client from magazines and tells it
-    /// through `obs`.
-    pub(crate) fn observe_with(&mut self, obs: Arc<Observations>) {
-        self.observed = Some(obs);
-    }
-
-    /// Deliver every event not yet delivered, a batch per call, every batch under the
-    /// one deadline of the embedder's call that causes the delivery.
-    pub(crate) fn deliver(&mut self, deadline: &mut Deadline) -> Result<(), Error> {
-        let Some(obs) = self.observed.clone() else {
-            return Ok(());
-        };
-        let events = obs.take();
-        if self.poisoned.is_some() {
-            // A stopped policy is told nothing more.
-            return Ok(());
-        }
-        for batch in events.chunks(obs.batch()) {
-            self.calls.observed += 1;
-            let batch = crate::handler::observation(batch, obs.detail());
-            self.observer_call(Call::Observe, deadline, |o, s| o.call_observe(s, &batch))?;
-        }
-        Ok(())
-    }
-
-    /// Ask the policy for a new lease for a request of `size` bytes, every event
-    /// delivered first; the lease is set on the observations.
-    pub(crate) fn renew(&mut self, deadline: &mut Deadline, size: u64) -> Result<(), Error> {
-        self.deliver(deadline)?;
-        let Some(obs) = self.observed.clone() else {
-            return Ok(());
-        };
-        self.calls.renewals += 1;
-        let headroom = self.observer_call(Call::Renew, deadline, |o, s| o.call_renew(s, size))?;
-        obs.renewed(headroom);
-        Ok(())
-    }
-
     /// This link's counters.
     pub(crate) fn stats(&self) -> LinkStats {
         let lent = self.lent();
@@ -343,45 +256,6 @@ impl Link {
             client_misuse: state.mapped.misuse_total(),
             recent_misuse: state.mapped.recent_misuse().to_vec(),
             ..self.calls.clone()
-        }
-    }
-
-    /// [`Link::stats`] with the policy's own counters, which it is asked for
-    /// (`lifecycle.report`; a 0.1.0 policy has none). A policy that fails to answer is
-    /// stopped, as for any call, and its counters are left out.
-    pub(crate) fn report(&mut self, deadline: &mut Deadline) -> LinkStats {
-        // What it counts includes everything served without it. A failure stops it.
-        let _ = self.deliver(deadline);
-        let reports = matches!(self.bindings, Exports::V2(_)) && self.poisoned.is_none();
-        if reports {
-            self.start_call(*deadline, 0);
-        }
-        let counters = match &self.bindings {
-            Exports::V2(b) if reports => {
-                let lifecycle = b.allocbox_policy_lifecycle();
-                let answer = lifecycle.call_report(&mut self.store);
-                self.end_call(deadline);
-                match answer {
-                    Ok(counters) => counters
-                        .into_iter()
-                        .take(MAX_COUNTERS)
-                        .map(|(name, value)| {
-                            let name = crate::untrusted::escape_at_most(&name, MAX_COUNTER_NAME);
-                            (name, value)
-                        })
-                        .collect(),
-                    Err(e) => {
-                        let err = classify(&mut self.store, &self.limits, Call::Report, e);
-                        self.poison(err);
-                        Vec::new()
-                    }
-                }
-            }
-            _ => Vec::new(),
-        };
-        LinkStats {
-            counters,
-            ..self.stats()
         }
     }
 
@@ -971,11 +845,6 @@ fn lost_byte(old: u64, new: u64, len: u64) -> Option<Rule> {
         offset: offset as u64,
     })
 }
-
-/// Counters of one policy kept from one `report`: more are left out.
-const MAX_COUNTERS: usize = 64;
-/// Bytes of a counter's name kept: a longer one is cut.
-const MAX_COUNTER_NAME: usize = 64;
 
 /// Turn a failed call into the error that says what happened.
 pub(crate) fn classify(
