@@ -66,7 +66,9 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
                 print_report(&hook_report(hook, &report.policy));
             }
         }
-        if !report.passed() {
+        // A hook that failed broke the check it watched, whatever the policy did.
+        let hook_failed = options.hook.as_ref().is_some_and(|h| h.failure().is_some());
+        if !report.passed() || hook_failed {
             outcome = Outcome::Broken;
         }
     }
