@@ -323,14 +323,17 @@ impl Link {
         self.start_call(*deadline, demand);
         let answer = f(&self.bindings, &mut self.store);
         self.end_call(deadline);
-        match answer {
-            Ok(r) => Ok(r),
-            Err(e) => {
-                let err = classify(&mut self.store, &self.limits, call, e);
-                self.poison(err.clone());
-                Err(err)
-            }
-        }
+        answer.map_err(|e| self.failed(call, e))
+    }
+
+    /// A call into the guest failed: the typed error that says what happened, the link
+    /// stopped for it.
+    #[cold]
+    #[inline(never)]
+    fn failed(&mut self, call: Call, e: wasmtime::Error) -> Error {
+        let err = classify(&mut self.store, &self.limits, call, e);
+        self.poison(err.clone());
+        err
     }
 
     /// Arm the time limit of a call (the epoch for wasm code, the deadline for imports)
@@ -808,9 +811,7 @@ impl Link {
             if let Err(e) = trimmed {
                 // The chain stops for this failure, and every link below gives its
                 // memory back as it stops: no trim below, under a deadline now passed.
-                let err = classify(&mut self.store, &self.limits, Call::Trim, e);
-                self.poison(err.clone());
-                return Err(err);
+                return Err(self.failed(Call::Trim, e));
             }
         }
         self.store

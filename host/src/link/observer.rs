@@ -6,7 +6,7 @@
 
 use wasmtime::Store;
 
-use super::{Exports, Link, LinkState, LinkStats, Observer, classify};
+use super::{Exports, Link, LinkState, LinkStats, Observer};
 use crate::clock::Deadline;
 use crate::error::{Bound, Call, Error};
 use crate::handler::Observations;
@@ -32,14 +32,7 @@ impl Link {
         };
         let answer = f(b.allocbox_policy_observer(), &mut self.store);
         self.end_call(deadline);
-        match answer {
-            Ok(r) => Ok(r),
-            Err(e) => {
-                let err = classify(&mut self.store, &self.limits, call, e);
-                self.poison(err.clone());
-                Err(err)
-            }
-        }
+        answer.map_err(|e| self.failed(call, e))
     }
 
     /// How the policy observes, `(batch, lease, detail)`, asked once after `init`: none for a
@@ -133,8 +126,7 @@ impl Link {
                         })
                         .collect(),
                     Err(e) => {
-                        let err = classify(&mut self.store, &self.limits, Call::Report, e);
-                        self.poison(err);
+                        self.failed(Call::Report, e);
                         Vec::new()
                     }
                 }
