@@ -126,7 +126,7 @@ pub fn check(
         let strategy = Scripts {
             threads: options.threads.max(1),
             max_ops,
-            shapes: !long,
+            long,
         };
         let first_failure = std::sync::OnceLock::new();
         // The case shrinking settles on is the last that failed: its script and finding
@@ -322,7 +322,7 @@ mod tests {
         let strategy = Scripts {
             threads,
             max_ops: 128,
-            shapes: true,
+            long: false,
         };
         match runner.run(&strategy, |script| {
             if fails(&script) {

@@ -245,10 +245,16 @@ fn draw_standing_oom(rng: &mut TestRng) -> Option<Op> {
 pub(super) struct Scripts {
     pub(super) threads: usize,
     pub(super) max_ops: usize,
-    /// Draw a [`Shape`] per sequence; otherwise every sequence is the general mix (long
-    /// instances are a shape of their own).
-    pub(super) shapes: bool,
+    /// Long-lived instances: every sequence is the general mix, holding at most
+    /// [`LONG_LIVE_BLOCKS`] blocks at once. Otherwise a [`Shape`] is drawn per sequence.
+    pub(super) long: bool,
 }
+
+/// The most blocks a long-lived instance's thread holds at once; past it, the next
+/// operation frees one. What a long instance is for (bugs that need hundreds of calls
+/// to one instance) needs calls, not blocks, and an unbounded mix piles up tens of
+/// megabytes that every operation's checks then wade through.
+pub(super) const LONG_LIVE_BLOCKS: usize = 512;
 
 impl Strategy for Scripts {
     type Tree = ScriptTree;
@@ -260,18 +266,22 @@ impl Strategy for Scripts {
             .map(|_| {
                 let len = rng.random_range(1..=self.max_ops);
                 let mut drawing = Drawing::default();
-                let shape = match self.shapes {
-                    true => draw_shape(rng),
-                    false => Shape::Mixed,
+                let shape = match self.long {
+                    true => Shape::Mixed,
+                    false => draw_shape(rng),
                 };
                 let standing = match shape {
                     Shape::OutOfMemory => draw_standing_oom(rng),
                     _ => None,
                 };
-                standing
-                    .into_iter()
-                    .chain((0..len).map(|_| draw_op(rng, &mut drawing, shape)))
-                    .collect()
+                let mut draw = |drawing: &mut Drawing| match drawing.pick(rng) {
+                    Some(at) if self.long && drawing.live.len() >= LONG_LIVE_BLOCKS => Op::Free {
+                        block: drawing.live.swap_remove(at),
+                    },
+                    _ => draw_op(rng, drawing, shape),
+                };
+                let ops = (0..len).map(|_| draw(&mut drawing));
+                standing.into_iter().chain(ops).collect()
             })
             .collect();
         Ok(ScriptTree::new(threads))

@@ -48,9 +48,80 @@ const SMALL_BLOCK: u64 = 4096;
 const SMALL_WINDOW: u64 = 64;
 /// Free ranges looked at before a block is placed at the end instead.
 const FIT_TRIES: usize = 8;
-/// Freed ranges at least this large give their whole pages back to the kernel.
+/// Freed ranges at least this large give their whole pages back to the kernel, where
+/// they lie past [`KEEP_RESIDENT`].
 const RETURN_PAGES_FROM: u64 = 64 << 10;
 const PAGE: u64 = 4096;
+/// The first bytes of a reservation stay resident from one arena to the next. A check
+/// starts thousands of handlers, each on an arena of its own, and faulting the same
+/// pages in again for each cost most of a check's time; what a reused page held does
+/// not show, since every block is filled before it is lent ([`super::FRESH_MEMORY`], or
+/// zeros for `calloc`).
+const KEEP_RESIDENT: u64 = 256 << 20;
+/// Reservations kept for the next arenas once theirs are dropped: one per client of the
+/// checker at once, in the usual runs.
+const KEPT_RESERVATIONS: usize = 2;
+
+/// An address-space reservation an arena places blocks in.
+#[derive(Debug)]
+struct Reservation {
+    base: u64,
+    len: u64,
+}
+
+/// Reservations whose arenas were dropped, each resident up to [`KEEP_RESIDENT`].
+static KEPT: std::sync::Mutex<Vec<Reservation>> = std::sync::Mutex::new(Vec::new());
+
+impl Reservation {
+    /// A kept reservation, or a new one: the large size if the process may map it.
+    fn take() -> Option<Reservation> {
+        let kept = KEPT.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        kept.or_else(|| {
+            [RESERVATION, SMALL_RESERVATION]
+                .into_iter()
+                .find_map(|len| {
+                    Some(Reservation {
+                        base: reserve(len)?,
+                        len,
+                    })
+                })
+        })
+    }
+
+    /// Keep the reservation for the next arena, its pages from [`KEEP_RESIDENT`] up to
+    /// `touched` given back to the kernel; or unmap it when enough are kept.
+    fn give_back(self, touched: u64) {
+        let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.len() >= KEPT_RESERVATIONS {
+            drop(kept);
+            // SAFETY: the reservation was mapped by `reserve` with exactly this address
+            // and length; its arena released every block first and is gone.
+            unsafe { libc::munmap(self.base as *mut libc::c_void, self.len as usize) };
+            return;
+        }
+        forget_pages(self.base, KEEP_RESIDENT, touched.min(self.len));
+        kept.push(self);
+    }
+}
+
+/// Give the whole pages of `[start, end)` past [`KEEP_RESIDENT`] of the reservation at
+/// `base` back to the kernel; they read as zero when next touched.
+fn forget_pages(base: u64, start: u64, end: u64) {
+    let first = start.max(KEEP_RESIDENT).next_multiple_of(PAGE);
+    let last = end / PAGE * PAGE;
+    if first < last {
+        // SAFETY: `[first, last)` lies inside the reservation at `base` and inside a
+        // range no block occupies; dropping its pages only makes them read as zero when
+        // next touched.
+        unsafe {
+            libc::madvise(
+                (base + first) as *mut libc::c_void,
+                (last - first) as usize,
+                libc::MADV_DONTNEED,
+            )
+        };
+    }
+}
 
 /// The contract checker's control of its upstream: shared between the checker, which
 /// asks for refusals, and the handler's host memory, which makes them. Every choice of
@@ -177,11 +248,14 @@ impl Adversary {
 /// not addresses, are what it decides; only the base depends on the process.
 #[derive(Debug)]
 pub(super) struct Arena {
+    /// `None` only while the arena is dropped.
+    reservation: Option<Reservation>,
     base: u64,
-    mapped: u64,
     len: u64,
     /// Every offset at or past this is free.
     top: u64,
+    /// The highest `top` has been: pages past it were never touched.
+    touched: u64,
     /// Free ranges below `top`: start offset to end offset, never touching each other.
     free: BTreeMap<u64, u64>,
     rng: u64,
@@ -191,14 +265,13 @@ impl Arena {
     /// Reserve the address space; `None` when the process may not have even the small
     /// reservation.
     pub(super) fn new(seed: u64) -> Option<Arena> {
-        let (mapped, base) = [RESERVATION, SMALL_RESERVATION]
-            .into_iter()
-            .find_map(|len| Some((len, reserve(len)?)))?;
+        let reservation = Reservation::take()?;
         Some(Arena {
-            base,
-            mapped,
-            len: mapped,
+            base: reservation.base,
+            len: reservation.len,
+            reservation: Some(reservation),
             top: 0,
+            touched: 0,
             free: BTreeMap::new(),
             rng: seed ^ 0x9E37_79B9_7F4A_7C15,
         })
@@ -286,6 +359,7 @@ impl Arena {
             self.release(self.top, at);
         }
         self.top = end;
+        self.touched = self.touched.max(end);
         Some(at)
     }
 
@@ -314,6 +388,7 @@ impl Arena {
                 return false;
             }
             self.top = new_end;
+            self.touched = self.touched.max(new_end);
             return true;
         }
         match self.free.get(&old_end) {
@@ -349,29 +424,17 @@ impl Arena {
             self.free.insert(start, end);
         }
         if end - start >= RETURN_PAGES_FROM {
-            let first = start.next_multiple_of(PAGE);
-            let last = end / PAGE * PAGE;
-            if first < last {
-                // SAFETY: `[first, last)` lies inside the reservation and inside a range
-                // no block occupies; dropping its pages only makes them read as zero
-                // when next touched.
-                unsafe {
-                    libc::madvise(
-                        (self.base + first) as *mut libc::c_void,
-                        (last - first) as usize,
-                        libc::MADV_DONTNEED,
-                    )
-                };
-            }
+            forget_pages(self.base, start, end);
         }
     }
 }
 
 impl Drop for Arena {
+    /// The host memory that owned the arena released every block first.
     fn drop(&mut self) {
-        // SAFETY: the reservation was mapped by `reserve` with exactly this address and
-        // length; the host memory that owned the arena released every block first.
-        unsafe { libc::munmap(self.base as *mut libc::c_void, self.mapped as usize) };
+        if let Some(reservation) = self.reservation.take() {
+            reservation.give_back(self.touched);
+        }
     }
 }
 
