@@ -81,6 +81,12 @@ impl Handler {
         &self.names
     }
 
+    /// Whether small requests are served from per-thread magazines: the builder allowed
+    /// them ([`HandlerBuilder::magazines`]) and the top policy batches or observes.
+    pub fn keeps_magazines(&self) -> bool {
+        self.caches.keeps_magazines()
+    }
+
     /// The calling thread's cache while the handler keeps magazines. Without them it
     /// needs none: what it serves is counted under the chain's lock (see [`count`]).
     #[inline]

@@ -41,6 +41,7 @@ use crate::clock::{CallTicks, Deadline};
 use crate::error::{Bound, Call, Error, Rule, Violation};
 use crate::handler::Observations;
 use crate::ledger::Ledger;
+use crate::mapped::KindGrant;
 
 pub(crate) mod bindings {
     wasmtime::component::bindgen!({
@@ -197,6 +198,9 @@ pub struct LinkStats {
     /// latest ([`ClientMisuse::KEPT`] at most).
     pub client_misuse: u64,
     pub recent_misuse: Vec<ClientMisuse>,
+    /// Regions the policy asked for of a kind the embedder did not grant, by kind: the
+    /// paths that would have used them did not run.
+    pub ungranted: Vec<(KindGrant, u64)>,
 }
 
 /// A started, initialised policy instance.
@@ -255,6 +259,7 @@ impl Link {
             mapped_bytes: state.mapped.bytes(),
             client_misuse: state.mapped.misuse_total(),
             recent_misuse: state.mapped.recent_misuse().to_vec(),
+            ungranted: state.mapped.ungranted(),
             ..self.calls.clone()
         }
     }

@@ -153,7 +153,7 @@ fn a_block_the_policy_serves_itself_when_a_refill_fails_is_counted_once() {
         .adversary(std::sync::Arc::clone(&adversary))
         .build()
         .unwrap();
-    adversary.refuse_next();
+    adversary.refuse_after(0);
     let block = h
         .calloc(40, 21)
         .unwrap()

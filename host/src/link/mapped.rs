@@ -11,7 +11,7 @@ use super::bindings::allocbox::policy as v1;
 use super::bindings_v2::allocbox::policy::{allocator, bytes, diagnostics, memory};
 use crate::error::Call;
 use crate::ledger::TakeBack;
-use crate::mapped::{self as os, KindGrants, Region};
+use crate::mapped::{self as os, KindGrant, KindGrants, Region};
 
 /// A client's misuse of a block, as its policy reported it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,6 +55,8 @@ pub(super) struct Mapped {
     /// transit: kept mapped until the answer is admitted, as upstream memory is held
     /// back ([`super::Transit`]).
     held_back: Vec<Region>,
+    /// Regions refused because their kind was not granted, by [`KindGrant::ALL`]'s order.
+    ungranted: [u64; KindGrant::ALL.len()],
     misuse_total: u64,
     recent: Vec<ClientMisuse>,
     /// Reports not yet taken by [`Mapped::take_new_misuse`] (at most [`ClientMisuse::KEPT`]).
@@ -113,6 +115,15 @@ impl Mapped {
 
     pub(super) fn misuse_total(&self) -> u64 {
         self.misuse_total
+    }
+
+    /// Each kind a region was refused for because it was not granted, with how many.
+    pub(super) fn ungranted(&self) -> Vec<(KindGrant, u64)> {
+        KindGrant::ALL
+            .into_iter()
+            .zip(self.ungranted)
+            .filter(|&(_, refused)| refused > 0)
+            .collect()
     }
 
     pub(super) fn recent_misuse(&self) -> &[ClientMisuse] {
@@ -192,7 +203,12 @@ impl memory::Host for LinkState {
                 Ok(start)
             }
             Err(refusal) => Err(match refusal {
-                os::Refusal::NotGranted(_) => memory::Refusal::NotGranted,
+                os::Refusal::NotGranted(grant) => {
+                    let kind = KindGrant::ALL.iter().position(|&g| g == grant);
+                    let refused = &mut self.mapped.ungranted[kind.expect("one of ALL")];
+                    *refused = refused.saturating_add(1);
+                    memory::Refusal::NotGranted
+                }
                 os::Refusal::Unavailable => memory::Refusal::Unavailable,
                 os::Refusal::OverLimit => memory::Refusal::OverLimit,
                 os::Refusal::OutOfMemory => memory::Refusal::OutOfMemory,

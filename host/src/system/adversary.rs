@@ -14,10 +14,12 @@
 //!   requests get the same addresses, so a check's failure replays;
 //! - an address comes back into use at once or much later, at the seed's choice, and a
 //!   `realloc` grows in place or moves, at the seed's choice;
-//! - requests are refused on purpose ([`Adversary::refuse_next`],
+//! - requests are refused on purpose ([`Adversary::refuse_after`],
 //!   [`Adversary::refuse_every`], [`Adversary::refuse_above`]) so a policy's
-//!   out-of-memory paths run; the last refusal is kept so a report can name it, and
-//!   all are counted (a long run refuses millions, so no list of them is kept).
+//!   out-of-memory paths run, wherever the request is made: in a call of the client's,
+//!   or part way through a batch the host's magazines asked for or gave back; the last
+//!   refusal is kept so a report can name it, and all are counted (a long run refuses
+//!   millions, so no list of them is kept).
 //!
 //! What fresh and grown memory holds is [`super::SystemMemory`]'s business, as on the
 //! production path.
@@ -25,7 +27,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
@@ -123,13 +125,19 @@ fn forget_pages(base: u64, start: u64, end: u64) {
     }
 }
 
+/// [`Adversary`]'s count of requests to let through when none is to be refused.
+const OFF: u64 = u64::MAX;
+
 /// The contract checker's control of its upstream: shared between the checker, which
 /// asks for refusals, and the handler's host memory, which makes them. Every choice of
 /// the upstream is drawn from [`Adversary::seed`].
 #[derive(Debug)]
 pub struct Adversary {
     seed: u64,
-    refuse_next: AtomicBool,
+    /// [`Adversary::refuse_after`]'s count; [`OFF`]: nothing is to be refused.
+    refuse_after: AtomicU64,
+    /// Requests made since the client's operation began ([`Adversary::begin_operation`]).
+    operation_requests: AtomicU64,
     /// 0: off.
     refuse_every: AtomicU32,
     /// `u64::MAX`: off.
@@ -142,8 +150,9 @@ pub struct Adversary {
 /// Why a request was refused on purpose.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Injected {
-    /// [`Adversary::refuse_next`].
-    Next,
+    /// [`Adversary::refuse_after`], with the requests of the operation it let through
+    /// first.
+    After(u64),
     /// [`Adversary::refuse_every`].
     Every(u32),
     /// [`Adversary::refuse_above`].
@@ -164,7 +173,8 @@ pub struct Refusal {
 impl fmt::Display for Refusal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let why = match self.why {
-            Injected::Next => "`oom next`".to_string(),
+            Injected::After(0) => "`oom next`".to_string(),
+            Injected::After(n) => format!("`oom after {n}`"),
             Injected::Every(n) => format!("`oom every {n}`"),
             Injected::Above(size) => format!("`oom above {size}`"),
         };
@@ -181,7 +191,8 @@ impl Adversary {
     pub fn new(seed: u64) -> Arc<Adversary> {
         Arc::new(Adversary {
             seed,
-            refuse_next: AtomicBool::new(false),
+            refuse_after: AtomicU64::new(OFF),
+            operation_requests: AtomicU64::new(0),
             refuse_every: AtomicU32::new(0),
             refuse_above: AtomicU64::new(u64::MAX),
             requests: AtomicU64::new(0),
@@ -194,9 +205,32 @@ impl Adversary {
         self.seed
     }
 
-    /// Refuse the next request, whatever it is.
-    pub fn refuse_next(&self) {
-        self.refuse_next.store(true, Ordering::Relaxed);
+    /// In the next client operation that makes more than `requests` upstream requests,
+    /// let `requests` through and refuse the one after, whatever it is: with `requests`
+    /// past 0, one part way through a batch (a magazine's refill, a policy's own
+    /// `malloc-many`). 0 refuses the next request. The count starts from this call, and
+    /// again from the start of each operation.
+    ///
+    /// Counted within one operation, so that the refusal lands on the same request of
+    /// the same operation however many operations came before it: deleting operations
+    /// while shrinking keeps the point of injection.
+    pub fn refuse_after(&self, requests: u64) {
+        self.begin_operation();
+        self.refuse_after
+            .store(requests.min(OFF - 1), Ordering::Relaxed);
+    }
+
+    /// A client operation begins: [`Adversary::refuse_after`] counts from here.
+    pub fn begin_operation(&self) {
+        self.operation_requests.store(0, Ordering::Relaxed);
+    }
+
+    /// Whether [`Adversary::refuse_after`] refuses the operation's request `index`
+    /// (from 0); it refuses once.
+    fn refused_in_operation(&self, index: u64) -> bool {
+        self.refuse_after
+            .compare_exchange(index, OFF, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
     }
 
     /// From now on refuse every `n`th request, counting from the first request ever
@@ -228,9 +262,10 @@ impl Adversary {
     /// Count a request for `size` bytes and say whether it is refused.
     pub(super) fn refuses(&self, size: u64) -> bool {
         let request = self.requests.fetch_add(1, Ordering::Relaxed) + 1;
+        let in_operation = self.operation_requests.fetch_add(1, Ordering::Relaxed);
         let every = self.refuse_every.load(Ordering::Relaxed);
-        let why = if self.refuse_next.swap(false, Ordering::Relaxed) {
-            Injected::Next
+        let why = if self.refused_in_operation(in_operation) {
+            Injected::After(in_operation)
         } else if every > 0 && request.is_multiple_of(u64::from(every)) {
             Injected::Every(every)
         } else if size > self.refuse_above.load(Ordering::Relaxed) {
@@ -539,11 +574,11 @@ mod tests {
         assert_eq!(refused, [false, false, true, false, false, true]);
         adversary.refuse_every(0);
         adversary.refuse_above(100);
-        adversary.refuse_next();
+        adversary.refuse_after(0);
         assert!(adversary.refuses(8), "the next one");
         assert_eq!(
             adversary.last_refusal().map(|r| r.why),
-            Some(Injected::Next)
+            Some(Injected::After(0))
         );
         assert!(!adversary.refuses(100));
         assert!(adversary.refuses(101));
@@ -551,6 +586,33 @@ mod tests {
         assert_eq!(
             adversary.last_refusal().unwrap().to_string(),
             "upstream request 9 (101 bytes) was refused on purpose by `oom above 100`"
+        );
+    }
+
+    #[test]
+    fn a_refusal_after_n_requests_lands_in_the_first_operation_that_makes_more_than_n() {
+        let adversary = Adversary::new(0);
+        adversary.refuse_after(2);
+        let mut refused = Vec::new();
+        // Operations of 1, 2, 4 and 4 requests: the third's third request is refused.
+        for requests in [1, 2, 4, 4] {
+            adversary.begin_operation();
+            refused.push(
+                (0..requests)
+                    .map(|_| adversary.refuses(8))
+                    .collect::<Vec<_>>(),
+            );
+        }
+        let expected = [
+            vec![false],
+            vec![false, false],
+            vec![false, false, true, false],
+            vec![false; 4],
+        ];
+        assert_eq!(refused, expected);
+        assert_eq!(
+            adversary.last_refusal().unwrap().to_string(),
+            "upstream request 6 (8 bytes) was refused on purpose by `oom after 2`"
         );
     }
 }

@@ -127,7 +127,10 @@ impl Magazines {
         self.mid.entry(size).or_insert_with(|| Magazine::new(size))
     }
 
-    /// Every non-empty magazine's blocks, emptying them, with their size.
+    /// Every non-empty magazine's blocks, emptying them, with their size, smallest size
+    /// first: the order the policy is given them back in depends on nothing but what
+    /// the magazines hold (a map's order would differ from process to process, and a
+    /// checker's script would not replay).
     pub fn drain(&mut self) -> Vec<(u64, Vec<u64>)> {
         self.cached_bytes = 0;
         let small = self
@@ -135,7 +138,8 @@ impl Magazines {
             .iter_mut()
             .enumerate()
             .map(|(s, m)| (s as u64, m));
-        let mid = self.mid.iter_mut().map(|(&s, m)| (s, m));
+        let mut mid: Vec<_> = self.mid.iter_mut().map(|(&s, m)| (s, m)).collect();
+        mid.sort_unstable_by_key(|&(size, _)| size);
         small
             .chain(mid)
             .filter(|(_, m)| !m.blocks.is_empty())
@@ -166,5 +170,15 @@ mod tests {
         assert_eq!(magazine_refill(16), MAGAZINE_REFILL);
         assert_eq!(magazine_refill(16 << 10), 4);
         assert_eq!(magazine_refill(64 << 10), 1);
+    }
+
+    #[test]
+    fn magazines_drain_smallest_size_first() {
+        let mut magazines = Magazines::new();
+        for size in [60_000, 2048, 16, 40_000, 1025] {
+            magazines.of_size(size).blocks.push(size * 16);
+        }
+        let sizes: Vec<u64> = magazines.drain().into_iter().map(|(s, _)| s).collect();
+        assert_eq!(sizes, [16, 1025, 2048, 40_000, 60_000]);
     }
 }
