@@ -90,6 +90,21 @@ const PLANTED: &[(&str, &str, usize)] = &[
         "mallocs after the 300th misaligned",
         301,
     ),
+    // A policy that batches: bugs on the path the host's magazines bypass (its own
+    // `calloc` of small blocks) or only they reach (refills and flushes).
+    (
+        "small-calloc-recycled",
+        "per-call calloc of a recycled block dirty",
+        3,
+    ),
+    (
+        "calloc-forgets-header",
+        "per-call calloc forgets the block header",
+        1,
+    ),
+    ("batch-drops-on-oom", "batch refused part way dropped", 3),
+    // Four sizes: the checker's own trim at the end gives back four magazines.
+    ("free-many-leaks", "every 4th free-many keeps a block", 4),
 ];
 
 fn main() {

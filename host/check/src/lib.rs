@@ -37,9 +37,9 @@ mod strategy;
 mod verdict;
 
 use runner::{Subject, Tally};
-pub use script::{Op, Script};
+pub use script::{CallPath, Op, SCRIPT_NOTATION, Script};
 use seeds::SeedFile;
-use strategy::Scripts;
+use strategy::{Case, Scripts};
 pub use verdict::{
     CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS, MAX_SHRINK_TIME, Progress,
     ProgressFn, default_regressions_dir,
@@ -103,7 +103,7 @@ pub fn check(
         hook: options.hook.as_deref(),
         tally: Tally::default(),
     };
-    let name = subject.start()?.0.name().to_string();
+    let name = subject.start(CallPath::Magazines)?.0.name().to_string();
 
     let cases = AtomicU64::new(0);
     let ops = AtomicU64::new(0);
@@ -132,8 +132,14 @@ pub fn check(
         // The case shrinking settles on is the last that failed: its script and finding
         // are kept as it runs, so the verdict is what was seen, not a run again.
         let last_failure = std::sync::Mutex::new(None);
-        let outcome = runner.run(&strategy, |threads| {
-            let (script, finding) = subject.run(&threads);
+        let outcome = runner.run(&strategy, |case| {
+            // Past the time budget, the round's remaining cases pass unrun; shrinking a
+            // failure found before it runs to its own bound.
+            let out_of_time = options.time.is_some_and(|t| start.elapsed() >= t);
+            if out_of_time && first_failure.get().is_none() {
+                return Ok(());
+            }
+            let (script, finding) = subject.run(&case);
             let ops = ops.fetch_add(script.len() as u64, Ordering::Relaxed) + script.len() as u64;
             let cases = cases.fetch_add(1, Ordering::Relaxed) + 1;
             if let Some(progress) = &options.progress {
@@ -204,6 +210,11 @@ pub fn check(
             .counters
             .into_inner()
             .unwrap_or_else(|p| p.into_inner()),
+        ungranted: subject
+            .tally
+            .ungranted
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner()),
         failure,
         shrink_stopped_early,
         time_to_failure,
@@ -227,7 +238,16 @@ pub fn replay(
         hook: None,
         tally: Tally::default(),
     };
-    let (handler, adversary) = subject.start()?;
+    // One client thread runs exactly as the check ran it: on this thread, its cache
+    // given back the same way, so the policy sees the same calls in the same order.
+    if let [ops] = script.threads.as_slice() {
+        let case = Case {
+            path: script.path,
+            threads: vec![ops.clone()],
+        };
+        return Ok(subject.run(&case).1);
+    }
+    let (handler, adversary) = subject.start(script.path)?;
     // Operations reach the handler in the recorded order; a script without one runs its
     // threads one after the other.
     let sections: Vec<usize>;
@@ -324,14 +344,14 @@ mod tests {
             max_ops: 128,
             long: false,
         };
-        match runner.run(&strategy, |script| {
-            if fails(&script) {
+        match runner.run(&strategy, |case| {
+            if fails(&case.threads) {
                 Err(TestCaseError::fail("predicate"))
             } else {
                 Ok(())
             }
         }) {
-            Err(TestError::Fail(_, minimal)) => minimal,
+            Err(TestError::Fail(_, minimal)) => minimal.threads,
             other => panic!("expected a failure, got {other:?}"),
         }
     }
@@ -399,7 +419,8 @@ mod tests {
                         nelem: u64::MAX,
                         elsize: 2,
                     },
-                    Op::OomNext,
+                    Op::OomAfter { requests: 0 },
+                    Op::OomAfter { requests: 5 },
                     Op::OomEvery { n: 3 },
                     Op::OomAbove { size: 4096 },
                     Op::ReallocNew { block: 1, size: 0 },
@@ -407,15 +428,16 @@ mod tests {
             ],
             order: Vec::new(),
             upstream_seed: 77,
+            path: CallPath::PerCall,
         };
         assert_eq!(Script::parse(&script.to_string()).unwrap(), script);
         let interleaved = Script {
-            order: vec![0, 1, 1, 0, 0, 0, 1, 1, 1],
+            order: vec![0, 1, 1, 0, 0, 0, 1, 1, 1, 1],
             ..script
         };
         let text = interleaved.to_string();
         assert!(
-            text.starts_with("upstream seed 77\nt0 b0 = malloc 8\nt1 b0 = calloc"),
+            text.starts_with("upstream seed 77\nper-call\nt0 b0 = malloc 8\nt1 b0 = calloc"),
             "{text}"
         );
         assert_eq!(Script::parse(&text).unwrap(), interleaved);

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use std::sync::Arc;
 
+use allocbox::mapped::KindGrant;
 use allocbox::{Adversary, Limits};
 use allocbox::{Error, LoadError, Rule};
 use allocbox::{Handler, HandlerBuilder};
@@ -13,7 +14,8 @@ use allocbox::{Policy, Runtime, WasmHook};
 
 use super::model::Live;
 use super::pattern::PERIOD;
-use super::script::{BlockId, Op, Script};
+use super::script::{BlockId, CallPath, Op, Script};
+use super::strategy::Case;
 use super::verdict::Finding;
 use allocbox_ledger::fasthash::FastMap;
 
@@ -115,6 +117,7 @@ impl<'h> Client<'h> {
     /// recorded).
     pub(super) fn run(&mut self, op: &Op) -> Result<(), Finding> {
         let h = self.handler;
+        self.adversary.begin_operation();
         let err = |e: Error| Finding::from_error(&e);
         match *op {
             Op::Malloc { block, size } => {
@@ -185,10 +188,10 @@ impl<'h> Client<'h> {
                 self.ran.push(*op);
                 self.free_slot(slot)?;
             }
-            Op::OomNext | Op::OomEvery { .. } | Op::OomAbove { .. } => {
+            Op::OomAfter { .. } | Op::OomEvery { .. } | Op::OomAbove { .. } => {
                 self.ran.push(*op);
                 match *op {
-                    Op::OomNext => self.adversary.refuse_next(),
+                    Op::OomAfter { requests } => self.adversary.refuse_after(requests),
                     Op::OomEvery { n } => self
                         .adversary
                         .refuse_every(u32::try_from(n).unwrap_or(u32::MAX)),
@@ -235,6 +238,7 @@ impl<'h> Client<'h> {
         {
             self.named.insert(moved.block, slot);
         }
+        self.adversary.begin_operation();
         self.handler
             .free(Some(block.ptr), block.size)
             .map_err(|e| Finding::from_error(&e))?;
@@ -294,9 +298,22 @@ pub(super) struct Tally {
     /// The policy's `lifecycle.report` at the end of each case, by name, in the order
     /// the policy first named them.
     pub(super) counters: std::sync::Mutex<Vec<(String, u64)>>,
+    /// Regions a policy of the chain asked for of a kind not granted, by kind.
+    pub(super) ungranted: std::sync::Mutex<Vec<(KindGrant, u64)>>,
 }
 
 impl Tally {
+    fn add_ungranted(&self, refused: &[(KindGrant, u64)]) {
+        let mut all = self.ungranted.lock().unwrap_or_else(|p| p.into_inner());
+        for &(kind, n) in refused {
+            match all.iter_mut().find(|(k, _)| *k == kind) {
+                Some((_, sum)) => *sum = sum.saturating_add(n),
+                None => all.push((kind, n)),
+            }
+        }
+        all.sort_unstable();
+    }
+
     fn add_counters(&self, counters: Vec<(String, u64)>) {
         let mut all = self.counters.lock().unwrap_or_else(|p| p.into_inner());
         for (name, value) in counters {
@@ -310,13 +327,15 @@ impl Tally {
 }
 
 impl Subject<'_> {
-    /// A fresh handler over a fresh checker's upstream from the subject's seed.
-    pub(super) fn start(&self) -> Result<(Handler, Arc<Adversary>), LoadError> {
+    /// A fresh handler over a fresh checker's upstream from the subject's seed, asking
+    /// its policy the way `path` says.
+    pub(super) fn start(&self, path: CallPath) -> Result<(Handler, Arc<Adversary>), LoadError> {
         let adversary = Adversary::new(self.upstream_seed);
         let handler = HandlerBuilder::new(self.runtime)
             .link_with(self.policy, self.config)
             .limits(self.limits.clone())
             .checked(true)
+            .magazines(path == CallPath::Magazines)
             .adversary(Arc::clone(&adversary))
             .build()?;
         Ok((handler, adversary))
@@ -335,15 +354,20 @@ impl Subject<'_> {
         self.tally
             .injected
             .fetch_add(adversary.refusals(), Ordering::Relaxed);
-        if let Some(top) = handler.link_stats().ok().and_then(|l| l.into_iter().next()) {
+        let links = handler.link_stats().unwrap_or_default();
+        for link in &links {
+            self.tally.add_ungranted(&link.ungranted);
+        }
+        if let Some(top) = links.into_iter().next() {
             self.tally.add_counters(top.counters);
         }
     }
 
-    /// Run `threads` (one op list per client thread), then free everything, trim, and
-    /// look for leaks. Returns the resolved script and the first finding.
-    pub(super) fn run(&self, threads: &[Vec<Op>]) -> (Script, Option<Finding>) {
-        let (handler, adversary) = match self.start() {
+    /// Run a case's threads (one op list per client thread), then free everything,
+    /// trim, and look for leaks. Returns the resolved script and the first finding.
+    pub(super) fn run(&self, case: &Case) -> (Script, Option<Finding>) {
+        let threads = &case.threads;
+        let (handler, adversary) = match self.start(case.path) {
             Ok(started) => started,
             Err(e) => {
                 let finding = Finding {
@@ -353,6 +377,8 @@ impl Subject<'_> {
                 return (Script::default(), Some(finding));
             }
         };
+        // Before anything runs: a policy that fails is no longer served from magazines.
+        let path = path_taken(&handler);
         // Each operation takes a ticket as it starts, so the order the handler saw them
         // in can be written down and replayed.
         let clock = AtomicU64::new(0);
@@ -384,6 +410,7 @@ impl Subject<'_> {
         };
         let mut script = Script {
             upstream_seed: self.upstream_seed,
+            path,
             ..Script::default()
         };
         let mut finding = None;
@@ -402,6 +429,16 @@ impl Subject<'_> {
         }
         self.tally(&handler, &adversary);
         (script, finding.map(|f| f.after_refusals(&adversary)))
+    }
+}
+
+/// The way `handler` asks its policy: through magazines only when it keeps them (a
+/// policy that neither batches nor observes is asked on every call whatever the
+/// script said).
+pub(super) fn path_taken(handler: &Handler) -> CallPath {
+    match handler.keeps_magazines() {
+        true => CallPath::Magazines,
+        false => CallPath::PerCall,
     }
 }
 

@@ -1,9 +1,33 @@
 //! The text form of a check case: client operations and scripts of them, one thread
 //! per section, that `allocbox replay` reads back. Besides the client's calls a script
-//! says what the checker's upstream does: its seed, and where it runs out of memory
-//! (`oom` lines).
+//! says which way the host asked the policy (`magazines` or `per-call`) and what the
+//! checker's upstream does: its seed, and where it runs out of memory (`oom` lines).
 
 use std::fmt;
+
+/// What each line of a script means: `allocbox replay --help` prints it, and the
+/// README has the same table.
+pub const SCRIPT_NOTATION: &str = "\
+A script has one line each (`#` starts a comment):
+  upstream seed N         the seed the checker's upstream places blocks by (first; 0 if absent)
+  magazines | per-call    how the host asked a policy that batches: small requests served
+                          from its per-thread magazines (the default), or every call asked
+  bN = malloc SIZE        make the block named bN
+  bN = calloc NELEM ELSIZE
+  bN = realloc - SIZE     realloc from no block (`-` is no pointer): makes bN
+  realloc bN SIZE         resize bN, which keeps its name
+  free bN                 free bN with its size
+  trim                    ask every policy of the chain to give back what it caches
+  oom next                the upstream refuses the next request a policy makes
+  oom after N             in the next operation that makes more than N upstream requests,
+                          the one after the first N is refused (part way through a batch
+                          when N > 0)
+  oom every N             from here on, every Nth request of the case is refused
+  oom above SIZE          from here on, every request for more than SIZE bytes is refused
+  tN LINE                 with several client threads: LINE ran on thread N, in the order
+                          the handler saw them (or each thread's lines after a `thread` line)
+After the last line the checker frees every block still live, trims, and looks for leaks.
+An operation on a block that is not live is a mistake in a script, refused with its line.";
 
 /// Names a block in a script. The operation that makes a block names it (`b3 = malloc
 /// 64`); later operations use the name (`free b3`). Deleting an operation therefore
@@ -32,9 +56,11 @@ pub enum Op {
     /// stay correct across it at any point of its life, not only once everything is
     /// freed.
     Trim,
-    /// `oom next`: the upstream refuses the next request the policy makes, whatever it
-    /// is (one block of a batch included).
-    OomNext,
+    /// `oom after N`: in the next operation that makes more than `N` upstream requests,
+    /// the upstream lets `N` through and refuses the one after, whatever it is: with `N`
+    /// past 0, one block part way through a batch a magazine's refill asks for. `oom
+    /// next` (`oom after 0`) refuses the next request.
+    OomAfter { requests: u64 },
     /// `oom every N`: from here on the upstream refuses every `N`th request, counting
     /// from the first of the case.
     OomEvery { n: u64 },
@@ -56,7 +82,8 @@ impl fmt::Display for Op {
             Op::Realloc { block, size } => write!(f, "realloc b{block} {size}"),
             Op::Free { block } => write!(f, "free b{block}"),
             Op::Trim => write!(f, "trim"),
-            Op::OomNext => write!(f, "oom next"),
+            Op::OomAfter { requests: 0 } => write!(f, "oom next"),
+            Op::OomAfter { requests } => write!(f, "oom after {requests}"),
             Op::OomEvery { n } => write!(f, "oom every {n}"),
             Op::OomAbove { size } => write!(f, "oom above {size}"),
         }
@@ -95,7 +122,8 @@ impl std::str::FromStr for Op {
             }),
             ["free", b] => Ok(Op::Free { block: name(b)? }),
             ["trim"] => Ok(Op::Trim),
-            ["oom", "next"] => Ok(Op::OomNext),
+            ["oom", "next"] => Ok(Op::OomAfter { requests: 0 }),
+            ["oom", "after", n] => Ok(Op::OomAfter { requests: num(n)? }),
             ["oom", "every", n] => Ok(Op::OomEvery { n: num(n)? }),
             ["oom", "above", size] => Ok(Op::OomAbove { size: num(size)? }),
             _ => Err(format!("not an operation: `{line}`")),
@@ -112,7 +140,7 @@ impl Op {
             | (Op::ReallocNew { size, .. }, 0)
             | (Op::Realloc { size, .. }, 0)
             | (Op::OomAbove { size }, 0) => Some(size),
-            (Op::OomEvery { n }, 0) => Some(n),
+            (Op::OomEvery { n }, 0) | (Op::OomAfter { requests: n }, 0) => Some(n),
             (Op::Calloc { nelem, .. }, 0) => Some(nelem),
             (Op::Calloc { elsize, .. }, 1) => Some(elsize),
             _ => None,
@@ -127,7 +155,7 @@ impl Op {
             | Op::ReallocNew { block, .. }
             | Op::Realloc { block, .. }
             | Op::Free { block } => Some(block),
-            Op::Trim | Op::OomNext | Op::OomEvery { .. } | Op::OomAbove { .. } => None,
+            Op::Trim | Op::OomAfter { .. } | Op::OomEvery { .. } | Op::OomAbove { .. } => None,
         }
     }
 
@@ -138,10 +166,33 @@ impl Op {
             | (Op::ReallocNew { size, .. }, 0)
             | (Op::Realloc { size, .. }, 0)
             | (Op::OomAbove { size }, 0) => *size = value,
-            (Op::OomEvery { n }, 0) => *n = value,
+            (Op::OomEvery { n }, 0) | (Op::OomAfter { requests: n }, 0) => *n = value,
             (Op::Calloc { nelem, .. }, 0) => *nelem = value,
             (Op::Calloc { elsize, .. }, 1) => *elsize = value,
             _ => {}
+        }
+    }
+}
+
+/// Which way the host asks a policy that declares `batch` (or observes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CallPath {
+    /// `magazines`: the production path. Small requests are served from the host's
+    /// per-thread magazines, which the policy refills with `malloc-many` and takes back
+    /// with `free-many`; the rest are asked of the policy one call at a time.
+    #[default]
+    Magazines,
+    /// `per-call`: every request is asked of the policy, as an embedder that turns
+    /// batching off asks it, so its own `malloc`, `calloc`, `realloc` and `free` of
+    /// small blocks run. A policy that does not batch is always asked this way.
+    PerCall,
+}
+
+impl CallPath {
+    fn word(self) -> &'static str {
+        match self {
+            CallPath::Magazines => "magazines",
+            CallPath::PerCall => "per-call",
         }
     }
 }
@@ -158,6 +209,9 @@ pub struct Script {
     /// The seed of the checker's upstream ([`allocbox::Adversary`]), which places every
     /// block: written `upstream seed N`, first; a script without the line ran with 0.
     pub upstream_seed: u64,
+    /// Written `magazines` or `per-call`, before the operations; a script without the
+    /// line ran through the magazines.
+    pub path: CallPath,
 }
 
 impl Script {
@@ -189,8 +243,7 @@ impl Script {
     pub fn parse(text: &str) -> Result<Script, String> {
         let mut script = Script {
             threads: vec![Vec::new()],
-            order: Vec::new(),
-            upstream_seed: 0,
+            ..Script::default()
         };
         let mut sections = false;
         // Every operation with its line and thread, for `check_blocks`.
@@ -206,6 +259,13 @@ impl Script {
                     .trim()
                     .parse()
                     .map_err(|e| at(format!("`{seed}`: {e}")))?;
+                continue;
+            }
+            if let Some(path) = [CallPath::Magazines, CallPath::PerCall]
+                .into_iter()
+                .find(|path| line == path.word())
+            {
+                script.path = path;
                 continue;
             }
             if line == "thread" {
@@ -310,6 +370,7 @@ impl fmt::Display for Script {
         if self.upstream_seed != 0 {
             writeln!(f, "upstream seed {}", self.upstream_seed)?;
         }
+        writeln!(f, "{}", self.path.word())?;
         if !self.order.is_empty() {
             let mut next = vec![0; self.threads.len()];
             for &thread in &self.order {

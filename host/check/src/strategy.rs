@@ -6,7 +6,7 @@ use proptest::test_runner::{TestRng, TestRunner};
 
 use proptest::prelude::{RngExt, Strategy};
 
-use super::script::{BlockId, Op};
+use super::script::{BlockId, CallPath, Op};
 
 /// The size mix, in percent: NumPy's common small sizes dominate (72% of its mallocs
 /// are 8-15 bytes); edges, pages, large blocks and sizes that must fail all appear in
@@ -56,18 +56,21 @@ pub(super) enum Shape {
     /// 64 KiB class limits where policies switch to their large-block paths.
     GrowShrink,
     /// The general mix with the upstream running out of memory: one request refused
-    /// here and there (`oom next`), and from the start, half the time, every `N`th
-    /// request or every request above a size.
+    /// here and there, the next (`oom next`) or one a few requests on (`oom after N`,
+    /// which lands part way through the batch a refill asks for), and from the start,
+    /// half the time, every `N`th request or every request above a size.
     OutOfMemory,
 }
 
-/// Eleven sequences in twenty are the general mix; the shapes share the rest, large
-/// blocks least (each of their operations moves or fills hundreds of kilobytes). Bursts
-/// and alternations stay at or below 64 KiB so a sequence holds a few megabytes at most.
+/// Half the sequences are the general mix; the shapes share the rest, running out of
+/// memory most (its refusals land anywhere a request crosses: a call, a refill, a
+/// flush), large blocks least (each of their operations moves or fills hundreds of
+/// kilobytes). Bursts and alternations stay at or below 64 KiB so a sequence holds a few
+/// megabytes at most.
 pub(super) fn draw_shape(rng: &mut TestRng) -> Shape {
     match rng.random_range(0..20u32) {
-        0..11 => Shape::Mixed,
-        11..13 => Shape::OutOfMemory,
+        0..10 => Shape::Mixed,
+        10..13 => Shape::OutOfMemory,
         13..15 => Shape::Burst(boundary_size(rng, 16)),
         15..17 => Shape::Alternating(boundary_size(rng, 16), boundary_size(rng, 16)),
         17..19 => Shape::ReallocChain,
@@ -132,7 +135,15 @@ pub(super) fn draw_op(rng: &mut TestRng, drawing: &mut Drawing, shape: Shape) ->
     match shape {
         Shape::Mixed => draw_mixed_op(rng, drawing),
         Shape::OutOfMemory => match roll {
-            0..8 => Op::OomNext,
+            // Mostly just past a batch's first blocks: a magazine's first refills of a
+            // size ask for 1, 2, then 4 blocks.
+            0..3 => Op::OomAfter { requests: 0 },
+            3..6 => Op::OomAfter {
+                requests: rng.random_range(1..=3),
+            },
+            6..8 => Op::OomAfter {
+                requests: rng.random_range(4..=16),
+            },
             _ => draw_mixed_op(rng, drawing),
         },
         Shape::Burst(size) => match roll {
@@ -256,12 +267,27 @@ pub(super) struct Scripts {
 /// megabytes that every operation's checks then wade through.
 pub(super) const LONG_LIVE_BLOCKS: usize = 512;
 
+/// One drawn case: which way the host asks the policy, and each client thread's
+/// operations.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Case {
+    pub(super) path: CallPath,
+    pub(super) threads: Vec<Vec<Op>>,
+}
+
 impl Strategy for Scripts {
     type Tree = ScriptTree;
-    type Value = Vec<Vec<Op>>;
+    type Value = Case;
 
+    /// Half the cases through the magazines, half asking the policy on every call: the
+    /// paths of a batching policy's own code that each reaches are disjoint for small
+    /// sizes.
     fn new_tree(&self, runner: &mut TestRunner) -> proptest::strategy::NewTree<Self> {
         let rng = runner.rng();
+        let path = match rng.random_bool(0.5) {
+            true => CallPath::Magazines,
+            false => CallPath::PerCall,
+        };
         let threads = (0..self.threads)
             .map(|_| {
                 let len = rng.random_range(1..=self.max_ops);
@@ -284,9 +310,13 @@ impl Strategy for Scripts {
                 standing.into_iter().chain(ops).collect()
             })
             .collect();
-        Ok(ScriptTree::new(threads))
+        Ok(ScriptTree::new(path, threads))
     }
 }
+
+/// Numbers at or below this are narrowed by trying each from the smallest up, not by
+/// bisection.
+const LINEAR_BELOW: u64 = 16;
 
 /// Where shrinking has got to.
 #[derive(Debug, Clone, Copy)]
@@ -331,15 +361,20 @@ pub(super) enum Trial {
 /// no run is spent on re-running a case already known to fail.
 #[derive(Debug, Clone)]
 pub(super) struct ScriptTree {
+    /// Kept as drawn: shrinking the operations is what makes a script readable.
+    pub(super) path: CallPath,
     pub(super) threads: Vec<Vec<Op>>,
     pub(super) step: Step,
     pub(super) trial: Option<Trial>,
+    /// A trial failed (and was kept) since deleting last began.
+    pub(super) kept_since_pass: bool,
 }
 
 impl ScriptTree {
-    pub(super) fn new(threads: Vec<Vec<Op>>) -> Self {
+    pub(super) fn new(path: CallPath, threads: Vec<Vec<Op>>) -> Self {
         let run = Self::first_run(&threads, 0);
         ScriptTree {
+            path,
             threads,
             step: Step::Delete {
                 thread: 0,
@@ -347,6 +382,7 @@ impl ScriptTree {
                 at: 0,
             },
             trial: None,
+            kept_since_pass: false,
         }
     }
 
@@ -397,7 +433,17 @@ impl ScriptTree {
                     bounds,
                 } => {
                     let Some(ops) = self.threads.get_mut(*thread) else {
-                        self.step = Step::Done;
+                        // Smaller numbers can make operations redundant that were not
+                        // (two sizes became one): delete again, until a pass of both
+                        // steps keeps nothing.
+                        self.step = match std::mem::take(&mut self.kept_since_pass) {
+                            true => Step::Delete {
+                                thread: 0,
+                                run: Self::first_run(&self.threads, 0),
+                                at: 0,
+                            },
+                            false => Step::Done,
+                        };
                         continue;
                     };
                     let Some(op) = ops.get_mut(*index) else {
@@ -414,7 +460,15 @@ impl ScriptTree {
                         continue;
                     }
                     let was = *op;
-                    op.set_number(*field, lo + (hi - lo) / 2);
+                    // Small numbers (counts of requests, sizes below a size class) are
+                    // tried one by one from the smallest: a failure need not be
+                    // monotonic in them (`oom every 4` may pass where 2 and 9 fail), and
+                    // a bisection past a passing middle never sees the smaller ones.
+                    let candidate = match hi <= LINEAR_BELOW {
+                        true => lo,
+                        false => lo + (hi - lo) / 2,
+                    };
+                    op.set_number(*field, candidate);
                     self.trial = Some(Trial::Narrowed {
                         thread: *thread,
                         index: *index,
@@ -429,14 +483,18 @@ impl ScriptTree {
 }
 
 impl proptest::strategy::ValueTree for ScriptTree {
-    type Value = Vec<Vec<Op>>;
+    type Value = Case;
 
-    fn current(&self) -> Vec<Vec<Op>> {
-        self.threads.clone()
+    fn current(&self) -> Case {
+        Case {
+            path: self.path,
+            threads: self.threads.clone(),
+        }
     }
 
     /// The current script failed: keep it and try a smaller one.
     fn simplify(&mut self) -> bool {
+        self.kept_since_pass |= self.trial.is_some();
         if let (Some(Trial::Narrowed { thread, index, .. }), Step::Narrow { field, bounds, .. }) =
             (self.trial.take(), &mut self.step)
         {

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use allocbox::mapped::KindGrant;
 use allocbox::{Adversary, Error, Limits, Rule, WasmHook};
 
 use super::script::Script;
@@ -169,6 +170,10 @@ pub struct CheckReport {
     /// over the cases (summed; a `peak-` counter its largest), in the policy's order;
     /// none for a 0.1.0 policy.
     pub counters: Vec<(String, u64)>,
+    /// Regions a policy asked for of a kind the check did not grant
+    /// ([`allocbox::Grants::memory`]), by kind, over every case: the paths that would have used
+    /// them ran only as refusals, untested.
+    pub ungranted: Vec<(KindGrant, u64)>,
     /// The first broken rule, with the shrunk script that shows it.
     pub failure: Option<(Finding, Script)>,
     /// Shrinking the failure ran out of time ([`CheckOptions::shrink_time`]): the script

@@ -119,10 +119,15 @@ fn text_report(
                 counter_list(&report.counters)
             );
         }
+        out += &not_tested(report);
         return out;
     };
     let mut out = format!("{named}: BROKEN {finding}\n");
-    out += &format!("  shrunk to {} operations", script.len());
+    let path = match script.path {
+        check::CallPath::Magazines => "through the host's magazines",
+        check::CallPath::PerCall => "the policy asked on every call",
+    };
+    out += &format!("  shrunk to {} operations, {path}", script.len());
     if report.shrink_stopped_early {
         out += &format!(
             " (shrinking stopped after {} s: a shorter script may exist)",
@@ -138,7 +143,28 @@ fn text_report(
         out += &format!("  replay: allocbox replay {}{policy}\n", file.display());
     }
     out += &format!("  ({totals}, shrinking included)\n");
+    out += &not_tested(report);
     out
+}
+
+/// What the check could not test because it was not granted, and how to grant it.
+fn not_tested(report: &CheckReport) -> String {
+    if report.ungranted.is_empty() {
+        return String::new();
+    }
+    let asked: Vec<String> = report
+        .ungranted
+        .iter()
+        .map(|(kind, n)| format!("`{kind}` memory {n} times"))
+        .collect();
+    let kinds: Vec<&str> = report.ungranted.iter().map(|(kind, _)| kind.name()).collect();
+    format!(
+        "  not tested: the policy asked for {} and was refused, as the check did not \
+         grant it, so the paths that use it did not run; to test them, run again with \
+         `--grant {}`\n",
+        asked.join(", "),
+        kinds.join(",")
+    )
 }
 
 /// A policy's counters as `name value, name value`.
@@ -196,6 +222,11 @@ fn json_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> serde
         "operations_per_second": report.ops_per_second(),
         "budget_refusals": report.budget_refusals,
         "injected_refusals": report.injected_refusals,
+        "ungranted": report
+            .ungranted
+            .iter()
+            .map(|(kind, n)| (kind.name().to_string(), serde_json::Value::from(*n)))
+            .collect::<serde_json::Map<_, _>>(),
         "counters": report
             .counters
             .iter()

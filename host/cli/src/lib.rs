@@ -150,11 +150,14 @@ enum Command {
     },
     /// Run a script (one operation a line, as `check` prints it) through a policy with
     /// every check on.
+    #[command(after_help = allocbox_check::SCRIPT_NOTATION)]
     Replay {
+        /// The script: as `check` printed and saved it, or written by hand.
         script: PathBuf,
         /// A shipped policy's name or a policy file; with none, the built-in default
         /// policy.
         policy: Option<PathBuf>,
+        /// Configuration passed to the policy's `init`, as KEY=VALUE (repeatable).
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
         #[command(flatten)]
