@@ -544,7 +544,10 @@ fn the_script_notation_is_explained_alike_in_the_help_and_the_readme() {
     assert!(heads.len() >= 12, "{heads:?}");
     for head in &heads {
         let first = head.split(" | ").next().unwrap();
-        assert!(readme.contains(&format!("`{first}")), "README lacks `{first}`");
+        assert!(
+            readme.contains(&format!("`{first}")),
+            "README lacks `{first}`"
+        );
     }
     let example = "upstream seed 3\nper-call\nb0 = malloc 8\nb1 = calloc 2 4\n\
         b2 = realloc - 9\nrealloc b0 64\nfree b1\ntrim\noom next\noom after 2\n\

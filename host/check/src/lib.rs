@@ -48,14 +48,13 @@ pub use verdict::{
 /// A proptest runner for one round of `cases` sequences from `seed`, persisting failing
 /// seeds where the options say.
 fn round_runner(options: &CheckOptions, policy: &str, cases: u32, seed: u64) -> TestRunner {
+    // Shrinking is bounded by the strategy's own budget (`ShrinkBudget`), not here:
+    // proptest's bounds announce themselves on standard error. (`u32::MAX` would mean
+    // four per case to proptest.)
     let mut config = Config {
         cases,
-        max_shrink_iters: 2048,
-        // A long-lived instance's failure replays thousands of operations per trial:
-        // past this, the smallest script found so far is reported. 0 is no time bound.
-        max_shrink_time: options
-            .shrink_time
-            .map_or(0, |t| t.as_millis().clamp(1, u32::MAX.into()) as u32),
+        max_shrink_iters: u32::MAX - 1,
+        max_shrink_time: 0,
         failure_persistence: None,
         ..Config::default()
     };
@@ -127,6 +126,9 @@ pub fn check(
             threads: options.threads.max(1),
             max_ops,
             long,
+            // A long-lived instance's failure replays thousands of operations per
+            // trial: past this, the smallest script found so far is reported.
+            shrink_time: options.shrink_time,
         };
         let first_failure = std::sync::OnceLock::new();
         // The case shrinking settles on is the last that failed: its script and finding
@@ -343,6 +345,7 @@ mod tests {
             threads,
             max_ops: 128,
             long: false,
+            shrink_time: None,
         };
         match runner.run(&strategy, |case| {
             if fails(&case.threads) {

@@ -2,6 +2,8 @@
 //! value tree deletes operations (blocks are named by the operation that made them, so
 //! a deletion never changes which block another operation means).
 
+use std::time::{Duration, Instant};
+
 use proptest::test_runner::{TestRng, TestRunner};
 
 use proptest::prelude::{RngExt, Strategy};
@@ -259,6 +261,43 @@ pub(super) struct Scripts {
     /// Long-lived instances: every sequence is the general mix, holding at most
     /// [`LONG_LIVE_BLOCKS`] blocks at once. Otherwise a [`Shape`] is drawn per sequence.
     pub(super) long: bool,
+    /// How long shrinking a failure may take ([`ShrinkBudget`]).
+    pub(super) shrink_time: Option<Duration>,
+}
+
+/// The most trials shrinking one failure runs, and how long it may take from its first
+/// trial (`None`: no time bound). Past either, the smallest failing script found so far
+/// stands. Kept here rather than in proptest's configuration, which says so on standard
+/// error when it stops shrinking.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ShrinkBudget {
+    trials_left: u32,
+    time: Option<Duration>,
+    started: Option<Instant>,
+}
+
+impl ShrinkBudget {
+    /// Trials one failure's shrinking may run.
+    pub(super) const TRIALS: u32 = 2048;
+
+    pub(super) fn new(time: Option<Duration>) -> Self {
+        ShrinkBudget {
+            trials_left: Self::TRIALS,
+            time,
+            started: None,
+        }
+    }
+
+    /// Take one trial; false once the budget is spent.
+    fn take(&mut self) -> bool {
+        let started = *self.started.get_or_insert_with(Instant::now);
+        let in_time = self.time.is_none_or(|limit| started.elapsed() < limit);
+        if self.trials_left == 0 || !in_time {
+            return false;
+        }
+        self.trials_left -= 1;
+        true
+    }
 }
 
 /// The most blocks a long-lived instance's thread holds at once; past it, the next
@@ -310,7 +349,11 @@ impl Strategy for Scripts {
                 standing.into_iter().chain(ops).collect()
             })
             .collect();
-        Ok(ScriptTree::new(path, threads))
+        Ok(ScriptTree::new(
+            path,
+            threads,
+            ShrinkBudget::new(self.shrink_time),
+        ))
     }
 }
 
@@ -368,10 +411,11 @@ pub(super) struct ScriptTree {
     pub(super) trial: Option<Trial>,
     /// A trial failed (and was kept) since deleting last began.
     pub(super) kept_since_pass: bool,
+    pub(super) budget: ShrinkBudget,
 }
 
 impl ScriptTree {
-    pub(super) fn new(path: CallPath, threads: Vec<Vec<Op>>) -> Self {
+    pub(super) fn new(path: CallPath, threads: Vec<Vec<Op>>, budget: ShrinkBudget) -> Self {
         let run = Self::first_run(&threads, 0);
         ScriptTree {
             path,
@@ -383,6 +427,7 @@ impl ScriptTree {
             },
             trial: None,
             kept_since_pass: false,
+            budget,
         }
     }
 
@@ -395,6 +440,10 @@ impl ScriptTree {
     /// Put up the next candidate; false when there is none left (the current script is
     /// then the smallest failing one found).
     pub(super) fn next_trial(&mut self) -> bool {
+        if !self.budget.take() {
+            self.step = Step::Done;
+            return false;
+        }
         loop {
             match &mut self.step {
                 Step::Delete { thread, run, at } => {
@@ -533,5 +582,35 @@ impl proptest::strategy::ValueTree for ScriptTree {
             }
         }
         self.next_trial()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::strategy::ValueTree;
+
+    /// Shrinking stops at its own bound, on the last failing script, before proptest's
+    /// bound would (which says so on standard error).
+    #[test]
+    fn shrinking_stops_after_its_budget_of_trials_on_the_last_failing_script() {
+        let ops: Vec<Op> = (0..4096)
+            .map(|block| Op::Malloc { block, size: 8 })
+            .collect();
+        let mut tree = ScriptTree::new(
+            CallPath::Magazines,
+            vec![ops.clone()],
+            ShrinkBudget::new(None),
+        );
+        // Only the whole script fails: every one of the thousands of deletions passes.
+        let mut trials = 0;
+        let mut more = tree.simplify();
+        while more {
+            trials += 1;
+            assert!(trials <= ShrinkBudget::TRIALS, "ran past its budget");
+            more = tree.complicate();
+        }
+        assert_eq!(trials, ShrinkBudget::TRIALS);
+        assert_eq!(tree.current().threads, [ops]);
     }
 }

@@ -157,7 +157,11 @@ fn not_tested(report: &CheckReport) -> String {
         .iter()
         .map(|(kind, n)| format!("`{kind}` memory {n} times"))
         .collect();
-    let kinds: Vec<&str> = report.ungranted.iter().map(|(kind, _)| kind.name()).collect();
+    let kinds: Vec<&str> = report
+        .ungranted
+        .iter()
+        .map(|(kind, _)| kind.name())
+        .collect();
     format!(
         "  not tested: the policy asked for {} and was refused, as the check did not \
          grant it, so the paths that use it did not run; to test them, run again with \
