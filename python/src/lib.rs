@@ -504,6 +504,8 @@ impl Policy {
     ///   renewals of its lease;
     /// - `budget_refusals`: its upstream requests refused for passing `overhead`;
     /// - `mapped_regions`, `mapped_bytes`: memory of a granted kind mapped for it;
+    ///   `ungranted`: the regions it asked for of a kind not granted, `{kind: count}`
+    ///   (`grant=` at `load` gives them);
     /// - `client_misuse`: misuse of arrays it reported; `recent_misuse`: the latest
     ///   reports, as sentences;
     /// - `counters`: its own counters, `{name: value}` (contract 0.2.0).
@@ -540,6 +542,11 @@ impl Policy {
                 let recent: Vec<String> = l.recent_misuse.iter().map(|m| m.to_string()).collect();
                 d.set_item("recent_misuse", recent)?;
                 d.set_item("counters", counters_dict(py, l.counters)?)?;
+                let ungranted = PyDict::new(py);
+                for (kind, refused) in l.ungranted {
+                    ungranted.set_item(kind.name(), refused)?;
+                }
+                d.set_item("ungranted", ungranted)?;
                 Ok(d)
             })
             .collect()

@@ -94,6 +94,7 @@ def test_without_the_grant_guard_uses_canaries_and_counts_the_refusals():
     assert counters["overruns"] == 0
     [link] = policy.link_stats()
     assert link["counters"] == counters and link["mapped_regions"] == 0
+    assert link["ungranted"] == {"guarded": counters["guard-refused"]}
 
 
 def test_with_the_grant_every_sampled_array_is_in_a_region_of_its_own():
@@ -101,7 +102,7 @@ def test_with_the_grant_every_sampled_array_is_in_a_region_of_its_own():
     with allocbox.use(policy):
         arrays = [np.ones(1000, np.uint8) for _ in range(5)]
         [link] = policy.link_stats()
-        assert link["mapped_regions"] >= 5
+        assert link["mapped_regions"] >= 5 and link["ungranted"] == {}
         assert all(a.sum() == 1000 for a in arrays)
         del arrays
     assert policy.stats()["counters"]["guarded"] >= 5
