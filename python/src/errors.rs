@@ -1,0 +1,48 @@
+//! Python's exceptions for allocbox, and which one each host error raises.
+
+use allocbox::Error;
+use pyo3::create_exception;
+
+create_exception!(
+    allocbox,
+    AllocboxError,
+    pyo3::exceptions::PyException,
+    "Any allocbox failure."
+);
+create_exception!(
+    allocbox,
+    LoadError,
+    AllocboxError,
+    "A file or bytes that are not a usable policy."
+);
+create_exception!(
+    allocbox,
+    ContractViolation,
+    AllocboxError,
+    "A policy broke the handler contract."
+);
+create_exception!(
+    allocbox,
+    PoisonedPolicy,
+    AllocboxError,
+    "A policy that was stopped earlier (violation, trap, time or memory limit)."
+);
+create_exception!(
+    allocbox,
+    ClientError,
+    AllocboxError,
+    "A client double or unknown free."
+);
+
+/// The exception that says what `error` was, with its sentence.
+pub(crate) fn to_py(error: &Error) -> pyo3::PyErr {
+    let text = error.to_string();
+    match error {
+        Error::Violation(_) => ContractViolation::new_err(text),
+        Error::Poisoned { .. } => PoisonedPolicy::new_err(text),
+        Error::Client(_) => ClientError::new_err(text),
+        // No policy is at fault: the host cannot reach the handler (a fork mid-call).
+        Error::Unreachable { .. } => AllocboxError::new_err(text),
+        _ => PoisonedPolicy::new_err(text),
+    }
+}

@@ -1,0 +1,165 @@
+//! `allocbox.load_chain` and what it reads: sources (a path or bytes), configurations,
+//! bounds and grants, each refused with a sentence naming the input at fault.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use allocbox::nep49::MemHandler;
+use allocbox::trace::Recorder;
+use allocbox::{CompileBound, CompileBounds, HandlerBuilder, Limits, Runtime};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::bridge::Bridge;
+use crate::errors::{AllocboxError, LoadError};
+use crate::policy::Policy;
+
+/// `CompileBounds` from `{"functions": 100000, "code-bytes": ...}` (`_` for `-` too), the
+/// others at their defaults.
+fn compile_bounds_from(given: Option<Bound<'_, PyDict>>) -> PyResult<CompileBounds> {
+    let mut bounds = CompileBounds::default();
+    for (key, value) in given.iter().flat_map(|d| d.iter()) {
+        let name = key.str()?.to_string().replace('_', "-");
+        let Some(bound) = CompileBound::named(&name) else {
+            let names: Vec<&str> = CompileBound::ALL.iter().map(|b| b.name()).collect();
+            return Err(PyValueError::new_err(format!(
+                "no compile bound is called '{name}'; the bounds are {}",
+                names.join(", ")
+            )));
+        };
+        let value: u64 = value.extract().map_err(|_| {
+            PyValueError::new_err(format!(
+                "compile bound '{name}' must be a whole number of at least 0, got {value}"
+            ))
+        })?;
+        bounds.set(bound, value);
+    }
+    Ok(bounds)
+}
+
+/// A policy's bytes and a label for it, from a path or bytes.
+pub(crate) fn source_bytes(source: &Bound<'_, PyAny>) -> PyResult<(Vec<u8>, String)> {
+    if let Ok(b) = source.cast::<PyBytes>() {
+        return Ok((b.as_bytes().to_vec(), "<bytes>".into()));
+    }
+    let path: PathBuf = source
+        .extract()
+        .map_err(|_| PyTypeError::new_err("a policy is a path or bytes"))?;
+    let bytes = std::fs::read(&path)
+        .map_err(|e| LoadError::new_err(format!("cannot read `{}`: {e}", path.display())))?;
+    Ok((bytes, path.display().to_string()))
+}
+
+/// `call_time` in seconds as a bound on one call, or the library's default.
+pub(crate) fn call_time_or_default(call_time: Option<f64>) -> PyResult<Duration> {
+    let Some(secs) = call_time else {
+        return Ok(Limits::default().call_time);
+    };
+    Duration::try_from_secs_f64(secs)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "call_time must be a positive number of seconds, got {secs}"
+            ))
+        })
+}
+
+/// Load a chain of policies, top first. Each item is a source (path or bytes) or a
+/// `(source, {key: value})` pair. `record` writes a trace of every call. The bounds
+/// default to allocbox's (`Limits::default`): `call_time` in seconds per call, imports
+/// included; `memory`, a guest's own memory in bytes; `batch`, blocks in one batch
+/// call; `overhead`, bytes a policy may hold beyond what its client holds; and
+/// `host_memory_limit`, bytes lent from the host at once (default unlimited).
+/// `compile_bounds` ({"functions": 100000, ...}) allows policies of a larger shape to be
+/// compiled (`allocbox::CompileBounds`: functions, code-bytes, function-bytes,
+/// data-bytes, modules, text-bytes).
+#[pyfunction]
+#[pyo3(signature = (*chain, record = None, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None, grant = None))]
+#[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
+pub(crate) fn load_chain(
+    chain: Vec<Bound<'_, PyAny>>,
+    record: Option<PathBuf>,
+    call_time: Option<f64>,
+    memory: Option<u64>,
+    batch: Option<u32>,
+    overhead: Option<u64>,
+    host_memory_limit: Option<u64>,
+    compile_bounds: Option<Bound<'_, PyDict>>,
+    grant: Option<Vec<String>>,
+) -> PyResult<Policy> {
+    let runtime = Runtime::shared();
+    let bounds = compile_bounds_from(compile_bounds)?;
+    let defaults = Limits::default();
+    let kinds = allocbox::mapped::KindGrants::from_names(grant.unwrap_or_default())
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let limits = Limits {
+        call_time: call_time_or_default(call_time)?,
+        memory: memory.unwrap_or(defaults.memory),
+        batch: batch.unwrap_or(defaults.batch),
+        overhead: overhead.unwrap_or(defaults.overhead),
+        grants: allocbox::Grants {
+            memory: kinds,
+            ..defaults.grants
+        },
+        ..defaults
+    };
+    let mut builder = HandlerBuilder::new(runtime).limits(limits);
+    if let Some(bytes) = host_memory_limit {
+        builder = builder.host_memory_limit(bytes);
+    }
+    if chain.is_empty() {
+        return Err(LoadError::new_err("a chain needs at least one policy"));
+    }
+    for item in &chain {
+        let (source, config): (Bound<'_, PyAny>, Vec<(String, String)>) =
+            match item.extract::<(Bound<'_, PyAny>, Bound<'_, PyDict>)>() {
+                Ok((s, d)) => {
+                    let mut config = Vec::new();
+                    for (k, v) in d.iter() {
+                        config.push((k.str()?.to_string(), v.str()?.to_string()));
+                    }
+                    (s, config)
+                }
+                Err(_) => (item.clone(), Vec::new()),
+            };
+        let (bytes, _label) = source_bytes(&source)?;
+        let policy = runtime
+            .load_bounded(&bytes, &bounds)
+            .map_err(|e| LoadError::new_err(e.to_string()))?;
+        let config: Vec<(&str, &str)> = config
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        builder = builder.link_with(&policy, &config);
+    }
+    let handler = Arc::new(
+        builder
+            .build()
+            .map_err(|e| LoadError::new_err(e.to_string()))?,
+    );
+    let (shared, direct, recorder): (Arc<dyn MemHandler>, _, _) = match record {
+        None => (handler.clone(), Some(handler.clone()), None),
+        Some(path) => {
+            let file = std::fs::File::create(&path)
+                .map_err(|e| AllocboxError::new_err(format!("{}: {e}", path.display())))?;
+            let rec = Arc::new(Recorder::new(
+                handler.clone(),
+                std::io::BufWriter::new(file),
+            ));
+            (rec.clone(), None, Some(rec))
+        }
+    };
+    let bridge = match handler.diagnoses() {
+        true => Bridge::new(shared, direct).diagnosing(handler.clone()),
+        false => Bridge::new(shared, direct),
+    };
+    Ok(Policy {
+        handler: Some(handler),
+        bridge: Arc::new(bridge),
+        recorder,
+        capsule: Mutex::new(None),
+    })
+}

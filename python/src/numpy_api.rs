@@ -1,0 +1,145 @@
+//! NumPy's handler ABI: the `PyDataMem_Handler` a `mem_handler` capsule holds, and
+//! `PyDataMem_SetHandler` / `PyDataMem_GetHandler` (slots 304 and 305 of the
+//! `_ARRAY_API` table), which install and read the current context's handler.
+
+use std::ffi::{CStr, c_void};
+use std::sync::Arc;
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use crate::bridge::{Bridge, bridge_calloc, bridge_free, bridge_malloc, bridge_realloc};
+
+/// NumPy's `PyDataMemAllocator`.
+#[repr(C)]
+struct PyDataMemAllocator {
+    ctx: *mut c_void,
+    malloc: unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void,
+    calloc: unsafe extern "C" fn(*mut c_void, usize, usize) -> *mut c_void,
+    realloc: unsafe extern "C" fn(*mut c_void, *mut c_void, usize) -> *mut c_void,
+    free: unsafe extern "C" fn(*mut c_void, *mut c_void, usize),
+}
+
+/// NumPy's `PyDataMem_Handler`.
+#[repr(C)]
+struct PyDataMemHandler {
+    name: [u8; 127],
+    version: u8,
+    allocator: PyDataMemAllocator,
+}
+
+pub(crate) const CAPSULE_NAME: &CStr = c"mem_handler";
+
+unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
+    // SAFETY: called once by Python when the capsule dies; its pointer is the
+    // PyDataMemHandler we boxed in `make_capsule`, and no array uses it any more (each
+    // array holds a reference to its handler's capsule).
+    unsafe {
+        let handler =
+            ffi::PyCapsule_GetPointer(capsule, CAPSULE_NAME.as_ptr()).cast::<PyDataMemHandler>();
+        if handler.is_null() {
+            ffi::PyErr_Clear();
+            return;
+        }
+        let handler = Box::from_raw(handler);
+        drop(Arc::from_raw(
+            handler.allocator.ctx.cast::<Bridge>().cast_const(),
+        ));
+    }
+}
+
+/// A handler's name as NumPy keeps it: at most 126 bytes (its buffer holds 127 with
+/// the NUL), cut where a character starts.
+pub(crate) fn numpy_name(name: &str) -> &str {
+    &name[..name.floor_char_boundary(126)]
+}
+
+/// A `mem_handler` capsule whose callbacks go to `bridge`; it holds one reference to it.
+pub(crate) fn make_capsule(py: Python<'_>, bridge: Arc<Bridge>) -> PyResult<Py<PyAny>> {
+    let mut name = [0u8; 127];
+    let text = numpy_name(bridge.handler.name()).as_bytes();
+    name[..text.len()].copy_from_slice(text);
+    // The capsule holds one reference to the Bridge the Policy object shares, so what
+    // callbacks note is visible from Python.
+    let version = bridge.handler.version();
+    let ctx = Arc::into_raw(bridge).cast_mut();
+    let handler = Box::into_raw(Box::new(PyDataMemHandler {
+        name,
+        version,
+        allocator: PyDataMemAllocator {
+            ctx: ctx.cast(),
+            malloc: bridge_malloc,
+            calloc: bridge_calloc,
+            realloc: bridge_realloc,
+            free: bridge_free,
+        },
+    }));
+    // SAFETY: `handler` is a valid boxed PyDataMemHandler that the destructor frees;
+    // the name is a static C string.
+    unsafe {
+        let capsule = ffi::PyCapsule_New(
+            handler.cast(),
+            CAPSULE_NAME.as_ptr(),
+            Some(capsule_destructor),
+        );
+        if capsule.is_null() {
+            drop(Box::from_raw(handler));
+            drop(Arc::from_raw(ctx.cast_const()));
+            return Err(PyErr::fetch(py));
+        }
+        Ok(Bound::from_owned_ptr(py, capsule).unbind())
+    }
+}
+
+/// NumPy's C API table.
+fn array_api(py: Python<'_>) -> PyResult<*const *const c_void> {
+    let module = py.import("numpy._core._multiarray_umath")?;
+    let capsule = module.getattr("_ARRAY_API")?;
+    // SAFETY: `_ARRAY_API` is a capsule with no name holding NumPy's function table; it
+    // lives as long as the numpy module, which stays imported.
+    let table = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), std::ptr::null()) };
+    if table.is_null() {
+        return Err(PyErr::fetch(py));
+    }
+    Ok(table.cast())
+}
+
+type SetHandler = unsafe extern "C" fn(*mut ffi::PyObject) -> *mut ffi::PyObject;
+type GetHandler = unsafe extern "C" fn() -> *mut ffi::PyObject;
+const SLOT_SET_HANDLER: usize = 304;
+const SLOT_GET_HANDLER: usize = 305;
+
+/// Install `capsule` (or NumPy's default for `None`) in the current context; returns the
+/// previous handler's capsule.
+pub(crate) fn numpy_set_handler(
+    py: Python<'_>,
+    capsule: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Py<PyAny>> {
+    let table = array_api(py)?;
+    // SAFETY: slot 304 of NumPy >= 2's API table is `PyObject *PyDataMem_SetHandler(
+    // PyObject *)`; it takes a borrowed capsule (or NULL) and returns a new reference.
+    unsafe {
+        let set: SetHandler = std::mem::transmute(*table.add(SLOT_SET_HANDLER));
+        let old = set(capsule.map_or(std::ptr::null_mut(), |c| c.as_ptr()));
+        if old.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        Ok(Bound::from_owned_ptr(py, old).unbind())
+    }
+}
+
+/// The current context's handler, as the capsule NumPy holds: pass it to `set_handler`
+/// to make it current again; `allocbox.handler_name()` names it.
+#[pyfunction]
+pub(crate) fn get_handler(py: Python<'_>) -> PyResult<Py<PyAny>> {
+    let table = array_api(py)?;
+    // SAFETY: slot 305 is `PyObject *PyDataMem_GetHandler(void)`, a new reference.
+    unsafe {
+        let get: GetHandler = std::mem::transmute(*table.add(SLOT_GET_HANDLER));
+        let h = get();
+        if h.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        Ok(Bound::from_owned_ptr(py, h).unbind())
+    }
+}
