@@ -282,6 +282,16 @@ impl fmt::Display for Violation {
 
 impl std::error::Error for Violation {}
 
+impl From<crate::compile_bounds::Exceeded> for LoadError {
+    fn from(e: crate::compile_bounds::Exceeded) -> LoadError {
+        LoadError::CompileBound {
+            bound: e.bound,
+            asked: e.asked,
+            limit: e.limit,
+        }
+    }
+}
+
 /// The host's own bookkeeping is wrong: a bug in allocbox, never a policy's fault.
 /// Reported by [`crate::Handler::audit`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -336,7 +346,7 @@ pub enum LoadError {
         name = bound.name()
     )]
     CompileBound {
-        bound: crate::CompileBound,
+        bound: crate::compile_bounds::CompileBound,
         asked: u64,
         limit: u64,
     },

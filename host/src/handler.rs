@@ -5,7 +5,6 @@
 mod builder;
 mod chain;
 mod inspect;
-mod observe;
 
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -15,13 +14,12 @@ use crate::error::{ClientError, Error};
 use crate::ledger::{CacheId, TakeBack};
 use crate::link::PolicyInfo;
 use crate::memhandler::{MemHandler, Stats};
+use crate::observe::{Observations, Op};
 use allocbox_ledger::cache::{
     self as cache, Caches, MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, Mine, Reach, Unreachable,
 };
 pub use builder::HandlerBuilder;
 use chain::{Books, Chain, Via, flush_magazines, refill, settle, shelve};
-use observe::Op;
-pub(crate) use observe::{Detail, Observations, observation};
 
 /// A NEP 49 data-memory handler whose placement decisions are made by a chain of
 /// sandboxed policies. `Send + Sync`: many threads may call it at once. A malloc served

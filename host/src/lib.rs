@@ -10,12 +10,14 @@ pub mod mapped;
 mod memhandler;
 mod native;
 pub mod nep49;
+mod observe;
 mod runtime;
 pub mod shares;
 mod system;
 pub mod trace;
 mod untrusted;
 mod wasi;
+mod wit;
 
 pub use allocbox_ledger::ledger::LEDGER_ENTRY_COST;
 use allocbox_ledger::{fasthash, ledger};

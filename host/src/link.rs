@@ -39,27 +39,11 @@ use wasmtime_wasi::{WasiCtxView, WasiView};
 
 use crate::clock::{CallTicks, Deadline};
 use crate::error::{Bound, Call, Error, Rule, Violation};
-use crate::handler::Observations;
 use crate::ledger::Ledger;
 use crate::mapped::KindGrant;
+use crate::observe::Observations;
 
-pub(crate) mod bindings {
-    wasmtime::component::bindgen!({
-        path: "../wit",
-        world: "policy",
-        imports: { default: trappable },
-    });
-}
-
-/// The 0.2.0 policy world: 0.1.0's interfaces and memory kinds, client diagnostics,
-/// counters and limits. Served beside 0.1.0 by the same links.
-pub(crate) mod bindings_v2 {
-    wasmtime::component::bindgen!({
-        path: "../wit/0.2.0",
-        world: "policy",
-        imports: { default: trappable },
-    });
-}
+use crate::wit::{bindings, bindings_v2};
 
 use bindings_v2::exports::allocbox::policy::observer::Guest as Observer;
 

@@ -31,7 +31,8 @@ use crate::clock::{CallTicks, Clock, Deadline};
 use crate::compile_bounds::CompileBounds;
 use crate::error::{Call, LoadError};
 use crate::link::classify;
-use crate::link::{Exports, Limits, Link, LinkState, Sandbox, Upstream, bindings, bindings_v2};
+use crate::link::{Exports, Limits, Link, LinkState, Sandbox, Upstream};
+use crate::wit::{bindings, bindings_v2};
 
 /// The package of the WIT worlds this host speaks.
 pub const WORLD_PACKAGE: &str = "allocbox:policy";

@@ -205,7 +205,7 @@ pub struct ReplayReport {
 /// has one: it is trimmed, and whatever it still holds from the host is named, as
 /// `allocbox check` names it. A failing trim is the answer too, and so is a policy that
 /// fails when asked for its counters (`lifecycle.report`), which stops the chain.
-pub fn leak_after_replay(handler: &crate::Handler) -> Option<Error> {
+pub fn leak_after_replay(handler: &crate::handler::Handler) -> Option<Error> {
     if let Err(e) = handler.trim().and_then(|()| handler.leak_check()) {
         return Some(e);
     }

@@ -221,7 +221,7 @@ impl Handler {
     /// Misuse by the client that the chain's policies reported (0.2.0 `diagnostics`)
     /// since this was last asked, top policy first. Each is also counted in
     /// [`crate::LinkStats::client_misuse`].
-    pub fn take_client_misuse(&self) -> Result<Vec<crate::ClientMisuse>, Error> {
+    pub fn take_client_misuse(&self) -> Result<Vec<crate::link::ClientMisuse>, Error> {
         let mut c = self.lock()?;
         let mut all = Vec::new();
         c.each_link_mut(|link| all.extend(link.take_new_misuse()));

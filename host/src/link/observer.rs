@@ -9,7 +9,7 @@ use wasmtime::Store;
 use super::{Exports, Link, LinkState, LinkStats, Observer};
 use crate::clock::Deadline;
 use crate::error::{Bound, Call, Error};
-use crate::handler::Observations;
+use crate::observe::Observations;
 use std::sync::Arc;
 
 /// Counters of one policy kept from one `report`: more are left out.
@@ -41,7 +41,7 @@ impl Link {
     pub(crate) fn observes(
         &mut self,
         deadline: &mut Deadline,
-    ) -> Result<Option<(u32, Option<u64>, crate::handler::Detail)>, Error> {
+    ) -> Result<Option<(u32, Option<u64>, crate::observe::Detail)>, Error> {
         if !matches!(self.bindings, Exports::V2(_)) {
             return Ok(None);
         }
@@ -82,7 +82,7 @@ impl Link {
         }
         for batch in events.chunks(obs.batch()) {
             self.calls.observed += 1;
-            let batch = crate::handler::observation(batch, obs.detail());
+            let batch = crate::observe::observation(batch, obs.detail());
             self.observer_call(Call::Observe, deadline, |o, s| o.call_observe(s, &batch))?;
         }
         Ok(())

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use crate::error::LoadError;
 use crate::link::LinkState;
 use crate::link::PolicyInfo;
-use crate::link::{bindings, bindings_v2};
+use crate::wit::{bindings, bindings_v2};
 
 /// A policy ready to start, in the version of the world it was built against.
 #[derive(Clone)]

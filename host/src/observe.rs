@@ -21,7 +21,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 use allocbox_ledger::fasthash::FastMap;
 
-pub(crate) use crate::link::bindings_v2::exports::allocbox::policy::observer::{
+pub(crate) use crate::wit::bindings_v2::exports::allocbox::policy::observer::{
     Detail, Events, Observation, Op, Survivors, Totals,
 };
 
