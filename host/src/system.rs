@@ -6,14 +6,15 @@
 //! rule is what makes this memory-safe.
 
 mod adversary;
+mod arena;
 
 use std::alloc::{self, Layout};
 use std::collections::{BTreeMap, VecDeque};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use adversary::Arena;
 pub use adversary::{Adversary, Injected, Refusal};
+use arena::Arena;
 
 use crate::ledger::{Ledger, TakeBack};
 

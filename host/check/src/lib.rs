@@ -9,7 +9,7 @@
 //! shrinking never changes which block another one means.
 //!
 //! Where each part lives: `script` (the text form `allocbox replay` reads), `strategy`
-//! (drawing and shrinking scripts), `pattern` (the bytes every block holds), `model`
+//! (drawing scripts), `shrink` (shrinking a failing one), `pattern` (the bytes every block holds), `model`
 //! (the live blocks and their bytes), `runner` (a script against a fresh handler),
 //! `verdict` (options and findings).
 //!
@@ -33,13 +33,15 @@ mod pattern;
 mod runner;
 mod script;
 mod seeds;
+mod shrink;
 mod strategy;
 mod verdict;
 
-use runner::{Subject, Tally};
+use runner::Subject;
 pub use script::{CallPath, Op, SCRIPT_NOTATION, Script};
 use seeds::SeedFile;
 use strategy::{Case, Scripts};
+use verdict::Tally;
 pub use verdict::{
     CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS, MAX_SHRINK_TIME, Progress,
     ProgressFn, default_regressions_dir,

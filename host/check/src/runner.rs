@@ -6,7 +6,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use std::sync::Arc;
 
-use allocbox::mapped::KindGrant;
 use allocbox::{Adversary, Limits};
 use allocbox::{Error, LoadError, Rule};
 use allocbox::{Handler, HandlerBuilder};
@@ -16,7 +15,7 @@ use super::model::Live;
 use super::pattern::PERIOD;
 use super::script::{BlockId, CallPath, Op, Script};
 use super::strategy::Case;
-use super::verdict::Finding;
+use super::verdict::{Finding, Tally};
 use allocbox_ledger::fasthash::FastMap;
 
 /// Runs one client's operations against a handler and checks every answer.
@@ -287,45 +286,6 @@ pub(super) struct Subject<'a> {
     pub(super) tally: Tally,
 }
 
-/// Upstream requests refused on purpose, and the policy's own counters, over the cases
-/// run: summed, a `peak-` counter (a high-water mark) its largest.
-#[derive(Debug, Default)]
-pub(super) struct Tally {
-    /// Past the overhead budget: the impossible sizes the checker asks for.
-    pub(super) budget: AtomicU64,
-    /// By `oom` operations.
-    pub(super) injected: AtomicU64,
-    /// The policy's `lifecycle.report` at the end of each case, by name, in the order
-    /// the policy first named them.
-    pub(super) counters: std::sync::Mutex<Vec<(String, u64)>>,
-    /// Regions a policy of the chain asked for of a kind not granted, by kind.
-    pub(super) ungranted: std::sync::Mutex<Vec<(KindGrant, u64)>>,
-}
-
-impl Tally {
-    fn add_ungranted(&self, refused: &[(KindGrant, u64)]) {
-        let mut all = self.ungranted.lock().unwrap_or_else(|p| p.into_inner());
-        for &(kind, n) in refused {
-            match all.iter_mut().find(|(k, _)| *k == kind) {
-                Some((_, sum)) => *sum = sum.saturating_add(n),
-                None => all.push((kind, n)),
-            }
-        }
-        all.sort_unstable();
-    }
-
-    fn add_counters(&self, counters: Vec<(String, u64)>) {
-        let mut all = self.counters.lock().unwrap_or_else(|p| p.into_inner());
-        for (name, value) in counters {
-            match all.iter_mut().find(|(n, _)| *n == name) {
-                Some((n, peak)) if n.starts_with("peak-") => *peak = (*peak).max(value),
-                Some((_, sum)) => *sum = sum.saturating_add(value),
-                None => all.push((name, value)),
-            }
-        }
-    }
-}
-
 impl Subject<'_> {
     /// A fresh handler over a fresh checker's upstream from the subject's seed, asking
     /// its policy the way `path` says.
@@ -579,23 +539,4 @@ pub(super) fn leak_check(handler: &Handler) -> Option<Finding> {
     handler
         .failure()
         .map(|failure| Finding::from_error(&failure))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn counters_add_up_over_cases_but_a_peak_is_the_largest() {
-        let tally = Tally::default();
-        let case = |lent, peak| vec![("lent".to_string(), lent), ("peak-bytes".to_string(), peak)];
-        tally.add_counters(case(3, 4096));
-        tally.add_counters(case(5, 100));
-        tally.add_counters(vec![("refused".to_string(), 1)]);
-        let all = tally.counters.into_inner().unwrap();
-        let expected = [("lent", 8), ("peak-bytes", 4096), ("refused", 1)];
-        let expected: Vec<(String, u64)> =
-            expected.iter().map(|&(n, v)| (n.to_string(), v)).collect();
-        assert_eq!(all, expected);
-    }
 }
