@@ -50,7 +50,7 @@ impl Handler {
     /// Check the host's own invariants, for tests and fuzzing: every block a link lent
     /// lies inside memory that link holds from its upstream, so every block a client
     /// holds lies in live host memory; no client block lies in memory the host released
-    /// (with [`HandlerBuilder::quarantine`]); each ledger's indexes agree; the thread
+    /// (with [`super::HandlerBuilder::quarantine`]); each ledger's indexes agree; the thread
     /// caches hold exactly the blocks the ledger says they hold.
     pub fn audit(&self) -> Result<(), InvariantBroken> {
         let unaudited = |reason| InvariantBroken {
