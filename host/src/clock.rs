@@ -169,6 +169,9 @@ mod tests {
                 "handler.rs",
                 "handler/inspect.rs",
                 "handler/chain.rs",
+                // A request of an observing policy's client, renewal and delivery
+                // included.
+                "handler/observed.rs",
             ],
         ),
     ];

@@ -4,7 +4,9 @@
 
 mod builder;
 mod chain;
+mod fallback;
 mod inspect;
+mod observed;
 
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -14,7 +16,7 @@ use crate::error::{ClientError, Error};
 use crate::ledger::{CacheId, TakeBack};
 use crate::link::PolicyInfo;
 use crate::memhandler::{MemHandler, Stats};
-use crate::observe::{Observations, Op};
+use crate::observe::Observations;
 use allocbox_ledger::cache::{
     self as cache, Caches, MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, Mine, Reach, Unreachable,
 };
@@ -154,74 +156,6 @@ impl Handler {
             .map(|(block, _)| block)
     }
 
-    /// [`Handler::lend`] for an observing policy: within its lease (renewed when it does
-    /// not cover the request), from a magazine or the policy, and told to the policy.
-    #[inline(never)]
-    fn lend_observed<const ZEROED: bool>(
-        &self,
-        obs: &Observations,
-        size: u64,
-    ) -> Result<Option<NonNull<u8>>, Error> {
-        // The renewal, the request and the delivery it completes are one call.
-        let deadline = &mut self.client_call();
-        if !obs.reserve(size) && !self.renew(deadline, obs, size)? {
-            let mut mine = self.caches.mine();
-            mine.with(|c| {
-                count_request::<ZEROED>(&mut c.counts);
-                c.counts.failed += 1;
-            });
-            return Ok(None);
-        }
-        let op = if ZEROED { Op::Calloc } else { Op::Malloc };
-        let mut mine = self.thread_cache();
-        let from_magazine = mine.is_some() && size <= MAGAZINE_MAX_SIZE;
-        if from_magazine
-            && let Some(mine) = &mut mine
-            && let Some(addr) = take_counted::<ZEROED>(mine, size)
-        {
-            let addr = zeroed_if::<ZEROED>(addr, size);
-            if obs.lent(op, addr, size) {
-                self.deliver(deadline);
-            }
-            return Ok(to_ptr(addr));
-        }
-        let answer = self.lend_from_chain::<ZEROED>(Some(deadline), mine, size, from_magazine);
-        match &answer {
-            Ok((Some(block), Via::Magazine)) => {
-                if obs.lent(op, block.as_ptr() as u64, size) {
-                    self.deliver(deadline);
-                }
-            }
-            Ok((Some(_), Via::Policy)) => obs.served_by_policy(size),
-            _ => obs.cancel(size),
-        }
-        answer.map(|(block, _)| block)
-    }
-
-    /// Renew an observing policy's lease for a request of `size` bytes and reserve the
-    /// request from it: false when the policy's answer does not cover it.
-    #[cold]
-    fn renew(&self, deadline: &mut Deadline, obs: &Observations, size: u64) -> Result<bool, Error> {
-        let mut c = self.lock_for(deadline)?;
-        if c.failure.is_some() {
-            // Served by the fallback, or refused as on every path of a failed chain.
-            return Ok(true);
-        }
-        let renewed = c.head.renew(deadline, size).map(|()| 0);
-        settle(&mut c, renewed)?;
-        Ok(obs.reserve(size))
-    }
-
-    /// Tell an observing policy what was served without it. A failure stops the chain
-    /// (settled here); the blocks already lent stand.
-    #[cold]
-    fn deliver(&self, deadline: &mut Deadline) {
-        if let Ok(mut c) = self.lock_for(deadline) {
-            let delivered = c.head.deliver(deadline).map(|()| 0);
-            let _ = settle(&mut c, delivered);
-        }
-    }
-
     /// The most common magazine hits alone: a block from the calling thread's
     /// magazine for `size`, lent and counted as `malloc` would, or `None` (nothing
     /// changed) when this path cannot serve it; `malloc` can. It calls nothing, so a
@@ -282,29 +216,6 @@ impl Handler {
             served(n, &answer, size);
         });
         Ok((to_ptr(answer?), via))
-    }
-
-    /// [`Self::lend_from_chain`] once the chain has failed: the fallback serves, if
-    /// there is one.
-    #[cold]
-    #[inline(never)]
-    fn lend_from_fallback<const ZEROED: bool>(
-        &self,
-        mut c: Books<'_>,
-        mut mine: Option<Mine<'_>>,
-        size: u64,
-    ) -> Result<(Option<NonNull<u8>>, Via), Error> {
-        let unserved = self.fallback.is_none();
-        count(&mut c, &mut mine, |n| {
-            count_request::<ZEROED>(n);
-            n.failed += u64::from(unserved);
-        });
-        drop(c);
-        let rerouted = self.reroute(|f| match ZEROED {
-            true => f.calloc(size as usize, 1),
-            false => f.malloc(size as usize),
-        });
-        rerouted.map(|block| (block, Via::Policy))
     }
 
     /// A zero-filled block of `nelem * elsize` bytes; `None` when out of memory or when
@@ -588,59 +499,6 @@ impl Handler {
             c.head.lent_mut().set_cache(addr, None);
         }
         Ok(taken)
-    }
-
-    /// The fallback that lends the blocks rerouted to it on this handler's behalf.
-    fn rerouted_to(&self) -> &Handler {
-        self.fallback
-            .as_ref()
-            .expect("rerouted blocks have a fallback")
-    }
-
-    fn reroute(
-        &self,
-        f: impl FnOnce(&Handler) -> Result<Option<NonNull<u8>>, Error>,
-    ) -> Result<Option<NonNull<u8>>, Error> {
-        let Some(fallback) = &self.fallback else {
-            let c = self.lock()?;
-            let cause = c.failure.clone().expect("rerouting only after a failure");
-            return Err(poisoned(&cause));
-        };
-        let block = f(fallback)?;
-        if let Some(p) = block {
-            self.lock()?.rerouted.insert(p.as_ptr() as u64);
-        }
-        Ok(block)
-    }
-
-    /// Realloc on a failed chain: copy the block into the fallback, then release it here.
-    fn move_to_fallback(
-        &self,
-        mut c: Books<'_>,
-        deadline: &mut Deadline,
-        mine: &mut Option<Mine<'_>>,
-        addr: u64,
-        old: u64,
-        new: u64,
-    ) -> Result<Option<NonNull<u8>>, Error> {
-        let Some(fallback) = &self.fallback else {
-            count(&mut c, mine, |n| n.failed += 1);
-            return Err(poisoned(c.failure.as_ref().expect("failed chain")));
-        };
-        let Some(fresh) = fallback.malloc(new as usize)? else {
-            return Ok(None);
-        };
-        // SAFETY: `addr` is a live block of `old` bytes this handler lent (found in the
-        // ledger, held by the client), and `fresh` a new block of at least `new` bytes
-        // from another handler; distinct live blocks do not overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(addr as *const u8, fresh.as_ptr(), old.min(new) as usize)
-        };
-        count(&mut c, mine, |n| n.take_back(old));
-        // The block was found with its size; a dead head only updates its books.
-        let _ = c.head.free(deadline, addr, old);
-        c.rerouted.insert(fresh.as_ptr() as u64);
-        Ok(Some(fresh))
     }
 }
 
