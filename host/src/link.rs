@@ -17,6 +17,8 @@
 //! - [`observer`]: what the host tells and asks a policy besides its allocator calls:
 //!   observation (terms, deliveries, renewals) and its counters.
 
+mod bytes;
+mod clearance;
 mod imports;
 mod mapped;
 mod observer;
@@ -122,8 +124,8 @@ pub(crate) struct LinkState {
     read_limit: u64,
     overhead_limit: u64,
     budget_refusals: u64,
-    /// What the last full `bytes` check cleared; see [`imports::Clearance`].
-    clearance: Option<imports::Clearance>,
+    /// What the last full `bytes` check cleared; see [`clearance::Clearance`].
+    clearance: Option<clearance::Clearance>,
     /// Upstream memory known to hold only zeros in the current call.
     zeroed: Zeroed,
     /// Deep checks ([`crate::HandlerBuilder::checked`]): a `calloc` answer that is not

@@ -118,7 +118,7 @@ impl LinkState {
     }
 
     /// Refuse work past a bound of [`Limits`].
-    fn bounded(
+    pub(super) fn bounded(
         &mut self,
         call: Call,
         bound: Bound,
@@ -235,69 +235,6 @@ impl LinkState {
         self.violate(call, addr, size, rule)
     }
 
-    /// Is `[at, at+len)` (`len` at least 1) inside the current [`Clearance`]: upstream
-    /// memory this policy holds, not held back, overlapping no block it lent?
-    pub(super) fn cleared(&self, at: u64, len: u64) -> bool {
-        self.clearance.is_some_and(|c| {
-            c.upstream == self.upstream.lent().generation()
-                && c.lent == self.lent.generation()
-                && self.transit.holds_back_nothing()
-                && at >= c.start
-                && at.checked_add(len).is_some_and(|end| end <= c.end)
-        })
-    }
-
-    /// Make a block upstream just lent, of `size` bytes as its ledger records it, the
-    /// clearance: it overlaps no block this policy lent, because every one of those lies
-    /// inside an upstream block it still holds, and upstream blocks are disjoint. So the
-    /// block the policy answers inside it is admitted without a query.
-    fn clear_fresh(&mut self, block: u64, size: u64) {
-        debug_assert_eq!(self.upstream.lent().get(block).map(|e| e.size), Some(size));
-        self.clearance = Some(Clearance {
-            start: block,
-            end: block + size,
-            upstream: self.upstream.lent().generation(),
-            lent: self.lent.generation(),
-        });
-    }
-
-    /// Make a block this policy's client just gave back, of `size` bytes as the link's
-    /// ledger recorded it and now off it, the clearance. It lies inside one upstream
-    /// block the policy still holds (admission checked that, and no give-back upstream
-    /// may take memory from under a lent block), and lent blocks are disjoint, so it
-    /// overlaps none of those left. The policy's own give-back of that memory, or the
-    /// header it writes there, then needs no query.
-    pub(super) fn clear_taken_back(&mut self, block: u64, size: u64) {
-        self.clearance = Some(Clearance {
-            start: block,
-            end: block.saturating_add(size),
-            upstream: self.upstream.lent().generation(),
-            lent: self.lent.generation(),
-        });
-    }
-
-    /// The full check behind [`Self::cleared`]: does `[at, at+len)` (`len` at least 1)
-    /// lie inside one upstream block this policy holds, outside held-back memory and
-    /// every block it lent? If so, the clear stretch around it becomes the clearance.
-    fn clear(&mut self, at: u64, len: u64) -> bool {
-        let Some((block, block_size)) = self.owned_containing(at, len) else {
-            return false;
-        };
-        if self.transit.held_back_overlapping(at, len).is_some() {
-            return false;
-        }
-        let Some((gap_start, gap_end)) = self.lent.nearby().gap_around(at, len) else {
-            return false;
-        };
-        self.clearance = Some(Clearance {
-            start: block.max(gap_start),
-            end: (block + block_size).min(gap_end),
-            upstream: self.upstream.lent().generation(),
-            lent: self.lent.generation(),
-        });
-        true
-    }
-
     /// Is `ptr` an upstream block this policy holds with exactly `size` bytes? A block
     /// it already gave back during the current realloc is a double free.
     // Always: like its one caller, `check_give_back`.
@@ -313,7 +250,7 @@ impl LinkState {
 
     /// Is `[at, at+len)` inside memory this policy owns and has not lent out? The block
     /// in transit may also be read.
-    fn check_bytes(
+    pub(super) fn check_bytes(
         &mut self,
         call: Call,
         at: u64,
@@ -386,20 +323,6 @@ impl LinkState {
         self.zeroed.forget(ptr, size);
         Ok(self.transit.under_block(ptr, size))
     }
-}
-
-/// Upstream memory that the last full check of a `bytes` range found inside one block
-/// the policy holds and clear of every block it lent, with both ledgers' generations
-/// at that moment. While both generations are current and nothing is held back, any
-/// range inside it would pass that check again: so the few header words a policy reads
-/// or writes around one block, and the block it then answers there, cost one full
-/// check (three ledger queries) rather than two queries each.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Clearance {
-    start: u64,
-    end: u64,
-    upstream: u64,
-    lent: u64,
 }
 
 impl bindings::allocbox::policy::allocator::Host for LinkState {
@@ -538,153 +461,5 @@ pub(super) fn check_lent(ledger: &Ledger, ptr: u64, size: u64) -> Result<(), Tak
         Some(e) if e.size == size => Ok(()),
         Some(e) => Err(TakeBack::WrongSize { recorded: e.size }),
         None => Err(ledger.why_unknown(ptr)),
-    }
-}
-
-/// Bytes one step of a long `bytes` access touches before the call's time is checked
-/// again: a few milliseconds of memory bandwidth.
-const BYTES_CHUNK: u64 = 16 << 20;
-
-/// Which end of a range a chunked loop starts from.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Order {
-    Ascending,
-    /// For a copy whose destination lies above its overlapping source: a chunk copied
-    /// from the end never overwrites source bytes still to be copied.
-    Descending,
-}
-
-impl LinkState {
-    /// Run `step(offset, len)` over `[0, total)` in chunks of at most [`BYTES_CHUNK`],
-    /// checking the call's time before each, so that no host loop whose length a guest
-    /// chose outlives the call's deadline by more than one chunk.
-    fn in_chunks(
-        &mut self,
-        call: Call,
-        total: u64,
-        order: Order,
-        mut step: impl FnMut(u64, u64),
-    ) -> wasmtime::Result<()> {
-        let mut done = 0;
-        while done < total {
-            self.on_time(call)?;
-            let len = (total - done).min(BYTES_CHUNK);
-            let offset = match order {
-                Order::Ascending => done,
-                Order::Descending => total - done - len,
-            };
-            step(offset, len);
-            done += len;
-        }
-        Ok(())
-    }
-}
-
-impl bindings::allocbox::policy::bytes::Host for LinkState {
-    fn read(&mut self, at: u64, len: u32) -> wasmtime::Result<Vec<u8>> {
-        self.on_time(Call::BytesRead)?;
-        let limit = self.read_limit;
-        self.bounded(Call::BytesRead, Bound::ReadLength, len.into(), limit)?;
-        self.check_bytes(Call::BytesRead, at, len.into(), true)?;
-        let mut out = vec![0; len as usize];
-        let into = out.as_mut_ptr() as u64;
-        self.in_chunks(
-            Call::BytesRead,
-            len.into(),
-            Order::Ascending,
-            |offset, n| {
-                // SAFETY: check_bytes proved `[at, at+len)` lies inside one live upstream
-                // block (or the block in transit, which lies inside one), and every block in
-                // a ledger lies inside host memory allocated by SystemMemory and not yet
-                // released; `out` has `len` bytes; this chunk lies inside both.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        (at + offset) as *const u8,
-                        (into + offset) as *mut u8,
-                        n as usize,
-                    )
-                };
-            },
-        )?;
-        Ok(out)
-    }
-
-    fn write(&mut self, at: u64, data: Vec<u8>) -> wasmtime::Result<()> {
-        self.on_time(Call::BytesWrite)?;
-        self.check_bytes(Call::BytesWrite, at, data.len() as u64, false)?;
-        self.zeroed.forget(at, data.len() as u64);
-        let source = data.as_ptr() as u64;
-        self.in_chunks(
-            Call::BytesWrite,
-            data.len() as u64,
-            Order::Ascending,
-            |offset, n| {
-                // SAFETY: as in `read`; the range is also not lent out, so no client holds
-                // it; `data` has the range's length.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        (source + offset) as *const u8,
-                        (at + offset) as *mut u8,
-                        n as usize,
-                    )
-                };
-            },
-        )?;
-        Ok(())
-    }
-
-    fn fill(&mut self, at: u64, len: u64, byte: u8) -> wasmtime::Result<()> {
-        self.check_bytes(Call::BytesFill, at, len, false)?;
-        self.zeroed.forget(at, len);
-        self.in_chunks(Call::BytesFill, len, Order::Ascending, |offset, n| {
-            // SAFETY: as in `write`; the chunk lies inside the checked range.
-            unsafe { std::ptr::write_bytes((at + offset) as *mut u8, byte, n as usize) };
-        })?;
-        if byte == 0 {
-            self.zeroed.add(at, len);
-        }
-        Ok(())
-    }
-
-    fn copy(&mut self, dst: u64, src: u64, len: u64) -> wasmtime::Result<()> {
-        self.check_bytes(Call::BytesCopy, src, len, true)?;
-        self.check_bytes(Call::BytesCopy, dst, len, false)?;
-        self.zeroed.forget(dst, len);
-        let order = match dst > src && dst < src + len {
-            true => Order::Descending,
-            false => Order::Ascending,
-        };
-        self.in_chunks(Call::BytesCopy, len, order, |offset, n| {
-            // SAFETY: both ranges were checked as in `read`/`write` and the chunk lies
-            // inside both; `copy` allows overlap inside one chunk, and chunks are taken
-            // from the end exactly when the destination lies above an overlapping source,
-            // so no chunk overwrites source bytes a later chunk still reads.
-            unsafe {
-                std::ptr::copy(
-                    (src + offset) as *const u8,
-                    (dst + offset) as *mut u8,
-                    n as usize,
-                )
-            };
-        })?;
-        Ok(())
-    }
-
-    fn read_u64(&mut self, at: u64) -> wasmtime::Result<u64> {
-        self.on_time(Call::BytesRead)?;
-        self.check_bytes(Call::BytesRead, at, 8, true)?;
-        // SAFETY: as in `read`; an unaligned read is used because headers may sit anywhere.
-        Ok(u64::from_le(unsafe {
-            std::ptr::read_unaligned(at as *const u64)
-        }))
-    }
-
-    fn write_u64(&mut self, at: u64, value: u64) -> wasmtime::Result<()> {
-        self.on_time(Call::BytesWrite)?;
-        self.check_bytes(Call::BytesWrite, at, 8, false)?;
-        self.zeroed.forget(at, 8);
-        // SAFETY: as in `write`.
-        unsafe { std::ptr::write_unaligned(at as *mut u64, value.to_le()) };
-        Ok(())
     }
 }
