@@ -10,7 +10,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{Event, EventOp, Held, Mark, ReplayReport, stats_of};
+use super::replay::stats_of;
+use super::{Event, EventOp, Held, Mark, ReplayReport};
 use crate::fasthash::FastMap;
 use crate::handler::Handler;
 use crate::memhandler::MemHandler;
