@@ -2,121 +2,23 @@
 //! [`allocbox::trace::timeline`]) drawn side by side on one self-contained HTML page,
 //! and the plain-text and JSON summaries printed beside it.
 //!
-//! The page's charts are in [`charts`]; its style sheet is `report/style.css`.
+//! The page's charts are in [`charts`], the sections below them in [`sections`], its
+//! style sheet is `report/style.css`; the summaries are in [`summary`].
 
 mod charts;
+mod sections;
+mod summary;
 
 use std::fmt::Write as _;
 
 use allocbox::trace::Mark;
-use allocbox::trace::timeline::{Holdings, Phase, SIZE_BUCKETS, Sample, Timeline};
+use allocbox::trace::timeline::{SIZE_BUCKETS, Sample, Timeline};
 use plotters::style::RGBColor;
 
 use charts::*;
-
-/// The plain-text summary: one row per handler.
-pub fn summary_table(timelines: &[Timeline]) -> String {
-    let mut rows = vec![[
-        "handler".to_string(),
-        "events".to_string(),
-        "ns/event p50".to_string(),
-        "p99".to_string(),
-        "peak live".to_string(),
-        "peak held".to_string(),
-        "peak ratio".to_string(),
-        "final ratio".to_string(),
-        "failure".to_string(),
-    ]];
-    for t in timelines {
-        rows.push([
-            t.label.clone(),
-            t.replay.events.to_string(),
-            t.ns_median.to_string(),
-            t.ns_p99.to_string(),
-            bytes(t.peak_live),
-            bytes(t.peak_held),
-            ratio_text(t.peak_ratio),
-            ratio_text(t.final_ratio()),
-            t.failure_text().unwrap_or_else(|| "none".to_string()),
-        ]);
-    }
-    let mut widths = [0; 9];
-    for row in &rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
-    }
-    let mut out = String::new();
-    for row in &rows {
-        let mut line = String::new();
-        for (i, (cell, w)) in row.iter().zip(widths).enumerate() {
-            match i {
-                0 | 8 => write!(line, "{cell:<w$}  "),
-                _ => write!(line, "{cell:>w$}  "),
-            }
-            .expect("writing to a String");
-        }
-        out += line.trim_end();
-        out.push('\n');
-    }
-    out
-}
-
-fn ratio_text(r: Option<f64>) -> String {
-    r.map_or("-".to_string(), |r| format!("{r:.2}x"))
-}
-
-/// `bytes` in binary units: `512 B`, `1.5 KiB`, `12.0 MiB`.
-pub fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
-    if n < 1024 {
-        return format!("{n} B");
-    }
-    let mut v = n as f64 / 1024.0;
-    let mut unit = 0;
-    while v >= 1024.0 && unit + 1 < UNITS.len() {
-        v /= 1024.0;
-        unit += 1;
-    }
-    if v < 10.0 {
-        format!("{v:.1} {}", UNITS[unit])
-    } else {
-        format!("{v:.0} {}", UNITS[unit])
-    }
-}
-
-/// A timeline's summary as JSON (what `allocbox report --json` prints, one per
-/// handler).
-pub fn timeline_json(timeline: &Timeline) -> serde_json::Value {
-    let failure = timeline.replay.failure.as_ref().map(|(event, error)| {
-        serde_json::json!({
-            "line": event.line,
-            "event": event.to_string(),
-            "error": error.to_string(),
-        })
-    });
-    serde_json::json!({
-        "label": timeline.label,
-        "handler": timeline.handler,
-        "events": timeline.replay.events,
-        "seconds": timeline.replay.elapsed.as_secs_f64(),
-        "ns_per_event_median": timeline.ns_median,
-        "ns_per_event_p99": timeline.ns_p99,
-        "ns_per_event_max": timeline.ns_max,
-        "peak_live_bytes": timeline.peak_live,
-        "peak_held_bytes": timeline.peak_held,
-        "held_at_peak_live_bytes": timeline.held_at_peak_live,
-        "ratio_at_peak_live": timeline.ratio_at_peak_live(),
-        "peak_ratio": timeline.peak_ratio,
-        "final_live_bytes": timeline.final_live,
-        "final_held_bytes": timeline.final_held,
-        "final_ratio": timeline.final_ratio(),
-        "out_of_memory": timeline.replay.out_of_memory,
-        "unknown_ids": timeline.replay.unknown_ids,
-        "failure": failure,
-        "leak": timeline.replay.leak.as_ref().map(ToString::to_string),
-    })
-}
+use sections::{holdings_section, left_section, peak_section, phases_section};
+use summary::ratio_text;
+pub use summary::{bytes, summary_table, timeline_json};
 
 /// Text for HTML, escaped: everything a policy names itself or says in an error comes
 /// from the guest, which may be hostile.
@@ -136,7 +38,7 @@ pub fn escape_html(text: &str) -> String {
 }
 
 /// The last part of a path (a policy file's name), or the whole label.
-fn short_label(label: &str) -> &str {
+pub(super) fn short_label(label: &str) -> &str {
     label
         .rsplit(['/', '\\'])
         .next()
@@ -390,247 +292,6 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> 
     }
     html += "</body>\n</html>\n";
     html
-}
-
-/// Where and when each handler's client held the most, in which test, and what the
-/// handler held then.
-fn peak_section(timelines: &[Timeline], marks: &[Mark]) -> String {
-    let mut html = String::from(
-        "<h2>Peak</h2>\n<p class=\"explain\"><i>Held/live</i> is the bytes a handler holds \
-         from the host for each byte its client holds: 1x is no overhead, 2x means half of \
-         what it holds is not in use by the client (kept for reuse, rounded up, or \
-         fragmented). Where the client holds little, a small cache makes it large, so the \
-         ratio that matters is the one at the peak.</p>\n<ul class=\"peaks\">\n",
-    );
-    for t in timelines {
-        // The phase is the last mark at or before the peak's event.
-        let test = marks
-            .partition_point(|m| m.at < t.peak_live_at)
-            .checked_sub(1)
-            .map(|i| marks[i].text.as_str());
-        let _ = writeln!(
-            html,
-            "<li><b>{}</b>: the client held the most, {}, after event {}{}; the handler then \
-             held {} from the host ({} the client's bytes).</li>",
-            escape_html(short_label(&t.label)),
-            bytes(t.peak_live),
-            t.peak_live_at,
-            test.map_or(String::new(), |name| format!(
-                ", in <code>{}</code>",
-                escape_html(name)
-            )),
-            bytes(t.held_at_peak_live),
-            ratio_text(t.ratio_at_peak_live()),
-        );
-    }
-    html + "</ul>\n"
-}
-
-/// The phases (tests) to look at first: the most live bytes, and the most overhead at
-/// their own peak.
-fn phases_section(timelines: &[Timeline]) -> String {
-    const SHOWN: usize = 10;
-    const RATIO_FLOOR: u64 = 1 << 20;
-    let Some(first) = timelines.first() else {
-        return String::new();
-    };
-    let named = first.phases.iter().filter(|p| !p.name.is_empty()).count();
-    if named == 0 {
-        return String::new();
-    }
-    let trace_peak = first.peak_live.max(1);
-    let by = |key: &dyn Fn(&Phase) -> f64, floor: u64| -> Vec<usize> {
-        let mut order: Vec<usize> = (0..first.phases.len())
-            .filter(|&i| first.phases[i].peak_live >= floor)
-            .collect();
-        order.sort_by(|&a, &b| {
-            let best = |i: usize| {
-                timelines
-                    .iter()
-                    .filter_map(|t| phase_of(t, i))
-                    .map(key)
-                    .fold(0.0, f64::max)
-            };
-            best(b).total_cmp(&best(a))
-        });
-        order.truncate(SHOWN);
-        order
-    };
-    let by_peak = by(&|p| p.peak_live as f64, 1);
-    // Overhead matters where there are bytes to waste: a tiny phase's ratio is noise.
-    let by_ratio = by(
-        &|p| p.ratio_at_peak_live().unwrap_or(0.0),
-        RATIO_FLOOR.min(trace_peak),
-    );
-    let mut html = format!(
-        "<h2>Phases</h2>\n<p class=\"explain\">The trace's comment lines divide it into {named} \
-         phases (the tests that made its events). Each cell: the phase's peak live bytes, \
-         and the handler's held/live at that peak.</p>\n"
-    );
-    for (title, order) in [
-        ("By peak live bytes", &by_peak),
-        (
-            "By held/live at their peak (phases whose peak live is at least 1 MiB, or the \
-             trace's peak if less)",
-            &by_ratio,
-        ),
-    ] {
-        let _ = write!(
-            html,
-            "<h3>{title}</h3>\n<table class=\"summary phases\">\n<thead><tr><th>test</th><th>events</th>"
-        );
-        for t in timelines {
-            let _ = write!(html, "<th>{}</th>", escape_html(short_label(&t.label)));
-        }
-        html += "</tr></thead>\n<tbody>\n";
-        for &i in order {
-            let p = &first.phases[i];
-            let name = if p.name.is_empty() {
-                "(before the first test)"
-            } else {
-                &p.name
-            };
-            let _ = write!(
-                html,
-                "<tr><td class=\"name\">{}</td><td>{}&ndash;{}</td>",
-                escape_html(name),
-                p.start,
-                p.end
-            );
-            for t in timelines {
-                let _ = match phase_of(t, i) {
-                    Some(p) => write!(
-                        html,
-                        "<td>{} &middot; {}</td>",
-                        bytes(p.peak_live),
-                        ratio_text(p.ratio_at_peak_live())
-                    ),
-                    None => write!(html, "<td>not reached</td>"),
-                };
-            }
-            html += "</tr>\n";
-        }
-        html += "</tbody>\n</table>\n";
-    }
-    html
-}
-
-/// Where what each handler held went when it held the most, by the size class of the
-/// client's blocks: held, live and wasted bytes, side by side.
-fn holdings_section(timelines: &[Timeline]) -> String {
-    let shown: Vec<(&Timeline, &Holdings)> = timelines
-        .iter()
-        .filter_map(|t| Some((t, t.holdings.as_ref()?)))
-        .collect();
-    if shown.is_empty() {
-        return String::new();
-    }
-    let mut html = String::from(
-        "<h2>Held and wasted, by size class</h2>\n<p class=\"explain\">When each handler \
-         held the most from the host, where those bytes went: each block it held is shared \
-         among the client's blocks inside it, in proportion to their sizes. <i>Wasted</i> \
-         is held less live: headers, rounding up and room kept inside blocks; <i>idle</i> \
-         blocks hold no client block at all (caches, free room).</p>\n\
-         <div class=\"row holdings\">\n",
-    );
-    for (t, holdings) in shown {
-        let _ = write!(
-            html,
-            "<figure><figcaption>{} <span>after event {}</span></figcaption>\n\
-             <table class=\"summary\"><thead><tr><th>size</th><th>blocks</th><th>live</th>\
-             <th>held</th><th>wasted</th><th>held/live</th></tr></thead>\n<tbody>\n",
-            escape_html(short_label(&t.label)),
-            holdings.at,
-        );
-        for (bucket, &(blocks, live, held)) in holdings.classes.iter().enumerate() {
-            if blocks == 0 {
-                continue;
-            }
-            let _ = writeln!(
-                html,
-                "<tr><td>from {}</td><td>{blocks}</td><td>{}</td><td>{}</td><td>{}</td>\
-                 <td>{}</td></tr>",
-                bucket_floor(bucket),
-                bytes(live),
-                bytes(held),
-                bytes(held.saturating_sub(live)),
-                ratio_text((live > 0).then(|| held as f64 / live as f64)),
-            );
-        }
-        let (idle_blocks, idle) = holdings.idle;
-        let _ = writeln!(
-            html,
-            "<tr><td>idle</td><td>{idle_blocks}</td><td>0 B</td><td>{}</td><td>{}</td>\
-             <td>-</td></tr>\n</tbody>\n</table>\n</figure>",
-            bytes(idle),
-            bytes(idle)
-        );
-    }
-    html + "</div>\n"
-}
-
-/// The smallest size in a size bucket, in bytes: `0 B`, `64 B`, `1.0 KiB`.
-fn bucket_floor(bucket: usize) -> String {
-    match bucket {
-        0 => bytes(0),
-        b => bytes(1 << (b - 1)),
-    }
-}
-
-/// Phase `i` of a handler's replay: every handler replays the same phases, but one that
-/// stopped at a failure has fewer.
-fn phase_of(t: &Timeline, i: usize) -> Option<&Phase> {
-    t.phases.get(i).filter(|p| p.end > p.start)
-}
-
-/// What the trace left live at its end, by size, and what each handler held then.
-fn left_section(timelines: &[Timeline]) -> String {
-    let Some(first) = timelines.first() else {
-        return String::new();
-    };
-    let (blocks, total): (u64, u64) = first
-        .left_live
-        .iter()
-        .fold((0, 0), |(b, s), l| (b + l.0, s + l.1));
-    let mut html = format!(
-        "<h2>Left at the end</h2>\n<p class=\"explain\">Blocks the trace never freed: {blocks} \
-         blocks, {} (the client's leaks, or blocks of a recording that stopped mid-way). \
-         The replay frees them after the last event and trims; a handler that still holds \
-         host memory then has leaked it, and fails.</p>\n",
-        bytes(total)
-    );
-    if blocks > 0 {
-        html += "<table class=\"summary\">\n<thead><tr><th>size</th><th>blocks</th><th>bytes</th></tr></thead>\n<tbody>\n";
-        for (bucket, &(n, size)) in first.left_live.iter().enumerate().filter(|(_, l)| l.0 > 0) {
-            let _ = writeln!(
-                html,
-                "<tr><td>from {}</td><td>{n}</td><td>{}</td></tr>",
-                bucket_floor(bucket),
-                bytes(size)
-            );
-        }
-        html += "</tbody>\n</table>\n";
-    }
-    html += "<ul class=\"peaks\">\n";
-    for t in timelines {
-        let _ = writeln!(
-            html,
-            "<li><b>{}</b>: held {} from the host after the last event ({} the bytes left \
-             live); after freeing them and trimming: {}.</li>",
-            escape_html(short_label(&t.label)),
-            bytes(t.final_held),
-            ratio_text(t.final_ratio()),
-            match &t.replay.leak {
-                Some(leak) => format!(
-                    "<span class=\"failed\">{}</span>",
-                    escape_html(&leak.to_string())
-                ),
-                None if t.replay.failure.is_some() => "not reached (the replay failed)".to_string(),
-                None => "nothing held".to_string(),
-            }
-        );
-    }
-    html + "</ul>\n"
 }
 
 const STYLE: &str = include_str!("report/style.css");

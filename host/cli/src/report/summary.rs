@@ -1,0 +1,110 @@
+//! The plain-text and JSON summaries `allocbox report` prints beside its page: one row
+//! (or object) per handler.
+
+use std::fmt::Write as _;
+
+use allocbox::trace::timeline::Timeline;
+
+/// The plain-text summary: one row per handler.
+pub fn summary_table(timelines: &[Timeline]) -> String {
+    let mut rows = vec![[
+        "handler".to_string(),
+        "events".to_string(),
+        "ns/event p50".to_string(),
+        "p99".to_string(),
+        "peak live".to_string(),
+        "peak held".to_string(),
+        "peak ratio".to_string(),
+        "final ratio".to_string(),
+        "failure".to_string(),
+    ]];
+    for t in timelines {
+        rows.push([
+            t.label.clone(),
+            t.replay.events.to_string(),
+            t.ns_median.to_string(),
+            t.ns_p99.to_string(),
+            bytes(t.peak_live),
+            bytes(t.peak_held),
+            ratio_text(t.peak_ratio),
+            ratio_text(t.final_ratio()),
+            t.failure_text().unwrap_or_else(|| "none".to_string()),
+        ]);
+    }
+    let mut widths = [0; 9];
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for row in &rows {
+        let mut line = String::new();
+        for (i, (cell, w)) in row.iter().zip(widths).enumerate() {
+            match i {
+                0 | 8 => write!(line, "{cell:<w$}  "),
+                _ => write!(line, "{cell:>w$}  "),
+            }
+            .expect("writing to a String");
+        }
+        out += line.trim_end();
+        out.push('\n');
+    }
+    out
+}
+
+pub(super) fn ratio_text(r: Option<f64>) -> String {
+    r.map_or("-".to_string(), |r| format!("{r:.2}x"))
+}
+
+/// `bytes` in binary units: `512 B`, `1.5 KiB`, `12.0 MiB`.
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if v < 10.0 {
+        format!("{v:.1} {}", UNITS[unit])
+    } else {
+        format!("{v:.0} {}", UNITS[unit])
+    }
+}
+
+/// A timeline's summary as JSON (what `allocbox report --json` prints, one per
+/// handler).
+pub fn timeline_json(timeline: &Timeline) -> serde_json::Value {
+    let failure = timeline.replay.failure.as_ref().map(|(event, error)| {
+        serde_json::json!({
+            "line": event.line,
+            "event": event.to_string(),
+            "error": error.to_string(),
+        })
+    });
+    serde_json::json!({
+        "label": timeline.label,
+        "handler": timeline.handler,
+        "events": timeline.replay.events,
+        "seconds": timeline.replay.elapsed.as_secs_f64(),
+        "ns_per_event_median": timeline.ns_median,
+        "ns_per_event_p99": timeline.ns_p99,
+        "ns_per_event_max": timeline.ns_max,
+        "peak_live_bytes": timeline.peak_live,
+        "peak_held_bytes": timeline.peak_held,
+        "held_at_peak_live_bytes": timeline.held_at_peak_live,
+        "ratio_at_peak_live": timeline.ratio_at_peak_live(),
+        "peak_ratio": timeline.peak_ratio,
+        "final_live_bytes": timeline.final_live,
+        "final_held_bytes": timeline.final_held,
+        "final_ratio": timeline.final_ratio(),
+        "out_of_memory": timeline.replay.out_of_memory,
+        "unknown_ids": timeline.replay.unknown_ids,
+        "failure": failure,
+        "leak": timeline.replay.leak.as_ref().map(ToString::to_string),
+    })
+}
