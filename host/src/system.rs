@@ -285,13 +285,7 @@ impl SystemMemory {
             }
             // SAFETY: `ptr` is a live block of `old` bytes and `moved` a new one of `new`
             // bytes, both allocated here; distinct live blocks do not overlap.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    ptr as *const u8,
-                    moved as *mut u8,
-                    old.min(new) as usize,
-                )
-            };
+            unsafe { copy_kept(ptr, old, moved, new) };
             self.lent.remove(ptr);
             self.release(ptr, old);
             return Ok(moved);
@@ -333,13 +327,7 @@ impl SystemMemory {
             };
             // SAFETY: `ptr` is a live block of `old` bytes and `moved` a block of `new`
             // bytes the arena just placed under no other block, so they do not overlap.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    ptr as *const u8,
-                    moved as *mut u8,
-                    old.min(new) as usize,
-                )
-            };
+            unsafe { copy_kept(ptr, old, moved, new) };
             moved
         };
         if let Some(byte) = self.fresh
@@ -364,6 +352,19 @@ impl SystemMemory {
         self.release(ptr, size);
         Ok(())
     }
+}
+
+/// Copy what a resized block keeps, the first `min(old, new)` bytes, from the block at
+/// `from` (of `old` bytes) to the block at `to` (of `new` bytes).
+///
+/// # Safety
+/// Both are live blocks of host memory of at least those sizes, and they do not
+/// overlap (distinct live blocks never do).
+pub(crate) unsafe fn copy_kept(from: u64, old: u64, to: u64, new: u64) {
+    // SAFETY: the caller's contract: both ranges are live and disjoint.
+    unsafe {
+        std::ptr::copy_nonoverlapping(from as *const u8, to as *mut u8, old.min(new) as usize)
+    };
 }
 
 /// Give a block back to the checker's arena, if the memory serves from one, else to

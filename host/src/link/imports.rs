@@ -382,13 +382,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
                 // it in the upstream ledger with that size, not given back) and `fresh` a
                 // new one of `new` bytes; both lie in host memory lent by the upstream,
                 // and a new block cannot overlap a live one.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        ptr as *const u8,
-                        fresh as *mut u8,
-                        old.min(new) as usize,
-                    )
-                };
+                unsafe { crate::system::copy_kept(ptr, old, fresh, new) };
                 self.sandbox.excuse_since(since);
                 self.transit.hold_back(ptr, old);
             }
