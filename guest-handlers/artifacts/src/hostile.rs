@@ -12,6 +12,19 @@ pub fn passthrough_variant(from: &str, to: &str) -> String {
     source.replace(from, to)
 }
 
+/// `passthrough`, not batching (so a client's `malloc` reaches it), with its `malloc`
+/// export replaced by `malloc`.
+fn unbatched_with_malloc(malloc: &str) -> String {
+    let batching = "(i32.store8 (i32.const 32) (i32.const 1))";
+    let not_batching = "(i32.store8 (i32.const 32) (i32.const 0))";
+    let passthrough_malloc =
+        "(func (export \"allocbox:policy/allocator@0.1.0#malloc\") (param $size i64) (result i64)
+    (call $count (call $up_malloc (local.get $size))))";
+    let variant = passthrough_variant(batching, not_batching);
+    assert!(variant.contains(passthrough_malloc), "passthrough.wat's malloc changed");
+    variant.replace(passthrough_malloc, malloc)
+}
+
 /// The `passthrough` policy with `tables` tables of `entries` funcref entries each.
 pub fn with_tables(tables: usize, entries: u32) -> String {
     let declared: String = (0..tables)
@@ -40,15 +53,8 @@ pub fn memory_and_table_hog() -> String {
             )
         })
         .collect();
-    passthrough_variant(
-        "(i32.store8 (i32.const 32) (i32.const 1))",
-        "(i32.store8 (i32.const 32) (i32.const 0))",
-    )
-    .replace(
-        "(func (export \"allocbox:policy/allocator@0.1.0#malloc\") (param $size i64) (result i64)
-    (call $count (call $up_malloc (local.get $size))))",
-        &format!(
-            "{tables}
+    unbatched_with_malloc(&format!(
+        "{tables}
   (elem declare func $count)
   (func (export \"allocbox:policy/allocator@0.1.0#malloc\") (param $size i64) (result i64)
     (local $at i32) (local $grew i32)
@@ -61,8 +67,7 @@ pub fn memory_and_table_hog() -> String {
       {grow_tables}
       (br_if $more (local.get $grew)))
     unreachable)"
-        ),
-    )
+    ))
 }
 
 /// `passthrough`, not batching, whose `malloc` first takes 1-byte blocks from upstream
@@ -72,18 +77,11 @@ pub fn one_byte_blocks(hoarding: bool) -> String {
         true => "(br_if $hoard (i64.ne (call $up_malloc (i64.const 1)) (i64.const 0)))",
         false => "",
     };
-    passthrough_variant(
-        "(i32.store8 (i32.const 32) (i32.const 1))",
-        "(i32.store8 (i32.const 32) (i32.const 0))",
-    )
-    .replace(
+    unbatched_with_malloc(&format!(
         "(func (export \"allocbox:policy/allocator@0.1.0#malloc\") (param $size i64) (result i64)
-    (call $count (call $up_malloc (local.get $size))))",
-        "(func (export \"allocbox:policy/allocator@0.1.0#malloc\") (param $size i64) (result i64)
-    (loop $hoard TAKE)
-    (call $count (call $up_malloc (local.get $size))))",
-    )
-    .replace("TAKE", take)
+    (loop $hoard {take})
+    (call $count (call $up_malloc (local.get $size))))"
+    ))
 }
 
 /// `passthrough` with `functions` more empty functions: a policy that costs its compiler
