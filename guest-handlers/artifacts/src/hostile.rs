@@ -21,7 +21,10 @@ fn unbatched_with_malloc(malloc: &str) -> String {
         "(func (export \"allocbox:policy/allocator@0.1.0#malloc\") (param $size i64) (result i64)
     (call $count (call $up_malloc (local.get $size))))";
     let variant = passthrough_variant(batching, not_batching);
-    assert!(variant.contains(passthrough_malloc), "passthrough.wat's malloc changed");
+    assert!(
+        variant.contains(passthrough_malloc),
+        "passthrough.wat's malloc changed"
+    );
     variant.replace(passthrough_malloc, malloc)
 }
 
