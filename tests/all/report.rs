@@ -579,3 +579,38 @@ fn unescape(text: &str) -> String {
         .replace("&nbsp;", "\u{a0}")
         .replace("&amp;", "&")
 }
+
+/// A page that cannot be written is said before any replay (the missing folder is named
+/// ahead of the missing trace), and a report that stops leaves an older page as it was,
+/// with nothing half-written beside it.
+#[test]
+fn the_report_checks_its_page_before_the_work_and_never_leaves_half_a_page() {
+    let dir = std::env::temp_dir().join(format!("allocbox-page-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let args = [
+        "report",
+        "missing.txt",
+        "-p",
+        "default",
+        "-o",
+        "nodir/r.html",
+    ];
+    let (code, out) = allocbox_cli(&args, &dir);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("the folder `nodir` does not exist") && !out.contains("missing.txt"),
+        "{out}"
+    );
+
+    std::fs::write(dir.join("old.html"), "the page from before").unwrap();
+    std::fs::write(dir.join("bad.txt"), "m 1 16 1\nnot an event\n").unwrap();
+    let (code, out) = allocbox_cli(
+        &["report", "bad.txt", "-p", "default", "-o", "old.html"],
+        &dir,
+    );
+    assert_eq!(code, 2, "{out}");
+    let kept = std::fs::read_to_string(dir.join("old.html")).unwrap();
+    assert_eq!(kept, "the page from before");
+    assert!(!dir.join(".old.html.partial").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -193,6 +193,9 @@ pub(crate) struct ReportArgs {
 }
 
 pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
+    // Before the replays, which take seconds to minutes: a page that cannot be written
+    // is said at once.
+    let page_file = PageFile::create(&args.output)?;
     let allocbox::trace::Trace { events, marks } = read_trace(&args.trace)?;
     let mut timelines = Vec::new();
     let mut hook_reports = String::new();
@@ -250,8 +253,7 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         timelines.push(timeline);
     }
     let page = report::render_html(&args.trace.display().to_string(), &timelines, &marks);
-    std::fs::write(&args.output, page)
-        .with_context(|| format!("writing {}", args.output.display()))?;
+    page_file.write(&page)?;
     if args.json {
         let all: Vec<_> = timelines.iter().map(report::timeline_json).collect();
         print_report(&format!("{}\n", serde_json::Value::Array(all)));
@@ -265,4 +267,68 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
             false => Outcome::Held,
         },
     )
+}
+
+/// The report's page, written whole or not at all: a file beside the page, created
+/// before any work (so a folder that does not exist or cannot be written is said before
+/// the replays), renamed over the page once it holds all of it, and removed if the
+/// report stops before that, leaving an older page as it was.
+struct PageFile {
+    page: PathBuf,
+    partial: PathBuf,
+    file: Option<std::fs::File>,
+}
+
+impl PageFile {
+    fn create(page: &Path) -> Result<PageFile> {
+        let name = page.file_name().map(|n| n.to_string_lossy().into_owned());
+        let Some(name) = name else {
+            bail!(
+                "`{}` is not a file name for the page: give `-o` a file, like report.html",
+                page.display()
+            );
+        };
+        let folder = match page.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        if !folder.is_dir() {
+            bail!(
+                "cannot write the page `{}`: the folder `{}` does not exist; create it, or give `-o` a path in a folder that does",
+                page.display(),
+                folder.display()
+            );
+        }
+        let partial = folder.join(format!(".{name}.partial"));
+        let file = std::fs::File::create(&partial).with_context(|| {
+            format!(
+                "cannot write the page `{}` in `{}`",
+                page.display(),
+                folder.display()
+            )
+        })?;
+        Ok(PageFile {
+            page: page.to_path_buf(),
+            partial,
+            file: Some(file),
+        })
+    }
+
+    fn write(mut self, text: &str) -> Result<()> {
+        use std::io::Write;
+        let mut file = self.file.take().expect("written once");
+        file.write_all(text.as_bytes())
+            .and_then(|()| file.sync_all())
+            .and_then(|()| std::fs::rename(&self.partial, &self.page))
+            .with_context(|| format!("cannot write the page `{}`", self.page.display()))
+    }
+}
+
+impl Drop for PageFile {
+    fn drop(&mut self) {
+        // Not renamed: the report stopped, or writing failed. What is left is no page.
+        if self.partial.exists() {
+            let _ = std::fs::remove_file(&self.partial);
+        }
+    }
 }
