@@ -86,6 +86,13 @@ def _source(source):
     return source
 
 
+def _shipped_name(source):
+    """The name of a shipped policy `source` names (`builtin` included), else None."""
+    if not isinstance(source, str) or os.path.exists(source):
+        return None
+    return source if source == "builtin" or source in policies() else None
+
+
 def load(source, config=None, *, record=None, **limits):
     """One policy, started with its key/value `config`: a shipped policy by name (see
     `policies()`), a path (a .wasm component or .wat source) or bytes. `record` writes every call to a trace file. Bounds, each
@@ -106,7 +113,11 @@ def load_chain(*chain, record=None, **limits):
         (_source(item[0]), item[1]) if isinstance(item, tuple) else _source(item)
         for item in chain
     ]
-    return _load_chain(*items, record=record, **limits)
+    # What to call a shipped policy in messages before it names itself: its name, not
+    # the path of its packaged component.
+    sources = [item[0] if isinstance(item, tuple) else item for item in chain]
+    names = [_shipped_name(source) for source in sources]
+    return _load_chain(*items, record=record, names=names, **limits)
 
 
 def builtin():

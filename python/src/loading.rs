@@ -75,9 +75,10 @@ pub(crate) fn call_time_or_default(call_time: Option<f64>) -> PyResult<Duration>
 /// `host_memory_limit`, bytes lent from the host at once (default unlimited).
 /// `compile_bounds` ({"functions": 100000, ...}) allows policies of a larger shape to be
 /// compiled (`allocbox::CompileBounds`: functions, code-bytes, function-bytes,
-/// data-bytes, modules, text-bytes).
+/// data-bytes, modules, text-bytes). `names` says what to call each policy in messages
+/// before it names itself (a shipped policy's name); by default its path, or `<bytes>`.
 #[pyfunction]
-#[pyo3(signature = (*chain, record = None, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None, grant = None))]
+#[pyo3(signature = (*chain, record = None, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None, grant = None, names = None))]
 #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
 pub(crate) fn load_chain(
     chain: Vec<Bound<'_, PyAny>>,
@@ -89,6 +90,7 @@ pub(crate) fn load_chain(
     host_memory_limit: Option<u64>,
     compile_bounds: Option<Bound<'_, PyDict>>,
     grant: Option<Vec<String>>,
+    names: Option<Vec<Option<String>>>,
 ) -> PyResult<Policy> {
     let runtime = Runtime::shared();
     let bounds = compile_bounds_from(compile_bounds)?;
@@ -113,7 +115,8 @@ pub(crate) fn load_chain(
     if chain.is_empty() {
         return Err(LoadError::new_err("a chain needs at least one policy"));
     }
-    for item in &chain {
+    let names = names.unwrap_or_default();
+    for (at, item) in chain.iter().enumerate() {
         let (source, config): (Bound<'_, PyAny>, Vec<(String, String)>) =
             match item.extract::<(Bound<'_, PyAny>, Bound<'_, PyDict>)>() {
                 Ok((s, d)) => {
@@ -125,9 +128,10 @@ pub(crate) fn load_chain(
                 }
                 Err(_) => (item.clone(), Vec::new()),
             };
-        let (bytes, _label) = source_bytes(&source)?;
+        let (bytes, label) = source_bytes(&source)?;
+        let name = names.get(at).cloned().flatten().unwrap_or(label);
         let policy = runtime
-            .load_bounded(&bytes, &bounds)
+            .load_named(&bytes, &name, &bounds)
             .map_err(|e| LoadError::new_err(e.to_string()))?;
         let config: Vec<(&str, &str)> = config
             .iter()

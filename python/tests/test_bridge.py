@@ -303,6 +303,16 @@ def test_errors_are_distinct_exception_classes():
         allocbox.load("aligned", {"alignment": "3"})
 
 
+def test_a_shipped_policy_that_refuses_its_configuration_is_named_not_bytes():
+    with pytest.raises(allocbox.LoadError) as refused:
+        allocbox.load("size-classes", {"bukket-depth": "7"})
+    message = str(refused.value)
+    assert message.startswith("policy `size-classes` refused its configuration"), message
+    assert "bucket-depth" in message and "<bytes>" not in message
+    with pytest.raises(allocbox.LoadError, match="policy `builtin` refused"):
+        allocbox.load("builtin", {"no-such-key": "1"})
+
+
 def test_realloc_without_the_gil_from_many_threads(size_classes):
     errors = []
 
