@@ -4,8 +4,11 @@
 
 `ALLOCBOX_POLICY` names the policy as everywhere else: a shipped policy's name
 (`allocbox.policies()`, or `builtin`) or a component or WAT path. `ALLOCBOX_CONFIG` is
-its configuration, `key=value,key=value`. A policy or configuration that cannot be used
-is a one-line usage error before any test runs.
+its configuration, `key=value,key=value`; `ALLOCBOX_GRANT` the kinds of memory it may
+ask for, `guarded,numa` (as `grant=` at `allocbox.load` and `--grant` on the command
+line; none by default). A policy, configuration or grant that cannot be used, or a
+configuration or grant without a policy, is a one-line usage error before any test
+runs.
 
 Once the policy is stopped (it broke the contract, trapped or ran too long), every later
 allocation would fail with `MemoryError` for that reason alone, so the run stops after
@@ -40,12 +43,21 @@ def pytest_configure(config):
     global _policy
     source = os.environ.get("ALLOCBOX_POLICY")
     if not source:
+        for variable in ("ALLOCBOX_CONFIG", "ALLOCBOX_GRANT"):
+            if os.environ.get(variable):
+                raise pytest.UsageError(
+                    f"{variable} is set but ALLOCBOX_POLICY is not: name the policy it is "
+                    "for (ALLOCBOX_POLICY=size-classes), or unset it"
+                )
         return
     settings = _settings(os.environ.get("ALLOCBOX_CONFIG", ""))
+    grant = [kind.strip() for kind in os.environ.get("ALLOCBOX_GRANT", "").split(",") if kind.strip()]
     try:
-        _policy = allocbox.load(source, settings)
+        _policy = allocbox.load(source, settings, grant=grant)
     except allocbox.AllocboxError as error:
         raise pytest.UsageError(f"ALLOCBOX_POLICY={source}: {error}") from None
+    except ValueError as error:
+        raise pytest.UsageError(f"ALLOCBOX_GRANT={os.environ['ALLOCBOX_GRANT']}: {error}") from None
     allocbox.set_handler(_policy)
 
 
@@ -105,6 +117,17 @@ def pytest_terminal_summary(terminalreporter):
             name=_policy.name, **stats
         )
     )
+    counters = stats["counters"]
+    if counters:
+        counted = ", ".join(f"{name} {value}" for name, value in counters.items())
+        terminalreporter.write_line(f"allocbox: {_policy.name} counted: {counted}")
+    for link in _policy.link_stats():
+        for kind, refused in link["ungranted"].items():
+            terminalreporter.write_line(
+                f"allocbox: policy `{link['name']}` asked for `{kind}` memory {refused} times "
+                f"and was refused, as it was not granted, so the paths that use it did not "
+                f"run; to test them, set ALLOCBOX_GRANT={kind}"
+            )
     for failure in _policy.failures():
         if _stopped_by is None or failure != _policy.failure:
             terminalreporter.write_line(f"allocbox: failure inside NumPy: {failure}")

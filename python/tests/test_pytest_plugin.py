@@ -16,14 +16,19 @@ def test_arrays(n=0):
 """
 
 
-def _pytest(tmp_path, policy, config=None, tests=40):
+def _pytest(tmp_path, policy, config=None, tests=40, grant=None):
     (tmp_path / "test_many.py").write_text(
         TESTS + "".join(f"\n\ndef test_{i}():\n    test_arrays()\n" for i in range(tests))
     )
-    env = dict(os.environ, ALLOCBOX_POLICY=str(policy))
-    env.pop("ALLOCBOX_CONFIG", None)
+    env = dict(os.environ)
+    for variable in ("ALLOCBOX_POLICY", "ALLOCBOX_CONFIG", "ALLOCBOX_GRANT"):
+        env.pop(variable, None)
+    if policy is not None:
+        env["ALLOCBOX_POLICY"] = str(policy)
     if config is not None:
         env["ALLOCBOX_CONFIG"] = config
+    if grant is not None:
+        env["ALLOCBOX_GRANT"] = grant
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "allocbox.pytest_plugin", "-p", "no:cacheprovider", "test_many.py"],
         cwd=tmp_path,
@@ -62,6 +67,28 @@ def test_a_config_the_policy_refuses_is_a_usage_error_naming_the_policy(tmp_path
     assert code == 4, out
     assert "INTERNALERROR" not in out, out
     assert "ALLOCBOX_POLICY=size-classes: " in out and "size-classes" in out.split("ALLOCBOX_POLICY=")[1], out
+
+
+def test_a_config_without_a_policy_is_a_usage_error_not_ignored(tmp_path):
+    code, out = _pytest(tmp_path, None, "bucket-depth=7")
+    assert code == 4, out
+    assert "ALLOCBOX_CONFIG is set but ALLOCBOX_POLICY is not" in out, out
+
+
+def test_a_granted_kind_reaches_the_policy_and_an_unknown_one_is_a_usage_error(tmp_path):
+    code, out = _pytest(tmp_path, "guard", "sample=1", tests=2)
+    assert code == 0, out
+    assert "allocbox: guard counted: guarded 0," in out, out
+    assert "asked for `guarded` memory" in out and "set ALLOCBOX_GRANT=guarded" in out, out
+    code, out = _pytest(tmp_path, "guard", "sample=1", tests=2, grant="guarded")
+    assert code == 0, out
+    # Granted, guard maps a region per sampled array.
+    counted = out.split("allocbox: guard counted: guarded ")[1]
+    assert int(counted.split(",")[0]) > 0, out
+    assert "not granted" not in out, out
+    code, out = _pytest(tmp_path, "guard", grant="gpu")
+    assert code == 4, out
+    assert "ALLOCBOX_GRANT=gpu: `gpu` is not a kind of memory allocbox can grant" in out, out
 
 
 def test_a_stopped_policy_ends_the_run_with_its_cause_first(tmp_path):
