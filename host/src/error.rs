@@ -405,9 +405,11 @@ pub enum Error {
         message: String,
     },
     #[error(
-        "policy `{policy}` ran past the time limit of {limit:?} in `{call}` (one limit covers \
+        "policy `{policy}` ran past the time limit of {} in `{call}` (one limit covers \
          a client's call through the whole chain, every guest call it causes and host work \
-         in imports included)"
+         in imports included); if it needs more, raise the limit (`--call-time-ms` on the \
+         command line, `call_time=` in Python, `Limits::call_time` in Rust)",
+        duration_text(*limit)
     )]
     Timeout {
         policy: Arc<str>,
@@ -417,7 +419,8 @@ pub enum Error {
     #[error(
         "policy `{policy}` passed its memory budget of {limit} bytes (its linear memories \
          and tables together) in `{call}`; if it needs more, raise the budget \
-         (`--guest-memory` on the command line)"
+         (`--guest-memory` on the command line, `memory=` in Python, `Limits::memory` in \
+         Rust)"
     )]
     MemoryLimit {
         policy: Arc<str>,
@@ -500,5 +503,34 @@ impl Error {
             Error::Poisoned { cause, .. } => cause.rule(),
             _ => None,
         }
+    }
+}
+
+/// A duration as a person writes it: `250 ms`, `1.5 s`.
+fn duration_text(d: Duration) -> String {
+    match d.as_millis() {
+        ms if ms < 1000 => format!("{ms} ms"),
+        _ => format!("{} s", d.as_secs_f64()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timeout_says_its_limit_as_a_person_writes_it_and_how_to_raise_it() {
+        let timeout = Error::Timeout {
+            policy: "slow".into(),
+            call: Call::Malloc,
+            limit: Duration::from_millis(250),
+        };
+        let text = timeout.to_string();
+        assert!(text.contains("time limit of 250 ms in `malloc`"), "{text}");
+        assert!(
+            text.contains("`--call-time-ms` on the command line, `call_time=` in Python"),
+            "{text}"
+        );
+        assert_eq!(duration_text(Duration::from_millis(1500)), "1.5 s");
     }
 }
