@@ -106,9 +106,19 @@ def load(source, config=None, *, record=None, **limits):
     return load_chain(item, record=record, **limits)
 
 
+_BOUNDS = ("call_time", "memory", "batch", "overhead", "host_memory_limit", "compile_bounds", "grant")
+
+
 def load_chain(*chain, record=None, **limits):
     """A chain of policies, top first, as one handler. Each item is a source (as for
     `load`) or a `(source, {key: value})` pair; `record` and the bounds as for `load`."""
+    unknown = sorted(set(limits) - set(_BOUNDS))
+    if unknown:
+        raise TypeError(
+            f"{unknown[0]!r} is not a bound allocbox knows; the bounds are "
+            + ", ".join(_BOUNDS)
+            + " (and record=)"
+        )
     items = [
         (_source(item[0]), item[1]) if isinstance(item, tuple) else _source(item)
         for item in chain

@@ -32,6 +32,13 @@ def test_the_package_ships_its_policies_each_with_a_description():
         assert isinstance(description, str) and len(description) > 20, name
 
 
+def test_the_readme_lists_the_policies_the_wheel_carries():
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    listed = readme.split("Its wheel carries the shipped policies (", 1)[1].split(")", 1)[0]
+    names = sorted(name.strip(" `\n") for name in listed.split(","))
+    assert names == sorted(allocbox.policies()), listed
+
+
 @pytest.mark.skipif(not os.environ.get("ALLOCBOX_TEST_INSTALLED"), reason="develop build")
 def test_the_package_under_test_is_the_installed_wheel():
     # CI installs the built wheel into a fresh venv: a file missing from it fails here.
@@ -301,6 +308,17 @@ def test_errors_are_distinct_exception_classes():
         allocbox.load(b"definitely not wasm")
     with pytest.raises(allocbox.LoadError, match="refused its configuration"):
         allocbox.load("aligned", {"alignment": "3"})
+
+
+def test_a_bound_is_named_in_python_s_words_and_a_misspelt_one_is_refused_with_the_list():
+    with pytest.raises(allocbox.LoadError) as small:
+        allocbox.load("system", memory=1)
+    assert "`memory=` in Python" in str(small.value), small.value
+    with pytest.raises(TypeError) as misspelt:
+        allocbox.load("system", memry=1)
+    message = str(misspelt.value)
+    assert "'memry' is not a bound allocbox knows" in message and "memory" in message, message
+    assert "load_chain()" not in message
 
 
 def test_a_shipped_policy_that_refuses_its_configuration_is_named_not_bytes():
