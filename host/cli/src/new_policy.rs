@@ -350,12 +350,13 @@ mod tests {{
 ```
 
 The whole contract is tested from the host side: a test crate with a dev-dependency on
-`allocbox` (a path or git dependency on an allocbox checkout) runs, after the build,
+`allocbox-check` (a path or git dependency on an allocbox checkout, crate
+`host/check`) runs, after the build,
 
 ```rust
 #[test]
 fn keeps_the_handler_contract() {{
-    allocbox::check::assert_contract("{wasm}", &[]);
+    allocbox_check::assert_contract("{wasm}", &[]);
 }}
 ```
 

@@ -198,3 +198,22 @@ fn the_renamed_passthrough_keeps_no_old_name() {
         "n".repeat(64)
     )));
 }
+
+/// The Rust project's README and the main README name the same function of the same
+/// crate for testing the contract from a policy's own `cargo test`.
+#[test]
+fn the_rust_readme_names_the_checker_as_the_main_readme_does() {
+    let files = rust_project("probe");
+    let readme = &files
+        .iter()
+        .find(|(f, _)| f == "README.md")
+        .expect("a README")
+        .1;
+    assert!(
+        readme.contains("allocbox_check::assert_contract(") && readme.contains("`allocbox-check`"),
+        "{readme}"
+    );
+    assert!(!readme.contains("allocbox::check::"), "{readme}");
+    let main = include_str!("../../../../README.md");
+    assert!(main.contains("allocbox_check::assert_contract("));
+}
