@@ -556,3 +556,19 @@ fn the_script_notation_is_explained_alike_in_the_help_and_the_readme() {
     assert_eq!(script.path, CallPath::PerCall);
     assert_eq!(script.to_string(), example);
 }
+
+/// `default` names NumPy's own handler where handlers are compared (`report -p
+/// default`); where a policy is wanted, the command says what `default` is and names
+/// the built-in policy, rather than that nothing is called so.
+#[test]
+fn checking_default_says_it_is_numpy_s_own_handler_and_names_builtin() {
+    let dir = std::env::temp_dir().join(format!("allocbox-default-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (code, out) = allocbox_cli(&["check", "default", "--cases", "1"], &dir);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("`default` is NumPy's own handler") && out.contains("`builtin`"),
+        "{out}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -339,6 +339,14 @@ pub(crate) fn load(runtime: &Runtime, path: Option<&PathBuf>) -> Result<Policy> 
     let path = path.expect("no path is builtin");
     let looks_like_a_name = path.components().count() == 1 && path.extension().is_none();
     if looks_like_a_name && !path.exists() {
+        if path == Path::new("default") {
+            bail!(
+                "`default` is NumPy's own handler, run natively: `report` and \
+                 `replay-trace` compare policies against it, but it is no policy, so \
+                 there is nothing in it to check, replay or inspect; the built-in policy \
+                 is `builtin`"
+            );
+        }
         bail!(
             "no file or shipped policy is called `{}`; shipped: {}",
             path.display(),
