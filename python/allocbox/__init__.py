@@ -12,6 +12,7 @@ context-local exactly as NumPy's ContextVar is: asyncio tasks inherit it, new th
 start at NumPy's default.
 """
 
+import inspect
 import json
 import os
 from contextlib import contextmanager
@@ -106,7 +107,13 @@ def load(source, config=None, *, record=None, **limits):
     return load_chain(item, record=record, **limits)
 
 
-_BOUNDS = ("call_time", "memory", "batch", "overhead", "host_memory_limit", "compile_bounds", "grant")
+# The bounds the bridge's `load_chain` takes, read from its own signature so the two
+# never disagree.
+_BOUNDS = tuple(
+    name
+    for name in inspect.signature(_load_chain).parameters
+    if name not in ("chain", "record", "names")
+)
 
 
 def load_chain(*chain, record=None, **limits):

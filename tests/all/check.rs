@@ -513,8 +513,7 @@ fn a_kind_the_check_did_not_grant_is_reported_as_untested() {
 
 #[test]
 fn the_cli_tells_how_to_grant_the_kind_a_check_left_untested() {
-    let dir = std::env::temp_dir().join(format!("allocbox-ungranted-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = tempdir("ungranted");
     let (code, out) = allocbox_cli(&["check", "guard", "--cases", "16"], &dir);
     assert_eq!(code, 0, "{out}");
     assert!(
@@ -562,8 +561,7 @@ fn the_script_notation_is_explained_alike_in_the_help_and_the_readme() {
 /// the built-in policy, rather than that nothing is called so.
 #[test]
 fn checking_default_says_it_is_numpy_s_own_handler_and_names_builtin() {
-    let dir = std::env::temp_dir().join(format!("allocbox-default-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = tempdir("default");
     let (code, out) = allocbox_cli(&["check", "default", "--cases", "1"], &dir);
     assert_eq!(code, 2, "{out}");
     assert!(

@@ -585,8 +585,7 @@ fn unescape(text: &str) -> String {
 /// with nothing half-written beside it.
 #[test]
 fn the_report_checks_its_page_before_the_work_and_never_leaves_half_a_page() {
-    let dir = std::env::temp_dir().join(format!("allocbox-page-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = tempdir("page");
     let args = [
         "report",
         "missing.txt",
