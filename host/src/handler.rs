@@ -332,24 +332,37 @@ impl Handler {
     /// is corrected from the ledger and counted, never passed on. `None` does nothing.
     #[inline]
     pub fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error> {
-        let Some(ptr) = ptr else {
-            return Ok(());
-        };
+        match ptr {
+            Some(ptr) => self.give_back(ptr, Some(size as u64)).map(drop),
+            None => Ok(()),
+        }
+    }
+
+    /// Give back a block whose client does not say its size (Numba's runtime frees so):
+    /// the ledger's record is the size, as it is for every free. Returns that size.
+    pub fn free_unsized(&self, ptr: NonNull<u8>) -> Result<usize, Error> {
+        self.give_back(ptr, None).map(|size| size as usize)
+    }
+
+    /// A client's free of `ptr`, said to have `said` bytes (`None`: said no size);
+    /// returns the size the ledger had for it.
+    #[inline]
+    fn give_back(&self, ptr: NonNull<u8>, said: Option<u64>) -> Result<u64, Error> {
         // A block this thread's cache lent goes back into its magazine when there is
         // room; otherwise it takes the chain's path, still on the books.
         let mut mine = self.thread_cache();
         let addr = ptr.as_ptr() as u64;
         if let Some(mine) = &mut mine
-            && let Some(kept) = mine.with(|c| c.put_back::<{ Reach::FULL }>(addr, size as u64))
+            && let Some(kept) = mine.with(|c| c.put_back::<{ Reach::FULL }>(addr, said))
         {
             if let Some(obs) = &self.observed
                 && obs.returned(addr, kept, true)
             {
                 self.deliver(&mut self.client_call());
             }
-            return Ok(());
+            return Ok(kept);
         }
-        self.free_to_chain(mine, ptr, size)
+        self.free_to_chain(mine, ptr, said)
     }
 
     /// The most common magazine frees alone: true when the block went back into the
@@ -359,16 +372,25 @@ impl Handler {
     pub fn free_to_magazine(&self, ptr: NonNull<u8>, size: usize) -> bool {
         // The size said is only a filter here (the recorded one is what counts): a block
         // said to be larger than the table's sizes is left to the full path.
-        if !self.caches.keeps_magazines()
-            || size as u64 > MAGAZINE_TABLE_SIZE
-            || self.observed.is_some()
-        {
+        size as u64 <= MAGAZINE_TABLE_SIZE && self.put_back_in_place(ptr, Some(size as u64))
+    }
+
+    /// [`Handler::free_to_magazine`] for a client that says no size: the ledger's
+    /// record decides, as in [`Handler::free_unsized`].
+    #[inline]
+    pub fn free_unsized_to_magazine(&self, ptr: NonNull<u8>) -> bool {
+        self.put_back_in_place(ptr, None)
+    }
+
+    #[inline]
+    fn put_back_in_place(&self, ptr: NonNull<u8>, said: Option<u64>) -> bool {
+        if !self.caches.keeps_magazines() || self.observed.is_some() {
             return false;
         }
         let Some(mut mine) = self.caches.primary() else {
             return false;
         };
-        mine.try_with(|c| c.put_back::<{ Reach::IN_PLACE }>(ptr.as_ptr() as u64, size as u64))
+        mine.try_with(|c| c.put_back::<{ Reach::IN_PLACE }>(ptr.as_ptr() as u64, said))
             .flatten()
             .is_some()
     }
@@ -380,8 +402,8 @@ impl Handler {
         &'h self,
         mut mine: Option<Mine<'h>>,
         ptr: NonNull<u8>,
-        size: usize,
-    ) -> Result<(), Error> {
+        said: Option<u64>,
+    ) -> Result<u64, Error> {
         let addr = ptr.as_ptr() as u64;
         let mut c = self.lock()?;
         let deadline = &mut self.client_call();
@@ -394,7 +416,7 @@ impl Handler {
         let (entry, taken) = match found {
             Ok(e) => (e, true),
             Err(Some(e)) => (e, false),
-            Err(None) => return self.free_off_the_books(c, mine, ptr, size),
+            Err(None) => return self.free_off_the_books(c, mine, ptr, said),
         };
         // A block in a thread cache that the cache has not lent sits in a magazine:
         // the client gave it back already.
@@ -404,12 +426,14 @@ impl Handler {
             count(&mut c, &mut mine, |n| n.frees += 1);
             return Err(ClientError::DoubleFree { addr }.into());
         }
-        if (size as u64).max(1) != entry.size {
-            self.note_size_correction(addr, size, entry.size);
+        if let Some(said) = said
+            && said.max(1) != entry.size
+        {
+            self.note_size_correction(addr, said, entry.size);
         }
         count(&mut c, &mut mine, |n| {
             n.frees += 1;
-            n.freed(entry.size, size as u64);
+            n.freed(entry.size, said);
         });
         let answer = match &mut mine {
             _ if taken => c
@@ -430,7 +454,7 @@ impl Handler {
             let delivered = c.head.deliver(deadline).map(|()| 0);
             settle(&mut c, delivered)?;
         }
-        Ok(())
+        Ok(entry.size)
     }
 
     /// [`Self::free_to_chain`] of a block the policy's books do not hold: one the
@@ -442,13 +466,13 @@ impl Handler {
         mut c: Books<'_>,
         mut mine: Option<Mine<'h>>,
         ptr: NonNull<u8>,
-        size: usize,
-    ) -> Result<(), Error> {
+        said: Option<u64>,
+    ) -> Result<u64, Error> {
         let addr = ptr.as_ptr() as u64;
         count(&mut c, &mut mine, |n| n.frees += 1);
         if c.rerouted.remove(&addr) {
             drop(c);
-            return self.rerouted_to().free(Some(ptr), size);
+            return self.rerouted_to().give_back(ptr, said);
         }
         Err(match c.head.lent().why_unknown(addr) {
             TakeBack::AlreadyFreed => ClientError::DoubleFree { addr },
@@ -459,7 +483,7 @@ impl Handler {
 
     /// A free said the wrong size; the recorded one was used.
     #[cold]
-    fn note_size_correction(&self, addr: u64, said: usize, recorded: u64) {
+    fn note_size_correction(&self, addr: u64, said: u64, recorded: u64) {
         log::debug!(
             "{}: free of {addr:#x} with {said} bytes corrected to {recorded}",
             self.info.name
@@ -560,6 +584,9 @@ impl MemHandler for Handler {
     fn version(&self) -> u8 {
         self.info().version
     }
+    fn alignment(&self) -> u64 {
+        self.info().alignment
+    }
     fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
         Handler::malloc(self, size)
     }
@@ -575,6 +602,9 @@ impl MemHandler for Handler {
     }
     fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error> {
         Handler::free(self, ptr, size)
+    }
+    fn free_unsized(&self, ptr: NonNull<u8>) -> Result<usize, Error> {
+        Handler::free_unsized(self, ptr)
     }
     fn stats(&self) -> Result<Stats, Error> {
         Handler::stats(self)

@@ -20,6 +20,11 @@ pub trait MemHandler: Send + Sync + fmt::Debug {
     fn version(&self) -> u8 {
         1
     }
+    /// The alignment every block it lends has (C6): 16 unless a policy declares
+    /// otherwise.
+    fn alignment(&self) -> u64 {
+        16
+    }
     fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error>;
     fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error>;
     fn realloc(
@@ -28,6 +33,9 @@ pub trait MemHandler: Send + Sync + fmt::Debug {
         new_size: usize,
     ) -> Result<Option<NonNull<u8>>, Error>;
     fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error>;
+    /// Give back a block whose client does not say its size (Numba's runtime frees so):
+    /// the handler's own record of the block supplies it. Returns that size.
+    fn free_unsized(&self, ptr: NonNull<u8>) -> Result<usize, Error>;
     /// The counters; an error when the handler cannot be reached to read them.
     fn stats(&self) -> Result<Stats, Error>;
     /// Can this handler take new requests? A chain stopped by a violation cannot.

@@ -166,6 +166,14 @@ impl MemHandler for NumpyDefault {
         Ok(())
     }
 
+    /// The C library's record of the block is its size: what it set aside, which a
+    /// block cached under it has at least.
+    fn free_unsized(&self, ptr: NonNull<u8>) -> Result<usize, Error> {
+        let size = usable_size(ptr) as usize;
+        self.free(Some(ptr), size)?;
+        Ok(size)
+    }
+
     fn stats(&self) -> Result<Stats, Error> {
         Ok(self.inner.lock().stats.clone())
     }
@@ -185,6 +193,19 @@ impl Drop for NumpyDefault {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unsized_free_is_counted_with_what_the_c_library_set_aside() {
+        let h = NumpyDefault::new();
+        let a = h.malloc(100_000).unwrap().unwrap();
+        let freed = h.free_unsized(a).unwrap();
+        assert!(freed >= 100_000, "{freed}");
+        let stats = h.stats().unwrap();
+        assert_eq!(
+            (stats.frees, stats.live_blocks, stats.live_bytes),
+            (1, 0, 0)
+        );
+    }
 
     #[test]
     fn small_blocks_are_reused_from_the_exact_size_cache() {

@@ -91,7 +91,8 @@ fn impossible_sizes_are_none_not_errors() {
 #[test]
 fn mid_size_blocks_up_to_64_kib_are_served_from_magazines() {
     let h = handler(&allocbox_artifacts::SYSTEM, &[]);
-    for size in [1500, 4096, 65536] {
+    // 64 KiB and a runtime's header before it (Numba's 48 bytes, 31 of padding).
+    for size in [1500, 4096, 65536, 65536 + 128] {
         let p = h.malloc(size).unwrap().unwrap();
         fill(p, size, 0x6D);
         h.free(Some(p), size).unwrap();
@@ -100,16 +101,17 @@ fn mid_size_blocks_up_to_64_kib_are_served_from_magazines() {
         assert_eq!(h.stats().unwrap().magazine_hits, before + 1, "{size} bytes");
         h.free(Some(q), size).unwrap();
     }
-    let p = h.malloc(65537).unwrap().unwrap();
-    h.free(Some(p), 65537).unwrap();
+    let past = 65536 + 129;
+    let p = h.malloc(past).unwrap().unwrap();
+    h.free(Some(p), past).unwrap();
     let before = h.stats().unwrap().magazine_hits;
-    let q = h.malloc(65537).unwrap().unwrap();
+    let q = h.malloc(past).unwrap().unwrap();
     assert_eq!(
         h.stats().unwrap().magazine_hits,
         before,
-        "past 64 KiB: no magazine"
+        "past 64 KiB and a header: no magazine"
     );
-    h.free(Some(q), 65537).unwrap();
+    h.free(Some(q), past).unwrap();
     h.trim().unwrap();
     assert_eq!(h.held_from_host().unwrap(), (0, 0));
 }
@@ -156,4 +158,36 @@ fn a_calloc_served_from_a_magazine_is_zero_and_counted_as_a_calloc() {
         "an overflowing product"
     );
     assert_eq!(h.stats().unwrap().callocs, 5);
+}
+
+#[test]
+fn an_unsized_free_gives_the_policy_the_size_the_ledger_recorded() {
+    // `aligned` traps if the size it is given is not the one in its header; `size-classes`
+    // batches, so its small blocks go back through the host's magazines.
+    for guest in [
+        &allocbox_artifacts::ALIGNED,
+        &allocbox_artifacts::SIZE_CLASSES,
+    ] {
+        for size in [1, 48, 5000, 300_000] {
+            let h = handler(guest, &[]);
+            let p = h.malloc(size).unwrap().unwrap();
+            assert!(!h.free_unsized_to_magazine(std::ptr::NonNull::dangling()));
+            let freed = match h.free_unsized_to_magazine(p) {
+                true => size,
+                false => h.free_unsized(p).unwrap(),
+            };
+            assert_eq!(freed, size);
+            let stats = h.stats().unwrap();
+            assert_eq!(
+                (stats.frees, stats.live_blocks, stats.size_corrections),
+                (1, 0, 0)
+            );
+            assert!(h.failure().is_none(), "{}", h.failure().unwrap());
+            let again = h.free_unsized(p).unwrap_err();
+            assert!(
+                matches!(again, Error::Client(ClientError::DoubleFree { .. })),
+                "{again}"
+            );
+        }
+    }
 }

@@ -45,6 +45,9 @@ where
     fn version(&self) -> u8 {
         self.handler.version()
     }
+    fn alignment(&self) -> u64 {
+        self.handler.alignment()
+    }
     fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
         let p = self.handler.malloc(size)?;
         self.watcher.served(EventOp::Malloc, None, p, size);
@@ -71,6 +74,11 @@ where
         self.handler.free(ptr, size)?;
         self.watcher.served(EventOp::Free, ptr, None, size);
         Ok(())
+    }
+    fn free_unsized(&self, ptr: NonNull<u8>) -> Result<usize, Error> {
+        let size = self.handler.free_unsized(ptr)?;
+        self.watcher.served(EventOp::Free, Some(ptr), None, size);
+        Ok(size)
     }
     fn stats(&self) -> Result<Stats, Error> {
         self.handler.stats()

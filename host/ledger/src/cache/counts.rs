@@ -46,10 +46,12 @@ impl Counts {
         }
     }
 
-    /// Count a client free of a block recorded with `recorded` bytes, said to have `said`.
+    /// Count a client free of a block recorded with `recorded` bytes, said to have
+    /// `said` (`None` from a client whose free says no size, as Numba's runtime: the
+    /// ledger's size is the only one, so nothing was corrected).
     #[inline]
-    pub fn freed(&mut self, recorded: u64, said: u64) {
-        if said.max(1) != recorded {
+    pub fn freed(&mut self, recorded: u64, said: Option<u64>) {
+        if said.is_some_and(|said| said.max(1) != recorded) {
             self.size_corrections += 1;
         }
         self.take_back(recorded);

@@ -4,8 +4,9 @@
 use crate::fasthash::FastMap;
 
 /// Requests of at most this many bytes may be served from a magazine: NumPy's small and
-/// mid-size arrays.
-pub const MAGAZINE_MAX_SIZE: u64 = 64 << 10;
+/// mid-size arrays up to 64 KiB, and Numba's, whose block holds a 48-byte header and up
+/// to 31 bytes of alignment padding before the data.
+pub const MAGAZINE_MAX_SIZE: u64 = (64 << 10) + 128;
 /// Sizes up to this have their magazine in a table indexed by size; larger ones in a map.
 pub const MAGAZINE_TABLE_SIZE: u64 = 1024;
 /// Bytes one magazine may cache: its depth is this many bytes of blocks, within

@@ -56,11 +56,12 @@ impl ThreadCache {
         Some(addr)
     }
 
-    /// A client's free of `addr`, said to have `said` bytes, taken back into a magazine
-    /// if this cache lent it and the magazine has room: the size it was lent with. None
-    /// leaves everything as it was (also for what is beyond [`Reach`] `IN_PLACE`).
+    /// A client's free of `addr`, said to have `said` bytes (`None`: it said no size),
+    /// taken back into a magazine if this cache lent it and the magazine has room: the
+    /// size it was lent with. None leaves everything as it was (also for what is beyond
+    /// [`Reach`] `IN_PLACE`).
     #[inline(always)]
-    pub fn put_back<const IN_PLACE: bool>(&mut self, addr: u64, said: u64) -> Option<u64> {
+    pub fn put_back<const IN_PLACE: bool>(&mut self, addr: u64, said: Option<u64>) -> Option<u64> {
         let (place, recorded) = match self.lent.recent_place(addr) {
             Some(place) => (Some(place), self.lent.recent[place].1),
             None if IN_PLACE => return None,
@@ -131,18 +132,18 @@ mod tests {
         assert_eq!(c.lent.older.len(), 1, "the oldest record moved to the map");
         // A block recorded in the map goes back only on the full path.
         let in_map = taken[0];
-        assert!(c.put_back::<IN_PLACE>(in_map, 16).is_none());
+        assert!(c.put_back::<IN_PLACE>(in_map, Some(16)).is_none());
         assert_eq!(c.lent.get(in_map), Some(16), "nothing changed");
         // With no spare capacity, in place would have to grow the magazine.
         c.magazines.as_mut().unwrap().small[16]
             .blocks
             .shrink_to_fit();
-        assert!(c.put_back::<IN_PLACE>(spilled_by, 16).is_none());
+        assert!(c.put_back::<IN_PLACE>(spilled_by, Some(16)).is_none());
         assert_eq!(c.lent.get(spilled_by), Some(16), "nothing changed");
-        assert_eq!(c.put_back::<FULL>(spilled_by, 16), Some(16));
-        assert_eq!(c.put_back::<FULL>(in_map, 16), Some(16));
+        assert_eq!(c.put_back::<FULL>(spilled_by, Some(16)), Some(16));
+        assert_eq!(c.put_back::<FULL>(in_map, Some(16)), Some(16));
         // Now there is room: in place takes a recent block back.
-        assert_eq!(c.put_back::<IN_PLACE>(taken[1], 16), Some(16));
+        assert_eq!(c.put_back::<IN_PLACE>(taken[1], Some(16)), Some(16));
         assert_eq!(c.lent.get(taken[1]), None);
         assert_eq!((c.counts.mallocs, c.counts.frees), (9, 3));
         // Mid sizes are the full path's.
