@@ -15,6 +15,7 @@ start at NumPy's default.
 import inspect
 import json
 import os
+import sys
 from contextlib import contextmanager
 from importlib import resources
 
@@ -34,8 +35,8 @@ from ._allocbox import (
     Policy,
     get_handler,
     native_default,
-    set_handler,
 )
+from ._allocbox import set_handler as _set_handler
 
 __all__ = [
     "AllocboxError",
@@ -154,7 +155,10 @@ def use(policy, *, threads=False):
     runs anything, for its whole life, on every Python version. Threads that already
     run are not reached; give a pool made earlier `initializer=allocbox.set_handler,
     initargs=(policy,)`."""
+    from . import numba as _numba
+
     previous = set_handler(policy)
+    numba_threads_done = _numba._threads_use(policy)
     if threads:
         restore = _start_threads_with(policy)
     try:
@@ -162,7 +166,21 @@ def use(policy, *, threads=False):
     finally:
         if threads:
             restore()
+        numba_threads_done()
         set_handler(previous)
+
+
+def set_handler(handler):
+    """Install a policy (or a capsule `set_handler` returned earlier, or `None` for
+    NumPy's default) as NumPy's handler in the current context — and, once Numba is
+    imported, of the arrays Numba's compiled code makes in it (`allocbox.numba`).
+    Returns the previous capsule."""
+    previous = _set_handler(handler)
+    if "numba" in sys.modules:
+        from . import numba as _numba
+
+        _numba._route_if_imported()
+    return previous
 
 
 def _start_threads_with(policy):
@@ -200,10 +218,19 @@ def _start_threads_with(policy):
 
 def handler_name(array=None):
     """The name of the handler that placed `array`'s data (None for a view), or of the
-    current handler."""
+    current handler. An array whose data Numba's compiled code made is named by the
+    policy that placed it (`allocbox.numba`); None when Numba's own allocator did."""
     from numpy._core.multiarray import get_handler_name
 
-    return get_handler_name(array) if array is not None else get_handler_name()
+    if array is None:
+        return get_handler_name()
+    name = get_handler_name(array)
+    base = getattr(array, "base", None)
+    if name is None and type(base).__name__ == "_MemInfo" and "numba" in sys.modules:
+        from . import numba as _numba
+
+        return _numba._made_by(base)
+    return name
 
 
 def hooks():

@@ -11,6 +11,7 @@ use allocbox::nep49::MemHandler;
 use allocbox::{Error, Handler};
 
 use crate::diagnosis;
+use crate::nrt_lending::NrtLending;
 
 /// The context behind a capsule: the handler and what went wrong inside callbacks,
 /// where no Python exception can be raised (NumPy sees NULL and raises MemoryError).
@@ -29,6 +30,9 @@ pub(crate) struct Bridge {
     /// ([`Handler::diagnoses`]): every block's allocation site is recorded, and the
     /// misuse its policies report becomes a warning.
     diagnosing: Option<Arc<Handler>>,
+    /// What Numba's runtime lends through (`numba_route`), made on first use: it points
+    /// back to this bridge, whose address is fixed once it is in its `Arc`.
+    nrt: OnceLock<NrtLending>,
 }
 
 impl Bridge {
@@ -39,7 +43,13 @@ impl Bridge {
             failures: Mutex::new(Vec::new()),
             panicked: OnceLock::new(),
             diagnosing: None,
+            nrt: OnceLock::new(),
         }
+    }
+
+    /// What Numba's runtime lends through, made by `make` on first use.
+    pub(crate) fn nrt_lending(&self, make: impl FnOnce() -> NrtLending) -> &NrtLending {
+        self.nrt.get_or_init(make)
     }
 
     /// A bridge to `chain`, which diagnoses its client.
@@ -216,6 +226,27 @@ pub(crate) unsafe extern "C" fn bridge_free(ctx: *mut c_void, ptr: *mut c_void, 
     b.tell_hook(ptr, std::ptr::null_mut(), 0);
 }
 
+impl Bridge {
+    /// Give back a block whose client says no size (Numba's runtime): the handler's
+    /// ledger supplies it. Events and failures as for `bridge_free`.
+    pub(crate) fn free_unsized(&self, block: NonNull<u8>) {
+        let ptr = block.as_ptr().cast::<c_void>();
+        if let Some(h) = &self.direct
+            && self.guard(false, || h.free_unsized_to_magazine(block))
+        {
+            self.tell_hook(ptr, std::ptr::null_mut(), 0);
+            return;
+        }
+        self.guard((), || {
+            if let Err(e) = self.handler.free_unsized(block) {
+                self.note(e);
+            }
+        });
+        self.diagnose(ptr, std::ptr::null_mut(), 0);
+        self.tell_hook(ptr, std::ptr::null_mut(), 0);
+    }
+}
+
 /// Out of line, so that the magazine hit above stays short.
 #[inline(never)]
 fn free_slowly(b: &Bridge, block: Option<NonNull<u8>>, size: usize) {
@@ -248,6 +279,9 @@ mod tests {
             panic!("books half-updated")
         }
         fn free(&self, _: Option<NonNull<u8>>, _: usize) -> Result<(), Error> {
+            panic!("books half-updated")
+        }
+        fn free_unsized(&self, _: NonNull<u8>) -> Result<usize, Error> {
             panic!("books half-updated")
         }
         fn stats(&self) -> Result<allocbox::Stats, Error> {

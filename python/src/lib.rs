@@ -9,13 +9,17 @@
 //! Where each part lives: `numpy_api` (NumPy's handler ABI: the capsule, set and get
 //! handler), `bridge` (the C callbacks over a Rust handler), `policy` (`allocbox.Policy`
 //! and its statistics), `loading` (`load_chain` and its inputs), `hooks` (event hooks),
-//! `errors` (the exceptions), `diagnosis` (allocation sites and misuse warnings).
+//! `errors` (the exceptions), `diagnosis` (allocation sites and misuse warnings),
+//! `nrt_lending` (what a bridge lends to Numba's runtime through), `numba_route`
+//! (Numba's arrays through the same bridges).
 
 mod bridge;
 mod diagnosis;
 mod errors;
 mod hooks;
 mod loading;
+mod nrt_lending;
+mod numba_route;
 mod numpy_api;
 mod policy;
 
@@ -49,6 +53,10 @@ fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(get_handler, m)?)?;
     m.add_function(wrap_pyfunction!(native_default, m)?)?;
     m.add_function(wrap_pyfunction!(run_command, m)?)?;
+    m.add_function(wrap_pyfunction!(numba_route::numba_route, m)?)?;
+    m.add_function(wrap_pyfunction!(numba_route::numba_threads_use, m)?)?;
+    m.add_function(wrap_pyfunction!(numba_route::numba_threads_done, m)?)?;
+    m.add_function(wrap_pyfunction!(numba_route::numba_maker, m)?)?;
     m.add_class::<EventHook>()?;
     m.add_function(wrap_pyfunction!(load_hook, m)?)?;
     m.add_function(wrap_pyfunction!(shipped_hooks, m)?)?;

@@ -4,6 +4,7 @@
 
 use std::ffi::{CStr, c_void};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -12,9 +13,9 @@ use crate::bridge::{Bridge, bridge_calloc, bridge_free, bridge_malloc, bridge_re
 
 /// NumPy's `PyDataMemAllocator`.
 #[repr(C)]
-struct PyDataMemAllocator {
-    ctx: *mut c_void,
-    malloc: unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void,
+pub(crate) struct PyDataMemAllocator {
+    pub(crate) ctx: *mut c_void,
+    pub(crate) malloc: unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void,
     calloc: unsafe extern "C" fn(*mut c_void, usize, usize) -> *mut c_void,
     realloc: unsafe extern "C" fn(*mut c_void, *mut c_void, usize) -> *mut c_void,
     free: unsafe extern "C" fn(*mut c_void, *mut c_void, usize),
@@ -22,15 +23,21 @@ struct PyDataMemAllocator {
 
 /// NumPy's `PyDataMem_Handler`.
 #[repr(C)]
-struct PyDataMemHandler {
+pub(crate) struct PyDataMemHandler {
     name: [u8; 127],
     version: u8,
-    allocator: PyDataMemAllocator,
+    pub(crate) allocator: PyDataMemAllocator,
 }
 
 pub(crate) const CAPSULE_NAME: &CStr = c"mem_handler";
 
+/// Changes whenever one of our capsules is made or destroyed: a capsule address seen
+/// before, with the same generation, is still the same capsule (or still not ours), so
+/// `numba_route` need not look inside it again.
+pub(crate) static CAPSULE_GENERATION: AtomicU64 = AtomicU64::new(0);
+
 unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
+    CAPSULE_GENERATION.fetch_add(1, Ordering::Release);
     // SAFETY: called once by Python when the capsule dies; its pointer is the
     // PyDataMemHandler we boxed in `make_capsule`, and no array uses it any more (each
     // array holds a reference to its handler's capsule).
@@ -87,6 +94,7 @@ pub(crate) fn make_capsule(py: Python<'_>, bridge: Arc<Bridge>) -> PyResult<Py<P
             drop(Arc::from_raw(ctx.cast_const()));
             return Err(PyErr::fetch(py));
         }
+        CAPSULE_GENERATION.fetch_add(1, Ordering::Release);
         Ok(Bound::from_owned_ptr(py, capsule).unbind())
     }
 }
@@ -105,7 +113,7 @@ fn array_api(py: Python<'_>) -> PyResult<*const *const c_void> {
 }
 
 type SetHandler = unsafe extern "C" fn(*mut ffi::PyObject) -> *mut ffi::PyObject;
-type GetHandler = unsafe extern "C" fn() -> *mut ffi::PyObject;
+pub(crate) type GetHandler = unsafe extern "C" fn() -> *mut ffi::PyObject;
 const SLOT_SET_HANDLER: usize = 304;
 const SLOT_GET_HANDLER: usize = 305;
 
@@ -128,14 +136,21 @@ pub(crate) fn numpy_set_handler(
     }
 }
 
+/// NumPy's `PyDataMem_GetHandler`: called with the GIL held, it returns a new
+/// reference to the current context's handler capsule (NULL with an error set).
+pub(crate) fn get_handler_fn(py: Python<'_>) -> PyResult<GetHandler> {
+    let table = array_api(py)?;
+    // SAFETY: slot 305 of NumPy >= 2's API table is `PyObject *PyDataMem_GetHandler(void)`.
+    Ok(unsafe { std::mem::transmute::<*const c_void, GetHandler>(*table.add(SLOT_GET_HANDLER)) })
+}
+
 /// The current context's handler, as the capsule NumPy holds: pass it to `set_handler`
 /// to make it current again; `allocbox.handler_name()` names it.
 #[pyfunction]
 pub(crate) fn get_handler(py: Python<'_>) -> PyResult<Py<PyAny>> {
-    let table = array_api(py)?;
-    // SAFETY: slot 305 is `PyObject *PyDataMem_GetHandler(void)`, a new reference.
+    let get = get_handler_fn(py)?;
+    // SAFETY: `PyDataMem_GetHandler`, called with the GIL held; a new reference.
     unsafe {
-        let get: GetHandler = std::mem::transmute(*table.add(SLOT_GET_HANDLER));
         let h = get();
         if h.is_null() {
             return Err(PyErr::fetch(py));

@@ -1,0 +1,142 @@
+"""Numba's arrays under allocbox policies.
+
+    import allocbox, numba, numpy as np
+
+    @numba.njit
+    def double(a):
+        return a * 2                  # a new array, made by Numba's runtime
+
+    with allocbox.use(allocbox.load("size-classes")):
+        b = double(np.arange(1000))
+    allocbox.handler_name(b)          # 'size-classes'
+
+Arrays that `@njit` code makes (`np.empty`, `np.zeros`, array expressions, arrays it
+returns) come from Numba's runtime (NRT), not from NumPy's handler. Once Numba is
+imported, `allocbox.use` and `allocbox.set_handler` route them too (`enable()` does it
+by hand): each is placed by the handler NumPy has current — the same context rule —
+and freed by the policy that made it, with its size (NRT's free says none; the host's
+ledger knows it), however long it lives.
+
+How: Numba's compiled code reaches `NRT_MemInfo_alloc_aligned` (and its debugging
+twin) through symbols llvmlite resolves when a function is linked; `enable()` binds
+them to allocbox's functions, which place the array with NumPy's current handler when
+it is an allocbox policy (through NRT's own `NRT_MemInfo_alloc_external`, so that the
+MemInfo remembers its maker) and otherwise call Numba's own. Functions compiled before
+are compiled again (or loaded again from `cache=True`'s cache) on their next call.
+
+Threads that run no Python (`parallel=True`'s workers, `nogil` functions) cannot read
+a context: they use the policy of the innermost `allocbox.use` block open in the
+process. Not covered: `@cfunc` callbacks compiled before `enable()`, and what NRT
+allocates other than arrays (lists, dicts, strings).
+
+Needs Numba (`pip install allocbox[numba]`); tested with Numba 0.68.
+"""
+
+import gc
+import sys
+import warnings
+
+from ._allocbox import numba_maker as _numba_maker
+from ._allocbox import numba_route as _numba_route
+from ._allocbox import numba_threads_done as _numba_threads_done
+from ._allocbox import numba_threads_use as _numba_threads_use
+
+__all__ = ["enable", "enabled"]
+
+_enabled = False
+# Compiled code replaced by `enable()`, kept so that nothing still running it loses it.
+_retired = []
+
+
+def enabled():
+    """Whether Numba's arrays are routed through allocbox in this process."""
+    return _enabled
+
+
+def enable():
+    """Route the arrays Numba's compiled code makes through NumPy's current handler
+    from now on (idempotent). `allocbox.use` and `set_handler` call it once Numba is
+    imported. Raises `AllocboxError` when this Numba's runtime is not one allocbox
+    knows how to route (its arrays then stay with Numba's own allocator)."""
+    global _enabled
+    if _enabled:
+        return
+    try:
+        from llvmlite import binding as ll
+        from numba.core.registry import cpu_target
+        from numba.core.runtime import _nrt_python
+        from numba.core.runtime.nrt import rtsys
+    except ImportError as e:
+        from . import AllocboxError
+
+        raise AllocboxError(
+            f"allocbox.numba needs Numba, which cannot be imported ({e}): "
+            "install it with `pip install allocbox[numba]`"
+        ) from None
+    # Numba registers its runtime's symbols when it first compiles; ours must come
+    # after, or they would be overwritten.
+    rtsys.initialize(cpu_target.target_context)
+    helpers = _nrt_python.c_helpers
+    try:
+        aligned, safe_aligned = _numba_route(
+            {
+                "get_api": helpers.get("get_api", 0),
+                "alloc_aligned": helpers.get("MemInfo_alloc_aligned", 0),
+                "alloc_safe_aligned": helpers.get("MemInfo_alloc_safe_aligned", 0),
+                "alloc_safe_aligned_external": helpers.get("MemInfo_alloc_safe_aligned_external", 0),
+                "release": helpers.get("MemInfo_release", 0),
+                "data": helpers.get("MemInfo_data", 0),
+            }
+        )
+    except RuntimeError as e:
+        from . import AllocboxError
+
+        raise AllocboxError(str(e)) from None
+    ll.add_symbol("NRT_MemInfo_alloc_aligned", aligned)
+    ll.add_symbol("NRT_MemInfo_alloc_safe_aligned", safe_aligned)
+    _enabled = True
+    _recompile_later()
+
+
+def _recompile_later():
+    """Make every function compiled so far link again on its next call: its machine
+    code holds the addresses of Numba's own allocation functions."""
+    from numba.core.dispatcher import Dispatcher
+
+    for dispatcher in gc.get_objects():
+        if isinstance(dispatcher, Dispatcher) and dispatcher.overloads:
+            _retired.append(dict(dispatcher.overloads))
+            dispatcher._reset_overloads()
+
+
+def _made_by(meminfo):
+    """The allocbox handler that made the data of an array whose `base` is a Numba
+    MemInfo, or None (Numba's own allocator, or a view of an array Numba was
+    handed)."""
+    return _numba_maker(meminfo)
+
+
+def _route_if_imported():
+    """Enable the route if Numba is imported; a Numba allocbox cannot route is said
+    once, as a warning, and leaves NumPy's side as it is. Returns whether it is on."""
+    global _refused
+    if "numba" not in sys.modules or _refused:
+        return _enabled
+    try:
+        enable()
+    except Exception as e:
+        _refused = True
+        warnings.warn(f"{e}", RuntimeWarning, stacklevel=3)
+    return _enabled
+
+
+_refused = False
+
+
+def _threads_use(handler):
+    """Make `handler` the one of Numba's threads that run no Python, when the route is
+    on; returns what ends that."""
+    if not _route_if_imported():
+        return lambda: None
+    token = _numba_threads_use(handler)
+    return lambda: _numba_threads_done(token)

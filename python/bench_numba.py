@@ -1,0 +1,106 @@
+"""Numba's own allocator against allocbox policies placing the arrays Numba's compiled
+code makes (`allocbox.numba`), in one run.
+
+    python python/bench_numba.py            # prints a table of medians and ratios
+    python python/bench_numba.py --policy binning --policy limit
+
+The workload is an `@njit` kernel that makes an array, writes and reads it, and drops
+it, in a loop: small arrays (8 elements) and 64 KiB arrays (8192). Each cell is the
+median of 9 rounds. "numba's own" is measured first, before `allocbox.numba.enable()`
+(which cannot be undone in a process); the other columns then take turns within each
+round: "no policy" is Numba's own allocator behind the route (what the route costs
+where no allocbox policy is current), "native, bridged" NumPy's default handler
+reimplemented natively behind the route and the bridge (what they cost before a policy
+does anything). Build the extension with `maturin develop --release` first: a debug
+build measures unoptimised host code.
+"""
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import numba
+import numpy as np
+
+import allocbox
+import allocbox.numba
+
+GUESTS = pathlib.Path(__file__).resolve().parents[1] / "target" / "guests" / "wasm32-wasip2" / "release"
+
+
+@numba.njit
+def make_and_drop(n, size):
+    total = 0.0
+    for i in range(n):
+        a = np.empty(size)
+        a[0] = i
+        a[size - 1] = 1.0
+        total += a[0] + a[size - 1]
+    return total
+
+
+# About 15 ms a round each, as in bench_numpy.py: shorter rounds moved the ratio by more
+# than the differences being measured.
+WORKLOADS = [
+    ("@njit small arrays (8 elements)", lambda: make_and_drop(300_000, 8)),
+    ("@njit 64 KiB arrays", lambda: make_and_drop(30_000, 8192)),
+]
+
+
+def timed(work, policy):
+    if policy is None:
+        start = time.perf_counter()
+        work()
+        return time.perf_counter() - start
+    with allocbox.use(policy):
+        start = time.perf_counter()
+        work()
+        return time.perf_counter() - start
+
+
+def medians(work, handlers, rounds=9):
+    """Median seconds per allocator; they take turns within each round, so a slow
+    moment of the machine does not land on one column only."""
+    times = [[] for _ in handlers]
+    for _ in range(rounds):
+        for i, (_, policy) in enumerate(handlers):
+            times[i].append(timed(work, policy))
+    return [statistics.median(t) for t in times]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policy", action="append", help="a built guest by name (repeatable); default: system, size-classes")
+    args = parser.parse_args()
+    make_and_drop(10, 8)  # compiled before anything is timed
+    own = []
+    for _, work in WORKLOADS:
+        work()  # warm up caches and page tables
+        own.append(medians(work, [("numba's own", None)])[0])
+    allocbox.numba.enable()
+    handlers = [("no policy", None), ("native, bridged", allocbox.native_default())]
+    for name in args.policy or ["system", "size-classes"]:
+        path = GUESTS / f"policy_{name.replace('-', '_')}.wasm"
+        if not path.exists():
+            sys.exit(f"{path} is missing: build the guests first (cargo test)")
+        handlers.append((name, allocbox.load(path)))
+    make_and_drop(10, 8)  # compiled again, through the route
+    columns = ["numba's own", *(name for name, _ in handlers)]
+    print(f"{'workload':<34}" + "".join(f"{name:>17}" for name in columns))
+    for (label, work), base in zip(WORKLOADS, own):
+        for _, policy in handlers:
+            timed(work, policy)  # warm up caches and page tables
+        results = [base, *medians(work, handlers)]
+        cells = [f"{t * 1e3:8.1f}ms {t / base:5.2f}x" for t in results]
+        print(f"{label:<34}" + "".join(f"{c:>17}" for c in cells))
+    for name, policy in handlers[1:]:
+        policy.raise_if_failed()
+        stats = policy.stats()
+        if stats["live_blocks"] != 0 or stats["mallocs"] == 0:
+            sys.exit(f"{name}: the kernel's arrays did not all go through it: {stats}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""Numba's arrays under allocbox policies (`allocbox.numba`): arrays that `@njit` code
+makes are placed by NumPy's current handler when it is an allocbox policy, named,
+counted, traced and hooked like NumPy's, and freed once, with their size, by the policy
+that made them; and zero-copy hand-offs of allocbox arrays (DLPack, the buffer
+protocol, Numba arguments) keep their blocks alive until the last consumer lets go."""
+
+import gc
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+import allocbox
+from conftest import guest
+
+numba = pytest.importorskip("numba")
+
+
+@numba.njit
+def double(a):
+    return a * 2
+
+
+@numba.njit
+def churn(n, size):
+    total = 0.0
+    for i in range(n):
+        a = np.empty(size)
+        a[0] = i
+        total += a[0]
+    return total
+
+
+@numba.njit(parallel=True)
+def row_sums(n, width):
+    out = np.empty(n)
+    for i in numba.prange(n):
+        row = np.arange(width + i % 3)  # made on a worker thread, or this one
+        out[i] = row[width - 1]
+    return out
+
+
+@numba.njit(nogil=True)
+def zeros_without_the_gil(n):
+    return np.zeros(n)
+
+
+@numba.njit
+def squares(n):
+    for i in range(n):
+        yield np.full(3, i * i)
+
+
+@numba.njit
+def first_half(a):
+    return a[: a.size // 2]
+
+
+def counts(policy):
+    s = policy.stats()
+    return {k: s[k] for k in ("mallocs", "frees", "live_blocks", "size_corrections", "failed")}
+
+
+@pytest.fixture
+def size_classes():
+    return allocbox.load("size-classes")
+
+
+def test_an_array_njit_returns_is_named_counted_and_freed_with_its_size_by_its_policy(size_classes):
+    a = np.arange(1000.0)
+    double(a)  # compiled before the policy is installed
+    before = counts(size_classes)
+    with allocbox.use(size_classes):
+        b = double(a)
+    assert allocbox.handler_name(b) == "size-classes"
+    np.testing.assert_array_equal(b, a * 2)
+    assert b.ctypes.data % 32 == 0, "aligned as Numba asks"
+    made = counts(size_classes)
+    assert made["mallocs"] == before["mallocs"] + 1 and made["live_blocks"] == before["live_blocks"] + 1
+    del b
+    gc.collect()
+    after = counts(size_classes)
+    assert after["frees"] == made["frees"] + 1 and after["live_blocks"] == before["live_blocks"]
+    assert after["size_corrections"] == 0, "the ledger supplied the size NRT's free does not say"
+    size_classes.raise_if_failed()
+
+
+def test_arrays_made_outside_the_block_stay_with_numba_s_own_allocator(size_classes):
+    with allocbox.use(size_classes):
+        pass
+    b = double(np.arange(10.0))
+    assert allocbox.handler_name(b) is None
+    assert counts(size_classes)["mallocs"] == 0
+
+
+def test_an_array_outlives_a_change_of_policy_and_is_freed_by_its_maker(size_classes):
+    other = allocbox.load("system")
+    x = np.arange(100.0)
+    with allocbox.use(size_classes):
+        b = double(x)
+    with allocbox.use(other):
+        c = double(x)
+        del b
+        gc.collect()
+    assert counts(size_classes)["frees"] == 1 and counts(size_classes)["live_blocks"] == 0
+    assert counts(other)["frees"] == 0 and allocbox.handler_name(c) == "system"
+    del c
+    gc.collect()
+    assert counts(other)["live_blocks"] == 0
+
+
+def test_an_array_outlives_the_policy_object_that_made_it():
+    x = np.arange(5000.0)
+    with allocbox.use(allocbox.load("size-classes")):
+        b = double(x)
+    gc.collect()  # the Policy object is gone; the block holds its handler
+    np.testing.assert_array_equal(b, np.arange(5000.0) * 2)
+    assert allocbox.handler_name(b) == "size-classes"
+    del b
+    gc.collect()
+
+
+def test_many_small_and_64_kib_arrays_in_a_loop_balance(size_classes):
+    with allocbox.use(size_classes):
+        assert churn(2000, 8) == sum(range(2000))
+        assert churn(200, 8192) == sum(range(200))
+    stats = counts(size_classes)
+    assert stats["mallocs"] == 2200 and stats["frees"] == 2200 and stats["live_blocks"] == 0, stats
+    assert stats["size_corrections"] == 0
+
+
+def test_arrays_made_on_parallel_workers_are_placed_by_the_policy_of_the_open_block(size_classes):
+    with allocbox.use(size_classes):
+        sums = row_sums(64, 100)
+    np.testing.assert_array_equal(sums, np.full(64, 99.0))
+    stats = counts(size_classes)
+    assert stats["mallocs"] == 65 and stats["live_blocks"] == 1, stats  # 64 rows and `out`
+    del sums
+    gc.collect()
+    assert counts(size_classes)["live_blocks"] == 0
+
+
+def test_a_nogil_function_and_a_generator_place_their_arrays_too(size_classes):
+    with allocbox.use(size_classes):
+        z = zeros_without_the_gil(1000)
+        rows = list(squares(4))
+    assert allocbox.handler_name(z) == "size-classes" and not z.any()
+    assert [allocbox.handler_name(r) for r in rows] == ["size-classes"] * 4
+    assert [int(r[0]) for r in rows] == [0, 1, 4, 9]
+
+
+def test_a_thread_with_its_own_context_places_its_arrays_with_its_own_policy(size_classes):
+    other = allocbox.load("system")
+    seen = []
+
+    def work():
+        with allocbox.use(other):
+            seen.append(allocbox.handler_name(double(np.arange(10.0))))
+
+    with allocbox.use(size_classes):
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        mine = double(np.arange(10.0))
+    assert seen == ["system"] and allocbox.handler_name(mine) == "size-classes"
+
+
+def test_a_stopped_policy_makes_numba_raise_memory_error_and_loses_no_array():
+    bad = allocbox.load(guest("broken"), {"fault": "misaligned"})
+    x = np.arange(100.0)
+    kept = double(x)
+    with allocbox.use(bad):
+        with pytest.raises(MemoryError):
+            double(x)
+        with pytest.raises(MemoryError):
+            double(x)  # stopped: fails cleanly again
+    assert bad.failure is not None and bad.stats()["failed"] == 2
+    np.testing.assert_array_equal(kept, np.arange(100.0) * 2)
+
+
+def test_a_policy_that_traps_on_free_is_stopped_and_named_when_numba_frees_its_array():
+    bad = allocbox.load(guest("broken"), {"fault": "trap-free"})
+    x = np.arange(100_000.0)
+    with allocbox.use(bad):
+        b = double(x)
+    np.testing.assert_array_equal(b, x * 2)
+    del b
+    gc.collect()
+    assert bad.failure is not None and "broken" in bad.failure, bad.failure
+    with pytest.raises(allocbox.PoisonedPolicy):
+        allocbox.set_handler(bad)
+
+
+def test_a_cap_refuses_a_numba_array_past_it_with_memory_error():
+    capped = allocbox.load(guest("limit"), {"max-bytes": "1MiB"})
+    x, large = np.arange(1000.0), np.arange(1_000_000.0)
+    with allocbox.use(capped):
+        small = double(x)
+        with pytest.raises(MemoryError):
+            double(large)
+    assert allocbox.handler_name(small) == "limit"
+    assert capped.failure is None
+
+
+def test_guarded_memory_places_numba_arrays_when_granted():
+    guard = allocbox.load("guard", {"sample": "1"}, grant=["guarded"])
+    x = np.arange(2000.0)
+    with allocbox.use(guard):
+        b = double(x)
+    np.testing.assert_array_equal(b, np.arange(2000.0) * 2)
+    assert guard.link_stats()[0]["mapped_regions"] >= 1
+    del b
+    gc.collect()
+    assert guard.stats()["live_blocks"] == 0
+
+
+def test_a_trace_and_an_event_hook_see_numba_s_blocks_with_their_sizes(tmp_path):
+    path = tmp_path / "numba.trace"
+    policy = allocbox.load("system", record=str(path))
+    events = []
+    allocbox.set_event_hook(lambda old, new, size: events.append((old, new, size)))
+    try:
+        x = np.arange(100.0)
+        with allocbox.use(policy):
+            b = double(x)
+            address = b.ctypes.data
+            del b
+            gc.collect()
+    finally:
+        allocbox.set_event_hook(None)
+    policy.finish_recording()
+    news = [e for e in events if e[0] == 0 and e[1] <= address < e[1] + e[2]]
+    frees = [e for e in events if e[1] == 0 and e[0] == news[0][1]]
+    assert len(news) == 1 and len(frees) == 1, events
+    lines = [line.split() for line in path.read_text().splitlines() if not line.startswith("#")]
+    ops = [(op, int(size)) for op, _, size, *_ in lines]
+    assert ops == [("m", news[0][2]), ("f", news[0][2])], ops
+
+
+def test_dlpack_and_buffer_consumers_keep_a_block_past_a_change_and_a_stop_of_its_policy():
+    policy = allocbox.load(guest("broken"), {"fault": "trap-realloc"})
+    with allocbox.use(policy):
+        a = np.arange(4096, dtype=np.int64)
+    through_dlpack = np.from_dlpack(a)
+    through_buffer = np.frombuffer(memoryview(a), dtype=np.int64)
+    view = memoryview(a)
+    del a
+    with allocbox.use(allocbox.load("system")):
+        np.ones(10)
+    with allocbox.use(policy):
+        doomed = np.ones(10_000)
+        with pytest.raises(MemoryError):
+            doomed.resize(20_000, refcheck=False)  # realloc traps: the policy stops
+    del doomed
+    assert policy.failure is not None
+    gc.collect()
+    expected = np.arange(4096, dtype=np.int64)
+    np.testing.assert_array_equal(through_dlpack, expected)
+    np.testing.assert_array_equal(through_buffer, expected)
+    assert view.tobytes() == expected.tobytes()
+    frees = policy.stats()["frees"]
+    del through_dlpack, through_buffer
+    gc.collect()
+    assert policy.stats()["frees"] == frees, "a consumer is still holding the block"
+    view.release()
+    gc.collect()
+    assert policy.stats()["frees"] == frees + 1, "freed once, by its maker, when the last let go"
+
+
+def test_an_allocbox_array_handed_to_numba_stays_alive_in_the_view_numba_returns(size_classes):
+    with allocbox.use(size_classes):
+        a = np.arange(1000.0)
+    half = first_half(a)
+    del a
+    gc.collect()
+    assert size_classes.stats()["live_blocks"] == 1
+    np.testing.assert_array_equal(half, np.arange(500.0))
+    del half
+    gc.collect()
+    assert size_classes.stats()["live_blocks"] == 0
+
+
+def run_python(tmp_path, body, **env):
+    script = tmp_path / "client.py"
+    script.write_text(textwrap.dedent(body))
+    import os
+
+    return subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **env},
+        cwd=tmp_path,
+    )
+
+
+def test_a_function_loaded_from_numba_s_cache_places_its_arrays_with_the_policy(tmp_path):
+    body = """
+        import numba, numpy as np, allocbox
+
+        @numba.njit(cache=True)
+        def triple(a):
+            return a * 3
+
+        with allocbox.use(allocbox.load("size-classes")):
+            b = triple(np.arange(10.0))
+        print(allocbox.handler_name(b), sum(triple.stats.cache_hits.values()))
+    """
+    first = run_python(tmp_path, body, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    second = run_python(tmp_path, body, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout.split()[0] == "size-classes"
+    assert second.stdout.split() == ["size-classes", "1"], second.stdout
+
+
+def test_numba_s_debugging_allocator_is_routed_too(tmp_path):
+    done = run_python(
+        tmp_path,
+        """
+        import numba, numpy as np, allocbox
+
+        @numba.njit
+        def double(a):
+            return a * 2
+
+        with allocbox.use(allocbox.load("size-classes")):
+            b = double(np.arange(10.0))
+        print("result:", allocbox.handler_name(b), b.sum())
+        """,
+        NUMBA_DEBUG_NRT="1",
+    )
+    assert done.returncode == 0, done.stderr
+    result = [line for line in done.stdout.splitlines() if line.startswith("result:")]
+    assert result == ["result: size-classes 90.0"], done.stdout[-2000:]
+
+
+def test_blocks_never_freed_before_exit_are_not_reported_as_errors(tmp_path):
+    done = run_python(
+        tmp_path,
+        """
+        import numba, numpy as np, allocbox
+
+        @numba.njit
+        def double(a):
+            return a * 2
+
+        kept = []
+        x = np.arange(10.0)
+        double(x)  # compiled outside: the compiler's own arrays are not the program's
+        policy = allocbox.load("size-classes")
+        with allocbox.use(policy):
+            kept.append(double(x))
+            kept.append(np.arange(10.0))
+        print(policy.stats()["live_blocks"])
+        """,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "2", done.stdout + done.stderr
+    assert done.stderr == ""
