@@ -360,3 +360,32 @@ def test_blocks_never_freed_before_exit_are_not_reported_as_errors(tmp_path):
     )
     assert done.returncode == 0 and done.stdout.strip() == "2", done.stdout + done.stderr
     assert done.stderr == ""
+
+
+def test_a_large_numba_array_is_bound_to_the_numa_node_asked_for():
+    from test_numa import placement_of
+
+    policy = allocbox.load("numa", {"node": "0"}, grant=["numa"])
+    x = np.ones(1 << 20)  # 8 MiB, past the policy's 1 MiB `min-size`
+    with allocbox.use(policy):
+        b = double(x)
+    assert allocbox.handler_name(b) == "numa"
+    assert placement_of(b.ctypes.data) == "bind:0"
+    assert float(b.sum()) == 2.0 * (1 << 20)
+
+
+def test_a_numba_allocbox_cannot_route_is_said_once_and_numpy_s_side_goes_on(monkeypatch, size_classes):
+    import allocbox.numba as route
+
+    def refuse():
+        raise allocbox.AllocboxError("this Numba's runtime lays out its MemInfo differently")
+
+    monkeypatch.setattr(route, "_enabled", False)
+    monkeypatch.setattr(route, "_refused", False)
+    monkeypatch.setattr(route, "enable", refuse)
+    with pytest.warns(RuntimeWarning, match="lays out its MemInfo differently"):
+        with allocbox.use(size_classes):
+            a = np.arange(10.0)
+    assert allocbox.handler_name(a) == "size-classes"
+    with allocbox.use(size_classes):  # said once
+        np.arange(10.0)
