@@ -1,14 +1,15 @@
 //! Allocation traces in the format of `shared/traces/README.md` (`op id size thread`,
 //! one event a line): read and parsed here; any handler's calls recorded in it
 //! (`trace/record.rs`); a trace replayed through any handler, naming the event that
-//! fails (`trace/replay.rs`); and [`timeline`], which replays one for a report, event
-//! by event.
+//! fails (`trace/replay.rs`); [`timeline`], which replays one for a report, event
+//! by event; and [`by_site`], its live bytes by the program's line.
 
+pub mod by_site;
 mod record;
 mod replay;
 pub mod timeline;
 
-pub use record::{Recorder, TraceWriter, Watched, Watcher};
+pub use record::{RecordOptions, Recorder, SiteOf, TraceWriter, Watched, Watcher};
 pub(crate) use replay::Held;
 pub use replay::{ReplayReport, leak_after_replay, replay_trace, replay_trace_counted};
 
@@ -68,11 +69,36 @@ pub struct Mark {
     pub text: String,
 }
 
-/// A trace's events and the marks between them.
+/// Where a program was when it made a block: the innermost line of its own code (a
+/// trace's `#@site N LINE FUNCTION FILE` record; `allocbox run --sites` writes them).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Site {
+    /// Shared: a recording names the same few files and functions over and over.
+    pub file: std::sync::Arc<str>,
+    pub line: u32,
+    pub function: std::sync::Arc<str>,
+}
+
+impl fmt::Display for Site {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{} ({})", self.file, self.line, self.function)
+    }
+}
+
+/// A trace's events and the marks between them, and where the recording gave them, the
+/// time and the site of each event.
 #[derive(Debug, Default)]
 pub struct Trace {
     pub events: Vec<Event>,
     pub marks: Vec<Mark>,
+    /// Per event, nanoseconds since the recording started (its `t=` field); empty when
+    /// the trace has no times. An event without one has its predecessor's.
+    pub times: Vec<u64>,
+    /// Per event, the number of its site in `site_table` (its `s=` field), 0 for none;
+    /// empty when the trace names no sites.
+    pub sites: Vec<u32>,
+    /// The sites the trace names, by number.
+    pub site_table: std::collections::HashMap<u32, Site>,
 }
 
 /// Read a trace (plain text, or gzip when the file starts with the gzip magic).
@@ -105,7 +131,6 @@ pub fn parse_trace(input: impl BufRead) -> Result<Vec<Event>, TraceError> {
 /// it are the file's header).
 pub fn parse_trace_marked(mut input: impl BufRead) -> Result<Trace, TraceError> {
     let mut trace = Trace::default();
-    let events = &mut trace.events;
     let mut line = String::new();
     let mut n = 0u32;
     loop {
@@ -115,10 +140,18 @@ pub fn parse_trace_marked(mut input: impl BufRead) -> Result<Trace, TraceError> 
         }
         n += 1;
         let text = line.trim();
+        if let Some(record) = text.strip_prefix("#@site ") {
+            let (number, site) = parse_site(record).ok_or_else(|| TraceError::Syntax {
+                line: n,
+                message: "a site is `#@site NUMBER LINE FUNCTION FILE`".into(),
+            })?;
+            trace.site_table.insert(number, site);
+            continue;
+        }
         if let Some(comment) = text.strip_prefix('#') {
-            if !events.is_empty() {
+            if !trace.events.is_empty() {
                 trace.marks.push(Mark {
-                    at: events.len() as u64,
+                    at: trace.events.len() as u64,
                     text: crate::untrusted::escape(comment.trim()),
                 });
             }
@@ -152,7 +185,31 @@ pub fn parse_trace_marked(mut input: impl BufRead) -> Result<Trace, TraceError> 
             None => 1,
             Some(w) => w.parse().map_err(|e| bad(format!("thread `{w}`: {e}")))?,
         };
-        events.push(Event {
+        // Optional `key=value` fields; unknown keys are for newer readers.
+        let (mut time, mut site) = (None, None);
+        for word in words {
+            let field = |w: &str| w.parse::<u64>().map_err(|e| bad(format!("`{word}`: {e}")));
+            match word.split_once('=') {
+                Some(("t", w)) => time = Some(field(w)?),
+                Some(("s", w)) => site = Some(field(w)? as u32),
+                _ => {}
+            }
+        }
+        let at = trace.events.len();
+        if let Some(time) = time {
+            trace.times.resize(at, 0);
+            trace.times.push(time);
+        } else if !trace.times.is_empty() {
+            let last = trace.times.last().copied().unwrap_or(0);
+            trace.times.push(last);
+        }
+        if let Some(site) = site {
+            trace.sites.resize(at, 0);
+            trace.sites.push(site);
+        } else if !trace.sites.is_empty() {
+            trace.sites.push(0);
+        }
+        trace.events.push(Event {
             op,
             id,
             size,
@@ -160,6 +217,24 @@ pub fn parse_trace_marked(mut input: impl BufRead) -> Result<Trace, TraceError> 
             line: n,
         });
     }
+}
+
+/// `NUMBER LINE FUNCTION FILE` (the file last: it may hold spaces), escaped: a trace is
+/// input.
+fn parse_site(record: &str) -> Option<(u32, Site)> {
+    let mut words = record.splitn(4, ' ');
+    let number = words.next()?.parse().ok()?;
+    let line = words.next()?.parse().ok()?;
+    let function = crate::untrusted::escape(words.next()?).into();
+    let file = crate::untrusted::escape(words.next()?.trim()).into();
+    Some((
+        number,
+        Site {
+            file,
+            line,
+            function,
+        },
+    ))
 }
 
 impl fmt::Display for Event {

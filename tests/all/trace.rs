@@ -22,6 +22,78 @@ impl Write for Shared {
 }
 
 #[test]
+fn a_trace_recorded_with_time_and_sites_reads_back_with_both_and_replays_alike() {
+    use allocbox::trace::{RecordOptions, Site, parse_trace_marked};
+    let out = Shared::default();
+    let site = |line| Site {
+        file: "/home/me/my job.py".into(),
+        line,
+        function: "build_peak".into(),
+    };
+    let next = std::sync::atomic::AtomicU32::new(0);
+    let options = RecordOptions {
+        time: true,
+        sites: Some(Box::new(move || {
+            let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Some(site(10 + n % 2))
+        })),
+    };
+    let rec = Recorder::with_options(
+        Arc::new(handler(&allocbox_artifacts::SYSTEM, &[])),
+        out.clone(),
+        options,
+    );
+    let a = rec.malloc(10).unwrap();
+    let b = rec.malloc(20).unwrap();
+    let c = rec.malloc(30).unwrap();
+    for (p, size) in [(a, 10), (b, 20), (c, 30)] {
+        rec.free(p, size).unwrap();
+    }
+    rec.finish().unwrap();
+    let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    let trace = parse_trace_marked(text.as_bytes()).unwrap();
+    assert_eq!(trace.events.len(), 6);
+    assert!(trace.marks.is_empty(), "site records are not marks: {text}");
+    assert_eq!(trace.times.len(), 6);
+    assert!(trace.times.is_sorted(), "{:?}", trace.times);
+    assert_eq!(trace.sites, [1, 2, 1, 0, 0, 0], "{text}");
+    assert_eq!(trace.site_table[&1], site(10));
+    assert_eq!(trace.site_table[&2], site(11));
+    // The same events as a trace without the new fields.
+    let plain: Vec<_> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.split(' ').take(4).collect::<Vec<_>>().join(" "))
+        .collect();
+    let plain = parse_trace(plain.join("\n").as_bytes()).unwrap();
+    let ops = |events: &[allocbox::trace::Event]| {
+        events
+            .iter()
+            .map(|e| (e.op, e.id, e.size, e.thread))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ops(&plain), ops(&trace.events));
+}
+
+#[test]
+fn a_recording_ends_where_it_is_finished_so_what_is_live_then_is_what_leaked() {
+    let out = Shared::default();
+    let rec = Recorder::new(
+        Arc::new(handler(&allocbox_artifacts::SYSTEM, &[])),
+        out.clone(),
+    );
+    let kept = rec.malloc(10).unwrap();
+    rec.finish().unwrap();
+    let later = rec.malloc(20).unwrap();
+    rec.free(later, 20).unwrap();
+    rec.free(kept, 10).unwrap();
+    rec.finish().unwrap();
+    let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+    assert_eq!(lines, ["m 1 10 1"], "served after the end, not written");
+}
+
+#[test]
 fn a_recorded_trace_replays_to_the_same_calls() {
     let out = Shared::default();
     let rec = Recorder::new(

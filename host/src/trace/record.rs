@@ -8,7 +8,7 @@ use std::ptr::NonNull;
 
 use parking_lot::Mutex;
 
-use super::{EventOp, UNKNOWN_ID};
+use super::{EventOp, Site, UNKNOWN_ID};
 use crate::error::Error;
 use crate::memhandler::{MemHandler, Stats};
 use crate::nep49::SharedHandler;
@@ -91,9 +91,26 @@ where
 /// A handler that writes every call it forwards to `handler` as a trace.
 pub type Recorder = Watched<SharedHandler, TraceWriter>;
 
+/// Where the client was when it asked for a block, asked of the embedder for each
+/// allocation a [`Recorder`] writes with sites (the NumPy bridge: the innermost line of
+/// the program's own Python code). Called outside the recorder's lock.
+pub type SiteOf = Box<dyn Fn() -> Option<Site> + Send + Sync>;
+
+/// What a [`Recorder`] writes beside each event.
+#[derive(Default)]
+pub struct RecordOptions {
+    /// Nanoseconds since the recording started, as `t=N`.
+    pub time: bool,
+    /// The site of each allocation, as `s=N`, each site named once in a `#@site`
+    /// record before its first event.
+    pub sites: Option<SiteOf>,
+}
+
 /// The trace a [`Recorder`] writes.
 pub struct TraceWriter {
     state: Mutex<RecorderState>,
+    started: Option<std::time::Instant>,
+    sites: Option<SiteOf>,
 }
 
 struct RecorderState {
@@ -102,6 +119,19 @@ struct RecorderState {
     next_id: u64,
     threads: HashMap<std::thread::ThreadId, u32>,
     error: Option<std::io::Error>,
+    /// Ended by [`Recorder::finish`]: later calls are not written.
+    ended: bool,
+    /// The number each site was given in its `#@site` record.
+    site_numbers: HashMap<Site, u32>,
+}
+
+impl fmt::Debug for RecordOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RecordOptions")
+            .field("time", &self.time)
+            .field("sites", &self.sites.is_some())
+            .finish()
+    }
 }
 
 impl fmt::Debug for TraceWriter {
@@ -113,6 +143,32 @@ impl fmt::Debug for TraceWriter {
 impl Recorder {
     /// Record the calls made to `inner` into `out`.
     pub fn new(inner: SharedHandler, out: impl Write + Send + 'static) -> Recorder {
+        Recorder::with_options(inner, out, RecordOptions::default())
+    }
+
+    /// Record the calls made to `inner` into the file at `path`, created (or emptied)
+    /// here: gzip-compressed when its name ends in `.gz`, as `read_trace` reads it.
+    pub fn create(
+        path: &std::path::Path,
+        inner: SharedHandler,
+        options: RecordOptions,
+    ) -> std::io::Result<Recorder> {
+        let file = std::io::BufWriter::new(std::fs::File::create(path)?);
+        Ok(match path.extension().is_some_and(|e| e == "gz") {
+            true => {
+                let gz = flate2::write::GzEncoder::new(file, flate2::Compression::fast());
+                Recorder::with_options(inner, gz, options)
+            }
+            false => Recorder::with_options(inner, file, options),
+        })
+    }
+
+    /// Record the calls made to `inner` into `out`, each with what `options` asks.
+    pub fn with_options(
+        inner: SharedHandler,
+        out: impl Write + Send + 'static,
+        options: RecordOptions,
+    ) -> Recorder {
         let mut out: Box<dyn Write + Send> = Box::new(out);
         let header = "# op(m=malloc,c=calloc,r=realloc,f=free) ptr-id size thread; \
                       free(NULL)->id 0; unknown ptr->id 18446744073709551615\n";
@@ -126,19 +182,39 @@ impl Recorder {
                     next_id: 1,
                     threads: HashMap::new(),
                     error,
+                    ended: false,
+                    site_numbers: HashMap::new(),
                 }),
+                started: options.time.then(std::time::Instant::now),
+                sites: options.sites,
             },
         }
     }
 
-    /// Flush the trace; the first write error, if any, is returned here.
+    /// End the trace and flush it: calls after this one are served but not written, so
+    /// the blocks live at this point are the ones the trace never frees (what leaked
+    /// where the recording ends). The first write error, if any, is returned here.
     pub fn finish(&self) -> std::io::Result<()> {
         let mut state = self.watcher.state.lock();
+        state.ended = true;
         if let Some(e) = state.error.take() {
             return Err(e);
         }
         state.out.flush()
     }
+}
+
+/// A function's name as one word of a `#@site` record.
+fn one_word(text: &str) -> String {
+    let word: String = text.chars().filter(|c| !c.is_whitespace()).collect();
+    if word.is_empty() { "?".into() } else { word }
+}
+
+/// A file's name as the rest of a `#@site` record's line.
+fn one_line(text: &str) -> String {
+    text.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect()
 }
 
 impl Watcher for TraceWriter {
@@ -149,7 +225,16 @@ impl Watcher for TraceWriter {
             EventOp::Realloc => 'r',
             EventOp::Free => 'f',
         };
+        // Before the lock: finding the site may wait for the client's own locks (the
+        // GIL), which another thread may hold while it waits for this lock.
+        let site = match (&self.sites, op) {
+            (Some(site_of), 'm' | 'c' | 'r') => site_of(),
+            _ => None,
+        };
         let mut st = self.state.lock();
+        if st.ended {
+            return;
+        }
         let next_thread = st.threads.len() as u32 + 1;
         let thread = *st
             .threads
@@ -172,7 +257,32 @@ impl Watcher for TraceWriter {
             }
             _ => return,
         };
-        let line = format!("{op} {id} {size} {thread}\n");
+        let mut line = String::new();
+        if let Some(site) = site {
+            let next = st.site_numbers.len() as u32 + 1;
+            let number = match st.site_numbers.get(&site) {
+                Some(&number) => number,
+                None => {
+                    let record = format!(
+                        "#@site {next} {} {} {}\n",
+                        site.line,
+                        one_word(&site.function),
+                        one_line(&site.file)
+                    );
+                    line += &record;
+                    st.site_numbers.insert(site, next);
+                    next
+                }
+            };
+            line += &format!("{op} {id} {size} {thread}");
+            line += &format!(" s={number}");
+        } else {
+            line += &format!("{op} {id} {size} {thread}");
+        }
+        if let Some(started) = self.started {
+            line += &format!(" t={}", started.elapsed().as_nanos());
+        }
+        line.push('\n');
         if st.error.is_none() {
             st.error = st.out.write_all(line.as_bytes()).err();
         }
