@@ -479,6 +479,136 @@ fn the_report_page_renders_in_chromium() {
     );
 }
 
+#[test]
+fn a_page_of_a_trace_with_times_and_sites_has_a_time_axis_and_tables_by_line_in_chromium() {
+    let Some(chromium) = find_chromium() else {
+        let fix = "chromium is not installed: `apt-get install chromium` (Debian) so that \
+                   the report page can be checked in a browser";
+        if std::env::var_os("CI").is_some() {
+            panic!("{fix}");
+        }
+        eprintln!("skipped: {fix}");
+        return;
+    };
+    // Three lines of a program: one makes small arrays, one the peak, one keeps a few.
+    let mut text = String::from(
+        "#@site 1 5 small job.py\n#@site 2 9 build_peak job.py\n#@site 3 14 keep job.py\n",
+    );
+    let mut id = 0;
+    let mut t = 0u64;
+    for round in 0..200u64 {
+        id += 1;
+        t += 1_000_000;
+        text += &format!("m {id} 800 1 s=1 t={t}\nf {id} 800 1 t={}\n", t + 500);
+        if round == 120 {
+            for big in 0..4 {
+                text += &format!("m {} 8000000 1 s=2 t={}\n", 10_000 + big, t + 600 + big);
+            }
+            for big in 0..4 {
+                text += &format!("f {} 8000000 1 t={}\n", 10_000 + big, t + 900);
+            }
+        }
+        if round % 50 == 0 {
+            text += &format!("m {} 4096 1 s=3 t={}\n", 20_000 + round, t + 700);
+        }
+    }
+    let trace = parse_trace_marked(text.as_bytes()).unwrap();
+    let found = allocbox::trace::by_site::by_site(&trace.events, &trace.sites);
+    assert_eq!(found.at_peak[0].site, 2);
+    assert_eq!(
+        (found.never_freed[0].site, found.never_freed[0].blocks),
+        (3, 4)
+    );
+    let native = NumpyDefault::new();
+    let system = handler(&allocbox_artifacts::SYSTEM, &[]);
+    let timelines = [
+        timeline("default", &native, native_held(&native), &trace.events),
+        timeline("system", &system, chain_held(&system), &trace.events),
+    ];
+    let recorded = allocbox_cli::report::Recorded {
+        times: &trace.times,
+        lines: Some((&found, &trace.site_table)),
+    };
+    let page = allocbox_cli::report::render_page("job.trace", &timelines, &[], &recorded);
+
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("report-lines");
+    std::fs::create_dir_all(&dir).unwrap();
+    let probe = dir.join("probe.html");
+    std::fs::write(
+        &probe,
+        page.replacen("<head>", &format!("<head>{LINES_PROBE}"), 1),
+    )
+    .unwrap();
+    let profile = dir.join("profile");
+    let (stdout, stderr) = run_browser(
+        &chromium,
+        &[
+            "--headless".to_string(),
+            "--no-sandbox".to_string(),
+            "--disable-gpu".to_string(),
+            "--no-first-run".to_string(),
+            format!("--user-data-dir={}", profile.display()),
+            "--virtual-time-budget=5000".to_string(),
+            "--window-size=1400,2000".to_string(),
+            "--dump-dom".to_string(),
+            format!("file://{}", probe.display()),
+        ],
+    );
+    let verdict = stdout
+        .split_once("<pre id=\"verdict\">")
+        .and_then(|(_, rest)| rest.split_once("</pre>"))
+        .map(|(json, _)| unescape(json))
+        .unwrap_or_else(|| panic!("no verdict in the DOM:\n{stdout}\n{stderr}"));
+    let verdict: serde_json::Value = serde_json::from_str(&verdict).unwrap();
+    let first: Vec<&str> = verdict["first"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    assert_eq!(first[..2], ["job.py:9", "build_peak"], "{verdict}");
+    let bars: Vec<f64> = verdict["bars"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_f64().unwrap())
+        .collect();
+    // At the peak: the four large arrays, and the three small ones kept so far.
+    assert!(
+        bars.len() == 2 && bars[0] > 50.0 && bars[0] > bars[1],
+        "a bar per line, to scale: {verdict}"
+    );
+    assert_eq!(verdict["leaked"], 1, "{verdict}");
+    assert_eq!(
+        verdict["timeAxes"], 6,
+        "every chart over the trace is over time (3 per handler): {verdict}"
+    );
+    assert_eq!(
+        verdict["links"], verdict["rows"],
+        "each row links to the timeline: {verdict}"
+    );
+}
+
+/// The tables by line and the x axes, as Chromium laid them out.
+const LINES_PROBE: &str = r#"<script>
+window.addEventListener("load", () => {
+  const rows = [...document.querySelectorAll("table.at-peak tbody tr")];
+  const verdict = {
+    rows: rows.length,
+    first: [...rows[0].querySelectorAll("td")].slice(0, 2).map((td) => td.textContent),
+    bars: rows.map((r) => r.querySelector("td.bar span").getBoundingClientRect().width),
+    links: rows.filter((r) => r.querySelector("a[href='#timeline']")).length,
+    leaked: document.querySelectorAll("table.never-freed tbody tr").length,
+    timeAxes: [...document.querySelectorAll("svg text")]
+      .filter((t) => t.textContent.trim() === "seconds since the recording started").length,
+  };
+  const pre = document.createElement("pre");
+  pre.id = "verdict";
+  pre.textContent = JSON.stringify(verdict);
+  document.body.appendChild(pre);
+});
+</script>"#;
+
 /// Measures every chart on load and writes a JSON verdict into the DOM: each chart's
 /// size, per expected series (the colors in `data-series`) how many drawn elements have
 /// that color and a non-zero extent, texts that overlap or stick out of their chart,
@@ -612,4 +742,71 @@ fn the_report_checks_its_page_before_the_work_and_never_leaves_half_a_page() {
     assert_eq!(kept, "the page from before");
     assert!(!dir.join(".old.html.partial").exists());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn each_config_goes_to_the_policy_named_before_it_and_the_summary_explains_its_ratios() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("report-per-policy");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("t.txt"), "m 1 800\nm 2 8\nf 2 8\nf 1 800\n").unwrap();
+    let (code, out) = allocbox_cli(
+        &[
+            "report",
+            "t.txt",
+            "-p",
+            "size-classes",
+            "-c",
+            "bucket-depth=7",
+            "-p",
+            "arena",
+            "-o",
+            "out.html",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 0, "`arena` is not given size-classes' setting: {out}");
+    assert!(
+        out.contains("held/live at peak") && out.contains(allocbox_cli::report::RATIO_NOTE),
+        "{out}"
+    );
+    assert!(!out.contains("peak ratio"), "{out}");
+
+    let (code, out) = allocbox_cli(
+        &[
+            "report",
+            "t.txt",
+            "-c",
+            "bucket-depth=7",
+            "-p",
+            "size-classes",
+            "-o",
+            "out.html",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("-c bucket-depth=7 comes before any -p"),
+        "{out}"
+    );
+
+    let (code, out) = allocbox_cli(
+        &[
+            "replay-trace",
+            "t.txt",
+            "-p",
+            "aligned",
+            "-c",
+            "alignment=128",
+            "-p",
+            "size-classes",
+            "-c",
+            "bucket-depth=7",
+        ],
+        &dir,
+    );
+    assert_eq!(
+        code, 0,
+        "each link of the chain gets its own setting: {out}"
+    );
 }

@@ -17,7 +17,7 @@ use std::time::Duration;
 use allocbox::{CompileBound, CompileBounds, Limits, Policy, Runtime, WasmHook};
 use allocbox_check::CheckOptions;
 use anyhow::{Context, Result, bail};
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use check_command::{CheckArgs, run_check, run_replay};
 use inspect::inspect;
@@ -110,7 +110,8 @@ enum Command {
         /// default policy). Default: `default`.
         #[arg(long = "policy", short = 'p')]
         policies: Vec<String>,
-        /// Configuration for the top policy's `init`, as KEY=VALUE (repeatable).
+        /// Configuration for the `init` of the policy named before it, as KEY=VALUE
+        /// (repeatable: `-p aligned -c alignment=128 -p size-classes -c bucket-depth=7`).
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
         #[command(flatten)]
@@ -139,8 +140,9 @@ enum Command {
         /// Print the summary as JSON (an array, one object per handler).
         #[arg(long)]
         json: bool,
-        /// Configuration for every policy's `init`, as KEY=VALUE (repeatable; `default`
-        /// takes none).
+        /// Configuration for the `init` of the policy named before it, as KEY=VALUE
+        /// (repeatable: `-p size-classes -c bucket-depth=7 -p arena`; `default` takes
+        /// none).
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
         #[command(flatten)]
@@ -452,6 +454,32 @@ pub(crate) fn print_report(text: &str) {
     let _ = std::io::stdout().lock().write_all(text.as_bytes());
 }
 
+/// The configuration of each `-p` of a subcommand: the `-c`s between it and the next
+/// `-p`, in order. A `-c` before every `-p` configures nothing, and is refused.
+fn config_per_policy(
+    matches: &clap::ArgMatches,
+    config: Vec<(String, String)>,
+) -> Result<Vec<Vec<(String, String)>>> {
+    let at = |id| -> Vec<usize> {
+        matches
+            .indices_of(id)
+            .map(Iterator::collect)
+            .unwrap_or_default()
+    };
+    let (policy_at, config_at) = (at("policies"), at("config"));
+    let mut per_policy = vec![Vec::new(); policy_at.len()];
+    for ((key, value), at) in config.into_iter().zip(config_at) {
+        let Some(owner) = policy_at.iter().rposition(|&p| p < at) else {
+            bail!(
+                "-c {key}={value} comes before any -p: each -c configures the policy named \
+                 before it (-p size-classes -c bucket-depth=7)"
+            );
+        };
+        per_policy[owner].push((key, value));
+    }
+    Ok(per_policy)
+}
+
 /// Run the command line `args` (the program's name first, as [`std::env::args_os`]
 /// gives it) and return the exit status: 0 every rule held (or the command succeeded),
 /// 1 a rule was broken, 2 unusable input. The `allocbox` binary and the Python wheel's
@@ -461,14 +489,25 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    let cli = match Cli::try_parse_from(args) {
-        Ok(cli) => cli,
+    let parsed = Cli::command()
+        .try_get_matches_from(args)
+        .and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(e) => {
             // Help and version are printed to stdout and succeed; a usage error is
             // printed to stderr and exits 2, as clap's own `exit` would.
             let _ = e.print();
             return u8::try_from(e.exit_code()).unwrap_or(2);
         }
+    };
+    // `report` and `replay-trace` give each `-c` to the `-p` before it.
+    let per_policy = |config| {
+        let sub = matches
+            .subcommand()
+            .map(|(_, m)| m)
+            .expect("a subcommand is required");
+        config_per_policy(sub, config)
     };
     let mut bounds = CompileBounds::default();
     for &(bound, value) in &cli.compile_bounds {
@@ -539,14 +578,16 @@ where
             config,
             hook,
             limits,
-        } => run_report(ReportArgs {
-            trace,
-            policies,
-            output,
-            json,
-            config,
-            hook: hook.path,
-            limits: limits.limits(Limits::default().call_time),
+        } => per_policy(config).and_then(|config| {
+            run_report(ReportArgs {
+                trace,
+                policies,
+                output,
+                json,
+                config,
+                hook: hook.path,
+                limits: limits.limits(Limits::default().call_time),
+            })
         }),
         Command::ReplayTrace {
             trace,
@@ -554,13 +595,15 @@ where
             config,
             hook,
             limits,
-        } => run_replay_trace(
-            trace,
-            policies,
-            config,
-            hook.path,
-            limits.limits(Limits::default().call_time),
-        ),
+        } => per_policy(config).and_then(|config| {
+            run_replay_trace(
+                trace,
+                policies,
+                config,
+                hook.path,
+                limits.limits(Limits::default().call_time),
+            )
+        }),
     };
     match result {
         Ok(Outcome::Held) => 0,

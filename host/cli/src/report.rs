@@ -6,19 +6,24 @@
 //! style sheet is `report/style.css`; the summaries are in [`summary`].
 
 mod charts;
+mod lines;
 mod sections;
 mod summary;
 
 use std::fmt::Write as _;
 
-use allocbox::trace::Mark;
+use std::collections::HashMap;
+
+use allocbox::trace::by_site::BySite;
 use allocbox::trace::timeline::{SIZE_BUCKETS, Sample, Timeline};
+use allocbox::trace::{Mark, Site};
 use plotters::style::RGBColor;
 
 use charts::*;
+use lines::lines_section;
 use sections::{holdings_section, left_section, peak_section, phases_section};
 use summary::ratio_text;
-pub use summary::{bytes, summary_table, timeline_json};
+pub use summary::{RATIO_NOTE, bytes, summary_table, timeline_json};
 
 /// Text for HTML, escaped: everything a policy names itself or says in an error comes
 /// from the guest, which may be hostile.
@@ -46,28 +51,53 @@ pub(super) fn short_label(label: &str) -> &str {
         .unwrap_or(label)
 }
 
+/// What a recording adds to a trace, for the page: each event's time, and the
+/// program's lines behind its blocks.
+#[derive(Debug, Default)]
+pub struct Recorded<'a> {
+    /// Per event, nanoseconds since the recording started (`Trace::times`); with them
+    /// the charts' x axis is time.
+    pub times: &'a [u64],
+    /// The trace's live bytes by line (`by_site`) and the sites it names.
+    pub lines: Option<(&'a BySite, &'a HashMap<u32, Site>)>,
+}
+
+/// [`render_page`] of a trace without times or sites.
+pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> String {
+    render_page(trace_name, timelines, marks, &Recorded::default())
+}
+
 /// One self-contained HTML page comparing `timelines` (the same trace through several
 /// handlers): a summary table, the failures, the peak and the phases (the trace's
 /// `marks`, its tests) that reached the most bytes or overhead, what the trace left
-/// live at its end, and per metric one chart per handler side by side with the same
-/// axes. Every text that comes from outside is escaped.
-pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> String {
-    let x_max = timelines
+/// live at its end, the lines behind the peak and behind what was never freed (when
+/// `recorded` has them), and per metric one chart per handler side by side with the
+/// same axes, over time when the trace has times. Every text that comes from outside
+/// is escaped.
+pub fn render_page(
+    trace_name: &str,
+    timelines: &[Timeline],
+    marks: &[Mark],
+    recorded: &Recorded<'_>,
+) -> String {
+    let events_max = timelines
         .iter()
         .filter_map(|t| t.samples.last())
-        .map(|s| s.end as f64)
-        .fold(1.0, f64::max);
+        .map(|s| s.end)
+        .max()
+        .unwrap_or(1);
+    let x = XAxis::new(recorded.times, events_max);
     let samples = || timelines.iter().flat_map(|t| &t.samples);
     let bytes_top = samples().flat_map(|s| [s.live, s.held]).max().unwrap_or(0) as f64;
-    let mark_ticks: Vec<u64> = marks.iter().map(|m| m.at).collect();
-    // Held/live from the lowest seen (at most 1x); 0 (nothing live) is drawn there.
+    let mark_ticks: Vec<f64> = marks.iter().map(|m| x.at(m.at)).collect();
+    // Held/live from 1x, which no handler goes under (it holds at least what it lent;
+    // 0, nothing live, is drawn at 1x); a policy's line at 1x is drawn over the axis.
     let ratios = || samples().map(|s| s.ratio).filter(|&r| r > 0.0);
     let ratio_lo = ratios().fold(1.0, f64::min);
     let (top, ratio_clipped) = robust_top(ratios());
     let top = top.max(ratio_lo + 0.05);
-    // A margin below the lowest, so that a line at 1x is not hidden in the axis.
     let ratio_axis = YAxis::new(
-        ratio_lo - (top - ratio_lo) * 0.05,
+        ratio_lo,
         top + (top - ratio_lo) * 0.02,
         &decimal_steps(),
         &|y: &f64| format!("{}x", trim_float(*y)),
@@ -85,11 +115,11 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> 
         _ => (0, 1),
     };
     let size_max = timelines.iter().flat_map(|t| t.sizes).max().unwrap_or(1);
-    let failed_at = |t: &Timeline| t.replay.failure.as_ref().map(|_| t.replay.events as f64);
+    let failed_at = |t: &Timeline| t.replay.failure.as_ref().map(|_| x.at(t.replay.events));
     let series = |t: &Timeline, f: &dyn Fn(&Sample) -> f64| -> Vec<(f64, f64)> {
         let start = t.samples.first().map_or(0.0, f);
         let mut points = vec![(0.0, start)];
-        points.extend(t.samples.iter().map(|s| (s.end as f64, f(s))));
+        points.extend(t.samples.iter().map(|s| (x.at(s.end), f(s))));
         points
     };
 
@@ -192,7 +222,7 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> 
             ],
             &|t| {
                 bytes_chart(
-                    x_max,
+                    &x,
                     bytes_top,
                     // Held first: where the two are equal, live is drawn on top.
                     &[
@@ -200,7 +230,7 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> 
                         (LIVE_COLOR, series(t, &|s| s.live as f64)),
                     ],
                     &mark_ticks,
-                    (t.peak_live_at as f64, t.peak_live as f64),
+                    (x.at(t.peak_live_at), t.peak_live as f64),
                     failed_at(t),
                 )
             },
@@ -210,7 +240,7 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> 
             vec![(RATIO_COLOR, "highest held / live in the window")],
             &|t| {
                 line_chart(
-                    x_max,
+                    &x,
                     &ratio_axis,
                     &[(RATIO_COLOR, series(t, &|s| s.ratio.max(ratio_lo)))],
                     failed_at(t),
@@ -222,7 +252,7 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> 
             vec![(TIME_COLOR, "median ns per event in the window")],
             &|t| {
                 line_chart(
-                    x_max,
+                    &x,
                     &time_axis,
                     &[(TIME_COLOR, series(t, &|s| f64::from(s.ns_median)))],
                     failed_at(t),
@@ -253,9 +283,11 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> 
             }
             false => "",
         };
+        // The bytes over time are what the tables by line link to.
+        let id = if row == 0 { " id=\"timeline\"" } else { "" };
         let _ = writeln!(
             html,
-            "<h2>{heading} {}{note}</h2>\n<div class=\"row\" style=\"grid-template-columns: \
+            "<h2{id}>{heading} {}{note}</h2>\n<div class=\"row\" style=\"grid-template-columns: \
              repeat({columns}, minmax(0, {}))\">",
             legend(&entries),
             if columns == 1 && timelines.len() > 1 {
@@ -266,14 +298,19 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> 
         );
         let colors: Vec<String> = entries.iter().map(|(c, _)| hex(*c)).collect();
         for t in shown {
+            // The sizes are the trace's own, not one handler's.
+            let (label, short, handler) = match row == size_row {
+                true => ("every handler", "every handler", "the trace's requests"),
+                false => (t.label.as_str(), short_label(&t.label), t.handler.as_str()),
+            };
             let _ = writeln!(
                 html,
                 "<figure data-series=\"{}\"><figcaption title=\"{}\">{} <span>{}</span>{}\
                  </figcaption>\n{}\n</figure>",
                 colors.join(" "),
-                escape_html(&t.label),
-                escape_html(short_label(&t.label)),
-                escape_html(&t.handler),
+                escape_html(label),
+                escape_html(short),
+                escape_html(handler),
                 match failed_at(t) {
                     Some(at) => format!(" <span class=\"failed\">failed at event {at}</span>"),
                     None => String::new(),
@@ -285,6 +322,9 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> 
         if row == 0 {
             // Right under the chart of bytes: where its peak and its phases are.
             html += &peak_section(timelines, marks);
+            if let Some((by_site, sites)) = recorded.lines {
+                html += &lines_section(by_site, sites, &x);
+            }
             html += &phases_section(timelines);
             html += &holdings_section(timelines);
             html += &left_section(timelines);

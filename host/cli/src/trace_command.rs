@@ -7,6 +7,7 @@ use std::sync::atomic::AtomicU64;
 
 use crate::report;
 use allocbox::trace::Watched;
+use allocbox::trace::by_site::by_site;
 use allocbox::trace::leak_after_replay;
 use allocbox::trace::timeline::{HeldBy, chain_held, holdings_at, native_held, timeline_counted};
 use allocbox::{HandlerBuilder, Limits, Runtime, WasmHook};
@@ -32,9 +33,11 @@ impl BuiltHandler {
 /// The handler for `--policy` names, top first: none or `default` is NumPy's default
 /// handler (natively, a new one), else a chain of `builtin` and policy files; `config`
 /// goes to the top policy's `init`.
+/// The handler `policies` name: NumPy's default (`default`, or none), or a chain, top
+/// first, link `i` configured with `configs[i]`.
 fn build_handler(
     policies: &[String],
-    config: &[(String, String)],
+    configs: &[Vec<(String, String)>],
     limits: Limits,
 ) -> Result<BuiltHandler> {
     let native = || BuiltHandler::Native(Arc::new(allocbox::NumpyDefault::new()));
@@ -52,14 +55,12 @@ fn build_handler(
                     }
                     path => load(runtime, Some(&PathBuf::from(path)))?,
                 };
-                let link_config: Vec<(&str, &str)> = if i == 0 {
-                    config
-                        .iter()
-                        .map(|(k, v)| (k.as_str(), v.as_str()))
-                        .collect()
-                } else {
-                    Vec::new()
-                };
+                let link_config: Vec<(&str, &str)> = configs
+                    .get(i)
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, v)| (k.as_str(), v.as_str()))
+                    .collect();
                 builder = builder.link_with(&policy, &link_config);
             }
             BuiltHandler::Chain(Arc::new(builder.build()?))
@@ -94,7 +95,7 @@ fn read_trace(trace: &Path) -> Result<allocbox::trace::Trace> {
 pub(crate) fn run_replay_trace(
     trace: PathBuf,
     policies: Vec<String>,
-    config: Vec<(String, String)>,
+    config: Vec<Vec<(String, String)>>,
     hook: Option<PathBuf>,
     limits: Limits,
 ) -> Result<Outcome> {
@@ -187,7 +188,8 @@ pub(crate) struct ReportArgs {
     pub(crate) policies: Vec<String>,
     pub(crate) output: PathBuf,
     pub(crate) json: bool,
-    pub(crate) config: Vec<(String, String)>,
+    /// One per policy, in order.
+    pub(crate) config: Vec<Vec<(String, String)>>,
     pub(crate) hook: Option<PathBuf>,
     pub(crate) limits: Limits,
 }
@@ -196,16 +198,19 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
     // Before the replays, which take seconds to minutes: a page that cannot be written
     // is said at once.
     let page_file = PageFile::create(&args.output)?;
-    let allocbox::trace::Trace { events, marks } = read_trace(&args.trace)?;
+    let allocbox::trace::Trace {
+        events,
+        marks,
+        times,
+        sites,
+        site_table,
+    } = read_trace(&args.trace)?;
     let mut timelines = Vec::new();
     let mut hook_reports = String::new();
     let mut hook_failed = false;
-    for name in &args.policies {
-        let built = build_handler(
-            std::slice::from_ref(name),
-            &args.config,
-            args.limits.clone(),
-        )?;
+    for (name, config) in args.policies.iter().zip(&args.config) {
+        let config = std::slice::from_ref(config);
+        let built = build_handler(std::slice::from_ref(name), config, args.limits.clone())?;
         let done = AtomicU64::new(0);
         let len = events.len() as u64;
         let short = Path::new(name)
@@ -236,11 +241,7 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         if timeline.replay.failure.is_none() {
             // A second replay, on a handler of its own, up to the moment this one held
             // the most: where those bytes went.
-            let fresh = build_handler(
-                std::slice::from_ref(name),
-                &args.config,
-                args.limits.clone(),
-            )?;
+            let fresh = build_handler(std::slice::from_ref(name), config, args.limits.clone())?;
             let at = timeline.peak_held_at;
             timeline.holdings = Some(progress::spinning(
                 &format!("{short}: where the most it held went"),
@@ -252,7 +253,18 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         }
         timelines.push(timeline);
     }
-    let page = report::render_html(&args.trace.display().to_string(), &timelines, &marks);
+    // The program's lines behind its bytes, when the recording says which they were.
+    let lines = (!site_table.is_empty()).then(|| by_site(&events, &sites));
+    let recorded = report::Recorded {
+        times: &times,
+        lines: lines.as_ref().map(|found| (found, &site_table)),
+    };
+    let page = report::render_page(
+        &args.trace.display().to_string(),
+        &timelines,
+        &marks,
+        &recorded,
+    );
     page_file.write(&page)?;
     if args.json {
         let all: Vec<_> = timelines.iter().map(report::timeline_json).collect();

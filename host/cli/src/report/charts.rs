@@ -64,6 +64,52 @@ pub(super) fn robust_top(values: impl Iterator<Item = f64>) -> (f64, bool) {
     }
 }
 
+/// The x axis every chart over the trace shares: events replayed, or where the trace
+/// has times, seconds since its recording started.
+pub(super) struct XAxis<'a> {
+    /// Per event, nanoseconds since the recording started; empty: the axis is events.
+    times: &'a [u64],
+    pub(super) max: f64,
+}
+
+impl<'a> XAxis<'a> {
+    /// An axis up to `events` replayed, in seconds when `times` has them.
+    pub(super) fn new(times: &'a [u64], events: u64) -> Self {
+        let mut axis = XAxis { times, max: 1.0 };
+        axis.max = axis.at(events).max(f64::EPSILON);
+        axis
+    }
+
+    /// Where the moment `events` replayed falls on the axis.
+    pub(super) fn at(&self, events: u64) -> f64 {
+        match self.times {
+            [] => events as f64,
+            times => {
+                let i = (events.max(1) - 1).min(times.len() as u64 - 1) as usize;
+                times[i] as f64 / 1e9
+            }
+        }
+    }
+
+    pub(super) fn in_seconds(&self) -> bool {
+        !self.times.is_empty()
+    }
+
+    fn desc(&self) -> &'static str {
+        match self.in_seconds() {
+            true => "seconds since the recording started",
+            false => "events",
+        }
+    }
+
+    fn label(&self, x: f64) -> String {
+        match self.in_seconds() {
+            true => trim_float(x),
+            false => count(x),
+        }
+    }
+}
+
 /// The y axis of a line chart.
 pub(super) struct YAxis<'a> {
     pub(super) range: std::ops::Range<f64>,
@@ -101,24 +147,25 @@ pub(super) fn decimal_steps() -> Vec<f64> {
 /// A line chart over the events, one line per series (points already in the y axis'
 /// units), and a vertical line at the event that failed, if one did.
 pub(super) fn line_chart(
-    x_max: f64,
+    x: &XAxis<'_>,
     y: &YAxis<'_>,
     series: &[(RGBColor, Vec<(f64, f64)>)],
     failed_at: Option<f64>,
 ) -> String {
     let (bottom, top) = (y.range.start, y.range.end);
+    let x_axis = x;
     svg(|root| {
         let mut chart = ChartBuilder::on(root)
             .margin(14)
             .x_label_area_size(44)
             .y_label_area_size(70)
-            .build_cartesian_2d(0f64..x_max.max(1.0), y.range.clone())?;
+            .build_cartesian_2d(0f64..x_axis.max, y.range.clone())?;
         chart
             .configure_mesh()
             .x_labels(5)
             .y_labels(y.ticks)
-            .x_desc("events")
-            .x_label_formatter(&|x| count(*x))
+            .x_desc(x_axis.desc())
+            .x_label_formatter(&|x| x_axis.label(*x))
             .y_label_formatter(y.label)
             .label_style(FONT)
             .axis_desc_style(FONT)
@@ -146,28 +193,29 @@ pub(super) fn line_chart(
 /// each mark of the trace (a test's start), the peak of live bytes ringed and labelled,
 /// and a vertical line at the event that failed, if one did.
 pub(super) fn bytes_chart(
-    x_max: f64,
+    x_axis: &XAxis<'_>,
     top: f64,
     series: &[(RGBColor, Vec<(f64, f64)>)],
-    marks: &[u64],
+    marks: &[f64],
     peak: (f64, f64),
     failed_at: Option<f64>,
 ) -> String {
     // Decades from 1 kB: the axis' ticks fall on round decimal sizes.
     const BOTTOM: f64 = 1000.0;
     let top = top.max(BOTTOM * 4.0) * 4.0;
+    let x_max = x_axis.max;
     svg(|root| {
         let mut chart = ChartBuilder::on(root)
             .margin(14)
             .x_label_area_size(44)
             .y_label_area_size(70)
-            .build_cartesian_2d(0f64..x_max.max(1.0), (BOTTOM..top).log_scale())?;
+            .build_cartesian_2d(0f64..x_max, (BOTTOM..top).log_scale())?;
         chart
             .configure_mesh()
             .x_labels(5)
             .y_labels(8)
-            .x_desc("events")
-            .x_label_formatter(&|x| count(*x))
+            .x_desc(x_axis.desc())
+            .x_label_formatter(&|x| x_axis.label(*x))
             .y_label_formatter(&|y| decimal_bytes(*y))
             .label_style(FONT)
             .axis_desc_style(FONT)
@@ -178,7 +226,7 @@ pub(super) fn bytes_chart(
         let tick_top = BOTTOM * (top / BOTTOM).powf(0.04);
         chart.draw_series(marks.iter().map(|&at| {
             PathElement::new(
-                vec![(at as f64, BOTTOM), (at as f64, tick_top)],
+                vec![(at, BOTTOM), (at, tick_top)],
                 MARK_COLOR.stroke_width(1),
             )
         }))?;

@@ -5,7 +5,13 @@ use std::fmt::Write as _;
 
 use allocbox::trace::timeline::Timeline;
 
-/// The plain-text summary: one row per handler.
+/// What the summary's ratio columns mean, printed under the table.
+pub const RATIO_NOTE: &str = "held/live: bytes the handler held from the host for each byte \
+the trace held (1.00x: nothing beyond the arrays themselves), when the trace held the \
+most and after its last event; the page also shows the most it reached at any event, \
+which a moment with almost nothing live can make huge.";
+
+/// The plain-text summary: one row per handler, and what its ratios mean.
 pub fn summary_table(timelines: &[Timeline]) -> String {
     let mut rows = vec![[
         "handler".to_string(),
@@ -14,8 +20,8 @@ pub fn summary_table(timelines: &[Timeline]) -> String {
         "p99".to_string(),
         "peak live".to_string(),
         "peak held".to_string(),
-        "peak ratio".to_string(),
-        "final ratio".to_string(),
+        "held/live at peak".to_string(),
+        "at end".to_string(),
         "failure".to_string(),
     ]];
     for t in timelines {
@@ -26,7 +32,7 @@ pub fn summary_table(timelines: &[Timeline]) -> String {
             t.ns_p99.to_string(),
             bytes(t.peak_live),
             bytes(t.peak_held),
-            ratio_text(t.peak_ratio),
+            ratio_text(t.ratio_at_peak_live()),
             ratio_text(t.final_ratio()),
             t.failure_text().unwrap_or_else(|| "none".to_string()),
         ]);
@@ -50,7 +56,7 @@ pub fn summary_table(timelines: &[Timeline]) -> String {
         out += line.trim_end();
         out.push('\n');
     }
-    out
+    out + RATIO_NOTE + "\n"
 }
 
 pub(super) fn ratio_text(r: Option<f64>) -> String {
