@@ -95,9 +95,13 @@ def _shipped_name(source):
     return source if source == "builtin" or source in policies() else None
 
 
-def load(source, config=None, *, record=None, **limits):
+def load(source, config=None, *, record=None, record_sites=False, **limits):
     """One policy, started with its key/value `config`: a shipped policy by name (see
-    `policies()`), a path (a .wasm component or .wat source) or bytes. `record` writes every call to a trace file. Bounds, each
+    `policies()`), a path (a .wasm component or .wat source) or bytes. `record` writes
+    every call to a trace file (gzip-compressed for a `.gz` name) with its time, and
+    with `record_sites=True` the line of the program's own code that asked (for
+    `allocbox report`'s tables by line; it costs a walk of the Python stack per
+    allocation). `finish_recording()` ends the trace. Bounds, each
     defaulting to allocbox's: `call_time` (seconds per call, imports included),
     `memory` (the guest's own memory), `batch` (blocks in one batch call), `overhead`
     (bytes the policy may hold beyond what NumPy holds), `host_memory_limit`. `grant`
@@ -105,7 +109,7 @@ def load(source, config=None, *, record=None, **limits):
     "locked", "guarded" (none by default), e.g.
     `load("guard", {"sample": "1"}, grant=["guarded"])`."""
     item = (source, {str(k): str(v) for k, v in config.items()}) if config else source
-    return load_chain(item, record=record, **limits)
+    return load_chain(item, record=record, record_sites=record_sites, **limits)
 
 
 # The bounds the bridge's `load_chain` takes, read from its own signature so the two
@@ -113,19 +117,20 @@ def load(source, config=None, *, record=None, **limits):
 _BOUNDS = tuple(
     name
     for name in inspect.signature(_load_chain).parameters
-    if name not in ("chain", "record", "names")
+    if name not in ("chain", "record", "record_sites", "names")
 )
 
 
-def load_chain(*chain, record=None, **limits):
+def load_chain(*chain, record=None, record_sites=False, **limits):
     """A chain of policies, top first, as one handler. Each item is a source (as for
-    `load`) or a `(source, {key: value})` pair; `record` and the bounds as for `load`."""
+    `load`) or a `(source, {key: value})` pair; `record`, `record_sites` and the bounds
+    as for `load`."""
     unknown = sorted(set(limits) - set(_BOUNDS))
     if unknown:
         raise TypeError(
             f"{unknown[0]!r} is not a bound allocbox knows; the bounds are "
             + ", ".join(_BOUNDS)
-            + " (and record=)"
+            + " (and record=, record_sites=)"
         )
     items = [
         (_source(item[0]), item[1]) if isinstance(item, tuple) else _source(item)
@@ -135,7 +140,7 @@ def load_chain(*chain, record=None, **limits):
     # the path of its packaged component.
     sources = [item[0] if isinstance(item, tuple) else item for item in chain]
     names = [_shipped_name(source) for source in sources]
-    return _load_chain(*items, record=record, names=names, **limits)
+    return _load_chain(*items, record=record, record_sites=record_sites, names=names, **limits)
 
 
 def builtin():

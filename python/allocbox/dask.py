@@ -169,7 +169,7 @@ class _Runtime:
             "policy": policy.name,
             "stats": policy.stats(),
             "link_stats": policy.link_stats(),
-            "failures": policy.failures(),
+            "failures": policy.failures,
             "error": _error_of(policy),
         }
 
@@ -224,7 +224,7 @@ def _report(dask_worker, name):
 
 def gather(client, *, name=_DEFAULT_NAME):
     """What each worker's policy did: `{worker address: {"policy": its name, "stats":
-    policy.stats(), "link_stats": policy.link_stats(), "failures": policy.failures()}}`;
+    policy.stats(), "link_stats": policy.link_stats(), "failures": policy.failures}}`;
     a worker without the plugin `name` (not registered, or not yet set up) maps to None."""
     reports = client.run(_report, name=name)
     return {

@@ -3,7 +3,11 @@
     ALLOCBOX_POLICY=size-classes pytest -p allocbox.pytest_plugin --pyargs numpy._core
 
 `ALLOCBOX_POLICY` names the policy as everywhere else: a shipped policy's name
-(`allocbox.policies()`, or `builtin`) or a component or WAT path. `ALLOCBOX_CONFIG` is
+(`allocbox.policies()`, or `builtin`) or a component or WAT path. It is the handler of
+every thread the tests start too, as `allocbox.use(policy, threads=True)` makes it.
+`--allocbox-record TRACE` writes every allocation of the run as a trace for `allocbox
+report` (under NumPy's default handler when no policy is named); the recording ends
+with the last test. `ALLOCBOX_CONFIG` is
 its configuration, `key=value,key=value`; `ALLOCBOX_GRANT` the kinds of memory it may
 ask for, `guarded,numa` (as `grant=` at `allocbox.load` and `--grant` on the command
 line; none by default). A policy, configuration or grant that cannot be used, or a
@@ -24,6 +28,15 @@ import allocbox
 
 _policy = None
 _stopped_by = None
+_restore_threads = None
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--allocbox-record",
+        metavar="TRACE",
+        help="write every allocation of the run as a trace, for `allocbox report TRACE`",
+    )
 
 
 def _settings(text):
@@ -40,8 +53,13 @@ def _settings(text):
 
 
 def pytest_configure(config):
-    global _policy
+    global _policy, _restore_threads
     source = os.environ.get("ALLOCBOX_POLICY")
+    record = config.getoption("allocbox_record", None)
+    if record is not None and not os.path.isdir(os.path.dirname(os.path.abspath(record))):
+        raise pytest.UsageError(
+            f"--allocbox-record {record}: its folder does not exist; name a file in a folder that does"
+        )
     if not source:
         for variable in ("ALLOCBOX_CONFIG", "ALLOCBOX_GRANT"):
             if os.environ.get(variable):
@@ -49,21 +67,36 @@ def pytest_configure(config):
                     f"{variable} is set but ALLOCBOX_POLICY is not: name the policy it is "
                     "for (ALLOCBOX_POLICY=size-classes), or unset it"
                 )
-        return
-    settings = _settings(os.environ.get("ALLOCBOX_CONFIG", ""))
-    grant = [kind.strip() for kind in os.environ.get("ALLOCBOX_GRANT", "").split(",") if kind.strip()]
-    try:
-        _policy = allocbox.load(source, settings, grant=grant)
-    except allocbox.AllocboxError as error:
-        raise pytest.UsageError(f"ALLOCBOX_POLICY={source}: {error}") from None
-    except ValueError as error:
-        raise pytest.UsageError(f"ALLOCBOX_GRANT={os.environ['ALLOCBOX_GRANT']}: {error}") from None
+        if record is None:
+            return
+        _policy = allocbox.native_default(record=record)
+    else:
+        settings = _settings(os.environ.get("ALLOCBOX_CONFIG", ""))
+        grant = [kind.strip() for kind in os.environ.get("ALLOCBOX_GRANT", "").split(",") if kind.strip()]
+        try:
+            _policy = allocbox.load(source, settings, grant=grant, record=record)
+        except allocbox.AllocboxError as error:
+            raise pytest.UsageError(f"ALLOCBOX_POLICY={source}: {error}") from None
+        except ValueError as error:
+            raise pytest.UsageError(f"ALLOCBOX_GRANT={os.environ['ALLOCBOX_GRANT']}: {error}") from None
     allocbox.set_handler(_policy)
+    _restore_threads = allocbox._start_threads_with(_policy)
+
+
+def pytest_unconfigure(config):
+    if _restore_threads is not None:
+        _restore_threads()
 
 
 def pytest_report_header(config):
-    if _policy is not None:
-        return f"allocbox: NumPy's handler is `{_policy.name}` ({os.environ['ALLOCBOX_POLICY']})"
+    if _policy is None:
+        return None
+    record = config.getoption("allocbox_record", None)
+    recording = f"; recording to {record}" if record else ""
+    source = os.environ.get("ALLOCBOX_POLICY")
+    if source is None:
+        return f"allocbox: NumPy's default handler{recording}"
+    return f"allocbox: NumPy's handler is `{_policy.name}` ({source}){recording}"
 
 
 def _cause():
@@ -97,6 +130,9 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_sessionfinish(session, exitstatus):
+    if _policy is not None:
+        # The recording ends with the last test: what is live now is what leaked.
+        _policy.finish_recording()
     if _policy is not None and _policy.failure is not None:
         session.exitstatus = 1
         # Before pytest's own summary (its failures are this one's consequences).
@@ -128,6 +164,6 @@ def pytest_terminal_summary(terminalreporter):
                 f"and was refused, as it was not granted, so the paths that use it did not "
                 f"run; to test them, set ALLOCBOX_GRANT={kind}"
             )
-    for failure in _policy.failures():
+    for failure in _policy.failures:
         if _stopped_by is None or failure != _policy.failure:
             terminalreporter.write_line(f"allocbox: failure inside NumPy: {failure}")

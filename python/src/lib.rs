@@ -10,7 +10,8 @@
 //! handler), `bridge` (the C callbacks over a Rust handler), `policy` (`allocbox.Policy`
 //! and its statistics), `loading` (`load_chain` and its inputs), `hooks` (event hooks),
 //! `errors` (the exceptions), `diagnosis` (allocation sites and misuse warnings),
-//! `nrt_lending` (what a bridge lends to Numba's runtime through), `numba_route`
+//! `sites` (the program's line behind an allocation, for traces), `nrt_lending` (what a
+//! bridge lends to Numba's runtime through), `numba_route`
 //! (Numba's arrays through the same bridges).
 
 mod bridge;
@@ -22,6 +23,7 @@ mod nrt_lending;
 mod numba_route;
 mod numpy_api;
 mod policy;
+mod sites;
 
 use pyo3::prelude::*;
 

@@ -6,15 +6,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use allocbox::nep49::MemHandler;
-use allocbox::trace::Recorder;
 use allocbox::{CompileBound, CompileBounds, HandlerBuilder, Limits, Runtime};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::bridge::Bridge;
-use crate::errors::{AllocboxError, LoadError};
-use crate::policy::Policy;
+use crate::errors::LoadError;
+use crate::policy::{Policy, recorder_to};
 
 /// `CompileBounds` from `{"functions": 100000, "code-bytes": ...}` (`_` for `-` too), the
 /// others at their defaults.
@@ -68,7 +67,8 @@ pub(crate) fn call_time_or_default(call_time: Option<f64>) -> PyResult<Duration>
 }
 
 /// Load a chain of policies, top first. Each item is a source (path or bytes) or a
-/// `(source, {key: value})` pair. `record` writes a trace of every call. The bounds
+/// `(source, {key: value})` pair. `record` writes a trace of every call (gzip for a
+/// `.gz` name), each with its time, and with `record_sites` the program's line. The bounds
 /// default to allocbox's (`Limits::default`): `call_time` in seconds per call, imports
 /// included; `memory`, a guest's own memory in bytes; `batch`, blocks in one batch
 /// call; `overhead`, bytes a policy may hold beyond what its client holds; and
@@ -78,11 +78,12 @@ pub(crate) fn call_time_or_default(call_time: Option<f64>) -> PyResult<Duration>
 /// data-bytes, modules, text-bytes). `names` says what to call each policy in messages
 /// before it names itself (a shipped policy's name); by default its path, or `<bytes>`.
 #[pyfunction]
-#[pyo3(signature = (*chain, record = None, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None, grant = None, names = None))]
+#[pyo3(signature = (*chain, record = None, record_sites = false, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None, grant = None, names = None))]
 #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
 pub(crate) fn load_chain(
     chain: Vec<Bound<'_, PyAny>>,
     record: Option<PathBuf>,
+    record_sites: bool,
     call_time: Option<f64>,
     memory: Option<u64>,
     batch: Option<u32>,
@@ -147,12 +148,7 @@ pub(crate) fn load_chain(
     let (shared, direct, recorder): (Arc<dyn MemHandler>, _, _) = match record {
         None => (handler.clone(), Some(handler.clone()), None),
         Some(path) => {
-            let file = std::fs::File::create(&path)
-                .map_err(|e| AllocboxError::new_err(format!("{}: {e}", path.display())))?;
-            let rec = Arc::new(Recorder::new(
-                handler.clone(),
-                std::io::BufWriter::new(file),
-            ));
+            let rec = recorder_to(&path, handler.clone(), record_sites)?;
             (rec.clone(), None, Some(rec))
         }
     };

@@ -3,10 +3,13 @@
 //! one of them current.
 
 use std::ffi::c_char;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use allocbox::nep49::MemHandler;
+
 use allocbox::Handler;
-use allocbox::trace::Recorder;
+use allocbox::trace::{RecordOptions, Recorder, SiteOf};
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -196,7 +199,9 @@ impl Policy {
         }
     }
 
-    /// Everything that went wrong inside NumPy's calls, as text, oldest first.
+    /// Everything that went wrong inside NumPy's calls, as text, oldest first (a
+    /// property, as `failure` is: both say what state the policy is in).
+    #[getter]
     fn failures(&self) -> Vec<String> {
         let failures = self
             .bridge
@@ -211,7 +216,9 @@ impl Policy {
             .collect()
     }
 
-    /// Flush the trace being recorded (`load(..., record=path)`).
+    /// End the trace being recorded (`load(..., record=path)`) and flush it: the policy
+    /// goes on serving, unrecorded, so the blocks live now are the ones the trace never
+    /// frees (what leaked, where the recording ends).
     fn finish_recording(&self) -> PyResult<()> {
         if let Some(r) = &self.recorder {
             r.finish()
@@ -234,15 +241,45 @@ fn counters_dict(py: Python<'_>, counters: Vec<(String, u64)>) -> PyResult<Bound
 }
 /// NumPy's own default handler (C malloc behind NumPy's small-block cache), natively,
 /// behind the same bridge as the wasm policies: what any handler installed through this
-/// module costs NumPy before a policy does anything. For benchmarks and comparisons.
+/// module costs NumPy before a policy does anything. For benchmarks and comparisons, and
+/// for recording what NumPy's default does (`record`, as for `load`).
 #[pyfunction]
-pub(crate) fn native_default() -> Policy {
-    Policy {
+#[pyo3(signature = (record = None, record_sites = false))]
+pub(crate) fn native_default(record: Option<PathBuf>, record_sites: bool) -> PyResult<Policy> {
+    let handler = allocbox::nep49::default_handler();
+    let (shared, recorder) = match record {
+        None => (handler, None),
+        Some(path) => {
+            let recorder = recorder_to(&path, handler, record_sites)?;
+            (recorder.clone() as Arc<dyn MemHandler>, Some(recorder))
+        }
+    };
+    Ok(Policy {
         handler: None,
-        bridge: Arc::new(Bridge::new(allocbox::nep49::default_handler(), None)),
-        recorder: None,
+        bridge: Arc::new(Bridge::new(shared, None)),
+        recorder,
         capsule: Mutex::new(None),
-    }
+    })
+}
+
+/// `handler`, with every call it serves written to a trace at `path` (gzip for `.gz`),
+/// each with its time, and with `sites` the line of the program that asked.
+pub(crate) fn recorder_to(
+    path: &Path,
+    handler: Arc<dyn MemHandler>,
+    sites: bool,
+) -> PyResult<Arc<Recorder>> {
+    let options = RecordOptions {
+        time: true,
+        sites: sites.then(|| -> SiteOf { Box::new(crate::sites::program_site) }),
+    };
+    let recorder = Recorder::create(path, handler, options).map_err(|e| {
+        AllocboxError::new_err(format!(
+            "the trace `{}` cannot be written: {e}",
+            path.display()
+        ))
+    })?;
+    Ok(Arc::new(recorder))
 }
 
 /// Install a policy (or a capsule `set_handler` returned earlier, or `None` for NumPy's

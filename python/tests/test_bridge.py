@@ -522,3 +522,13 @@ def test_the_wheel_installs_the_allocbox_command(tmp_path):
         [command, "inspect", "arena"], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0 and "language   Rust" in done.stdout, done
+
+
+def test_failure_and_failures_are_both_attributes_of_the_policy_s_state():
+    bad = allocbox.load(guest("broken"), {"fault": "misaligned"})
+    assert bad.failure is None and bad.failures == []
+    with allocbox.use(bad):
+        with pytest.raises(MemoryError):
+            np.ones(100)
+    assert "align" in bad.failure
+    assert isinstance(bad.failures, list)
