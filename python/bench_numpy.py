@@ -8,11 +8,14 @@ temporaries (`a + b + c` over 8-32 MiB and 64 MiB operands), and `np.zeros` of s
 64 KiB and 1 GiB arrays (made and dropped: a GiB of zeros must stay untouched pages). Each cell is the median of 9 rounds,
 the handlers taking turns within each round.
 `+large-cache` is size-classes with `large-cache=4` (keeps freed blocks >= 1 MiB).
+`--recording` adds the first policy recording a trace with times (`recorded`), and with
+times and the program's lines (`+sites`), to a temporary folder.
 Build the extension with `maturin develop --release` first: a debug build measures
 unoptimised host code.
 """
 
 import argparse
+import os
 import pathlib
 import statistics
 import sys
@@ -143,6 +146,7 @@ DEFAULT_POLICIES = (
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", action="append", help="a built guest by name (repeatable); default: system, size-classes, arena, +large-cache")
+    parser.add_argument("--recording", action="store_true", help="add the first policy recorded with time, and with time and sites (the cost of `allocbox run --record [--sites]`)")
     parser.add_argument("--workload", action="append", choices=["small", "mid", "large", "64mib", "zeros-small", "zeros-mid", "zeros-1gib", "gathers"], help="repeatable; default: all")
     args = parser.parse_args()
     policies = [(n, n, None) for n in args.policy] if args.policy else DEFAULT_POLICIES
@@ -156,6 +160,15 @@ def main():
         if not path.exists():
             sys.exit(f"{path} is missing: build the guests first (cargo test)")
         handlers.append((label, allocbox.load(path, config, grant=GRANTS.get(name, []))))
+    if args.recording:
+        import tempfile
+
+        label, name, config = policies[0]
+        path = GUESTS / f"policy_{name.replace('-', '_')}.wasm"
+        traces = tempfile.mkdtemp()
+        for suffix, sites in (("recorded", False), ("+sites", True)):
+            record = os.path.join(traces, f"{suffix}.trace")
+            handlers.append((f"{label} {suffix}", allocbox.load(path, config, record=record, record_sites=sites)))
     print(f"{'workload':<32}" + "".join(f"{name:>16}" for name, _ in handlers))
     for label, work in workloads:
         work()  # warm up caches and page tables

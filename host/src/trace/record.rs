@@ -109,13 +109,18 @@ pub struct RecordOptions {
 /// The trace a [`Recorder`] writes.
 pub struct TraceWriter {
     state: Mutex<RecorderState>,
-    started: Option<std::time::Instant>,
+    /// Unique among the recorders of the process (for [`THREAD_NUMBER`]).
+    serial: u64,
+    /// [`coarse_now`] when the recording started.
+    started: Option<u64>,
     sites: Option<SiteOf>,
 }
 
 struct RecorderState {
     out: Box<dyn Write + Send>,
-    ids: HashMap<usize, u64>,
+    /// The id of each live block, by address: looked up on every event.
+    ids: HashMap<usize, u64, foldhash::fast::RandomState>,
+    line: Vec<u8>,
     next_id: u64,
     threads: HashMap<std::thread::ThreadId, u32>,
     error: Option<std::io::Error>,
@@ -178,14 +183,20 @@ impl Recorder {
             watcher: TraceWriter {
                 state: Mutex::new(RecorderState {
                     out,
-                    ids: HashMap::new(),
+                    ids: HashMap::default(),
+                    line: Vec::new(),
                     next_id: 1,
                     threads: HashMap::new(),
                     error,
                     ended: false,
                     site_numbers: HashMap::new(),
                 }),
-                started: options.time.then(std::time::Instant::now),
+                serial: {
+                    static SERIAL: std::sync::atomic::AtomicU64 =
+                        std::sync::atomic::AtomicU64::new(1);
+                    SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                },
+                started: options.time.then(coarse_now),
                 sites: options.sites,
             },
         }
@@ -204,6 +215,20 @@ impl Recorder {
     }
 }
 
+/// Nanoseconds on the monotonic clock, at the kernel's tick (a few ms): a report's
+/// time axis needs no finer, and this clock is read in a few ns, where the precise one
+/// costs more than the rest of writing an event.
+fn coarse_now() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid timespec for the call to fill; the clock exists on every
+    // Linux since 2.6.32.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut now) };
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
 /// A function's name as one word of a `#@site` record.
 fn one_word(text: &str) -> String {
     let word: String = text.chars().filter(|c| !c.is_whitespace()).collect();
@@ -215,6 +240,29 @@ fn one_line(text: &str) -> String {
     text.chars()
         .map(|c| if c.is_control() { ' ' } else { c })
         .collect()
+}
+
+thread_local! {
+    /// The last recorder this thread wrote to (its serial) and its number there: most
+    /// events find it here, not in the recorder's map.
+    static THREAD_NUMBER: std::cell::Cell<(u64, u32)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+impl TraceWriter {
+    /// This thread's number in this recording, 1 for the first thread it saw.
+    fn thread_number(&self, st: &mut RecorderState) -> u32 {
+        let (serial, number) = THREAD_NUMBER.get();
+        if serial == self.serial {
+            return number;
+        }
+        let next = st.threads.len() as u32 + 1;
+        let number = *st
+            .threads
+            .entry(std::thread::current().id())
+            .or_insert(next);
+        THREAD_NUMBER.set((self.serial, number));
+        number
+    }
 }
 
 impl Watcher for TraceWriter {
@@ -231,15 +279,14 @@ impl Watcher for TraceWriter {
             (Some(site_of), 'm' | 'c' | 'r') => site_of(),
             _ => None,
         };
-        let mut st = self.state.lock();
+        let mut guard = self.state.lock();
+        // Under the lock, so that times never go back down the file.
+        let time = self.started.map(|started| coarse_now().saturating_sub(started));
+        let st = &mut *guard;
         if st.ended {
             return;
         }
-        let next_thread = st.threads.len() as u32 + 1;
-        let thread = *st
-            .threads
-            .entry(std::thread::current().id())
-            .or_insert(next_thread);
+        let thread = self.thread_number(st);
         let key = |p: NonNull<u8>| p.as_ptr() as usize;
         let id = match (op, old, new) {
             ('f', None, _) => 0,
@@ -257,34 +304,46 @@ impl Watcher for TraceWriter {
             }
             _ => return,
         };
-        let mut line = String::new();
+        // One line buffer, reused, and integers written by `itoa`: an event is written
+        // on every allocation of the program.
+        let line = &mut st.line;
+        line.clear();
+        let site = site.map(|site| match st.site_numbers.get(&site) {
+            Some(&number) => number,
+            None => {
+                let number = st.site_numbers.len() as u32 + 1;
+                let record = format!(
+                    "#@site {number} {} {} {}\n",
+                    site.line,
+                    one_word(&site.function),
+                    one_line(&site.file)
+                );
+                line.extend_from_slice(record.as_bytes());
+                st.site_numbers.insert(site, number);
+                number
+            }
+        });
+        let mut number = itoa::Buffer::new();
+        line.push(op as u8);
+        for (prefix, value) in [
+            (&b" "[..], id),
+            (b" ", size as u64),
+            (b" ", u64::from(thread)),
+        ] {
+            line.extend_from_slice(prefix);
+            line.extend_from_slice(number.format(value).as_bytes());
+        }
         if let Some(site) = site {
-            let next = st.site_numbers.len() as u32 + 1;
-            let number = match st.site_numbers.get(&site) {
-                Some(&number) => number,
-                None => {
-                    let record = format!(
-                        "#@site {next} {} {} {}\n",
-                        site.line,
-                        one_word(&site.function),
-                        one_line(&site.file)
-                    );
-                    line += &record;
-                    st.site_numbers.insert(site, next);
-                    next
-                }
-            };
-            line += &format!("{op} {id} {size} {thread}");
-            line += &format!(" s={number}");
-        } else {
-            line += &format!("{op} {id} {size} {thread}");
+            line.extend_from_slice(b" s=");
+            line.extend_from_slice(number.format(site).as_bytes());
         }
-        if let Some(started) = self.started {
-            line += &format!(" t={}", started.elapsed().as_nanos());
+        if let Some(time) = time {
+            line.extend_from_slice(b" t=");
+            line.extend_from_slice(number.format(time).as_bytes());
         }
-        line.push('\n');
+        line.push(b'\n');
         if st.error.is_none() {
-            st.error = st.out.write_all(line.as_bytes()).err();
+            st.error = st.out.write_all(line).err();
         }
     }
 }
