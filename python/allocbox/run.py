@@ -1,7 +1,7 @@
 """`allocbox run`: an unmodified Python program under a policy.
 
     allocbox run [-p POLICY [-c KEY=VALUE]...]... [--grant KINDS] [--record FILE [--sites]]
-                 (SCRIPT | -m MODULE) [ARGS...]
+                 [--report PAGE.html [--compare POLICY,...]] (SCRIPT | -m MODULE) [ARGS...]
 
 Each `-p` adds a policy to the chain, top first (a shipped policy's name, `builtin`,
 or a path); each `-c KEY=VALUE` configures the `-p` before it. The chain is NumPy's
@@ -12,7 +12,10 @@ default handler (allocbox's native copy of it, so that `--record` can record it)
 `--record FILE` writes every allocation as a trace for `allocbox report`, with its
 time (gzip-compressed for a `.gz` name); `--sites` adds the line of the program's own
 code behind each allocation, for the report's tables by line. The recording ends with
-the program's last line, so what is live then is what leaked.
+the program's last line, so what is live then is what leaked. `--report PAGE.html`
+then replays the recording (a temporary one without `--record`) through NumPy's
+default, the policy (a chain of one), and each policy `--compare` names, into one page,
+and says how each compares with NumPy's default on this program.
 
 The program's exit status is the command's; at the end a few lines on standard error
 say what the policy saw. Input that cannot be used (a script or module that is not
@@ -24,12 +27,13 @@ and exit status 2, before the program starts. Child processes are not covered: a
 import importlib.util
 import os
 import runpy
+import subprocess
 import sys
 import traceback
 
 USAGE = (
     "usage: allocbox run [-p POLICY [-c KEY=VALUE]...]... [--grant KINDS] [--record FILE [--sites]] "
-    "(SCRIPT | -m MODULE) [ARGS...]"
+    "[--report PAGE.html [--compare POLICY,...]] (SCRIPT | -m MODULE) [ARGS...]"
 )
 
 
@@ -38,9 +42,11 @@ class UsageError(Exception):
 
 
 def parse(argv):
-    """The chain `[(source, {key: value})]`, grants, trace path, and the program:
-    `("script", path)` or `("module", name)`, with its arguments."""
+    """The chain `[(source, {key: value})]`, grants, `(trace path, sites)`, the report
+    asked for, and the program: `("script", path)` or `("module", name)`, with its
+    arguments."""
     chain, grant, record, sites = [], [], None, False
+    report = {"page": None, "compare": []}
     args = list(argv)
     while args:
         arg = args.pop(0)
@@ -50,7 +56,7 @@ def parse(argv):
         if arg == "--sites":
             sites = True
             continue
-        if arg in ("-p", "--policy", "-c", "--config", "--grant", "--record", "-m"):
+        if arg in ("-p", "--policy", "-c", "--config", "--grant", "--record", "--report", "--compare", "-m"):
             if not args:
                 raise UsageError(f"{arg} needs a value: {USAGE}")
             value = args.pop(0)
@@ -72,12 +78,16 @@ def parse(argv):
             grant += [kind.strip() for kind in value.split(",") if kind.strip()]
         elif arg == "--record":
             record = value
+        elif arg == "--report":
+            report["page"] = value
+        elif arg == "--compare":
+            report["compare"] += [name.strip() for name in value.split(",") if name.strip()]
         elif arg == "-m":
-            return chain, grant, (record, sites), ("module", value), args
+            return chain, grant, (record, sites), report, ("module", value), args
         elif arg.startswith("-") and arg != "-":
             raise UsageError(f"{arg} is not an option of allocbox run: {USAGE}")
         else:
-            return chain, grant, (record, sites), ("script", arg), args
+            return chain, grant, (record, sites), report, ("script", arg), args
     raise UsageError(f"name the program to run: {USAGE}")
 
 
@@ -119,6 +129,52 @@ def load(chain, grant, recording):
         raise UsageError(f"{e}") from None
     except ValueError as e:
         raise UsageError(f"--grant {','.join(grant)}: {e}") from None
+
+
+def check_report(report, recording):
+    """Refuse a report that cannot be written, before the program starts; returns the
+    trace to record for it (a temporary one without `--record`)."""
+    page, compare = report["page"], report["compare"]
+    if page is None:
+        if compare:
+            raise UsageError("--compare says what a report compares: add --report PAGE.html")
+        return recording
+    folder = os.path.dirname(os.path.abspath(page))
+    if not os.path.isdir(folder):
+        raise UsageError(f"the report {page!r} cannot be written: its folder {folder!r} does not exist")
+    import allocbox
+
+    shipped = {"default", "builtin", *allocbox.policies()}
+    for name in compare:
+        if name not in shipped and not os.path.exists(name):
+            raise UsageError(
+                f"--compare {name}: no shipped policy or file of that name; shipped: "
+                + ", ".join(sorted(shipped))
+            )
+    record, sites = recording
+    if record is None:
+        import tempfile
+
+        report["temporary"] = tempfile.mkdtemp(prefix="allocbox-run-")
+        record = os.path.join(report["temporary"], "run.trace")
+    return record, sites
+
+
+def write_report(report, chain, record):
+    """Replay the recording through NumPy's default, the program's policy (a chain of
+    one) and the ones to compare, into the page; the summary goes to standard error. A
+    handler that fails there is said there: the exit status stays the program's."""
+    handlers = [["-p", "default"]]
+    if len(chain) == 1:
+        source, config = chain[0]
+        settings = [["-c", f"{key}={value}"] for key, value in config.items()]
+        handlers.append(["-p", source, *sum(settings, [])])
+    seen = {"default", *(source for source, _ in chain[:1] if len(chain) == 1)}
+    handlers += [["-p", name] for name in report["compare"] if name not in seen]
+    command = [sys.executable, "-m", "allocbox", "report", record, *sum(handlers, []), "-o", report["page"]]
+    done = subprocess.run(command, stdout=sys.stderr)
+    if done.returncode != 2:
+        print(f"allocbox: report written to {report['page']}", file=sys.stderr)
 
 
 def run_program(kind, target, args, kept):
@@ -184,8 +240,9 @@ def summary(handler, record):
 
 def main(argv):
     try:
-        chain, grant, recording, (kind, target), args = parse(argv)
+        chain, grant, recording, report, (kind, target), args = parse(argv)
         check_program(kind, target)
+        recording = check_report(report, recording)
         handler = load(chain, grant, recording)
         record = recording[0]
     except UsageError as e:
@@ -206,6 +263,12 @@ def main(argv):
             print(f"allocbox: the trace {record!r} could not be written: {e}", file=sys.stderr)
             code = code or 1
         sys.stdout.flush()
-        for line in summary(handler, record):
+        for line in summary(handler, None if "temporary" in report else record):
             print(line, file=sys.stderr)
+    if report["page"] is not None:
+        write_report(report, chain, record)
+    if "temporary" in report:
+        import shutil
+
+        shutil.rmtree(report["temporary"], ignore_errors=True)
     return code

@@ -193,3 +193,32 @@ def test_a_run_recorded_with_sites_names_the_peak_s_function_and_the_leaking_lin
     row = next(r for r in never_freed.split("<tr>") if f"{example}:{kept}" in r)
     assert "remember" in row and "<td>3</td>" in row, row
     assert "seconds since the recording started" in page, "the x axis is time"
+
+
+def test_a_report_compares_the_program_s_policy_and_others_with_numpy_s_default(tmp_path):
+    done = allocbox_run(
+        tmp_path,
+        "-p", "size-classes", "-c", "bucket-depth=7", "--report", "job.html", "--compare", "arena,system",
+        "program.py",
+        program="import numpy as np\nkeep = [np.ones(100_000) for _ in range(5)]\nprint('done')\n",
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
+    page = (tmp_path / "job.html").read_text()
+    for name in ("size-classes", "arena", "system"):
+        assert f"on this trace, `{name}` would have held" in done.stderr, done.stderr
+        assert f"on this trace, `{name}` would have held" in page
+    assert "report written to job.html" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["-p", "size-classes", "--compare", "arena", "program.py"], "--compare"),
+        (["-p", "size-classes", "--report", "nodir/r.html", "program.py"], "nodir"),
+        (["-p", "size-classes", "--report", "r.html", "--compare", "arenaa", "program.py"], "arenaa"),
+    ],
+)
+def test_a_report_that_cannot_be_made_is_refused_before_the_program_starts(tmp_path, args, named):
+    done = allocbox_run(tmp_path, *args, program="open('started', 'w').close()\n")
+    assert done.returncode == 2 and named in done.stderr, done.stderr
+    assert not (tmp_path / "started").exists()

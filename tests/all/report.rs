@@ -227,6 +227,10 @@ fn the_report_command_writes_the_page_and_exits_1_when_a_handler_fails() {
         out.contains("line 3: `f 2 8`") && out.contains("none"),
         "{out}"
     );
+    assert!(
+        out.contains("failed at line 3: `f 2 8`, so it compares with nothing"),
+        "{out}"
+    );
     let html = std::fs::read_to_string(&page).expect("the page is written anyway");
     assert!(html.contains("line 3: `f 2 8`"));
 
@@ -770,6 +774,13 @@ fn each_config_goes_to_the_policy_named_before_it_and_the_summary_explains_its_r
         "{out}"
     );
     assert!(!out.contains("peak ratio"), "{out}");
+    assert!(
+        out.contains("on this trace, `arena` would have held")
+            && out.contains("at the peak (")
+            && out.contains("x its time")
+            && out.contains(allocbox_cli::report::MAGAZINE_NOTE),
+        "{out}"
+    );
 
     let (code, out) = allocbox_cli(
         &[

@@ -23,7 +23,7 @@ use charts::*;
 use lines::lines_section;
 use sections::{holdings_section, left_section, peak_section, phases_section};
 use summary::ratio_text;
-pub use summary::{RATIO_NOTE, bytes, summary_table, timeline_json};
+pub use summary::{MAGAZINE_NOTE, RATIO_NOTE, bytes, comparisons, summary_table, timeline_json};
 
 /// Text for HTML, escaped: everything a policy names itself or says in an error comes
 /// from the guest, which may be hostile.
@@ -181,6 +181,11 @@ pub fn render_page(
         );
     }
     html += "</tbody>\n</table>\n";
+    let _ = writeln!(
+        html,
+        "<p class=\"note\">{}</p>",
+        escape_html(MAGAZINE_NOTE)
+    );
 
     html += "<h2>First failure</h2>\n<ul class=\"failures\">\n";
     for t in timelines {

@@ -281,7 +281,9 @@ impl Watcher for TraceWriter {
         };
         let mut guard = self.state.lock();
         // Under the lock, so that times never go back down the file.
-        let time = self.started.map(|started| coarse_now().saturating_sub(started));
+        let time = self
+            .started
+            .map(|started| coarse_now().saturating_sub(started));
         let st = &mut *guard;
         if st.ended {
             return;

@@ -20,6 +20,9 @@ pub(super) fn peak_section(timelines: &[Timeline], marks: &[Mark]) -> String {
          fragmented). Where the client holds little, a small cache makes it large, so the \
          ratio that matters is the one at the peak.</p>\n<ul class=\"peaks\">\n",
     );
+    for sentence in super::summary::comparisons(timelines) {
+        let _ = writeln!(html, "<li>{}</li>", escape_html(&sentence));
+    }
     for t in timelines {
         // The phase is the last mark at or before the peak's event.
         let test = marks
