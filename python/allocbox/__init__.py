@@ -34,8 +34,8 @@ from ._allocbox import (
     PoisonedPolicy,
     Policy,
     get_handler,
-    native_default,
 )
+from ._allocbox import native_default as _native_default
 from ._allocbox import set_handler as _set_handler
 
 __all__ = [
@@ -70,19 +70,25 @@ def policies():
     return json.loads(index.read_text())
 
 
+# The built-in policy's names: what allocbox calls it, and what it calls itself (its
+# handler name, as `handler_name` shows it).
+_BUILTIN = ("builtin", "passthrough")
+
+
 def _source(source):
-    """A shipped policy's name becomes its packaged component (`builtin` the built-in
-    policy's source, as on the command line); paths and bytes stay."""
+    """A shipped policy's name becomes its packaged component (`builtin`, also called
+    `passthrough` as it names itself, the built-in policy's source, as on the command
+    line); paths and bytes stay."""
     if isinstance(source, str) and not os.path.exists(source):
         shipped = policies()
-        if source == "builtin":
+        if source in _BUILTIN:
             return DEFAULT_POLICY_WAT.encode()
         if source in shipped:
             # An extension module is never imported from a zip: the package is on disk.
             return str(resources.files(__name__) / "policies" / f"{source}.wasm")
         if os.sep not in source and "." not in source:
             raise LoadError(
-                f"no shipped policy or file named {source!r}; shipped: builtin, "
+                f"no shipped policy or file named {source!r}; shipped: builtin (the `passthrough` policy), "
                 + (", ".join(sorted(shipped)) or "and no other (this build carries none)")
             )
     return source
@@ -92,7 +98,7 @@ def _shipped_name(source):
     """The name of a shipped policy `source` names (`builtin` included), else None."""
     if not isinstance(source, str) or os.path.exists(source):
         return None
-    return source if source == "builtin" or source in policies() else None
+    return source if source in _BUILTIN or source in policies() else None
 
 
 def load(source, config=None, *, record=None, record_sites=False, **limits):
@@ -140,11 +146,32 @@ def load_chain(*chain, record=None, record_sites=False, **limits):
     # the path of its packaged component.
     sources = [item[0] if isinstance(item, tuple) else item for item in chain]
     names = [_shipped_name(source) for source in sources]
-    return _load_chain(*items, record=record, record_sites=record_sites, names=names, **limits)
+    policy = _load_chain(*items, record=record, record_sites=record_sites, names=names, **limits)
+    return _recording_ends_before_shutdown(policy) if record is not None else policy
+
+
+def native_default(*, record=None, record_sites=False):
+    """NumPy's own default handler, natively, behind the same bridge as the policies:
+    what any handler installed through allocbox costs before a policy does anything
+    (for benchmarks and comparisons), and a way to record what NumPy's default does
+    (`record`, `record_sites` as for `load`)."""
+    policy = _native_default(record=record, record_sites=record_sites)
+    return _recording_ends_before_shutdown(policy) if record is not None else policy
+
+
+def _recording_ends_before_shutdown(policy):
+    """End `policy`'s recording at the program's last line, before the interpreter
+    frees its modules' globals: what they still hold is what the trace never frees
+    (what leaked). `finish_recording()` ends it earlier."""
+    import atexit
+
+    atexit.register(policy.finish_recording)
+    return policy
 
 
 def builtin():
-    """The built-in default policy (hand-written WAT; needs no wasm toolchain)."""
+    """The built-in default policy, `passthrough` (hand-written WAT; needs no wasm
+    toolchain), as `load("builtin")` loads it."""
     return load(DEFAULT_POLICY_WAT.encode())
 
 

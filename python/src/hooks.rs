@@ -92,13 +92,42 @@ fn detach_hook(py: Python<'_>, stopped: &PythonHook, why: PyErr) {
         // Another hook replaced it meanwhile: put that one back.
         other => drop(allocbox::nep49::set_event_hook(other)),
     }
+    // The hook's own exception, so that its traceback ends at the hook's line; what
+    // became of the hook is the object it is reported "in" (Python prints
+    // "Exception ignored in: " and its repr first), and a note on it (PEP 678).
     let object = stopped.object.bind(py);
-    let report = AllocboxError::new_err(format!(
-        "event hook {} failed and was detached: {why}",
+    let said = format!(
+        "event hook {}, which failed and was detached",
         object.repr().map_or_else(|_| "?".into(), |r| r.to_string())
-    ));
-    report.set_cause(py, Some(why));
-    report.write_unraisable(py, Some(object));
+    );
+    let _ = why
+        .value(py)
+        .call_method1("add_note", (format!("allocbox: {said}"),));
+    let detached = DetachedHook {
+        hook: stopped.object.clone_ref(py),
+        said,
+    };
+    match Bound::new(py, detached) {
+        Ok(detached) => why.write_unraisable(py, Some(detached.as_any())),
+        Err(_) => why.write_unraisable(py, Some(object)),
+    }
+}
+
+/// What an event hook that failed is reported in (`sys.unraisablehook`'s `object`):
+/// the hook, and a repr that says it was detached.
+#[pyclass(frozen, module = "allocbox")]
+pub(crate) struct DetachedHook {
+    /// The hook that failed.
+    #[pyo3(get)]
+    hook: Py<PyAny>,
+    said: String,
+}
+
+#[pymethods]
+impl DetachedHook {
+    fn __repr__(&self) -> String {
+        self.said.clone()
+    }
 }
 
 fn on_python_hook_event(

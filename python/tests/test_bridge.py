@@ -61,6 +61,14 @@ def test_builtin_is_a_name_as_on_the_command_line():
     assert allocbox.handler_name(a) == policy.name
 
 
+def test_the_builtin_policy_loads_by_the_name_it_gives_itself_too():
+    named = allocbox.load("builtin").name
+    assert named == "passthrough"
+    assert allocbox.load(named).name == named, "the name handler_name shows loads it"
+    with pytest.raises(allocbox.LoadError, match="builtin \\(the `passthrough` policy\\)"):
+        allocbox.load("passthru")
+
+
 def test_shipped_policies_chain_by_name():
     chain = allocbox.load_chain(("aligned", {"alignment": "128"}), "size-classes")
     with allocbox.use(chain):

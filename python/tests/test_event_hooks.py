@@ -2,6 +2,7 @@
 through allocbox's handlers, with Python callables and sandboxed hook components."""
 
 import sys
+import traceback
 
 import numpy as np
 import pytest
@@ -74,8 +75,16 @@ def test_a_raising_hook_is_detached_and_reported_and_the_array_is_made(monkeypat
     assert a.sum() == b.sum() == 4950.0
     assert allocbox.set_event_hook(None) is None, "detached after its first failure"
     assert len(reported) == 1, reported
-    message = str(reported[0].exc_value)
-    assert "event hook" in message and "failed and was detached" in message and "hook bug" in message
+    # The hook's own exception, its traceback ending at the hook's line, and a note.
+    error = reported[0].exc_value
+    assert isinstance(error, ValueError) and str(error) == "hook bug"
+    frames = traceback.extract_tb(reported[0].exc_traceback)
+    assert frames[-1].name == "broken" and "raise ValueError" in frames[-1].line, frames
+    assert any("event hook" in n and "failed and was detached" in n for n in error.__notes__)
+    # Printed first: "Exception ignored in: event hook <function ...>, which failed and
+    # was detached".
+    assert reported[0].object.hook is broken
+    assert repr(reported[0].object).startswith("event hook <function") and "was detached" in repr(reported[0].object)
 
 
 def test_a_trapping_wasm_hook_is_detached_and_reported(monkeypatch):
@@ -92,4 +101,5 @@ def test_a_trapping_wasm_hook_is_detached_and_reported(monkeypatch):
     assert a.sum() == 10.0
     assert allocbox.set_event_hook(None) is None
     assert hook.failure is not None and len(reported) == 1
-    assert "failed and was detached" in str(reported[0].exc_value)
+    error = reported[0].exc_value
+    assert any("failed and was detached" in note for note in error.__notes__), error

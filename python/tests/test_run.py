@@ -222,3 +222,22 @@ def test_a_report_that_cannot_be_made_is_refused_before_the_program_starts(tmp_p
     done = allocbox_run(tmp_path, *args, program="open('started', 'w').close()\n")
     assert done.returncode == 2 and named in done.stderr, done.stderr
     assert not (tmp_path / "started").exists()
+
+
+def test_a_recording_nobody_ended_ends_at_the_program_s_last_line_so_globals_show_as_leaked(tmp_path):
+    (tmp_path / "program.py").write_text(
+        textwrap.dedent(
+            """
+            import numpy as np, allocbox
+            policy = allocbox.load("system", record="t.trace")
+            allocbox.set_handler(policy)
+            kept = [np.ones(1000) for _ in range(2)]   # a module global, never freed
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, "program.py"], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    events = [line.split() for line in (tmp_path / "t.trace").read_text().splitlines() if not line.startswith("#")]
+    freed = {event[1] for event in events if event[0] == "f"}
+    live = [int(event[2]) for event in events if event[0] in "mc" and event[1] not in freed]
+    assert live.count(8000) == 2, "interpreter shutdown frees them after the recording ended"

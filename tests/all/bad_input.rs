@@ -197,7 +197,12 @@ fn a_shipped_name_works_wherever_a_policy_is_named_and_an_unknown_one_lists_them
     assert_eq!(code, 2, "{out}");
     assert!(
         out.contains("no file or shipped policy is called `sise-classes`")
-            && out.contains("size-classes"),
+            && out.contains("size-classes")
+            && out.contains("builtin (the `passthrough` policy)"),
         "{out}"
     );
+    // The built-in policy answers to the name it gives itself, as handler names show it.
+    let (code, out) = allocbox_cli(&["check", "passthrough", "--cases", "4"], &dir);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.starts_with("passthrough: every rule held"), "{out}");
 }

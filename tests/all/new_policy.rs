@@ -99,6 +99,11 @@ fn new_rust_policy_builds_with_its_readme_command_and_passes_check() {
     );
     let out = allocbox_ok(&["inspect", wasm], &project);
     assert!(out.starts_with("policy     demo\n"), "{out}");
+    assert!(
+        out.contains("language   Rust\n")
+            && out.contains("world      allocbox:policy/policy@0.2.0\n"),
+        "the language and the world it was built against: {out}"
+    );
     // Unknown configuration is refused by the SDK, naming the policy and the key.
     let (code, out) = allocbox_cli(&["inspect", wasm, "-c", "colour=red"], &project);
     assert_eq!(code, 2, "{out}");

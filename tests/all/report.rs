@@ -73,6 +73,30 @@ fn a_report_follows_live_bytes_sizes_and_held_memory_event_by_event() {
         "three charts per handler, and the trace's request sizes once"
     );
     assert!(page.contains("size-classes.wasm") && page.contains("default_allocator"));
+    // The request sizes are the trace's: captioned as every handler's, not the first's.
+    let sizes = page.split("<h2>Request sizes").nth(1).unwrap();
+    assert!(
+        sizes.contains("<figcaption title=\"every handler\">"),
+        "{sizes}"
+    );
+    // Held/live never goes under 1x: neither does its axis.
+    let overhead = page
+        .split("<h2>Overhead")
+        .nth(1)
+        .unwrap()
+        .split("<h2>")
+        .next()
+        .unwrap();
+    let under: Vec<&str> = overhead
+        .split(">\n")
+        .filter_map(|t| t.split('\n').next())
+        .filter(|t| {
+            t.strip_suffix('x')
+                .and_then(|v| v.parse::<f64>().ok())
+                .is_some_and(|v| v < 1.0)
+        })
+        .collect();
+    assert!(under.is_empty(), "labels under 1x: {under:?}");
 }
 
 /// A trace's comment lines divide it into phases (the tests that made its events): the

@@ -33,7 +33,7 @@ pub(crate) fn inspect(policy: Option<PathBuf>, config: Vec<(String, String)>) ->
         version = info.version,
         alignment = info.alignment,
         package = allocbox::WORLD_PACKAGE,
-        world_version = allocbox::WORLD_VERSION,
+        world_version = loaded.world_version(),
         size = loaded.size(),
         imports = loaded.imports().join("\n           "),
         exports = loaded.exports().join("\n           "),

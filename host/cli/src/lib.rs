@@ -318,8 +318,9 @@ mod shipped {
 }
 
 /// A policy named on the command line: a file, a shipped policy by its name (the same
-/// names as in Python: `size-classes`, ...), or `builtin`; none is `builtin`. A file
-/// of a shipped policy's name in the working directory wins.
+/// names as in Python: `size-classes`, ...), or `builtin` (also called by the name it
+/// gives itself, `passthrough`); none is `builtin`. A file of a shipped policy's name
+/// in the working directory wins.
 pub(crate) fn load(runtime: &Runtime, path: Option<&PathBuf>) -> Result<Policy> {
     let bounds = COMPILE_BOUNDS.get_or_init(CompileBounds::default);
     let name = path
@@ -327,7 +328,9 @@ pub(crate) fn load(runtime: &Runtime, path: Option<&PathBuf>) -> Result<Policy> 
         .filter(|_| !path.is_some_and(|p| p.exists()));
     let embedded = match name {
         None if path.is_some() => None,
-        None | Some("builtin") => Some(("builtin", allocbox::DEFAULT_POLICY_WAT.as_bytes())),
+        None | Some("builtin" | "passthrough") => {
+            Some(("builtin", allocbox::DEFAULT_POLICY_WAT.as_bytes()))
+        }
         Some(name) => shipped::SHIPPED
             .iter()
             .find(|(shipped, _, _)| *shipped == name)
@@ -434,7 +437,7 @@ pub(crate) fn hook_report(hook: &WasmHook, handler: &str) -> String {
 
 /// The names a policy can be given by, for a message.
 fn shipped_names() -> String {
-    let mut names = vec!["builtin"];
+    let mut names = vec!["builtin (the `passthrough` policy)"];
     names.extend(shipped::SHIPPED.iter().map(|(name, _, _)| *name));
     match shipped::SHIPPED_MISSING {
         Some(why) => format!("{} (this build carries no other: {why})", names.join(", ")),

@@ -282,13 +282,15 @@ crate-type = ["cdylib"]
 # The policy SDK, vendored: a trait to implement and an export macro.
 allocbox-policy = {{ path = "allocbox-policy" }}
 
-# Small and fast: one codegen unit, whole-program LTO, no unwinding machinery.
+# Small and fast: one codegen unit, whole-program LTO, no unwinding machinery. Debug
+# info goes; the name section (function names in a trap's backtrace) and the producers
+# section (`allocbox inspect` shows the language) stay.
 [profile.release]
 opt-level = "s"
 lto = true
 codegen-units = 1
 panic = "abort"
-strip = true
+strip = "debuginfo"
 
 # A project of its own, even inside another cargo workspace.
 [workspace]

@@ -96,7 +96,7 @@ pub fn render_page(
     let ratio_lo = ratios().fold(1.0, f64::min);
     let (top, ratio_clipped) = robust_top(ratios());
     let top = top.max(ratio_lo + 0.05);
-    let ratio_axis = YAxis::new(
+    let ratio_axis = YAxis::from_floor(
         ratio_lo,
         top + (top - ratio_lo) * 0.02,
         &decimal_steps(),
@@ -181,11 +181,7 @@ pub fn render_page(
         );
     }
     html += "</tbody>\n</table>\n";
-    let _ = writeln!(
-        html,
-        "<p class=\"note\">{}</p>",
-        escape_html(MAGAZINE_NOTE)
-    );
+    let _ = writeln!(html, "<p class=\"note\">{}</p>", escape_html(MAGAZINE_NOTE));
 
     html += "<h2>First failure</h2>\n<ul class=\"failures\">\n";
     for t in timelines {

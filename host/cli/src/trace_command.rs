@@ -49,7 +49,7 @@ fn build_handler(
             let mut builder = HandlerBuilder::new(runtime).limits(limits);
             for (i, name) in chain.iter().enumerate() {
                 let policy = match name.as_str() {
-                    "builtin" => load(runtime, None)?,
+                    "builtin" | "passthrough" => load(runtime, None)?,
                     "default" => {
                         bail!("`default` is the native handler; it cannot be a link of a chain")
                     }

@@ -135,6 +135,14 @@ impl Policy {
     pub fn language(&self) -> Option<&str> {
         self.meta.language.as_deref()
     }
+    /// The version of the policy world it was built against, and is started as:
+    /// [`crate::WORLD_VERSION`] or [`crate::WORLD_VERSION_2`].
+    pub fn world_version(&self) -> &'static str {
+        match self.pre {
+            Pre::V1(_) => crate::WORLD_VERSION,
+            Pre::V2(_) => crate::WORLD_VERSION_2,
+        }
+    }
 }
 
 /// What a policy says about itself at `init`, in either version of the world (the

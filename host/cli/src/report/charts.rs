@@ -135,6 +135,18 @@ impl<'a> YAxis<'a> {
             label,
         }
     }
+
+    /// [`Self::new`], never below `lo`: for a quantity that cannot go under it.
+    pub(super) fn from_floor(
+        lo: f64,
+        hi: f64,
+        steps: &[f64],
+        label: &'a dyn Fn(&f64) -> String,
+    ) -> Self {
+        let mut axis = Self::new(lo, hi, steps, label);
+        axis.range.start = axis.range.start.max(lo);
+        axis
+    }
 }
 
 /// Steps for a linear axis: 1, 2 and 5 times a power of ten.
