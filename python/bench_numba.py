@@ -17,15 +17,15 @@ build measures unoptimised host code.
 
 import argparse
 import pathlib
-import statistics
 import sys
-import time
 
 import numba
 import numpy as np
 
 import allocbox
 import allocbox.numba
+# The same timing as NumPy's benchmark beside it: handlers take turns within each round.
+from bench_numpy import medians, timed
 
 GUESTS = pathlib.Path(__file__).resolve().parents[1] / "target" / "guests" / "wasm32-wasip2" / "release"
 
@@ -47,27 +47,6 @@ WORKLOADS = [
     ("@njit small arrays (8 elements)", lambda: make_and_drop(300_000, 8)),
     ("@njit 64 KiB arrays", lambda: make_and_drop(30_000, 8192)),
 ]
-
-
-def timed(work, policy):
-    if policy is None:
-        start = time.perf_counter()
-        work()
-        return time.perf_counter() - start
-    with allocbox.use(policy):
-        start = time.perf_counter()
-        work()
-        return time.perf_counter() - start
-
-
-def medians(work, handlers, rounds=9):
-    """Median seconds per allocator; they take turns within each round, so a slow
-    moment of the machine does not land on one column only."""
-    times = [[] for _ in handlers]
-    for _ in range(rounds):
-        for i, (_, policy) in enumerate(handlers):
-            times[i].append(timed(work, policy))
-    return [statistics.median(t) for t in times]
 
 
 def main():

@@ -19,6 +19,9 @@ import subprocess
 import sys
 import tempfile
 
+# Beside this file: the same comparison as NumPy's acceptance run.
+from numpy_acceptance import changed_outcomes
+
 FULL = [
     "numba.tests.test_nrt",
     "numba.tests.test_dyn_array",
@@ -101,13 +104,7 @@ def main():
         with_policy, failure, tail = run(targets, args.policy, f"{tmp}/policy.json")
     print("Numba's own allocator:", *base_tail, sep="\n  ")
     print(f"with {args.policy}:", *tail, sep="\n  ")
-    changed = sorted(
-        (name, baseline.get(name), with_policy.get(name))
-        for name in baseline.keys() | with_policy.keys()
-        if baseline.get(name) != with_policy.get(name)
-    )
-    for name, before, after in changed[:50]:
-        print(f"CHANGED {name}: {before} -> {after}")
+    changed = changed_outcomes(baseline, with_policy)
     counts = {}
     for outcome in with_policy.values():
         counts[outcome] = counts.get(outcome, 0) + 1

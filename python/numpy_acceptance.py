@@ -43,6 +43,19 @@ def run(targets, policy, config, report):
     return done.returncode, outcomes, tail
 
 
+def changed_outcomes(baseline, with_policy):
+    """Each test whose outcome differs between the runs, `(name, before, after)`,
+    sorted; the first 50 are printed."""
+    changed = sorted(
+        (name, baseline.get(name), with_policy.get(name))
+        for name in baseline.keys() | with_policy.keys()
+        if baseline.get(name) != with_policy.get(name)
+    )
+    for name, before, after in changed[:50]:
+        print(f"CHANGED {name}: {before} -> {after}")
+    return changed
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="size-classes")
@@ -56,13 +69,7 @@ def main():
         code, with_policy, tail = run(targets, args.policy, args.config, f"{tmp}/policy.xml")
     print("NumPy's default handler:", *base_tail, sep="\n  ")
     print(f"with {args.policy}:", *tail, sep="\n  ")
-    changed = sorted(
-        (name, baseline.get(name), with_policy.get(name))
-        for name in baseline.keys() | with_policy.keys()
-        if baseline.get(name) != with_policy.get(name)
-    )
-    for name, before, after in changed[:50]:
-        print(f"CHANGED {name}: {before} -> {after}")
+    changed = changed_outcomes(baseline, with_policy)
     broke = any("FAILURE inside NumPy" in line for line in tail)
     same = not changed and not broke
     print(f"{len(baseline)} tests; {len(changed)} changed outcome; policy failures: {'yes' if broke else 'none'}")

@@ -339,13 +339,7 @@ fn names_and_errors_from_policies_are_escaped_on_the_page() {
 /// `report.html` and a screenshot, `report.png`, in `target/tmp/report-page/`.
 #[test]
 fn the_report_page_renders_in_chromium() {
-    let Some(chromium) = find_chromium() else {
-        let fix = "chromium is not installed: `apt-get install chromium` (Debian) so that \
-                   the report page can be checked in a browser";
-        if std::env::var_os("CI").is_some() {
-            panic!("{fix}");
-        }
-        eprintln!("skipped: {fix}");
+    let Some(chromium) = chromium_or_skip() else {
         return;
     };
     let path = concat!(
@@ -419,41 +413,13 @@ fn the_report_page_renders_in_chromium() {
     )
     .unwrap();
 
-    let profile = dir.join("profile");
-    let common = |extra: &[String]| {
-        let mut args = vec![
-            "--headless".to_string(),
-            "--no-sandbox".to_string(),
-            "--disable-gpu".to_string(),
-            "--no-first-run".to_string(),
-            format!("--user-data-dir={}", profile.display()),
-        ];
-        args.extend_from_slice(extra);
-        args
-    };
-    let (stdout, stderr) = run_browser(
-        &chromium,
-        &common(&[
-            "--enable-logging=stderr".to_string(),
-            "--v=0".to_string(),
-            "--virtual-time-budget=5000".to_string(),
-            "--window-size=1400,2000".to_string(),
-            "--dump-dom".to_string(),
-            format!("file://{}", probe.display()),
-        ]),
-    );
+    let (verdict, stderr) = probe_in_chromium(&chromium, &dir, &probe);
     // The page has no script and the probe logs nothing: any console line (Chromium
     // writes them as `INFO:CONSOLE(..)] "message", source: ...`) is an error.
     for line in stderr.lines() {
         let page_error = line.contains("Uncaught") || line.contains(":CONSOLE");
         assert!(!page_error, "the page logged: {line}");
     }
-    let verdict = stdout
-        .split_once("<pre id=\"verdict\">")
-        .and_then(|(_, rest)| rest.split_once("</pre>"))
-        .map(|(json, _)| unescape(json))
-        .unwrap_or_else(|| panic!("no verdict in the DOM:\n{stdout}\n{stderr}"));
-    let verdict: serde_json::Value = serde_json::from_str(&verdict).unwrap();
     assert_eq!(verdict["errors"], serde_json::json!([]), "script errors");
     let charts = verdict["charts"].as_array().unwrap();
     assert_eq!(charts.len(), 3 * timelines.len() + 1, "{verdict}");
@@ -492,12 +458,15 @@ fn the_report_page_renders_in_chromium() {
     let _ = std::fs::remove_file(&shot);
     run_browser(
         &chromium,
-        &common(&[
-            format!("--screenshot={}", shot.display()),
-            "--window-size=1400,2000".to_string(),
-            "--hide-scrollbars".to_string(),
-            format!("file://{}", report.display()),
-        ]),
+        &headless(
+            &dir,
+            &[
+                format!("--screenshot={}", shot.display()),
+                "--window-size=1400,2000".to_string(),
+                "--hide-scrollbars".to_string(),
+                format!("file://{}", report.display()),
+            ],
+        ),
     );
     let png = std::fs::read(&shot).expect("chromium wrote the screenshot");
     assert!(
@@ -509,13 +478,7 @@ fn the_report_page_renders_in_chromium() {
 
 #[test]
 fn a_page_of_a_trace_with_times_and_sites_has_a_time_axis_and_tables_by_line_in_chromium() {
-    let Some(chromium) = find_chromium() else {
-        let fix = "chromium is not installed: `apt-get install chromium` (Debian) so that \
-                   the report page can be checked in a browser";
-        if std::env::var_os("CI").is_some() {
-            panic!("{fix}");
-        }
-        eprintln!("skipped: {fix}");
+    let Some(chromium) = chromium_or_skip() else {
         return;
     };
     // Three lines of a program: one makes small arrays, one the peak, one keeps a few.
@@ -567,27 +530,7 @@ fn a_page_of_a_trace_with_times_and_sites_has_a_time_axis_and_tables_by_line_in_
         page.replacen("<head>", &format!("<head>{LINES_PROBE}"), 1),
     )
     .unwrap();
-    let profile = dir.join("profile");
-    let (stdout, stderr) = run_browser(
-        &chromium,
-        &[
-            "--headless".to_string(),
-            "--no-sandbox".to_string(),
-            "--disable-gpu".to_string(),
-            "--no-first-run".to_string(),
-            format!("--user-data-dir={}", profile.display()),
-            "--virtual-time-budget=5000".to_string(),
-            "--window-size=1400,2000".to_string(),
-            "--dump-dom".to_string(),
-            format!("file://{}", probe.display()),
-        ],
-    );
-    let verdict = stdout
-        .split_once("<pre id=\"verdict\">")
-        .and_then(|(_, rest)| rest.split_once("</pre>"))
-        .map(|(json, _)| unescape(json))
-        .unwrap_or_else(|| panic!("no verdict in the DOM:\n{stdout}\n{stderr}"));
-    let verdict: serde_json::Value = serde_json::from_str(&verdict).unwrap();
+    let (verdict, _) = probe_in_chromium(&chromium, &dir, &probe);
     let first: Vec<&str> = verdict["first"]
         .as_array()
         .unwrap()
@@ -678,6 +621,63 @@ window.addEventListener("load", () => {
   document.body.appendChild(verdict);
 });
 </script>"#;
+
+/// Chromium, or `None` where it is not installed and this is not CI (the test is then
+/// skipped, and says so on stderr).
+fn chromium_or_skip() -> Option<std::path::PathBuf> {
+    let found = find_chromium();
+    if found.is_none() {
+        let fix = "chromium is not installed: `apt-get install chromium` (Debian) so that \
+                   the report page can be checked in a browser";
+        if std::env::var_os("CI").is_some() {
+            panic!("{fix}");
+        }
+        eprintln!("skipped: {fix}");
+    }
+    found
+}
+
+/// Headless Chromium's arguments, with a profile of its own in `dir`, and `extra`.
+fn headless(dir: &std::path::Path, extra: &[String]) -> Vec<String> {
+    let mut args = vec![
+        "--headless".to_string(),
+        "--no-sandbox".to_string(),
+        "--disable-gpu".to_string(),
+        "--no-first-run".to_string(),
+        format!("--user-data-dir={}", dir.join("profile").display()),
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
+/// Load `probe` (a page with a script that writes a JSON verdict into
+/// `<pre id="verdict">`) in headless Chromium: the verdict, and Chromium's log.
+fn probe_in_chromium(
+    chromium: &std::path::Path,
+    dir: &std::path::Path,
+    probe: &std::path::Path,
+) -> (serde_json::Value, String) {
+    let (stdout, stderr) = run_browser(
+        chromium,
+        &headless(
+            dir,
+            &[
+                "--enable-logging=stderr".to_string(),
+                "--v=0".to_string(),
+                "--virtual-time-budget=5000".to_string(),
+                "--window-size=1400,2000".to_string(),
+                "--dump-dom".to_string(),
+                format!("file://{}", probe.display()),
+            ],
+        ),
+    );
+    let verdict = stdout
+        .split_once("<pre id=\"verdict\">")
+        .and_then(|(_, rest)| rest.split_once("</pre>"))
+        .map(|(json, _)| unescape(json))
+        .unwrap_or_else(|| panic!("no verdict in the DOM:\n{stdout}\n{stderr}"));
+    (serde_json::from_str(&verdict).unwrap(), stderr)
+}
 
 fn find_chromium() -> Option<std::path::PathBuf> {
     let names = [
