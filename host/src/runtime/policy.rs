@@ -136,11 +136,11 @@ impl Policy {
         self.meta.language.as_deref()
     }
     /// The version of the policy world it was built against, and is started as:
-    /// [`crate::WORLD_VERSION`] or [`crate::WORLD_VERSION_2`].
+    /// [`super::WORLD_VERSION`] or [`super::WORLD_VERSION_2`].
     pub fn world_version(&self) -> &'static str {
         match self.pre {
-            Pre::V1(_) => crate::WORLD_VERSION,
-            Pre::V2(_) => crate::WORLD_VERSION_2,
+            Pre::V1(_) => super::WORLD_VERSION,
+            Pre::V2(_) => super::WORLD_VERSION_2,
         }
     }
 }
