@@ -243,11 +243,15 @@ impl<C: Books> Forkable for Caches<C> {
         let patience = self.fork_patience;
         let books = self.books.lock_within(patience);
         let mut claims = Vec::new();
+        let mut claimed = Vec::new();
         let mut complete = books.is_some();
         if complete {
             for slot in self.slots.iter() {
                 match slot.claim_within(patience) {
-                    Some(claim) => claims.push(claim),
+                    Some(claim) => {
+                        claims.push(claim);
+                        claimed.push(slot.id);
+                    }
                     None => {
                         complete = false;
                         break;
@@ -269,6 +273,7 @@ impl<C: Books> Forkable for Caches<C> {
         Box::new(ForkHeld {
             _claims: claims,
             _books: books,
+            claimed,
             complete,
             caches: self,
         })
@@ -281,6 +286,8 @@ struct ForkHeld<C: 'static> {
     // Held for their drop, which comes first: the guards borrow from `caches`.
     _claims: Vec<CacheGuard<'static>>,
     _books: Option<MutexGuard<'static, C>>,
+    /// The slots the fork claimed; any other was made after it looked.
+    claimed: Vec<CacheId>,
     complete: bool,
     caches: Arc<Caches<C>>,
 }
@@ -291,6 +298,13 @@ impl<C: Books> AfterFork for ForkHeld<C> {
         let caches = &self.caches;
         if in_child {
             if self.complete {
+                for slot in caches
+                    .slots
+                    .iter()
+                    .filter(|s| !self.claimed.contains(&s.id))
+                {
+                    slot.release_after_fork();
+                }
                 *caches.survivor.lock().unwrap_or_else(|p| p.into_inner()) =
                     caches.slots.existing_mine().map(|s| s.id);
                 caches.ghosts.store(true, Ordering::Relaxed);

@@ -96,6 +96,16 @@ impl Slot {
         self.claim_holding(self.held.lock())
     }
 
+    /// In a forked child, a slot the fork did not claim: one another thread made after
+    /// the forking thread looked at the slots. Its owner is not in the child, and may
+    /// have been on its fast path at the fork; its cache is as it was made (everything
+    /// beyond the fast path waits for the books, which the fork held, and the fast path
+    /// of an empty cache changes nothing), so it is left free to claim.
+    #[cfg(not(allocbox_loom))]
+    pub(super) fn release_after_fork(&self) {
+        self.busy.store(false, Ordering::Release);
+    }
+
     /// [`Slot::claim`], waiting at most `patience` for another holder of the slot to
     /// let go: `None` when it did not, or when the owner never left its fast path.
     #[cfg(not(allocbox_loom))]
