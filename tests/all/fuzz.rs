@@ -16,7 +16,8 @@
 //! - once the client has freed everything, a stopped chain holds nothing from the host.
 //!
 //! A quarter of the mallocs and frees run on another client thread, so blocks cross
-//! thread caches both ways: taken on one thread, freed on another.
+//! thread caches both ways: taken on one thread, freed on another; another quarter of
+//! the frees say no size, as Numba's runtime frees.
 
 use std::ptr::NonNull;
 use std::time::{Duration, Instant};
@@ -127,6 +128,11 @@ pub fn drive(
                         let addr = block.ptr.as_ptr() as usize;
                         elsewhere(|| h.free(NonNull::new(addr as *mut u8), block.size))
                     }
+                    // A client that says no size (Numba's runtime): the ledger's.
+                    1 => match h.free_unsized_to_magazine(block.ptr) {
+                        true => Ok(()),
+                        false => h.free_unsized(block.ptr).map(drop),
+                    },
                     _ => h.free(Some(block.ptr), block.size),
                 };
                 if let Err(Error::Client(e)) = freed {
