@@ -21,7 +21,7 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use check_command::{CheckArgs, run_check, run_replay};
 use inspect::inspect;
-use trace_command::{ReportArgs, run_replay_trace, run_report};
+use trace_command::{ReportArgs, config_per_policy, run_replay_trace, run_report};
 
 #[derive(Parser)]
 #[command(
@@ -455,32 +455,6 @@ pub(crate) enum Outcome {
 pub(crate) fn print_report(text: &str) {
     use std::io::Write;
     let _ = std::io::stdout().lock().write_all(text.as_bytes());
-}
-
-/// The configuration of each `-p` of a subcommand: the `-c`s between it and the next
-/// `-p`, in order. A `-c` before every `-p` configures nothing, and is refused.
-fn config_per_policy(
-    matches: &clap::ArgMatches,
-    config: Vec<(String, String)>,
-) -> Result<Vec<Vec<(String, String)>>> {
-    let at = |id| -> Vec<usize> {
-        matches
-            .indices_of(id)
-            .map(Iterator::collect)
-            .unwrap_or_default()
-    };
-    let (policy_at, config_at) = (at("policies"), at("config"));
-    let mut per_policy = vec![Vec::new(); policy_at.len()];
-    for ((key, value), at) in config.into_iter().zip(config_at) {
-        let Some(owner) = policy_at.iter().rposition(|&p| p < at) else {
-            bail!(
-                "-c {key}={value} comes before any -p: each -c configures the policy named \
-                 before it (-p size-classes -c bucket-depth=7)"
-            );
-        };
-        per_policy[owner].push((key, value));
-    }
-    Ok(per_policy)
 }
 
 /// Run the command line `args` (the program's name first, as [`std::env::args_os`]

@@ -183,6 +183,32 @@ pub(crate) fn run_replay_trace(
     Ok(outcome)
 }
 
+/// The configuration of each `-p` of a subcommand: the `-c`s between it and the next
+/// `-p`, in order. A `-c` before every `-p` configures nothing, and is refused.
+pub(crate) fn config_per_policy(
+    matches: &clap::ArgMatches,
+    config: Vec<(String, String)>,
+) -> Result<Vec<Vec<(String, String)>>> {
+    let at = |id| -> Vec<usize> {
+        matches
+            .indices_of(id)
+            .map(Iterator::collect)
+            .unwrap_or_default()
+    };
+    let (policy_at, config_at) = (at("policies"), at("config"));
+    let mut per_policy = vec![Vec::new(); policy_at.len()];
+    for ((key, value), at) in config.into_iter().zip(config_at) {
+        let Some(owner) = policy_at.iter().rposition(|&p| p < at) else {
+            bail!(
+                "-c {key}={value} comes before any -p: each -c configures the policy named \
+                 before it (-p size-classes -c bucket-depth=7)"
+            );
+        };
+        per_policy[owner].push((key, value));
+    }
+    Ok(per_policy)
+}
+
 pub(crate) struct ReportArgs {
     pub(crate) trace: PathBuf,
     pub(crate) policies: Vec<String>,
