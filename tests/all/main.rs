@@ -21,6 +21,7 @@ mod new_policy;
 mod observe;
 mod pool;
 mod report;
+mod report_page;
 mod threads;
 mod trace;
 mod wasi;
