@@ -165,8 +165,10 @@ mod tests {
         (
             ".client_call()",
             &[
-                // The handler's entry points, its counters and a thread's end.
+                // The handler's entry points (a client's free among them), its counters
+                // and a thread's end.
                 "handler.rs",
+                "handler/give_back.rs",
                 "handler/inspect.rs",
                 "handler/chain.rs",
                 // A request of an observing policy's client, renewal and delivery
