@@ -111,6 +111,95 @@ impl Drop for LockedBytes {
     }
 }
 
+/// The fraction of a GPU's memory, free when a policy first maps some, that the policies
+/// may hold together: the rest is the program's (its kernels' workspaces, its libraries'
+/// own pools, the copies it makes).
+pub const DEVICE_SHARE: (u64, u64) = (3, 4);
+
+/// The fraction of the machine's memory the policies may pin together: pinned pages
+/// cannot be swapped or moved, and the kernel and every other program need the rest.
+pub const PINNED_SHARE: (u64, u64) = (1, 4);
+
+/// Per GPU: the policies' share of its memory (fixed when first asked), and what they
+/// hold of it.
+static DEVICE_HELD: parking_lot::Mutex<Vec<(u32, u64, u64)>> = parking_lot::Mutex::new(Vec::new());
+
+/// Device bytes taken from the policies' share of one GPU; given back when dropped.
+#[derive(Debug)]
+pub(crate) struct DeviceBytes {
+    device: u32,
+    bytes: u64,
+}
+
+impl DeviceBytes {
+    /// Take `bytes` of `device`'s share before they are allocated; `None` past it.
+    /// `free` reads what the GPU has free, once per device, when the share is set.
+    pub(crate) fn take(device: u32, bytes: u64, free: impl FnOnce() -> u64) -> Option<Self> {
+        let mut held = DEVICE_HELD.lock();
+        let index = match held.iter().position(|&(d, _, _)| d == device) {
+            Some(index) => index,
+            None => {
+                let share = free() / DEVICE_SHARE.1 * DEVICE_SHARE.0;
+                held.push((device, share, 0));
+                held.len() - 1
+            }
+        };
+        let (_, share, now) = &mut held[index];
+        let after = now.checked_add(bytes).filter(|&after| after <= *share)?;
+        *now = after;
+        Some(DeviceBytes { device, bytes })
+    }
+}
+
+impl Drop for DeviceBytes {
+    fn drop(&mut self) {
+        let mut held = DEVICE_HELD.lock();
+        if let Some(entry) = held.iter_mut().find(|e| e.0 == self.device) {
+            entry.2 -= self.bytes;
+        }
+    }
+}
+
+/// Bytes of memory the policies of this process may pin together.
+pub fn pinned_share() -> u64 {
+    static SHARE: OnceLock<u64> = OnceLock::new();
+    *SHARE.get_or_init(|| {
+        // SAFETY: sysconf reads constants of the system; no memory is passed.
+        let (pages, page) = unsafe {
+            (
+                libc::sysconf(libc::_SC_PHYS_PAGES),
+                libc::sysconf(libc::_SC_PAGESIZE),
+            )
+        };
+        let total = u64::try_from(pages).unwrap_or(0) * u64::try_from(page).unwrap_or(0);
+        total / PINNED_SHARE.1 * PINNED_SHARE.0
+    })
+}
+
+static PINNED_HELD: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes the policies of this process have pinned now.
+pub fn pinned_held() -> u64 {
+    PINNED_HELD.load(Ordering::Relaxed)
+}
+
+/// Pinned bytes taken from the policies' share; given back when dropped.
+#[derive(Debug)]
+pub(crate) struct PinnedBytes(u64);
+
+impl PinnedBytes {
+    /// Take `bytes` from the share before they are pinned; `None` past it.
+    pub(crate) fn take(bytes: u64) -> Option<PinnedBytes> {
+        take(&PINNED_HELD, bytes, pinned_share()).then(|| PinnedBytes(bytes))
+    }
+}
+
+impl Drop for PinnedBytes {
+    fn drop(&mut self) {
+        PINNED_HELD.fetch_sub(self.0, Ordering::Relaxed);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -133,5 +222,18 @@ mod tests {
         assert!(mappings_held() >= before + 2 || mappings_held() >= 2);
         drop(taken);
         assert!(Mappings::take(share - mappings_held()).is_some());
+    }
+
+    #[test]
+    fn a_gpu_s_share_is_three_quarters_of_what_it_had_free_and_comes_back() {
+        // A device number no other test uses.
+        let device = 1_000;
+        let first = DeviceBytes::take(device, 500, || 1000).expect("within 750");
+        assert!(DeviceBytes::take(device, 251, || unreachable!("read once")).is_none());
+        let second = DeviceBytes::take(device, 250, || 0).expect("exactly the share");
+        drop(first);
+        assert!(DeviceBytes::take(device, 500, || 0).is_some());
+        drop(second);
+        assert!(PinnedBytes::take(pinned_share() + 1).is_none());
     }
 }
