@@ -22,6 +22,8 @@ pub enum Call {
     BytesCopy,
     Report,
     MemoryMap,
+    MemoryMapPinned,
+    MemoryMapDevice,
     MemoryUnmap,
     ClientMisuse,
     Observe,
@@ -47,6 +49,8 @@ impl fmt::Display for Call {
             Call::BytesCopy => "bytes.copy",
             Call::Report => "report",
             Call::MemoryMap => "memory.map-region",
+            Call::MemoryMapPinned => "memory.map-pinned",
+            Call::MemoryMapDevice => "memory.map-device",
             Call::MemoryUnmap => "memory.unmap-region",
             Call::ClientMisuse => "diagnostics.client-misuse",
             Call::Observe => "observe",
@@ -97,6 +101,14 @@ pub enum Rule {
     },
     /// The policy answered `malloc-many` with more blocks than were asked for.
     TooManyBlocks { asked: u32, got: usize },
+    /// C6: a returned block lies in memory of another place than the handler serves:
+    /// host memory for a GPU program's request, or GPU memory for a host client's.
+    WrongMemory {
+        wanted: crate::gpu::Placement,
+        found: crate::gpu::Placement,
+    },
+    /// A `bytes` access to memory of GPU `device`, which the host never reads or writes.
+    DeviceBytes { device: u32 },
 }
 
 impl Rule {
@@ -117,6 +129,8 @@ impl Rule {
             Rule::LiveBlockChanged { .. } => "live-block-changed",
             Rule::Leak { .. } => "leak",
             Rule::TooManyBlocks { .. } => "too-many-blocks",
+            Rule::WrongMemory { .. } => "wrong-memory",
+            Rule::DeviceBytes { .. } => "device-bytes",
         }
     }
 }
@@ -190,6 +204,13 @@ impl fmt::Display for Rule {
             Rule::TooManyBlocks { asked, got } => {
                 write!(f, "malloc-many returned {got} blocks for {asked} asked")
             }
+            Rule::WrongMemory { wanted, found } => {
+                write!(f, "block in {found}, where its client needs {wanted}")
+            }
+            Rule::DeviceBytes { device } => write!(
+                f,
+                "bytes access to memory of GPU {device}, which the host never reads or writes"
+            ),
         }
     }
 }
@@ -391,6 +412,11 @@ pub enum ClientError {
     UnknownRealloc { addr: u64 },
     #[error("out of memory: the handler has no block of {size} bytes")]
     OutOfMemory { size: u64 },
+    #[error(
+        "`{call}` of memory of GPU {device}: a device handler only allocates and frees, \
+         since the host never reads or writes GPU memory (fill or copy it on the GPU)"
+    )]
+    DeviceBytes { call: Call, device: u32 },
 }
 
 /// Everything that can go wrong when using a handler.

@@ -4,6 +4,7 @@
 
 mod builder;
 mod chain;
+mod device;
 mod fallback;
 mod give_back;
 mod inspect;
@@ -13,7 +14,8 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::clock::{CallTicks, Clock, Deadline};
-use crate::error::{ClientError, Error};
+use crate::error::{Call, ClientError, Error};
+use crate::gpu::Placement;
 use crate::ledger::CacheId;
 use crate::link::PolicyInfo;
 use crate::memhandler::{MemHandler, Stats};
@@ -22,6 +24,7 @@ use allocbox_ledger::cache::{
     self as cache, Caches, MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, Mine, Reach, Unreachable,
 };
 pub use builder::HandlerBuilder;
+pub use device::{Deferral, DeviceHandler, PendingFrees};
 use chain::{Books, Chain, Via, flush_magazines, refill, settle, shelve};
 
 /// A NEP 49 data-memory handler whose placement decisions are made by a chain of
@@ -43,6 +46,9 @@ pub struct Handler {
     /// client's may take, every guest call it causes included.
     clock: Arc<Clock>,
     call_ticks: CallTicks,
+    /// Where its blocks lie: host memory, or a GPU's for a [`DeviceHandler`], whose
+    /// handler never zeroes or copies a block.
+    placement: Placement,
 }
 
 impl std::fmt::Debug for Handler {
@@ -58,6 +64,23 @@ fn to_ptr(addr: u64) -> Option<NonNull<u8>> {
 }
 
 impl Handler {
+    /// Where the handler's blocks lie.
+    pub fn placement(&self) -> Placement {
+        self.placement
+    }
+
+    /// Refuse `call`, which zeroes or copies bytes, on a handler of GPU memory.
+    #[inline]
+    fn on_host(&self, call: Call) -> Result<(), Error> {
+        match self.placement {
+            Placement::Host => Ok(()),
+            Placement::Device(device) => Err(Error::Client(ClientError::DeviceBytes {
+                call,
+                device,
+            })),
+        }
+    }
+
     /// What the top policy declared (name, version, alignment, batch).
     pub fn info(&self) -> &PolicyInfo {
         &self.info
@@ -225,6 +248,7 @@ impl Handler {
     /// policy is asked for a `calloc`, and its answer is handed over zeroed
     /// (see `Link::calloc`).
     pub fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error> {
+        self.on_host(Call::Calloc)?;
         let size = (nelem as u64).saturating_mul(elsize as u64).max(1);
         if nelem.checked_mul(elsize).is_some()
             && (self.observed.is_some()
@@ -260,6 +284,7 @@ impl Handler {
         ptr: Option<NonNull<u8>>,
         new_size: usize,
     ) -> Result<Option<NonNull<u8>>, Error> {
+        self.on_host(Call::Realloc)?;
         let Some(ptr) = ptr else {
             return self.malloc(new_size);
         };

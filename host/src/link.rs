@@ -44,6 +44,7 @@ use wasmtime_wasi::{WasiCtxView, WasiView};
 
 use crate::clock::{CallTicks, Deadline};
 use crate::error::{Call, Error};
+use crate::gpu::Placement;
 use crate::ledger::Ledger;
 use crate::mapped::KindGrant;
 use crate::observe::Observations;
@@ -134,6 +135,10 @@ pub(crate) struct LinkState {
     /// Regions mapped for this policy through `memory` (0.2.0), and the client misuse it
     /// reported.
     mapped: Mapped,
+    /// Where the blocks this policy lends must lie: in host memory, or on the GPU its
+    /// handler serves. Upstream memory is in the upstream's placement
+    /// ([`LinkState::upstream_placement`]).
+    place: Placement,
 }
 
 impl std::fmt::Debug for LinkState {
@@ -260,7 +265,8 @@ impl Link {
 
     /// Regions mapped for this policy that `[addr, addr+size)` lies in, if any.
     pub(crate) fn mapped_containing(&self, addr: u64, size: u64) -> Option<(u64, u64)> {
-        self.store.data().mapped.containing(addr, size)
+        let (start, len, _) = self.store.data().mapped.containing(addr, size)?;
+        Some((start, len))
     }
 
     /// Regions mapped for this policy: `(regions, bytes)`.

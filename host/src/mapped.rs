@@ -15,8 +15,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
+mod gpu;
 mod kind;
 
+pub(crate) use gpu::{map_device, map_pinned};
 pub use kind::{Guard, Kind, KindGrant, KindGrants, Numa, Pages, UnknownGrant};
 
 /// Why a region was not mapped; the policy sees it and goes on.
@@ -82,14 +84,25 @@ pub(crate) struct Region {
     guard: Option<u64>,
     /// The kernel mappings it holds, and the bytes it locks, taken from the policies'
     /// shares.
-    _mappings: crate::shares::Mappings,
+    _mappings: Option<crate::shares::Mappings>,
     _locked: Option<crate::shares::LockedBytes>,
+    /// Registered with a GPU's driver (pinned), or not host memory at all (device).
+    gpu: Option<gpu::Held>,
 }
 
 impl Region {
-    /// Host memory the region takes: every page mapped, the guard page included.
+    /// Memory the region takes: every page mapped, the guard page included, or every
+    /// byte of device memory.
     pub(crate) fn cost(&self) -> u64 {
         self.map_len
+    }
+
+    /// Where the region's memory is: host memory (pinned or not), or a GPU's.
+    pub(crate) fn placement(&self) -> crate::gpu::Placement {
+        match &self.gpu {
+            Some(gpu::Held::Device { device, .. }) => crate::gpu::Placement::Device(*device),
+            _ => crate::gpu::Placement::Host,
+        }
     }
 }
 
@@ -98,6 +111,10 @@ impl Drop for Region {
         if let Some(guard) = self.guard {
             GUARDS.lock().remove(&guard);
             GUARDED.fetch_sub(1, Ordering::Relaxed);
+        }
+        if self.gpu.as_ref().is_some_and(|held| !held.release(self.start)) {
+            // Device memory, given back to the driver: nothing was mapped.
+            return;
         }
         // SAFETY: `[map_start, map_start + map_len)` is the mapping `map` made for this
         // region and nothing else; the region is dropped only once its policy unmapped
@@ -203,8 +220,9 @@ pub(crate) fn map(
         map_start,
         map_len,
         guard: None,
-        _mappings: mappings,
+        _mappings: Some(mappings),
         _locked: None,
+        gpu: None,
     };
     if let Some(guard) = guard {
         // SAFETY: `[guard, guard + guard_len)` lies inside the mapping just made, which

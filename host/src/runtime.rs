@@ -29,6 +29,7 @@ use wasmtime::{
 
 use crate::clock::{CallTicks, Clock, Deadline};
 use crate::compile_bounds::CompileBounds;
+use crate::gpu::Placement;
 use crate::error::{Call, LoadError};
 use crate::link::classify;
 use crate::link::{Exports, Limits, Link, LinkState, Sandbox, Upstream};
@@ -416,15 +417,17 @@ impl Runtime {
         upstream: Upstream,
         limits: &Limits,
         checked: bool,
+        place: Placement,
     ) -> Result<Link, LoadError> {
         if !Engine::same(policy.pre.engine(), &self.inner.engine) {
             // A policy loaded by another runtime: compiled again here, once.
-            return self.start(&self.adopt(policy)?, config, upstream, limits, checked);
+            let adopted = self.adopt(policy)?;
+            return self.start(&adopted, config, upstream, limits, checked, place);
         }
         let mut store = self.guest_store(
             &policy.meta.source,
             limits,
-            |sandbox| LinkState::new(sandbox, upstream, limits, checked),
+            |sandbox| LinkState::new(sandbox, upstream, limits, checked, place),
             |s: &mut LinkState| &mut s.sandbox,
         );
         let start_err = |store: &mut Store<LinkState>, e| {

@@ -48,3 +48,22 @@ pub fn region_size(size: u64, pages: Pages) -> u64 {
         page => size.max(1).next_multiple_of(page),
     }
 }
+
+/// A region of at least `size` bytes of ordinary pages registered with the GPU driver
+/// (pinned): host memory like any region, which copies to and from a GPU reach at full
+/// speed. Needs the `pinned` grant; [`Refusal::Unavailable`] without a GPU driver.
+/// Given back with [`unmap`].
+#[inline]
+pub fn map_pinned(size: u64) -> Result<u64, Refusal> {
+    imports::map_pinned(size)
+}
+
+/// A region of at least `size` bytes (rounded up to 256) of memory on the GPU the
+/// handler serves: lend blocks inside it as in host memory, but never touch its bytes
+/// (a [`bytes`](crate::bytes) call on it stops the policy). Needs the `device` grant;
+/// [`Refusal::Unavailable`] in a handler of host memory or without a GPU driver. Given
+/// back with [`unmap`].
+#[inline]
+pub fn map_device(size: u64) -> Result<u64, Refusal> {
+    imports::map_device(size)
+}

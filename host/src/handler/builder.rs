@@ -3,7 +3,8 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use super::{Chain, Handler, Observations};
+use super::{Chain, DeviceHandler, Handler, Observations};
+use crate::gpu::Placement;
 use crate::clock::{CallTicks, Deadline};
 use crate::error::LoadError;
 use crate::link::{Limits, Upstream};
@@ -116,6 +117,22 @@ impl HandlerBuilder {
 
     /// Start every policy, bottom first, and initialise it.
     pub fn build(self) -> Result<Handler, LoadError> {
+        self.build_for(Placement::Host)
+    }
+
+    /// A handler of memory on GPU `device` of the `Limits::grants` GPU: every block a
+    /// policy of it answers must lie in memory it mapped with `memory.map-device` (or a
+    /// block of the link below); the host never reads, writes, zeroes or copies one.
+    /// Its policies need the `device` grant.
+    /// It has no fallback: another handler's memory is not this GPU's.
+    pub fn build_device(mut self, device: u32) -> Result<DeviceHandler, LoadError> {
+        self.fallback = None;
+        let gpu = self.limits.grants.gpu.clone();
+        let handler = self.build_for(Placement::Device(device))?;
+        Ok(DeviceHandler::new(handler, gpu, device))
+    }
+
+    fn build_for(self, placement: Placement) -> Result<Handler, LoadError> {
         let Some(((top, top_config), below)) = self.links.split_first() else {
             return Err(LoadError::EmptyChain);
         };
@@ -134,13 +151,13 @@ impl HandlerBuilder {
         for (policy, config) in below.iter().rev() {
             let link = self
                 .runtime
-                .start(policy, config, upstream, &self.limits, self.checked)?;
+                .start(policy, config, upstream, &self.limits, self.checked, placement)?;
             names.push(link.name().clone());
             upstream = Upstream::Policy(Box::new(link));
         }
         let mut head = self
             .runtime
-            .start(top, top_config, upstream, &self.limits, self.checked)?;
+            .start(top, top_config, upstream, &self.limits, self.checked, placement)?;
         // The top policy alone is served without being asked: its client is the host's.
         // Asking the top policy how it observes is part of loading it.
         let starting = &mut Deadline::for_client_call(
@@ -194,6 +211,7 @@ impl HandlerBuilder {
             observed,
             clock: self.runtime.clock().clone(),
             call_ticks: CallTicks::of(self.limits.call_time),
+            placement,
         })
     }
 }

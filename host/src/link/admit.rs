@@ -13,7 +13,8 @@ impl Link {
     /// line.
     #[inline]
     pub(super) fn in_clearance(&self, addr: u64, size: u64) -> bool {
-        self.info.aligns(addr) && self.store.data().cleared(addr, size)
+        let state = self.store.data();
+        self.info.aligns(addr) && state.cleared_in(addr, size, state.place)
     }
 
     /// The rule a block this link returned breaks, if any.
@@ -38,6 +39,13 @@ impl Link {
             Some(Rule::UseAfterFree {
                 released,
                 released_size,
+            })
+        } else if let Some(found) = state.owned_containing(addr, size).map(|(.., p)| p)
+            && found != state.place
+        {
+            Some(Rule::WrongMemory {
+                wanted: state.place,
+                found,
             })
         } else if state.owned_containing(addr, size).is_none() {
             Some(Rule::OutsideOwned)

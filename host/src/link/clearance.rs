@@ -3,6 +3,7 @@
 //! give-backs inside it skip the ledger queries while nothing has changed.
 
 use super::LinkState;
+use crate::gpu::Placement;
 
 impl LinkState {
     /// Is `[at, at+len)` (`len` at least 1) inside the current [`Clearance`]: upstream
@@ -17,6 +18,12 @@ impl LinkState {
         })
     }
 
+    /// [`Self::cleared`], and the clearance lies in memory of `place`: an answer inside
+    /// it needs no query, a `bytes` access inside it (`Placement::Host`) none either.
+    pub(super) fn cleared_in(&self, at: u64, len: u64, place: Placement) -> bool {
+        self.clearance.is_some_and(|c| c.memory == place) && self.cleared(at, len)
+    }
+
     /// Make a block upstream just lent, of `size` bytes as its ledger records it, the
     /// clearance: it overlaps no block this policy lent, because every one of those lies
     /// inside an upstream block it still holds, and upstream blocks are disjoint. So the
@@ -28,6 +35,7 @@ impl LinkState {
             end: block + size,
             upstream: self.upstream.lent().generation(),
             lent: self.lent.generation(),
+            memory: self.upstream_placement(),
         });
     }
 
@@ -43,29 +51,29 @@ impl LinkState {
             end: block.saturating_add(size),
             upstream: self.upstream.lent().generation(),
             lent: self.lent.generation(),
+            // Admitted as this link's answer: in the memory it lends from.
+            memory: self.place,
         });
     }
 
     /// The full check behind [`Self::cleared`]: does `[at, at+len)` (`len` at least 1)
     /// lie inside one upstream block this policy holds, outside held-back memory and
-    /// every block it lent? If so, the clear stretch around it becomes the clearance.
-    pub(super) fn clear(&mut self, at: u64, len: u64) -> bool {
-        let Some((block, block_size)) = self.owned_containing(at, len) else {
-            return false;
-        };
+    /// every block it lent? If so, the clear stretch around it becomes the clearance,
+    /// and the answer is where that memory lies.
+    pub(super) fn clear(&mut self, at: u64, len: u64) -> Option<Placement> {
+        let (block, block_size, memory) = self.owned_containing(at, len)?;
         if self.transit.held_back_overlapping(at, len).is_some() {
-            return false;
+            return None;
         }
-        let Some((gap_start, gap_end)) = self.lent.nearby().gap_around(at, len) else {
-            return false;
-        };
+        let (gap_start, gap_end) = self.lent.nearby().gap_around(at, len)?;
         self.clearance = Some(Clearance {
             start: block.max(gap_start),
             end: (block + block_size).min(gap_end),
             upstream: self.upstream.lent().generation(),
             lent: self.lent.generation(),
+            memory,
         });
-        true
+        Some(memory)
     }
 }
 
@@ -81,4 +89,6 @@ pub(super) struct Clearance {
     end: u64,
     upstream: u64,
     lent: u64,
+    /// Where the memory it lies in is: a GPU's is never read or written by the host.
+    memory: Placement,
 }

@@ -9,6 +9,7 @@ use super::bindings;
 use super::{Limits, LinkState, Sandbox, Transit, Upstream};
 use crate::clock::Deadline;
 use crate::error::{Bound, Call, Error, Rule, Violation};
+use crate::gpu::Placement;
 use crate::ledger::{Ledger, TakeBack};
 
 impl LinkState {
@@ -17,6 +18,7 @@ impl LinkState {
         upstream: Upstream,
         limits: &Limits,
         checked: bool,
+        place: Placement,
     ) -> Self {
         LinkState {
             sandbox,
@@ -34,7 +36,17 @@ impl LinkState {
             clearance: None,
             zeroed: Default::default(),
             checked,
-            mapped: super::Mapped::new(limits.grants.memory),
+            mapped: super::Mapped::new(limits.grants.memory, limits.grants.gpu.clone()),
+            place,
+        }
+    }
+
+    /// Where the memory the upstream lends lies: the host's own memory, or the blocks
+    /// of the link below, which serves the same client as this one.
+    pub(super) fn upstream_placement(&self) -> Placement {
+        match self.upstream {
+            Upstream::System(_) => Placement::Host,
+            Upstream::Policy(_) => self.place,
         }
     }
 
@@ -260,13 +272,17 @@ impl LinkState {
         if len == 0 {
             return Ok(());
         }
-        let allowed = (read_only && self.transit.within_block(at, len))
-            || self.cleared(at, len)
-            || self.clear(at, len);
-        if allowed {
-            Ok(())
-        } else {
-            Err(self.violate(call, at, len, Rule::BytesOutOfBounds))
+        if (read_only && self.transit.within_block(at, len))
+            || self.cleared_in(at, len, Placement::Host)
+        {
+            return Ok(());
+        }
+        match self.clear(at, len) {
+            Some(Placement::Host) => Ok(()),
+            Some(Placement::Device(device)) => {
+                Err(self.violate(call, at, len, Rule::DeviceBytes { device }))
+            }
+            None => Err(self.violate(call, at, len, Rule::BytesOutOfBounds)),
         }
     }
 
@@ -344,6 +360,10 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         let Some(size) = nelem.checked_mul(elsize) else {
             return Ok(0);
         };
+        if self.upstream_placement() != Placement::Host {
+            // Zeroing is host work on the bytes: none for GPU memory.
+            return Ok(0);
+        }
         if !self.may_take(size.max(1)) {
             return Ok(0);
         }
@@ -361,6 +381,11 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         }
         self.on_time(Call::Realloc)?;
         let hold_back = self.check_give_back(Call::Realloc, ptr, old)?;
+        if self.upstream_placement() != Placement::Host {
+            // Moving a block copies its bytes, which the host never does on a GPU: the
+            // old block stays, as after any refused realloc.
+            return Ok(0);
+        }
         if new == 0 {
             // Like malloc(0) upstream: none, and the old block stays.
             return Ok(0);

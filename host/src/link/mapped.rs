@@ -11,6 +11,7 @@ use super::bindings::allocbox::policy as v1;
 use super::bindings_v2::allocbox::policy::{allocator, bytes, diagnostics, memory};
 use crate::error::Call;
 use crate::ledger::TakeBack;
+use crate::gpu::{Gpu, Placement};
 use crate::mapped::{self as os, KindGrant, KindGrants, Region};
 
 /// A client's misuse of a block, as its policy reported it.
@@ -48,6 +49,7 @@ impl std::fmt::Display for ClientMisuse {
 #[derive(Debug, Default)]
 pub(super) struct Mapped {
     grants: KindGrants,
+    gpu: Gpu,
     regions: BTreeMap<u64, Region>,
     /// Host memory the regions take, guard pages included.
     cost: u64,
@@ -64,9 +66,10 @@ pub(super) struct Mapped {
 }
 
 impl Mapped {
-    pub(super) fn new(grants: KindGrants) -> Self {
+    pub(super) fn new(grants: KindGrants, gpu: Gpu) -> Self {
         Mapped {
             grants,
+            gpu,
             ..Mapped::default()
         }
     }
@@ -83,11 +86,11 @@ impl Mapped {
         self.cost
     }
 
-    /// The region `[at, at+len)` lies in, `(start, len)`.
-    pub(super) fn containing(&self, at: u64, len: u64) -> Option<(u64, u64)> {
+    /// The region `[at, at+len)` lies in, `(start, len)`, and where its memory is.
+    pub(super) fn containing(&self, at: u64, len: u64) -> Option<(u64, u64, Placement)> {
         let (&start, region) = self.regions.range(..=at).next_back()?;
         let end = at.checked_add(len)?;
-        (end <= start + region.len).then_some((start, region.len))
+        (end <= start + region.len).then_some((start, region.len, region.placement()))
     }
 
     pub(super) fn unmap_all(&mut self) {
@@ -146,14 +149,43 @@ impl Mapped {
 }
 
 impl LinkState {
-    /// The memory this policy holds that `[at, at+len)` lies in, `(start, len)`: an
-    /// upstream block, or a mapped region.
-    pub(super) fn owned_containing(&mut self, at: u64, len: u64) -> Option<(u64, u64)> {
+    /// The memory this policy holds that `[at, at+len)` lies in, `(start, len)`, and
+    /// where that memory is: an upstream block (in the upstream's placement), or a
+    /// mapped region.
+    pub(super) fn owned_containing(&mut self, at: u64, len: u64) -> Option<(u64, u64, Placement)> {
+        let upstream = self.upstream_placement();
         self.upstream
             .lent_mut()
             .nearby()
             .containing(at, len)
+            .map(|(start, len)| (start, len, upstream))
             .or_else(|| self.mapped.containing(at, len))
+    }
+
+    /// Record a region just mapped, or why none was.
+    fn mapped_or_refused(
+        &mut self,
+        region: Result<Region, os::Refusal>,
+    ) -> Result<u64, memory::Refusal> {
+        match region {
+            Ok(region) => {
+                let start = region.start;
+                self.mapped.cost += region.cost();
+                self.mapped.regions.insert(start, region);
+                Ok(start)
+            }
+            Err(refusal) => Err(match refusal {
+                os::Refusal::NotGranted(grant) => {
+                    let kind = KindGrant::ALL.iter().position(|&g| g == grant);
+                    let refused = &mut self.mapped.ungranted[kind.expect("one of ALL")];
+                    *refused = refused.saturating_add(1);
+                    memory::Refusal::NotGranted
+                }
+                os::Refusal::Unavailable => memory::Refusal::Unavailable,
+                os::Refusal::OverLimit => memory::Refusal::OverLimit,
+                os::Refusal::OutOfMemory => memory::Refusal::OutOfMemory,
+            }),
+        }
     }
 }
 
@@ -195,25 +227,31 @@ impl memory::Host for LinkState {
         let region = os::map(&name, size, kind_of(kind), &grants, |cost| {
             self.within_budget(cost)
         });
-        Ok(match region {
-            Ok(region) => {
-                let start = region.start;
-                self.mapped.cost += region.cost();
-                self.mapped.regions.insert(start, region);
-                Ok(start)
-            }
-            Err(refusal) => Err(match refusal {
-                os::Refusal::NotGranted(grant) => {
-                    let kind = KindGrant::ALL.iter().position(|&g| g == grant);
-                    let refused = &mut self.mapped.ungranted[kind.expect("one of ALL")];
-                    *refused = refused.saturating_add(1);
-                    memory::Refusal::NotGranted
-                }
-                os::Refusal::Unavailable => memory::Refusal::Unavailable,
-                os::Refusal::OverLimit => memory::Refusal::OverLimit,
-                os::Refusal::OutOfMemory => memory::Refusal::OutOfMemory,
-            }),
-        })
+        Ok(self.mapped_or_refused(region))
+    }
+
+    fn map_pinned(&mut self, size: u64) -> wasmtime::Result<Result<u64, memory::Refusal>> {
+        self.on_time(Call::MemoryMapPinned)?;
+        let (grants, gpu) = (self.mapped.grants, self.mapped.gpu.clone());
+        let name = self.sandbox.name.clone();
+        let region = os::map_pinned(&name, size, &grants, &gpu, |cost| {
+            self.within_budget(cost)
+        });
+        Ok(self.mapped_or_refused(region))
+    }
+
+    fn map_device(&mut self, size: u64) -> wasmtime::Result<Result<u64, memory::Refusal>> {
+        self.on_time(Call::MemoryMapDevice)?;
+        let Placement::Device(device) = self.place else {
+            // A host handler's client reads and writes its blocks: device memory could
+            // only ever be a wrong answer.
+            return Ok(Err(memory::Refusal::Unavailable));
+        };
+        let (grants, gpu) = (self.mapped.grants, self.mapped.gpu.clone());
+        let region = os::map_device(size, device, &grants, &gpu, |cost| {
+            self.within_budget(cost)
+        });
+        Ok(self.mapped_or_refused(region))
     }
 
     fn unmap_region(&mut self, addr: u64, size: u64) -> wasmtime::Result<()> {

@@ -52,6 +52,9 @@ pub struct Grants {
     pub env: Vec<(String, String)>,
     /// Kinds of memory a policy may ask the host to map for it (0.2.0 `memory`).
     pub memory: crate::mapped::KindGrants,
+    /// The GPUs behind the `pinned` and `device` kinds: the CUDA driver unless a stand-in
+    /// is given.
+    pub gpu: crate::gpu::Gpu,
 }
 
 impl Default for Limits {

@@ -45,14 +45,20 @@ pub enum KindGrant {
     HugePages,
     Locked,
     Guarded,
+    /// Host pages registered with the GPU driver (`memory.map-pinned`).
+    Pinned,
+    /// Memory on the GPU a device handler serves (`memory.map-device`).
+    Device,
 }
 
 impl KindGrant {
-    pub const ALL: [KindGrant; 4] = [
+    pub const ALL: [KindGrant; 6] = [
         KindGrant::Numa,
         KindGrant::HugePages,
         KindGrant::Locked,
         KindGrant::Guarded,
+        KindGrant::Pinned,
+        KindGrant::Device,
     ];
 
     pub fn name(self) -> &'static str {
@@ -61,6 +67,8 @@ impl KindGrant {
             KindGrant::HugePages => "huge-pages",
             KindGrant::Locked => "locked",
             KindGrant::Guarded => "guarded",
+            KindGrant::Pinned => "pinned",
+            KindGrant::Device => "device",
         }
     }
 }
@@ -74,7 +82,7 @@ impl std::fmt::Display for KindGrant {
 /// A grant name that is none of [`KindGrant::ALL`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "`{given}` is not a kind of memory allocbox can grant: use numa, huge-pages, locked or guarded"
+    "`{given}` is not a kind of memory allocbox can grant: use numa, huge-pages, locked, guarded, pinned or device"
 )]
 pub struct UnknownGrant {
     pub given: String,
@@ -99,6 +107,8 @@ pub struct KindGrants {
     pub huge_pages: bool,
     pub locked: bool,
     pub guarded: bool,
+    pub pinned: bool,
+    pub device: bool,
 }
 
 impl KindGrants {
@@ -112,6 +122,8 @@ impl KindGrants {
             KindGrant::HugePages => self.huge_pages,
             KindGrant::Locked => self.locked,
             KindGrant::Guarded => self.guarded,
+            KindGrant::Pinned => self.pinned,
+            KindGrant::Device => self.device,
         }
     }
 
@@ -121,6 +133,8 @@ impl KindGrants {
             KindGrant::HugePages => &mut self.huge_pages,
             KindGrant::Locked => &mut self.locked,
             KindGrant::Guarded => &mut self.guarded,
+            KindGrant::Pinned => &mut self.pinned,
+            KindGrant::Device => &mut self.device,
         }
     }
 
