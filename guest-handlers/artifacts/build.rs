@@ -19,6 +19,9 @@ const RUST_GUESTS: &[(&str, &str, bool)] = &[
     ("guard", "policies/rust/guard", true),
     ("numa", "policies/rust/numa", true),
     ("thp-arena", "policies/rust/thp-arena", true),
+    // Maps only GPU memory (granted `device` or `pinned`): checked on the stand-in GPU by
+    // its own tests (`tests/all/gpu.rs`) rather than by the grant-less contract runs.
+    ("gpu-pool", "policies/rust/gpu-pool", false),
     ("template", "templates/rust", true),
     ("broken", "fixtures/broken", false),
     ("chaos", "fixtures/chaos", false),
