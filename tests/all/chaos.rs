@@ -2,15 +2,18 @@
 //! a seeded stream, in random chains under the random client of [`super::fuzz`], which
 //! asserts the host's invariants after every operation. Freed host memory is quarantined
 //! and poisoned, so a use after free also shows as poisoned bytes. Every kind of memory
-//! is granted, so its regions meet every path of `memory`; a third of the streams
-//! observe (0.2.0 `observer`).
+//! is granted, so its regions meet every path of `memory` (pinned and device memory on a
+//! stand-in GPU); a third of the streams observe (0.2.0 `observer`), and a quarter serve
+//! a GPU's memory (a device handler).
 //!
 //! CI runs `ALLOCBOX_CHAOS_STREAMS` streams (default below); a long run:
 //! `ALLOCBOX_CHAOS_STREAMS=200000 cargo test --release --test all chaos -- --nocapture`.
 //! A failing stream prints its seed; `ALLOCBOX_CHAOS_SEED=S` runs that stream alone.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
+
+use allocbox::gpu::{Gpu, StandIn};
 
 use allocbox::mapped::{KindGrant, KindGrants};
 use allocbox::{Adversary, Grants, HandlerBuilder, Limits, Runtime};
@@ -50,6 +53,7 @@ fn stream(seed: u64) -> Result<String, String> {
                         all.grant(kind);
                         all
                     }),
+                gpu: stand_in_gpu(),
                 ..Grants::default()
             },
             ..Limits::default()
@@ -93,13 +97,23 @@ fn stream(seed: u64) -> Result<String, String> {
     if let Some(f) = &fallback {
         builder = builder.fallback(f.clone());
     }
-    let h = match builder.build() {
+    // A generator of its own, so every other choice of a seed's stream stays as it was.
+    let on_device = Rng(seed ^ 0x6E0_D0E5).below(4) == 0;
+    let built = match on_device {
+        true => builder.build_device(0).map(Started::Device),
+        false => builder.build().map(Started::Host),
+    };
+    let started = match built {
         Ok(h) => h,
         // A policy may trap or loop in `init` too; that is a clean refusal.
         Err(allocbox::LoadError::Start(_)) => return Ok("refused at start".into()),
         Err(e) => return Err(format!("start: {e}")),
     };
-    let outcome = drive(&h, &mut rng, OPS_PER_STREAM, CALL_TIME, links)?;
+    let h = match &started {
+        Started::Host(h) => h,
+        Started::Device(d) => d.handler(),
+    };
+    let outcome = drive(h, &mut rng, OPS_PER_STREAM, CALL_TIME, links)?;
     if let Some(f) = fallback
         && f.stats().unwrap().live_blocks != 0
     {
@@ -109,6 +123,20 @@ fn stream(seed: u64) -> Result<String, String> {
         ));
     }
     Ok(outcome)
+}
+
+/// A stream's handler: of host memory, or of the stand-in GPU's.
+enum Started {
+    Host(allocbox::Handler),
+    Device(allocbox::DeviceHandler),
+}
+
+/// The stand-in GPU every stream's pinned and device memory comes from (host memory,
+/// which the random client fills and checks as it does host blocks).
+fn stand_in_gpu() -> Gpu {
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    GPU.get_or_init(|| Gpu::stand_in(Arc::new(StandIn::new(1, 1 << 32))))
+        .clone()
 }
 
 fn run(seeds: impl Iterator<Item = u64>) {

@@ -81,6 +81,10 @@ pub fn drive(
     links: u32,
 ) -> Result<String, String> {
     let bound = call_time * links + HANG;
+    // A GPU program's memory is only allocated and freed (the host never zeroes or
+    // copies it); the client still fills and checks its blocks, as the GPU's kernels
+    // would, on the stand-in GPU's host memory.
+    let on_host = h.placement() == allocbox::gpu::Placement::Host;
     let mut live: Vec<Live> = Vec::new();
     for step in 0..ops {
         let byte = (step % 250) as u8 + 1;
@@ -96,13 +100,13 @@ pub fn drive(
                 adopt(&mut live, p, size.max(1), byte);
                 "malloc"
             }
-            4 => {
+            4 if on_host => {
                 let (n, e) = (1 + rng.below(8) as usize, rng.size().min(8192));
                 let p = answer(h.calloc(n, e), "calloc")?;
                 adopt(&mut live, p, (n * e).max(1), byte);
                 "calloc"
             }
-            5..=6 if !live.is_empty() => {
+            5..=6 if on_host && !live.is_empty() => {
                 let i = rng.below(live.len() as u64) as usize;
                 let size = rng.size();
                 // On none or a failure the old block is still live and unchanged.

@@ -257,7 +257,7 @@ fn check_prints_a_policy_s_counters_and_grants_kinds_by_name() {
     assert!(!out.contains("guarded 0,"), "{out}");
     let (code, out) = allocbox_cli(&["check", guard, "--grant", "numa,gpu"], &dir);
     assert_eq!(code, 2, "{out}");
-    assert!(out.contains("`gpu` is not a kind of memory allocbox can grant: use numa, huge-pages, locked or guarded"), "{out}");
+    assert!(out.contains("`gpu` is not a kind of memory allocbox can grant: use numa, huge-pages, locked, guarded, pinned or device"), "{out}");
 }
 
 #[test]

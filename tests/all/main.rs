@@ -11,6 +11,7 @@ mod compile_cache;
 mod contract;
 mod coverage;
 mod fuzz;
+mod gpu;
 mod hostile;
 mod kinds;
 mod languages;

@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use allocbox::{Adversary, Limits};
 use allocbox::{Error, LoadError, Rule};
-use allocbox::{Handler, HandlerBuilder};
+use allocbox::gpu::{Gpu, Placement, StandIn};
+use allocbox::{DeviceHandler, Handler, HandlerBuilder};
+use std::sync::OnceLock;
 use allocbox::{Policy, Runtime, WasmHook};
 
 use super::model::Live;
@@ -116,6 +118,13 @@ impl<'h> Client<'h> {
     /// recorded).
     pub(super) fn run(&mut self, op: &Op) -> Result<(), Finding> {
         let h = self.handler;
+        if h.placement() != Placement::Host
+            && matches!(op, Op::Calloc { .. } | Op::Realloc { .. } | Op::ReallocNew { .. })
+        {
+            // A GPU program's memory is only allocated and freed: the host never zeroes
+            // or copies it.
+            return Ok(());
+        }
         self.adversary.begin_operation();
         let err = |e: Error| Finding::from_error(&e);
         match *op {
@@ -273,6 +282,30 @@ impl<'h> Client<'h> {
     }
 }
 
+/// A handler of host memory, or of the checker's stand-in GPU.
+pub(super) enum Started {
+    Host(Handler),
+    Device(DeviceHandler),
+}
+
+impl std::ops::Deref for Started {
+    type Target = Handler;
+    fn deref(&self) -> &Handler {
+        match self {
+            Started::Host(h) => h,
+            Started::Device(d) => d.handler(),
+        }
+    }
+}
+
+/// The stand-in GPU every device check of this process runs on: host memory, so the
+/// checker can look at every block as it does for host memory.
+fn checker_gpu() -> Gpu {
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    GPU.get_or_init(|| Gpu::stand_in(Arc::new(StandIn::new(1, 1 << 32))))
+        .clone()
+}
+
 /// Everything needed to start a fresh handler for one case.
 pub(super) struct Subject<'a> {
     pub(super) runtime: &'a Runtime,
@@ -289,16 +322,27 @@ pub(super) struct Subject<'a> {
 impl Subject<'_> {
     /// A fresh handler over a fresh checker's upstream from the subject's seed, asking
     /// its policy the way `path` says.
-    pub(super) fn start(&self, path: CallPath) -> Result<(Handler, Arc<Adversary>), LoadError> {
+    /// A policy granted `device` is checked as a device handler of the checker's own
+    /// stand-in GPU, whose memory the checker (playing the GPU's kernels) can fill and
+    /// read.
+    pub(super) fn start(&self, path: CallPath) -> Result<(Started, Arc<Adversary>), LoadError> {
         let adversary = Adversary::new(self.upstream_seed);
-        let handler = HandlerBuilder::new(self.runtime)
+        let mut limits = self.limits.clone();
+        let device = limits.grants.memory.device;
+        if device {
+            limits.grants.gpu = checker_gpu();
+        }
+        let builder = HandlerBuilder::new(self.runtime)
             .link_with(self.policy, self.config)
-            .limits(self.limits.clone())
+            .limits(limits)
             .checked(true)
             .magazines(path == CallPath::Magazines)
-            .adversary(Arc::clone(&adversary))
-            .build()?;
-        Ok((handler, adversary))
+            .adversary(Arc::clone(&adversary));
+        let started = match device {
+            true => Started::Device(builder.build_device(0)?),
+            false => Started::Host(builder.build()?),
+        };
+        Ok((started, adversary))
     }
 
     /// Count what was refused on purpose in a case that ran on `handler`, and what the
