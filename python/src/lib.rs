@@ -15,6 +15,7 @@
 //! (Numba's arrays through the same bridges).
 
 mod bridge;
+mod cuda;
 mod diagnosis;
 mod errors;
 mod hooks;
@@ -60,6 +61,12 @@ fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(numba_route::numba_threads_done, m)?)?;
     m.add_function(wrap_pyfunction!(numba_route::numba_maker, m)?)?;
     m.add_class::<EventHook>()?;
+    m.add_class::<cuda::StandInGpu>()?;
+    m.add_class::<cuda::DevicePolicy>()?;
+    m.add_class::<cuda::DeviceBlock>()?;
+    m.add_function(wrap_pyfunction!(cuda::load_device_chain, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::torch_use, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::torch_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(load_hook, m)?)?;
     m.add_function(wrap_pyfunction!(shipped_hooks, m)?)?;
     m.add_function(wrap_pyfunction!(set_event_hook, m)?)?;

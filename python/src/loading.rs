@@ -66,51 +66,45 @@ pub(crate) fn call_time_or_default(call_time: Option<f64>) -> PyResult<Duration>
         })
 }
 
-/// Load a chain of policies, top first. Each item is a source (path or bytes) or a
-/// `(source, {key: value})` pair. `record` writes a trace of every call (gzip for a
-/// `.gz` name), each with its time, and with `record_sites` the program's line. The bounds
-/// default to allocbox's (`Limits::default`): `call_time` in seconds per call, imports
-/// included; `memory`, a guest's own memory in bytes; `batch`, blocks in one batch
-/// call; `overhead`, bytes a policy may hold beyond what its client holds; and
-/// `host_memory_limit`, bytes lent from the host at once (default unlimited).
-/// `compile_bounds` ({"functions": 100000, ...}) allows policies of a larger shape to be
-/// compiled (`allocbox::CompileBounds`: functions, code-bytes, function-bytes,
-/// data-bytes, modules, text-bytes). `names` says what to call each policy in messages
-/// before it names itself (a shipped policy's name); by default its path, or `<bytes>`.
-#[pyfunction]
-#[pyo3(signature = (*chain, record = None, record_sites = false, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None, grant = None, names = None))]
-#[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
-pub(crate) fn load_chain(
+/// The bounds and grants a chain is loaded with, as Python gives them.
+pub(crate) struct Bounds<'py> {
+    pub(crate) call_time: Option<f64>,
+    pub(crate) memory: Option<u64>,
+    pub(crate) batch: Option<u32>,
+    pub(crate) overhead: Option<u64>,
+    pub(crate) host_memory_limit: Option<u64>,
+    pub(crate) compile_bounds: Option<Bound<'py, PyDict>>,
+    pub(crate) grant: Option<Vec<String>>,
+    /// The stand-in GPU's, or the CUDA driver (`None`).
+    pub(crate) gpu: Option<allocbox::gpu::Gpu>,
+}
+
+/// A builder of the chain `chain` (top first; each a source or a `(source, config)`
+/// pair) under `bounds`, each policy loaded and named as `names` says.
+pub(crate) fn chain_builder(
     chain: Vec<Bound<'_, PyAny>>,
-    record: Option<PathBuf>,
-    record_sites: bool,
-    call_time: Option<f64>,
-    memory: Option<u64>,
-    batch: Option<u32>,
-    overhead: Option<u64>,
-    host_memory_limit: Option<u64>,
-    compile_bounds: Option<Bound<'_, PyDict>>,
-    grant: Option<Vec<String>>,
+    bounds: Bounds<'_>,
     names: Option<Vec<Option<String>>>,
-) -> PyResult<Policy> {
+) -> PyResult<HandlerBuilder> {
     let runtime = Runtime::shared();
-    let bounds = compile_bounds_from(compile_bounds)?;
+    let compile_bounds = compile_bounds_from(bounds.compile_bounds)?;
     let defaults = Limits::default();
-    let kinds = allocbox::mapped::KindGrants::from_names(grant.unwrap_or_default())
+    let kinds = allocbox::mapped::KindGrants::from_names(bounds.grant.unwrap_or_default())
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
     let limits = Limits {
-        call_time: call_time_or_default(call_time)?,
-        memory: memory.unwrap_or(defaults.memory),
-        batch: batch.unwrap_or(defaults.batch),
-        overhead: overhead.unwrap_or(defaults.overhead),
+        call_time: call_time_or_default(bounds.call_time)?,
+        memory: bounds.memory.unwrap_or(defaults.memory),
+        batch: bounds.batch.unwrap_or(defaults.batch),
+        overhead: bounds.overhead.unwrap_or(defaults.overhead),
         grants: allocbox::Grants {
             memory: kinds,
+            gpu: bounds.gpu.unwrap_or_default(),
             ..defaults.grants
         },
         ..defaults
     };
     let mut builder = HandlerBuilder::new(runtime).limits(limits);
-    if let Some(bytes) = host_memory_limit {
+    if let Some(bytes) = bounds.host_memory_limit {
         builder = builder.host_memory_limit(bytes);
     }
     if chain.is_empty() {
@@ -132,7 +126,7 @@ pub(crate) fn load_chain(
         let (bytes, label) = source_bytes(&source)?;
         let name = names.get(at).cloned().flatten().unwrap_or(label);
         let policy = runtime
-            .load_named(&bytes, &name, &bounds)
+            .load_named(&bytes, &name, &compile_bounds)
             .map_err(|e| LoadError::new_err(e.to_string()))?;
         let config: Vec<(&str, &str)> = config
             .iter()
@@ -140,6 +134,49 @@ pub(crate) fn load_chain(
             .collect();
         builder = builder.link_with(&policy, &config);
     }
+    Ok(builder)
+}
+
+/// Load a chain of policies, top first. Each item is a source (path or bytes) or a
+/// `(source, {key: value})` pair. `record` writes a trace of every call (gzip for a
+/// `.gz` name), each with its time, and with `record_sites` the program's line. The bounds
+/// default to allocbox's (`Limits::default`): `call_time` in seconds per call, imports
+/// included; `memory`, a guest's own memory in bytes; `batch`, blocks in one batch
+/// call; `overhead`, bytes a policy may hold beyond what its client holds; and
+/// `host_memory_limit`, bytes lent from the host at once (default unlimited).
+/// `compile_bounds` ({"functions": 100000, ...}) allows policies of a larger shape to be
+/// compiled (`allocbox::CompileBounds`: functions, code-bytes, function-bytes,
+/// data-bytes, modules, text-bytes). `names` says what to call each policy in messages
+/// before it names itself (a shipped policy's name); by default its path, or `<bytes>`.
+/// `gpu` is a stand-in GPU for the `pinned` kind (by default the CUDA driver's).
+#[pyfunction]
+#[pyo3(signature = (*chain, record = None, record_sites = false, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None, grant = None, names = None, gpu = None))]
+#[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
+pub(crate) fn load_chain(
+    chain: Vec<Bound<'_, PyAny>>,
+    record: Option<PathBuf>,
+    record_sites: bool,
+    call_time: Option<f64>,
+    memory: Option<u64>,
+    batch: Option<u32>,
+    overhead: Option<u64>,
+    host_memory_limit: Option<u64>,
+    compile_bounds: Option<Bound<'_, PyDict>>,
+    grant: Option<Vec<String>>,
+    names: Option<Vec<Option<String>>>,
+    gpu: Option<PyRef<'_, crate::cuda::StandInGpu>>,
+) -> PyResult<Policy> {
+    let bounds = Bounds {
+        call_time,
+        memory,
+        batch,
+        overhead,
+        host_memory_limit,
+        compile_bounds,
+        grant,
+        gpu: gpu.map(|g| g.gpu()),
+    };
+    let builder = chain_builder(chain, bounds, names)?;
     let handler = Arc::new(
         builder
             .build()

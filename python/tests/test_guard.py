@@ -109,7 +109,7 @@ def test_with_the_grant_every_sampled_array_is_in_a_region_of_its_own():
 
 
 def test_an_unknown_grant_is_refused_with_the_names_there_are():
-    with pytest.raises(ValueError, match="`gpu` is not a kind of memory.*numa, huge-pages, locked or guarded"):
+    with pytest.raises(ValueError, match="`gpu` is not a kind of memory.*numa, huge-pages, locked, guarded, pinned or device"):
         allocbox.load("guard", grant=["gpu"])
 
 

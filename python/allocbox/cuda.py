@@ -1,0 +1,192 @@
+"""GPU programs' memory placed by sandboxed, checked policies.
+
+Two kinds of memory, each granted to a policy by name:
+
+- `device`: memory on a GPU, for a *device policy* (`allocbox.cuda.load`), which places
+  PyTorch's tensors, CuPy's arrays or Numba's device arrays. The host keeps its own
+  ledger of every block, never reads or writes GPU memory, and gives a freed block back
+  to its policy only once the work queued on its streams before the free has finished.
+- `pinned`: host pages registered with the driver, for a NumPy policy
+  (`allocbox.load("gpu-pool", {"memory": "pinned"}, grant=["pinned"])`): its arrays
+  copy to a GPU at full speed.
+
+    import allocbox.cuda
+    pool = allocbox.cuda.load("gpu-pool")                      # device 0
+    torch.cuda.memory.change_current_allocator(allocbox.cuda.torch_allocator(pool))
+    cupy.cuda.set_allocator(allocbox.cuda.cupy_allocator(pool))
+    allocbox.cuda.use_with_numba(pool)                         # before Numba's context
+
+The CUDA driver is loaded when a GPU is first used: on a machine without one every
+request is refused, with the reason. `StandInGpu` is a GPU made of host memory, whose
+streams finish when told to, for tests on such machines (`gpu=` of `load`).
+"""
+
+import contextlib
+import ctypes
+
+from . import _source, _shipped_name
+from ._allocbox import DeviceBlock, DevicePolicy, StandInGpu
+from ._allocbox import load_device_chain as _load_device_chain
+from ._allocbox import torch_blocks as _torch_blocks
+from ._allocbox import torch_use as _torch_use
+
+__all__ = [
+    "DeviceBlock",
+    "DevicePolicy",
+    "MemoryManager",
+    "StandInGpu",
+    "cupy_allocator",
+    "load",
+    "torch_allocator",
+    "use_with_numba",
+]
+
+
+def load(source="gpu-pool", config=None, *, device=0, gpu=None, **limits):
+    """A device policy serving memory of GPU `device`: a shipped policy by name (by
+    default `gpu-pool`), a path or bytes, started with `config`, granted `device` (and
+    whatever `grant=` adds). Bounds as for `allocbox.load`. `gpu` is a `StandInGpu` to
+    use instead of the CUDA driver."""
+    item = (_source(source), {str(k): str(v) for k, v in config.items()}) if config else _source(source)
+    return _load_device_chain(item, device=device, gpu=gpu, names=[_shipped_name(source)], **limits)
+
+
+def _memory_error(policy, size):
+    return MemoryError(f"policy `{policy.name}` has no {size} bytes of memory of GPU {policy.device} left")
+
+
+# --- CuPy --------------------------------------------------------------------------
+
+
+def cupy_allocator(policy):
+    """A function for `cupy.cuda.set_allocator`: each array's memory comes from `policy`
+    and goes back to it, once the work queued on the stream that was current when it
+    was made has finished, when CuPy lets go of it."""
+    import cupy
+
+    def allocate(size):
+        if size == 0:
+            return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(0, 0, None, device_id=policy.device), 0)
+        stream = cupy.cuda.get_current_stream().ptr
+        try:
+            block = policy.block(size, stream)
+        except MemoryError:
+            raise cupy.cuda.memory.OutOfMemoryError(size, 0, 0) from None
+        memory = cupy.cuda.UnownedMemory(block.ptr, size, block, device_id=policy.device)
+        return cupy.cuda.MemoryPointer(memory, 0)
+
+    return allocate
+
+
+# --- PyTorch -----------------------------------------------------------------------
+
+
+def _extension_path():
+    from . import _allocbox
+
+    return _allocbox.__file__
+
+
+def torch_allocator(policy):
+    """The allocator to pass to `torch.cuda.memory.change_current_allocator` (before
+    PyTorch starts CUDA): `policy` places the tensors of its device. PyTorch's free says
+    the size, checked against the host's ledger; `record_stream` is honoured: a block
+    goes back to the policy once the work of every stream it was used on has finished.
+    PyTorch's memory statistics (`torch.cuda.memory_stats`) are not kept by a pluggable
+    allocator: `policy.stats()` has them."""
+    import torch
+
+    _torch_use(policy)
+    path = _extension_path()
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(path, "allocbox_torch_malloc", "allocbox_torch_free")
+    record_stream = ctypes.cast(ctypes.CDLL(path).allocbox_torch_record_stream, ctypes.c_void_p).value
+    allocator.allocator().set_record_stream_fn(record_stream)
+    return allocator
+
+
+def torch_blocks():
+    """The blocks PyTorch holds from allocbox now: `[(address, [streams])]`."""
+    return _torch_blocks()
+
+
+# --- Numba -------------------------------------------------------------------------
+
+_numba_policy = None
+
+
+def _manager_class():
+    from numba import cuda
+    from numba.cuda.cudadrv.driver import AutoFreePointer
+
+    class MemoryManager(cuda.GetIpcHandleMixin, cuda.HostOnlyCUDAMemoryManager):
+        """Numba's External Memory Management plugin: device arrays are placed by the
+        policy given to `use_with_numba`; host allocations and pinning stay Numba's."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.policy = _numba_policy
+
+        def initialize(self):
+            super().initialize()
+
+        def memalloc(self, size):
+            import weakref
+
+            if self.policy is None:
+                raise RuntimeError(
+                    "allocbox's Numba memory manager has no policy: call allocbox.cuda.use_with_numba(policy) first"
+                )
+            # Numba does not say the stream: the default one, which waits for every
+            # blocking stream's work (Numba's streams are blocking).
+            block = self.policy.block(size, 0)
+            return AutoFreePointer(weakref.proxy(self.context), ctypes.c_void_p(block.ptr), size, finalizer=block.free)
+
+        def get_memory_info(self):
+            free, total = self.policy.device_memory()
+            stats = self.policy.stats()
+            cached = stats.get("mapped_bytes", 0) - stats["live_bytes"]
+            return cuda.MemoryInfo(free=free + max(cached, 0), total=total)
+
+        def reset(self):
+            super().reset()
+            self.policy.synchronize()
+            self.policy.trim()
+
+        @contextlib.contextmanager
+        def defer_cleanup(self):
+            self.policy.defer_begin()
+            try:
+                with super().defer_cleanup():
+                    yield
+            finally:
+                self.policy.defer_end()
+
+        @property
+        def interface_version(self):
+            return 1
+
+    return MemoryManager
+
+
+def use_with_numba(policy):
+    """Make `policy` place Numba's device arrays (`cuda.device_array`, `to_device`, ...)
+    through Numba's External Memory Management plugin interface. Call it before Numba
+    creates its CUDA context (before the first device array or kernel)."""
+    global _numba_policy
+    from numba import cuda
+
+    _numba_policy = policy
+    cuda.set_memory_manager(_manager_class())
+
+
+def __getattr__(name):
+    # `NUMBA_CUDA_MEMORY_MANAGER=allocbox.cuda` asks this module for its plugin: the
+    # shipped `gpu-pool` on device 0 unless `use_with_numba` chose a policy.
+    if name == "_numba_memory_manager":
+        global _numba_policy
+        if _numba_policy is None:
+            _numba_policy = load()
+        return _manager_class()
+    if name == "MemoryManager":
+        return _manager_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

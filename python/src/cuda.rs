@@ -1,0 +1,402 @@
+//! `allocbox.cuda`'s half in Rust: device handlers for GPU programs (`DevicePolicy`),
+//! the owner object CuPy's and Numba's pointers keep alive (`DeviceBlock`), a stand-in
+//! GPU for machines without one (`StandInGpu`), and the C functions PyTorch's
+//! `CUDAPluggableAllocator` calls (`allocbox_torch_malloc`, `allocbox_torch_free`,
+//! `allocbox_torch_record_stream`).
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+
+use allocbox::gpu::{Gpu, StandIn, Stream};
+use allocbox::{DeviceHandler, Error};
+use std::sync::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::errors::{LoadError, to_py};
+use crate::loading::{Bounds, chain_builder};
+
+/// A GPU made of host memory (see `allocbox::gpu::StandIn`): its streams finish only
+/// when told to, so that stream-ordered frees can be watched.
+#[pyclass(frozen, module = "allocbox")]
+pub(crate) struct StandInGpu {
+    stand_in: Arc<StandIn>,
+    gpu: Gpu,
+}
+
+impl StandInGpu {
+    pub(crate) fn gpu(&self) -> Gpu {
+        self.gpu.clone()
+    }
+}
+
+#[pymethods]
+impl StandInGpu {
+    #[new]
+    #[pyo3(signature = (devices = 1, memory = 1 << 30))]
+    fn new(devices: u32, memory: u64) -> Self {
+        let stand_in = Arc::new(StandIn::new(devices, memory));
+        StandInGpu {
+            gpu: Gpu::stand_in(stand_in.clone()),
+            stand_in,
+        }
+    }
+
+    /// Work is queued on `stream`: frees on it wait until `finish`.
+    #[pyo3(signature = (stream, device = 0))]
+    fn queue(&self, stream: Stream, device: u32) {
+        self.stand_in.queue(device, stream);
+    }
+
+    /// Every piece of work queued on `stream` has finished.
+    #[pyo3(signature = (stream, device = 0))]
+    fn finish(&self, stream: Stream, device: u32) {
+        self.stand_in.finish(device, stream);
+    }
+
+    /// Bytes of device memory the driver has lent now.
+    #[pyo3(signature = (device = 0))]
+    fn allocated(&self, device: u32) -> u64 {
+        self.stand_in.allocated(device)
+    }
+
+    /// Host bytes registered (pinned) now.
+    fn registered(&self) -> u64 {
+        self.stand_in.registered()
+    }
+}
+
+/// A chain of policies serving one GPU's memory to a GPU program: blocks are device
+/// addresses, freed with the streams that may still use them.
+#[pyclass(frozen, module = "allocbox")]
+pub(crate) struct DevicePolicy {
+    pub(crate) handler: Arc<DeviceHandler>,
+}
+
+#[pymethods]
+impl DevicePolicy {
+    /// The chain's name, top first, joined by `>`.
+    #[getter]
+    fn name(&self) -> String {
+        self.handler.name().to_string()
+    }
+
+    /// The GPU it serves.
+    #[getter]
+    fn device(&self) -> u32 {
+        self.handler.device()
+    }
+
+    /// `size` bytes of device memory: the address, or `MemoryError` when the policy has
+    /// none (after every waiting free was waited for).
+    fn malloc(&self, py: Python<'_>, size: u64) -> PyResult<u64> {
+        let handler = self.handler.clone();
+        match py.detach(move || handler.malloc(size)) {
+            Ok(Some(addr)) => Ok(addr),
+            Ok(None) => Err(pyo3::exceptions::PyMemoryError::new_err(format!(
+                "policy `{}` has no {size} bytes of memory of GPU {} left",
+                self.handler.name(),
+                self.handler.device()
+            ))),
+            Err(e) => Err(to_py(&e)),
+        }
+    }
+
+    /// Free the block at `ptr` (`size` as allocated, or None), once the work queued so
+    /// far on each of `streams` has finished (at once with none).
+    #[pyo3(signature = (ptr, size = None, streams = Vec::new()))]
+    fn free(&self, py: Python<'_>, ptr: u64, size: Option<u64>, streams: Vec<Stream>) -> PyResult<()> {
+        let handler = self.handler.clone();
+        py.detach(move || handler.free(ptr, size, &streams))
+            .map_err(|e| to_py(&e))
+    }
+
+    /// A `DeviceBlock` of `size` bytes that frees itself on `stream` when dropped (or
+    /// `free()`d): an owner for CuPy's `UnownedMemory` or a Numba finalizer.
+    #[pyo3(signature = (size, stream = 0))]
+    fn block(&self, py: Python<'_>, size: u64, stream: Stream) -> PyResult<DeviceBlock> {
+        let ptr = self.malloc(py, size)?;
+        Ok(DeviceBlock {
+            ptr,
+            size,
+            stream,
+            handler: Mutex::new(Some(self.handler.clone())),
+        })
+    }
+
+    /// Wait for every waiting free's streams and give each back to the policy.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let handler = self.handler.clone();
+        py.detach(move || handler.synchronize()).map_err(|e| to_py(&e))
+    }
+
+    /// Give back finished frees, then ask each policy to give back what it caches.
+    fn trim(&self, py: Python<'_>) -> PyResult<()> {
+        let handler = self.handler.clone();
+        py.detach(move || handler.trim()).map_err(|e| to_py(&e))
+    }
+
+    /// Start keeping frees from the policy (Numba's `defer_cleanup`); `defer_end` ends it.
+    fn defer_begin(&self) {
+        self.handler.defer_begin();
+    }
+
+    /// End one `defer_begin`.
+    fn defer_end(&self) {
+        self.handler.defer_end();
+    }
+
+    /// `(free, total)` bytes of the GPU, as its driver says.
+    fn device_memory(&self) -> PyResult<(u64, u64)> {
+        self.handler
+            .device_memory()
+            .map_err(|e| LoadError::new_err(e.to_string()))
+    }
+
+    /// Why the chain was stopped, if it was.
+    #[getter]
+    fn failure(&self) -> Option<String> {
+        self.handler.failure().map(|e| e.to_string())
+    }
+
+    /// The client's counters, as `Policy.stats()`, with `pending_frees` and
+    /// `pending_bytes`: frees waiting for their streams; and `counters`, the top
+    /// policy's own.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.handler.stats().map_err(|e| to_py(&e))?;
+        let links = self.handler.link_stats().map_err(|e| to_py(&e))?;
+        let pending = self.handler.pending_frees();
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("mallocs", s.mallocs),
+            ("frees", s.frees),
+            ("failed", s.failed),
+            ("live_blocks", s.live_blocks),
+            ("live_bytes", s.live_bytes),
+            ("peak_bytes", s.peak_bytes),
+            ("total_bytes", s.total_bytes),
+            ("size_corrections", s.size_corrections),
+            ("magazine_hits", s.magazine_hits),
+            ("cached_blocks", s.cached_blocks),
+            ("pending_frees", pending.blocks),
+            ("pending_bytes", pending.bytes),
+        ] {
+            d.set_item(k, v)?;
+        }
+        let counters = PyDict::new(py);
+        if let Some(top) = links.into_iter().next() {
+            for (name, value) in top.counters {
+                counters.set_item(name, value)?;
+            }
+            d.set_item("mapped_bytes", top.mapped_bytes)?;
+        }
+        d.set_item("counters", counters)?;
+        Ok(d)
+    }
+
+    /// After every block was freed: an error naming what a policy still holds.
+    fn leak_check(&self, py: Python<'_>) -> PyResult<()> {
+        let handler = self.handler.clone();
+        py.detach(move || handler.leak_check()).map_err(|e| to_py(&e))
+    }
+}
+
+/// A block of device memory that gives itself back, on the stream it was made for, when
+/// `free()`d or dropped: what CuPy's `UnownedMemory` and Numba's finalizers hold.
+#[pyclass(frozen, module = "allocbox")]
+pub(crate) struct DeviceBlock {
+    #[pyo3(get)]
+    ptr: u64,
+    #[pyo3(get)]
+    size: u64,
+    #[pyo3(get)]
+    stream: Stream,
+    handler: Mutex<Option<Arc<DeviceHandler>>>,
+}
+
+impl DeviceBlock {
+    fn give_back(&self) -> Result<(), Error> {
+        let maker = self.handler.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match maker {
+            Some(handler) => handler.free(self.ptr, Some(self.size), &[self.stream]),
+            None => Ok(()),
+        }
+    }
+}
+
+#[pymethods]
+impl DeviceBlock {
+    /// Give the block back (once the work queued on its stream has finished); again does
+    /// nothing.
+    fn free(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.give_back()).map_err(|e| to_py(&e))
+    }
+}
+
+impl Drop for DeviceBlock {
+    fn drop(&mut self) {
+        // A failure here stops the policy, which says so in its `failure` and stats;
+        // a destructor has no one to raise it to.
+        let _ = self.give_back();
+    }
+}
+
+/// Load a chain (as `load_chain`) as a device handler of GPU `device`. Its policies
+/// get the `device` grant besides any in `grant`.
+#[pyfunction]
+#[pyo3(signature = (*chain, device = 0, call_time = None, memory = None, batch = None, overhead = None, compile_bounds = None, grant = None, names = None, gpu = None))]
+#[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
+pub(crate) fn load_device_chain(
+    chain: Vec<Bound<'_, PyAny>>,
+    device: u32,
+    call_time: Option<f64>,
+    memory: Option<u64>,
+    batch: Option<u32>,
+    overhead: Option<u64>,
+    compile_bounds: Option<Bound<'_, PyDict>>,
+    grant: Option<Vec<String>>,
+    names: Option<Vec<Option<String>>>,
+    gpu: Option<PyRef<'_, StandInGpu>>,
+) -> PyResult<DevicePolicy> {
+    let mut grant = grant.unwrap_or_default();
+    grant.push("device".into());
+    let bounds = Bounds {
+        call_time,
+        memory,
+        batch,
+        overhead,
+        host_memory_limit: None,
+        compile_bounds,
+        grant: Some(grant),
+        gpu: gpu.map(|g| g.gpu()),
+    };
+    let handler = chain_builder(chain, bounds, names)?
+        .build_device(device)
+        .map_err(|e| LoadError::new_err(e.to_string()))?;
+    Ok(DevicePolicy {
+        handler: Arc::new(handler),
+    })
+}
+
+/// PyTorch's allocator: the policy of each device, and every block it lent with the
+/// streams that may use it (the one it was made for, and those `record_stream` added).
+#[derive(Default)]
+struct Torch {
+    policies: HashMap<c_int, Arc<DeviceHandler>>,
+    blocks: HashMap<u64, (Arc<DeviceHandler>, Vec<Stream>)>,
+}
+
+/// Read and changed only under its lock: PyTorch calls its allocator from any thread,
+/// with or without the GIL.
+static TORCH: Mutex<Option<Torch>> = Mutex::new(None);
+
+fn torch() -> std::sync::MutexGuard<'static, Option<Torch>> {
+    TORCH.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Make `policy` the one PyTorch's allocator places tensors of its device with.
+#[pyfunction]
+pub(crate) fn torch_use(policy: PyRef<'_, DevicePolicy>) {
+    let device = c_int::try_from(policy.handler.device()).unwrap_or(c_int::MAX);
+    torch()
+        .get_or_insert_with(Torch::default)
+        .policies
+        .insert(device, policy.handler.clone());
+}
+
+/// Blocks PyTorch holds now, `(address, streams)`, for tests.
+#[pyfunction]
+pub(crate) fn torch_blocks(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
+    let mut blocks: Vec<(u64, Vec<Stream>)> = torch()
+        .as_ref()
+        .map(|t| {
+            t.blocks
+                .iter()
+                .map(|(&addr, (_, streams))| (addr, streams.clone()))
+                .collect()
+        })
+        .unwrap_or_default();
+    blocks.sort();
+    PyList::new(py, blocks)
+}
+
+/// `CUDAPluggableAllocator`'s alloc: `size` bytes on `device` for work on `stream`.
+/// Null when out of memory or when no policy serves the device: PyTorch's pluggable
+/// path takes no error.
+///
+/// # Safety
+///
+/// Called by PyTorch with its own arguments; nothing is dereferenced.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn allocbox_torch_malloc(
+    size: usize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    let Some(handler) = torch()
+        .as_ref()
+        .and_then(|t| t.policies.get(&device).cloned())
+    else {
+        return std::ptr::null_mut();
+    };
+    if size == 0 {
+        // PyTorch never frees a null block: nothing to lend.
+        return std::ptr::null_mut();
+    }
+    // The policy runs without PyTorch's lock of ours held: a free from another thread
+    // meanwhile only waits for the map.
+    match handler.malloc(size as u64) {
+        Ok(Some(addr)) => {
+            torch()
+                .get_or_insert_with(Torch::default)
+                .blocks
+                .insert(addr, (handler, vec![stream as Stream]));
+            addr as *mut c_void
+        }
+        // The failure, if any, is the policy's: its stats and `failure` say it.
+        Ok(None) | Err(_) => std::ptr::null_mut(),
+    }
+}
+
+/// `CUDAPluggableAllocator`'s free: PyTorch says the size and the stream the block was
+/// made for; it goes back to its maker once that stream's work, and the work of every
+/// stream `record_stream` named, has finished. The size is checked against the ledger.
+///
+/// # Safety
+///
+/// Called by PyTorch with its own arguments; nothing is dereferenced.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn allocbox_torch_free(
+    ptr: *mut c_void,
+    size: usize,
+    _device: c_int,
+    stream: *mut c_void,
+) {
+    let Some((handler, mut streams)) = torch()
+        .as_mut()
+        .and_then(|t| t.blocks.remove(&(ptr as u64)))
+    else {
+        return;
+    };
+    if !streams.contains(&(stream as Stream)) {
+        streams.push(stream as Stream);
+    }
+    // A client error (a wrong size is corrected, not an error) is the policy's record.
+    let _ = handler.free(ptr as u64, Some(size as u64), &streams);
+}
+
+/// `record_stream`: the block at `ptr` is used on `stream` too; its free waits for it.
+///
+/// # Safety
+///
+/// Called by PyTorch with its own arguments; nothing is dereferenced.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn allocbox_torch_record_stream(ptr: *mut c_void, stream: *mut c_void) {
+    if let Some(torch) = torch().as_mut()
+        && let Some((_, streams)) = torch.blocks.get_mut(&(ptr as u64))
+        && !streams.contains(&(stream as Stream))
+    {
+        streams.push(stream as Stream);
+    }
+}

@@ -1,0 +1,210 @@
+"""allocbox.cuda on the stand-in GPU (host memory the host treats as a GPU's, whose
+streams finish when told to): device policies, stream-ordered frees, and the three
+clients' shims — PyTorch's C entry points through ctypes, CuPy's allocator against a
+stand-in `cupy` module, Numba's EMM plugin against a stand-in context."""
+
+import ctypes
+import gc
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import allocbox
+import allocbox.cuda
+from allocbox.cuda import StandInGpu
+
+
+@pytest.fixture
+def gpu():
+    return StandInGpu()
+
+
+@pytest.fixture
+def pool(gpu):
+    return allocbox.cuda.load("gpu-pool", gpu=gpu)
+
+
+def test_a_device_policy_places_blocks_in_its_gpus_memory_and_gives_them_back(gpu, pool):
+    blocks = [(pool.malloc(size), size) for size in (1, 1000, 1 << 20, 9 << 20)]
+    assert all(ptr % 256 == 0 for ptr, _ in blocks)
+    assert gpu.allocated() >= (64 << 20) + (9 << 20)
+    assert pool.name == "gpu-pool" and pool.device == 0
+    for ptr, size in blocks:
+        pool.free(ptr, size)
+    pool.trim()
+    pool.leak_check()
+    stats = pool.stats()
+    assert (stats["mallocs"], stats["frees"], stats["live_blocks"]) == (4, 4, 0)
+    del pool
+    gc.collect()
+    assert gpu.allocated() == 0
+
+
+def test_a_block_freed_on_a_busy_stream_goes_back_only_once_the_stream_finishes(gpu, pool):
+    ptr = pool.malloc(1 << 20)
+    gpu.queue(stream=5)
+    pool.free(ptr, 1 << 20, streams=[5])
+    assert pool.stats()["pending_frees"] == 1
+    other = pool.malloc(1 << 20)
+    assert other != ptr
+    assert pool.stats()["pending_frees"] == 1
+    gpu.finish(stream=5)
+    pool.free(other, 1 << 20)
+    assert pool.stats()["pending_frees"] == 0
+    pool.leak_check()
+
+
+def test_a_second_free_and_a_free_of_an_unknown_block_are_client_errors(gpu, pool):
+    ptr = pool.malloc(100)
+    gpu.queue(stream=1)
+    pool.free(ptr, 100, streams=[1])
+    with pytest.raises(allocbox.ClientError, match="double free"):
+        pool.free(ptr, 100, streams=[1])
+    with pytest.raises(allocbox.ClientError, match="never lent"):
+        pool.free(ptr + (1 << 24), 100)
+    gpu.finish(stream=1)
+
+
+def test_device_memory_without_a_gpu_driver_is_refused_with_the_reason():
+    # On a machine without a driver (CI), the policy is refused `unavailable` and the
+    # request is a MemoryError naming the policy; with one, it is served.
+    pool = allocbox.cuda.load("gpu-pool")
+    try:
+        ptr = pool.malloc(1000)
+    except MemoryError as e:
+        assert "gpu-pool" in str(e) and "GPU 0" in str(e)
+        assert pool.stats()["counters"]["refused"] >= 1
+    else:
+        pool.free(ptr, 1000)
+
+
+def test_a_device_policy_is_never_numpys_handler(pool):
+    with pytest.raises(TypeError):
+        allocbox.set_handler(pool)
+
+
+def test_pinned_numpy_arrays_come_from_registered_host_memory(gpu):
+    policy = allocbox.load("gpu-pool", {"memory": "pinned"}, grant=["pinned"], gpu=gpu)
+    with allocbox.use(policy):
+        a = np.arange(1 << 20, dtype=np.float64)
+        z = np.zeros(1000)
+    assert allocbox.handler_name(a) == "gpu-pool"
+    assert gpu.registered() >= 64 << 20
+    assert a[-1] == (1 << 20) - 1 and not z.any()
+    counters = policy.stats()["counters"]
+    assert counters["regions"] >= 1 and counters["refused"] == 0
+
+
+# --- PyTorch's entry points, called as PyTorch calls them ----------------------------
+
+
+def test_pytorchs_entry_points_place_free_and_wait_for_recorded_streams(gpu, pool):
+    lib = ctypes.CDLL(allocbox._allocbox.__file__)
+    malloc = lib.allocbox_torch_malloc
+    malloc.restype = ctypes.c_void_p
+    malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    free = lib.allocbox_torch_free
+    free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    record = lib.allocbox_torch_record_stream
+    record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+
+    # No policy for device 3: null, as PyTorch's pluggable path expects for a failure.
+    assert malloc(1000, 3, None) is None
+    allocbox.cuda._torch_use(pool)
+    ptr = malloc(1 << 20, 0, 7)
+    assert ptr and ptr % 256 == 0
+    assert allocbox.cuda.torch_blocks() == [(ptr, [7])]
+    record(ptr, 9)
+    assert allocbox.cuda.torch_blocks() == [(ptr, [7, 9])]
+    gpu.queue(stream=9)
+    # PyTorch says a wrong size: corrected from the ledger and counted, never passed on.
+    free(ptr, 12, 0, 7)
+    assert allocbox.cuda.torch_blocks() == []
+    stats = pool.stats()
+    assert stats["pending_frees"] == 1
+    gpu.finish(stream=9)
+    pool.trim()
+    stats = pool.stats()
+    assert (stats["pending_frees"], stats["live_blocks"], stats["size_corrections"]) == (0, 0, 1)
+    # A pointer PyTorch never got from here is ignored, not freed.
+    free(12345, 10, 0, None)
+    assert malloc(0, 0, None) is None
+
+
+# --- CuPy's allocator, against a stand-in `cupy` --------------------------------------
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    cupy = types.ModuleType("cupy")
+    cuda = types.SimpleNamespace()
+
+    class UnownedMemory:
+        def __init__(self, ptr, size, owner, device_id=-1):
+            self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+    class MemoryPointer:
+        def __init__(self, mem, offset):
+            self.mem, self.ptr = mem, mem.ptr + offset
+
+    class OutOfMemoryError(MemoryError):
+        pass
+
+    current = types.SimpleNamespace(ptr=4)
+    cuda.UnownedMemory = UnownedMemory
+    cuda.MemoryPointer = MemoryPointer
+    cuda.get_current_stream = lambda: current
+    cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
+    cupy.cuda = cuda
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    return cupy
+
+
+def test_cupys_arrays_free_on_the_stream_they_were_made_on_when_cupy_lets_go(gpu, pool, fake_cupy):
+    allocate = allocbox.cuda.cupy_allocator(pool)
+    pointer = allocate(4096)
+    assert pointer.ptr % 256 == 0 and pointer.mem.device_id == 0
+    assert allocate(0).ptr == 0
+    gpu.queue(stream=4)
+    del pointer
+    gc.collect()
+    assert pool.stats()["pending_frees"] == 1
+    gpu.finish(stream=4)
+    pool.trim()
+    assert pool.stats()["live_blocks"] == 0
+    small = allocbox.cuda.load("gpu-pool", gpu=StandInGpu(memory=1 << 20))
+    with pytest.raises(fake_cupy.cuda.memory.OutOfMemoryError):
+        allocbox.cuda.cupy_allocator(small)(1 << 30)
+
+
+# --- Numba's EMM plugin, against a stand-in context -----------------------------------
+
+
+def test_numbas_memory_manager_places_device_arrays_and_reports_memory(gpu, pool):
+    from numba import cuda
+
+    class Context:
+        pass
+
+    allocbox.cuda._numba_policy = pool
+    try:
+        manager_class = allocbox.cuda._manager_class()
+        assert manager_class(context=None).interface_version == 1
+        context = Context()
+        manager = manager_class(context=context)
+        manager.initialize()
+        pointer = manager.memalloc(1 << 20)
+        assert pointer.device_pointer_value % 256 == 0
+        assert pool.stats()["live_blocks"] == 1
+        info = manager.get_memory_info()
+        assert isinstance(info, cuda.MemoryInfo) and info.total == 1 << 30
+        with manager.defer_cleanup():
+            pointer.free()
+            assert pool.stats()["pending_frees"] == 1
+        manager.reset()
+        stats = pool.stats()
+        assert (stats["pending_frees"], stats["live_blocks"]) == (0, 0)
+    finally:
+        allocbox.cuda._numba_policy = None
