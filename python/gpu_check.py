@@ -265,7 +265,7 @@ def torch_training():
     runs = {}
     for which in ("default", "allocbox"):
         done = subprocess.run(
-            [sys.executable, "-c", TORCH_TRAINING, which], capture_output=True, text=True, timeout=240
+            [sys.executable, "-c", TORCH_TRAINING, which], capture_output=True, text=True, timeout=150
         )
         if done.returncode != 0:
             raise RuntimeError(f"{which} run exited {done.returncode}:\n{done.stderr[-3000:]}")
@@ -320,13 +320,18 @@ def unittest_outcomes(modules, env):
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=180,
     )
     outcomes = {}
+    current = None
     for line in done.stderr.splitlines():
-        m = re.match(r"^(\w+) \(([\w.]+)\)\s*(?:\.\.\.)?.*?\.\.\. (ok|FAIL|ERROR|skipped.*|expected failure|unexpected success)$", line)
-        if m:
-            outcomes[f"{m.group(2)}.{m.group(1)}"] = m.group(3).split(" ")[0]
+        header = re.match(r"^(\w+) \(([\w.]+)\)", line)
+        if header:
+            current = header.group(2)
+        outcome = re.search(r"\.\.\. (ok|FAIL|ERROR|skipped.*|expected failure|unexpected success)$", line)
+        if outcome and current:
+            outcomes[current] = outcome.group(1).split(" ")[0]
+            current = None
     tail = [l for l in done.stderr.splitlines() if l.startswith(("Ran ", "OK", "FAILED"))]
     return outcomes, tail, done.stderr
 
@@ -334,7 +339,7 @@ def unittest_outcomes(modules, env):
 @part("Numba: a kernel and Numba's own allocating tests under the EMM plugin")
 def numba_under_plugin(quick):
     env = env_with_shim()
-    done = subprocess.run([sys.executable, "-c", NUMBA_KERNEL], capture_output=True, text=True, env=env, timeout=240)
+    done = subprocess.run([sys.executable, "-c", NUMBA_KERNEL], capture_output=True, text=True, env=env, timeout=150)
     if done.returncode != 0:
         raise RuntimeError(f"kernel run exited {done.returncode}:\n{done.stderr[-3000:]}")
     for line in done.stdout.strip().splitlines():

@@ -327,3 +327,23 @@ fn many_random_gpu_frees_on_several_streams_all_reach_their_policy_and_nothing_l
     pool.leak_check().unwrap();
     assert!(pool.failure().is_none());
 }
+
+#[test]
+fn check_grant_device_checks_a_device_policy_on_the_stand_in_gpu() {
+    let dir = tempdir("gpu-check");
+    let pool = allocbox_artifacts::GPU_POOL.path();
+    let args = ["check", pool, "--cases", "24", "--grant", "device", "-c", "region-size=4194304"];
+    let (code, out) = allocbox_cli(&args, &dir);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("regions-mapped"), "{out}");
+    assert!(!out.contains("regions-mapped 0,"), "{out}");
+    // A policy that reads the device memory it lends from is named for it.
+    let probe = allocbox_artifacts::KINDS_PROBE.path();
+    let args = [
+        "check", probe, "--cases", "8", "--grant", "device", "-c", "kind=device", "-c",
+        "abuse=read-region",
+    ];
+    let (code, out) = allocbox_cli(&args, &dir);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("device-bytes"), "{out}");
+}
