@@ -98,8 +98,16 @@ def pinned_copies():
     with allocbox.use(pinned_policy):
         pinned = np.ones(size, dtype=np.uint8)
     say(f"a 256 MiB pinned array made and filled in {1e3 * (time.perf_counter() - t):.1f} ms")
-    say(f"torch sees it pinned: {torch.from_numpy(pinned).is_pinned()}; the ordinary one: {torch.from_numpy(pageable).is_pinned()}")
-    assert torch.from_numpy(pinned).is_pinned()
+    say(f"gpu-pool (pinned) counters: {pinned_policy.stats()['counters']}")
+    import cupy
+
+    kinds = {0: "unregistered", 1: "host (pinned)", 2: "device", 3: "managed"}
+    for label, a in (("pinned", pinned), ("ordinary", pageable)):
+        kind = cupy.cuda.runtime.pointerGetAttributes(a.ctypes.data).type
+        say(f"the driver calls the {label} array's memory {kinds.get(kind, kind)}")
+    assert cupy.cuda.runtime.pointerGetAttributes(pinned.ctypes.data).type == 1
+    torch.cuda.init()
+    say(f"torch.from_numpy(...).is_pinned(): pinned {torch.from_numpy(pinned).is_pinned()}, ordinary {torch.from_numpy(pageable).is_pinned()}")
 
     def torch_copy(a):
         def go():
@@ -114,8 +122,6 @@ def pinned_copies():
         seconds = best_of(5, torch_copy(a))
         rates[label] = size / seconds / 1e9
         say(f"torch  {label:8s} {rates[label]:6.1f} GB/s (median of 5)")
-    import cupy
-
     for label, a in (("pageable", pageable), ("pinned", pinned)):
 
         def go(a=a):
@@ -125,8 +131,6 @@ def pinned_copies():
         go()
         say(f"cupy   {label:8s} {size / best_of(5, go) / 1e9:6.1f} GB/s (median of 5)")
     say(f"pinned/pageable with torch: {rates['pinned'] / rates['pageable']:.2f}x")
-    stats = pinned_policy.stats()
-    say(f"gpu-pool (pinned) counters: {stats['counters']}")
     del pinned
     assert rates["pinned"] > 1.5 * rates["pageable"], "pinned memory copied no faster"
 
@@ -176,50 +180,58 @@ def cupy_under_policy():
     pool = allocbox.cuda.load("gpu-pool")
     cupy.cuda.set_allocator(allocbox.cuda.cupy_allocator(pool))
     try:
-        rng = np.random.default_rng(1)
-        a = rng.standard_normal((512, 512)).astype(np.float32)
-        b = rng.standard_normal((512, 512)).astype(np.float32)
-        da, db = cupy.asarray(a), cupy.asarray(b)
-        checks = {
-            "add": (da + db, a + b),
-            "matmul": (da @ db, a @ b),
-            "sum": (da.sum(axis=0), a.sum(axis=0)),
-            "sort": (cupy.sort(da, axis=1), np.sort(a, axis=1)),
-            "fft": (cupy.fft.fft(da[0]), np.fft.fft(a[0])),
-            "zeros": (cupy.zeros(1000), np.zeros(1000)),
-            "empty0": (cupy.empty(0), np.empty(0)),
-            "arange": (cupy.arange(10**6) % 7, np.arange(10**6) % 7),
-        }
-        for name, (got, want) in checks.items():
-            np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=2e-3, atol=2e-3, err_msg=name)
-        say(f"{len(checks)} operations agree with NumPy")
-        # Two streams: a block freed on s1 while a kernel there reads it must not be
-        # handed to s2 before that kernel ends.
-        s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
-        total = 0.0
-        for i in range(50):
-            with s1:
-                x = cupy.full(1 << 20, float(i), dtype=cupy.float32)
-                y = (x * 2).sum()
-                del x
-            with s2:
-                z = cupy.full(1 << 20, 1.0, dtype=cupy.float32)
-                w = z.sum()
-            s1.synchronize()
-            s2.synchronize()
-            total += float(y) + float(w)
-        want = sum(2.0 * i * (1 << 20) + (1 << 20) for i in range(50))
-        assert abs(total - want) / want < 1e-6, (total, want)
-        stats = pool.stats()
-        say(f"two streams: 50 rounds agree; mallocs {stats['mallocs']}, pending frees {stats['pending_frees']}")
+        cupy_work(cupy)
     finally:
         cupy.cuda.set_allocator(cupy.cuda.MemoryPool().malloc)
     import gc
 
+    # cuFFT's plans keep their work areas, from the allocator that was current.
+    cupy.fft.config.get_plan_cache().clear()
     gc.collect()
+    cupy.cuda.Device().synchronize()
     pool.synchronize()
-    assert pool.stats()["live_blocks"] == 0, pool.stats()
+    stats = pool.stats()
+    say(f"after: mallocs {stats['mallocs']}, frees {stats['frees']}, live {stats['live_blocks']}, pending {stats['pending_frees']}")
+    assert stats["live_blocks"] == 0, stats
     pool.leak_check()
+
+
+def cupy_work(cupy):
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((512, 512)).astype(np.float32)
+    b = rng.standard_normal((512, 512)).astype(np.float32)
+    da, db = cupy.asarray(a), cupy.asarray(b)
+    checks = {
+        "add": (da + db, a + b),
+        "matmul": (da @ db, a @ b),
+        "sum": (da.sum(axis=0), a.sum(axis=0)),
+        "sort": (cupy.sort(da, axis=1), np.sort(a, axis=1)),
+        "fft": (cupy.fft.fft(da[0]), np.fft.fft(a[0])),
+        "zeros": (cupy.zeros(1000), np.zeros(1000)),
+        "empty0": (cupy.empty(0), np.empty(0)),
+        "arange": (cupy.arange(10**6) % 7, np.arange(10**6) % 7),
+    }
+    for name, (got, want) in checks.items():
+        np.testing.assert_allclose(cupy.asnumpy(got), want, rtol=2e-3, atol=2e-3, err_msg=name)
+    say(f"{len(checks)} operations agree with NumPy")
+    # Two streams: a block freed on s1 while a kernel there reads it must not be
+    # handed to s2 before that kernel ends.
+    s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    total = 0.0
+    for i in range(50):
+        with s1:
+            x = cupy.full(1 << 20, float(i), dtype=cupy.float32)
+            y = (x * 2).sum()
+            del x
+        with s2:
+            z = cupy.full(1 << 20, 1.0, dtype=cupy.float32)
+            w = z.sum()
+        s1.synchronize()
+        s2.synchronize()
+        total += float(y) + float(w)
+    want = sum(2.0 * i * (1 << 20) + (1 << 20) for i in range(50))
+    assert abs(total - want) / want < 1e-6, (total, want)
+    say("two streams: 50 rounds agree")
 
 
 TORCH_TRAINING = textwrap.dedent(

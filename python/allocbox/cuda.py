@@ -58,6 +58,21 @@ def _memory_error(policy, size):
 # --- CuPy --------------------------------------------------------------------------
 
 
+class _StreamHeld:
+    """What CuPy's `UnownedMemory` owns: the block, and the stream it was made for, kept
+    alive until the block is freed (an event is recorded on the stream then, and a
+    destroyed stream cannot take one)."""
+
+    __slots__ = ("block", "stream")
+
+    def __init__(self, block, stream):
+        self.block = block
+        self.stream = stream
+
+    def __del__(self):
+        self.block.free()
+
+
 def cupy_allocator(policy):
     """A function for `cupy.cuda.set_allocator`: each array's memory comes from `policy`
     and goes back to it, once the work queued on the stream that was current when it
@@ -67,12 +82,13 @@ def cupy_allocator(policy):
     def allocate(size):
         if size == 0:
             return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(0, 0, None, device_id=policy.device), 0)
-        stream = cupy.cuda.get_current_stream().ptr
+        stream = cupy.cuda.get_current_stream()
         try:
-            block = policy.block(size, stream)
+            block = policy.block(size, stream.ptr)
         except MemoryError:
             raise cupy.cuda.memory.OutOfMemoryError(size, 0, 0) from None
-        memory = cupy.cuda.UnownedMemory(block.ptr, size, block, device_id=policy.device)
+        owner = _StreamHeld(block, stream)
+        memory = cupy.cuda.UnownedMemory(block.ptr, size, owner, device_id=policy.device)
         return cupy.cuda.MemoryPointer(memory, 0)
 
     return allocate

@@ -1,8 +1,10 @@
 //! `gpu-pool`: the pool RAPIDS' RMM gives GPU programs, in a sandbox. Blocks of up to
 //! 4 MiB come from size classes (powers of two from 256 bytes) carved out of large
 //! regions (`region-size`, default 64 MiB) and kept on a free list per class when
-//! freed; larger blocks are regions of their own. `trim` gives back every region
-//! nothing is lent from.
+//! freed; larger blocks are regions of their own, kept when freed (up to
+//! `large-cache` bytes, by default half the overhead budget the host allows) for a
+//! later block of at least half their size. `trim` gives back every region nothing is
+//! lent from.
 //!
 //! `memory=device` (the default) places a device handler's blocks in memory of its GPU
 //! (the `device` grant): PyTorch's tensors, CuPy's arrays, Numba's device arrays. The
@@ -45,6 +47,9 @@ struct State {
     /// and its end.
     carving: Option<(u64, u64, u64)>,
     free: [Vec<u64>; CLASSES],
+    /// Large regions nothing is lent from, kept for reuse: `(start, asked)`.
+    idle_large: Vec<(u64, u64)>,
+    idle_large_bytes: u64,
     counters: Counters,
 }
 
@@ -55,11 +60,13 @@ struct Counters {
     region_bytes: u64,
     peak_region_bytes: u64,
     refused: u64,
+    large_reused: u64,
 }
 
 struct Pool {
     source: Source,
     region_size: u64,
+    large_cache: u64,
     state: RefCell<State>,
 }
 
@@ -110,6 +117,25 @@ impl Pool {
         }
     }
 
+    /// A block of `size` bytes (more than [`LARGEST_CLASS`]): a kept region that holds it
+    /// and is at most twice as large (the smallest such), or a new one.
+    fn large(&self, state: &mut State, size: u64) -> Option<u64> {
+        let fit = state
+            .idle_large
+            .iter()
+            .enumerate()
+            .filter(|(_, &(_, asked))| asked >= size && asked / 2 <= size)
+            .min_by_key(|(_, &(_, asked))| asked)
+            .map(|(at, _)| at);
+        if let Some(at) = fit {
+            let (start, asked) = state.idle_large.swap_remove(at);
+            state.idle_large_bytes -= asked;
+            state.counters.large_reused += 1;
+            return Some(start);
+        }
+        self.map(state, size, true)
+    }
+
     /// The start of the region `addr` lies in.
     fn region_of(state: &State, addr: u64) -> Option<u64> {
         state.regions.range(..=addr).next_back().map(|(&start, _)| start)
@@ -144,6 +170,7 @@ impl Policy for Pool {
             }
         };
         let region_size: u64 = config.get_or("region-size", 64 << 20)?;
+        let large_cache: u64 = config.get_or("large-cache", config.limits().overhead / 2)?;
         if region_size < LARGEST_CLASS {
             return Err(format!(
                 "`region-size` is {region_size}: it must hold the largest class, {LARGEST_CLASS} bytes"
@@ -152,6 +179,7 @@ impl Policy for Pool {
         Ok(Pool {
             source,
             region_size,
+            large_cache,
             state: RefCell::default(),
         })
     }
@@ -163,7 +191,7 @@ impl Policy for Pool {
     fn malloc(&self, size: u64) -> u64 {
         let state = &mut *self.state.borrow_mut();
         let block = if size > LARGEST_CLASS {
-            self.map(state, size, true)
+            self.large(state, size)
         } else {
             let class = class(size);
             state.free[class]
@@ -186,7 +214,13 @@ impl Policy for Pool {
         let region = state.regions.get_mut(&start).expect("found");
         region.live -= 1;
         if region.whole {
-            Pool::unmap(state, start);
+            let asked = region.asked;
+            if state.idle_large_bytes + asked <= self.large_cache {
+                state.idle_large.push((start, asked));
+                state.idle_large_bytes += asked;
+            } else {
+                Pool::unmap(state, start);
+            }
         } else {
             state.free[class(size)].push(ptr);
         }
@@ -194,6 +228,10 @@ impl Policy for Pool {
 
     fn trim(&self) {
         let state = &mut *self.state.borrow_mut();
+        for (start, _) in std::mem::take(&mut state.idle_large) {
+            Pool::unmap(state, start);
+        }
+        state.idle_large_bytes = 0;
         let idle: Vec<u64> = state
             .regions
             .iter()
@@ -222,7 +260,8 @@ impl Policy for Pool {
             ("regions".to_string(), state.regions.len() as u64),
             ("region-bytes".to_string(), c.region_bytes),
             ("peak-region-bytes".to_string(), c.peak_region_bytes),
-            ("cached-bytes".to_string(), cached),
+            ("cached-bytes".to_string(), cached + state.idle_large_bytes),
+            ("large-reused".to_string(), c.large_reused),
             ("regions-mapped".to_string(), c.regions_mapped),
             ("regions-unmapped".to_string(), c.regions_unmapped),
             ("refused".to_string(), c.refused),
