@@ -326,6 +326,42 @@ NUMBA_MODULES = [
 ]
 
 
+FIND_MODULES = textwrap.dedent(
+    """
+    import importlib, sys, traceback
+    for name in sys.argv[1:]:
+        for prefix in ("", "numba_cuda."):
+            try:
+                importlib.import_module(prefix + name)
+            except Exception:
+                last = traceback.format_exc().strip().splitlines()[-1]
+            else:
+                print("found", prefix + name)
+                break
+        else:
+            print("missing", name, last)
+    """
+)
+
+
+def importable(modules, env):
+    """Numba's CUDA test modules by the name they import under (numba-cuda ships them
+    as `numba.cuda.tests...` or `numba_cuda.numba.cuda.tests...`)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FIND_MODULES, *modules], capture_output=True, text=True, env=env, timeout=120
+    )
+    found = []
+    for line in done.stdout.splitlines():
+        if line.startswith("found "):
+            found.append(line.split()[1])
+        else:
+            say(line)
+    if not found:
+        say(done.stderr[-2000:])
+        raise RuntimeError("none of Numba's CUDA test modules imports")
+    return found
+
+
 def unittest_outcomes(modules, env):
     done = subprocess.run(
         [sys.executable, "-m", "unittest", "-v", *modules],
@@ -356,18 +392,18 @@ def numba_under_plugin(quick):
         raise RuntimeError(f"kernel run exited {done.returncode}:\n{done.stderr[-3000:]}")
     for line in done.stdout.strip().splitlines():
         say(line)
-    modules = NUMBA_MODULES[:3] if quick else NUMBA_MODULES
-    plain, plain_tail, _ = unittest_outcomes(modules, env)
+    modules = importable(NUMBA_MODULES[:3] if quick else NUMBA_MODULES, env)
+    plain, plain_tail, plain_err = unittest_outcomes(modules, env)
     env_plugin = dict(env, NUMBA_CUDA_MEMORY_MANAGER="allocbox.cuda")
-    under, under_tail, under_err = unittest_outcomes(modules, env_plugin)
+    under, under_tail, _ = unittest_outcomes(modules, env_plugin)
     say(f"without the plugin: {' '.join(plain_tail)}")
     say(f"with the plugin:    {' '.join(under_tail)}")
     changed = sorted(k for k in set(plain) | set(under) if plain.get(k) != under.get(k))
     for name in changed[:20]:
         say(f"  changed: {name}: {plain.get(name)} -> {under.get(name)}")
-    if not plain:
-        say(under_err[-2000:])
-        raise RuntimeError("no test outcome could be read")
+    if not plain or all(outcome == "ERROR" for outcome in plain.values()):
+        say(plain_err[:3000])
+        raise RuntimeError("Numba's test modules did not run (above: why)")
     say(f"{len(plain)} tests, {len(changed)} outcomes changed")
     assert not changed, "outcomes changed under the plugin"
 

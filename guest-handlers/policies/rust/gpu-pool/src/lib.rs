@@ -124,8 +124,8 @@ impl Pool {
             .idle_large
             .iter()
             .enumerate()
-            .filter(|(_, &(_, asked))| asked >= size && asked / 2 <= size)
-            .min_by_key(|(_, &(_, asked))| asked)
+            .filter(|(_, (_, asked))| *asked >= size && *asked / 2 <= size)
+            .min_by_key(|(_, (_, asked))| *asked)
             .map(|(at, _)| at);
         if let Some(at) = fit {
             let (start, asked) = state.idle_large.swap_remove(at);
