@@ -155,7 +155,18 @@ def _manager_class():
             # Numba does not say the stream: the default one, which waits for every
             # blocking stream's work (Numba's streams are blocking).
             block = self.policy.block(size, 0)
-            return AutoFreePointer(weakref.proxy(self.context), ctypes.c_void_p(block.ptr), size, finalizer=block.free)
+            allocations = self.allocations
+
+            def release(addr=block.ptr):
+                allocations.pop(addr, None)
+                block.free()
+
+            memory = AutoFreePointer(weakref.proxy(self.context), ctypes.c_void_p(block.ptr), size, finalizer=release)
+            # As Numba's own manager does: the manager keeps the pointer and lends an
+            # owned reference, so the block is freed when the array and every view of
+            # it are gone (not when the first view goes), or at `reset`.
+            allocations[block.ptr] = memory
+            return memory.own()
 
         def get_memory_info(self):
             free, total = self.policy.device_memory()

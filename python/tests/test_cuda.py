@@ -198,6 +198,12 @@ def test_numbas_memory_manager_places_device_arrays_and_reports_memory(gpu, pool
         pointer = manager.memalloc(1 << 20)
         assert pointer.device_pointer_value % 256 == 0
         assert pool.stats()["live_blocks"] == 1
+        # A view that dies before its array leaves the array's block alone (Numba's
+        # `copy_to_host` of a broadcast array makes one: freed early, it was reused).
+        view = pointer.view(256)
+        del view
+        gc.collect()
+        assert pool.stats()["live_blocks"] == 1
         info = manager.get_memory_info()
         assert isinstance(info, cuda.MemoryInfo) and info.total == 1 << 30
         with manager.defer_cleanup():
