@@ -107,6 +107,12 @@ impl raw::allocbox::policy::memory::Host for RawHost {
     fn page_size(&mut self, _pages: raw::allocbox::policy::memory::Pages) -> u64 {
         4096
     }
+    fn map_pinned(&mut self, _size: u64) -> Result<u64, raw::allocbox::policy::memory::Refusal> {
+        Err(raw::allocbox::policy::memory::Refusal::NotGranted)
+    }
+    fn map_device(&mut self, _size: u64) -> Result<u64, raw::allocbox::policy::memory::Refusal> {
+        Err(raw::allocbox::policy::memory::Refusal::NotGranted)
+    }
 }
 
 impl raw::allocbox::policy::diagnostics::Host for RawHost {

@@ -24,8 +24,8 @@ use allocbox_ledger::cache::{
     self as cache, Caches, MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, Mine, Reach, Unreachable,
 };
 pub use builder::HandlerBuilder;
-pub use device::{Deferral, DeviceHandler, PendingFrees};
 use chain::{Books, Chain, Via, flush_magazines, refill, settle, shelve};
+pub use device::{Deferral, DeviceHandler, PendingFrees};
 
 /// A NEP 49 data-memory handler whose placement decisions are made by a chain of
 /// sandboxed policies. `Send + Sync`: many threads may call it at once. A malloc served
@@ -74,10 +74,9 @@ impl Handler {
     fn on_host(&self, call: Call) -> Result<(), Error> {
         match self.placement {
             Placement::Host => Ok(()),
-            Placement::Device(device) => Err(Error::Client(ClientError::DeviceBytes {
-                call,
-                device,
-            })),
+            Placement::Device(device) => {
+                Err(Error::Client(ClientError::DeviceBytes { call, device }))
+            }
         }
     }
 

@@ -112,7 +112,11 @@ impl Drop for Region {
             GUARDS.lock().remove(&guard);
             GUARDED.fetch_sub(1, Ordering::Relaxed);
         }
-        if self.gpu.as_ref().is_some_and(|held| !held.release(self.start)) {
+        if self
+            .gpu
+            .as_ref()
+            .is_some_and(|held| !held.release(self.start))
+        {
             // Device memory, given back to the driver: nothing was mapped.
             return;
         }

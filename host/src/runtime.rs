@@ -29,8 +29,8 @@ use wasmtime::{
 
 use crate::clock::{CallTicks, Clock, Deadline};
 use crate::compile_bounds::CompileBounds;
-use crate::gpu::Placement;
 use crate::error::{Call, LoadError};
+use crate::gpu::Placement;
 use crate::link::classify;
 use crate::link::{Exports, Limits, Link, LinkState, Sandbox, Upstream};
 use crate::wit::{bindings, bindings_v2};

@@ -10,9 +10,9 @@ use std::sync::Arc;
 
 use allocbox::gpu::{Gpu, StandIn, Stream};
 use allocbox::{DeviceHandler, Error};
-use std::sync::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
+use std::sync::Mutex;
 
 use crate::errors::{LoadError, to_py};
 use crate::loading::{Bounds, chain_builder};
@@ -106,7 +106,13 @@ impl DevicePolicy {
     /// Free the block at `ptr` (`size` as allocated, or None), once the work queued so
     /// far on each of `streams` has finished (at once with none).
     #[pyo3(signature = (ptr, size = None, streams = Vec::new()))]
-    fn free(&self, py: Python<'_>, ptr: u64, size: Option<u64>, streams: Vec<Stream>) -> PyResult<()> {
+    fn free(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        size: Option<u64>,
+        streams: Vec<Stream>,
+    ) -> PyResult<()> {
         let handler = self.handler.clone();
         py.detach(move || handler.free(ptr, size, &streams))
             .map_err(|e| to_py(&e))
@@ -128,7 +134,8 @@ impl DevicePolicy {
     /// Wait for every waiting free's streams and give each back to the policy.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         let handler = self.handler.clone();
-        py.detach(move || handler.synchronize()).map_err(|e| to_py(&e))
+        py.detach(move || handler.synchronize())
+            .map_err(|e| to_py(&e))
     }
 
     /// Give back finished frees, then ask each policy to give back what it caches.
@@ -198,7 +205,8 @@ impl DevicePolicy {
     /// After every block was freed: an error naming what a policy still holds.
     fn leak_check(&self, py: Python<'_>) -> PyResult<()> {
         let handler = self.handler.clone();
-        py.detach(move || handler.leak_check()).map_err(|e| to_py(&e))
+        py.detach(move || handler.leak_check())
+            .map_err(|e| to_py(&e))
     }
 }
 
@@ -217,7 +225,11 @@ pub(crate) struct DeviceBlock {
 
 impl DeviceBlock {
     fn give_back(&self) -> Result<(), Error> {
-        let maker = self.handler.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let maker = self
+            .handler
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         match maker {
             Some(handler) => handler.free(self.ptr, Some(self.size), &[self.stream]),
             None => Ok(()),

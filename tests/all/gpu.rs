@@ -93,10 +93,16 @@ fn a_freed_block_waits_for_the_work_queued_on_its_streams_before_its_policy_gets
     pool.free(first, Some(4096), &[7, 9]).unwrap();
     assert_eq!(pool.pending_frees().blocks, 1);
     let second = pool.malloc(4096).unwrap().unwrap();
-    assert_ne!(second, first, "reused while a stream's work may still read it");
+    assert_ne!(
+        second, first,
+        "reused while a stream's work may still read it"
+    );
     stand_in.finish(0, 7);
     let third = pool.malloc(4096).unwrap().unwrap();
-    assert_ne!(third, first, "reused while stream 9's work may still read it");
+    assert_ne!(
+        third, first,
+        "reused while stream 9's work may still read it"
+    );
     stand_in.finish(0, 9);
     // The next call gives it back, and the policy reuses it.
     let fourth = pool.malloc(4096).unwrap().unwrap();
@@ -154,7 +160,11 @@ fn the_policy_is_told_the_recorded_size_when_a_gpu_client_says_another() {
 #[test]
 fn a_policy_that_touches_the_bytes_of_device_memory_is_stopped_and_named() {
     let (_, gpu) = stand_in(1, 1 << 30);
-    let probe = probe_on(&gpu, &[("kind", "device"), ("abuse", "read-region")], device_grant());
+    let probe = probe_on(
+        &gpu,
+        &[("kind", "device"), ("abuse", "read-region")],
+        device_grant(),
+    );
     let err = probe.malloc(100).unwrap_err();
     assert!(err.to_string().contains("kinds-probe"), "{err}");
     assert_eq!(rule(err), Rule::DeviceBytes { device: 0 });
@@ -167,7 +177,10 @@ fn host_memory_answered_for_a_gpu_client_is_a_violation() {
     let probe = probe_on(&gpu, &[("abuse", "answer-upstream")], device_grant());
     let err = probe.malloc(100).unwrap_err();
     let message = err.to_string();
-    assert!(message.contains("host memory, where its client needs memory of GPU 0"), "{message}");
+    assert!(
+        message.contains("host memory, where its client needs memory of GPU 0"),
+        "{message}"
+    );
     assert!(matches!(rule(err), Rule::WrongMemory { .. }));
 }
 
@@ -177,16 +190,25 @@ fn device_memory_needs_the_device_grant_and_a_device_handler() {
     let probe = probe_on(&gpu, &[("kind", "device")], KindGrants::default());
     assert_eq!(probe.malloc(100).unwrap(), None);
     let counters = &probe.link_stats().unwrap()[0].counters;
-    assert!(counters.contains(&("not-granted".to_string(), 1)), "{counters:?}");
+    assert!(
+        counters.contains(&("not-granted".to_string(), 1)),
+        "{counters:?}"
+    );
     // A host handler's client reads and writes its blocks: no device memory at all.
     let host = HandlerBuilder::new(Runtime::shared())
-        .link_with(&load(&allocbox_artifacts::KINDS_PROBE), &[("kind", "device")])
+        .link_with(
+            &load(&allocbox_artifacts::KINDS_PROBE),
+            &[("kind", "device")],
+        )
         .limits(limits(&gpu, device_grant()))
         .build()
         .unwrap();
     assert_eq!(host.malloc(100).unwrap(), None);
     let counters = &host.link_stats().unwrap()[0].counters;
-    assert!(counters.contains(&("unavailable".to_string(), 1)), "{counters:?}");
+    assert!(
+        counters.contains(&("unavailable".to_string(), 1)),
+        "{counters:?}"
+    );
     assert_eq!(stand_in.allocated(0), 0);
 }
 
@@ -198,7 +220,10 @@ fn pinned_regions_are_host_memory_registered_while_they_live() {
         ..KindGrants::default()
     };
     let h = HandlerBuilder::new(Runtime::shared())
-        .link_with(&load(&allocbox_artifacts::KINDS_PROBE), &[("kind", "pinned")])
+        .link_with(
+            &load(&allocbox_artifacts::KINDS_PROBE),
+            &[("kind", "pinned")],
+        )
         .limits(limits(&gpu, grants))
         .build()
         .unwrap();
@@ -210,7 +235,10 @@ fn pinned_regions_are_host_memory_registered_while_they_live() {
     assert_eq!(stand_in.registered(), 0);
     // Without the grant: refused, and counted.
     let refused = HandlerBuilder::new(Runtime::shared())
-        .link_with(&load(&allocbox_artifacts::KINDS_PROBE), &[("kind", "pinned")])
+        .link_with(
+            &load(&allocbox_artifacts::KINDS_PROBE),
+            &[("kind", "pinned")],
+        )
         .limits(limits(&gpu, KindGrants::default()))
         .build()
         .unwrap();
@@ -225,7 +253,10 @@ fn the_gpu_pool_serves_numpy_sized_blocks_from_pinned_memory_with_calloc_and_rea
         ..KindGrants::default()
     };
     let h = HandlerBuilder::new(Runtime::shared())
-        .link_with(&load(&allocbox_artifacts::GPU_POOL), &[("memory", "pinned")])
+        .link_with(
+            &load(&allocbox_artifacts::GPU_POOL),
+            &[("memory", "pinned")],
+        )
         .limits(limits(&gpu, grants))
         .build()
         .unwrap();
@@ -246,7 +277,10 @@ fn a_policy_past_its_share_of_a_gpu_is_over_limit_and_the_program_keeps_the_rest
     // Device 3 of this stand-in is no other test's: its share is 3/4 of 64 MiB.
     let (stand_in, gpu) = stand_in(4, 64 << 20);
     let probe = HandlerBuilder::new(Runtime::shared())
-        .link_with(&load(&allocbox_artifacts::KINDS_PROBE), &[("kind", "device")])
+        .link_with(
+            &load(&allocbox_artifacts::KINDS_PROBE),
+            &[("kind", "device")],
+        )
         .limits(Limits {
             overhead: 1 << 40,
             ..limits(&gpu, device_grant())
@@ -255,7 +289,10 @@ fn a_policy_past_its_share_of_a_gpu_is_over_limit_and_the_program_keeps_the_rest
         .unwrap();
     assert_eq!(probe.malloc(60 << 20).unwrap(), None);
     let counters = &probe.link_stats().unwrap()[0].counters;
-    assert!(counters.contains(&("over-limit".to_string(), 1)), "{counters:?}");
+    assert!(
+        counters.contains(&("over-limit".to_string(), 1)),
+        "{counters:?}"
+    );
     let block = probe.malloc(40 << 20).unwrap().expect("within the share");
     assert_eq!(stand_in.allocated(3), 40 << 20);
     probe.free(block, Some(40 << 20), &[]).unwrap();
@@ -304,7 +341,10 @@ fn many_random_gpu_frees_on_several_streams_all_reach_their_policy_and_nothing_l
             0 | 1 => {
                 let size = 1 + next() % (1 << (8 + next() % 15));
                 if let Some(block) = pool.malloc(size).unwrap() {
-                    assert!(live.iter().all(|&(b, s)| block + size <= b || b + s <= block));
+                    assert!(
+                        live.iter()
+                            .all(|&(b, s)| block + size <= b || b + s <= block)
+                    );
                     live.push((block, size));
                 }
             }
@@ -332,7 +372,16 @@ fn many_random_gpu_frees_on_several_streams_all_reach_their_policy_and_nothing_l
 fn check_grant_device_checks_a_device_policy_on_the_stand_in_gpu() {
     let dir = tempdir("gpu-check");
     let pool = allocbox_artifacts::GPU_POOL.path();
-    let args = ["check", pool, "--cases", "24", "--grant", "device", "-c", "region-size=4194304"];
+    let args = [
+        "check",
+        pool,
+        "--cases",
+        "24",
+        "--grant",
+        "device",
+        "-c",
+        "region-size=4194304",
+    ];
     let (code, out) = allocbox_cli(&args, &dir);
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("regions-mapped"), "{out}");
@@ -340,7 +389,15 @@ fn check_grant_device_checks_a_device_policy_on_the_stand_in_gpu() {
     // A policy that reads the device memory it lends from is named for it.
     let probe = allocbox_artifacts::KINDS_PROBE.path();
     let args = [
-        "check", probe, "--cases", "8", "--grant", "device", "-c", "kind=device", "-c",
+        "check",
+        probe,
+        "--cases",
+        "8",
+        "--grant",
+        "device",
+        "-c",
+        "kind=device",
+        "-c",
         "abuse=read-region",
     ];
     let (code, out) = allocbox_cli(&args, &dir);

@@ -6,12 +6,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use std::sync::Arc;
 
-use allocbox::{Adversary, Limits};
-use allocbox::{Error, LoadError, Rule};
 use allocbox::gpu::{Gpu, Placement, StandIn};
+use allocbox::{Adversary, Limits};
 use allocbox::{DeviceHandler, Handler, HandlerBuilder};
-use std::sync::OnceLock;
+use allocbox::{Error, LoadError, Rule};
 use allocbox::{Policy, Runtime, WasmHook};
+use std::sync::OnceLock;
 
 use super::model::Live;
 use super::pattern::PERIOD;
@@ -119,7 +119,10 @@ impl<'h> Client<'h> {
     pub(super) fn run(&mut self, op: &Op) -> Result<(), Finding> {
         let h = self.handler;
         if h.placement() != Placement::Host
-            && matches!(op, Op::Calloc { .. } | Op::Realloc { .. } | Op::ReallocNew { .. })
+            && matches!(
+                op,
+                Op::Calloc { .. } | Op::Realloc { .. } | Op::ReallocNew { .. }
+            )
         {
             // A GPU program's memory is only allocated and freed: the host never zeroes
             // or copies it.

@@ -173,8 +173,7 @@ impl Driver {
                     let mut context: Context = std::ptr::null_mut();
                     // SAFETY: writes the device's primary context, retained for the
                     // process's life.
-                    let retained =
-                        unsafe { (self.api.primary_ctx_retain)(&mut context, handle) };
+                    let retained = unsafe { (self.api.primary_ctx_retain)(&mut context, handle) };
                     self.api.check("cuDevicePrimaryCtxRetain", retained)?;
                     contexts.insert(device, Primary(context));
                     Primary(context)
@@ -251,7 +250,8 @@ impl Backend for Driver {
         };
         // SAFETY: an event of this device's context, recorded on the client's stream
         // (a handle the client's library made in the same context, or 0).
-        let recorded = unsafe { (self.api.event_record)(handle as *mut c_void, stream as *mut c_void) };
+        let recorded =
+            unsafe { (self.api.event_record)(handle as *mut c_void, stream as *mut c_void) };
         let event = Event { device, handle };
         if let Err(e) = self.api.check("cuEventRecord", recorded) {
             self.release(event);

@@ -43,7 +43,12 @@ impl StandIn {
     /// Work is queued on `stream` of `device` (a kernel launch, a copy): events recorded
     /// from now on complete only once it has [`StandIn::finish`]ed.
     pub fn queue(&self, device: u32, stream: Stream) {
-        self.state.lock().streams.entry((device, stream)).or_default().0 += 1;
+        self.state
+            .lock()
+            .streams
+            .entry((device, stream))
+            .or_default()
+            .0 += 1;
     }
 
     /// Every piece of work queued on `stream` of `device` so far has finished.
@@ -113,7 +118,10 @@ impl Backend for StandIn {
         let Some((on, size)) = state.allocated.remove(&addr) else {
             panic!("the stand-in GPU was asked to free {addr:#x}, which it never allocated");
         };
-        assert_eq!(on, device, "freed on another device than it was allocated on");
+        assert_eq!(
+            on, device,
+            "freed on another device than it was allocated on"
+        );
         *state.used.entry(device).or_default() -= size;
         let layout = StandIn::layout(size).expect("allocated with it");
         // SAFETY: allocated above with this layout, given back once (removed above).
@@ -133,7 +141,10 @@ impl Backend for StandIn {
 
     unsafe fn unregister(&self, addr: u64) {
         let removed = self.state.lock().registered.remove(&addr);
-        assert!(removed.is_some(), "unregistered {addr:#x}, never registered");
+        assert!(
+            removed.is_some(),
+            "unregistered {addr:#x}, never registered"
+        );
     }
 
     fn record(&self, device: u32, stream: Stream) -> Result<Event, GpuError> {

@@ -4,9 +4,9 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use super::{Chain, DeviceHandler, Handler, Observations};
-use crate::gpu::Placement;
 use crate::clock::{CallTicks, Deadline};
 use crate::error::LoadError;
+use crate::gpu::Placement;
 use crate::link::{Limits, Upstream};
 use crate::memhandler::Stats;
 use crate::runtime::{Policy, Runtime};
@@ -149,15 +149,25 @@ impl HandlerBuilder {
         let mut upstream = Upstream::System(Box::new(host_memory));
         let mut names = Vec::new();
         for (policy, config) in below.iter().rev() {
-            let link = self
-                .runtime
-                .start(policy, config, upstream, &self.limits, self.checked, placement)?;
+            let link = self.runtime.start(
+                policy,
+                config,
+                upstream,
+                &self.limits,
+                self.checked,
+                placement,
+            )?;
             names.push(link.name().clone());
             upstream = Upstream::Policy(Box::new(link));
         }
-        let mut head = self
-            .runtime
-            .start(top, top_config, upstream, &self.limits, self.checked, placement)?;
+        let mut head = self.runtime.start(
+            top,
+            top_config,
+            upstream,
+            &self.limits,
+            self.checked,
+            placement,
+        )?;
         // The top policy alone is served without being asked: its client is the host's.
         // Asking the top policy how it observes is part of loading it.
         let starting = &mut Deadline::for_client_call(

@@ -153,7 +153,9 @@ impl DeviceHandler {
 
     fn give(&self, ptr: NonNull<u8>, size: Option<u64>) -> Result<(), Error> {
         match size {
-            Some(size) => self.handler.free(Some(ptr), usize::try_from(size).unwrap_or(0)),
+            Some(size) => self
+                .handler
+                .free(Some(ptr), usize::try_from(size).unwrap_or(0)),
             None => self.handler.free_unsized(ptr).map(drop),
         }
     }

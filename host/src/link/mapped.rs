@@ -10,8 +10,8 @@ use super::LinkState;
 use super::bindings::allocbox::policy as v1;
 use super::bindings_v2::allocbox::policy::{allocator, bytes, diagnostics, memory};
 use crate::error::Call;
-use crate::ledger::TakeBack;
 use crate::gpu::{Gpu, Placement};
+use crate::ledger::TakeBack;
 use crate::mapped::{self as os, KindGrant, KindGrants, Region};
 
 /// A client's misuse of a block, as its policy reported it.
@@ -234,9 +234,7 @@ impl memory::Host for LinkState {
         self.on_time(Call::MemoryMapPinned)?;
         let (grants, gpu) = (self.mapped.grants, self.mapped.gpu.clone());
         let name = self.sandbox.name.clone();
-        let region = os::map_pinned(&name, size, &grants, &gpu, |cost| {
-            self.within_budget(cost)
-        });
+        let region = os::map_pinned(&name, size, &grants, &gpu, |cost| self.within_budget(cost));
         Ok(self.mapped_or_refused(region))
     }
 
@@ -248,9 +246,7 @@ impl memory::Host for LinkState {
             return Ok(Err(memory::Refusal::Unavailable));
         };
         let (grants, gpu) = (self.mapped.grants, self.mapped.gpu.clone());
-        let region = os::map_device(size, device, &grants, &gpu, |cost| {
-            self.within_budget(cost)
-        });
+        let region = os::map_device(size, device, &grants, &gpu, |cost| self.within_budget(cost));
         Ok(self.mapped_or_refused(region))
     }
 

@@ -138,7 +138,11 @@ impl Pool {
 
     /// The start of the region `addr` lies in.
     fn region_of(state: &State, addr: u64) -> Option<u64> {
-        state.regions.range(..=addr).next_back().map(|(&start, _)| start)
+        state
+            .regions
+            .range(..=addr)
+            .next_back()
+            .map(|(&start, _)| start)
     }
 
     /// A block of class `class`, carved from the current region or a new one.
@@ -194,9 +198,7 @@ impl Policy for Pool {
             self.large(state, size)
         } else {
             let class = class(size);
-            state.free[class]
-                .pop()
-                .or_else(|| self.carve(state, class))
+            state.free[class].pop().or_else(|| self.carve(state, class))
         };
         let Some(block) = block else {
             return 0;
