@@ -404,3 +404,33 @@ fn check_grant_device_checks_a_device_policy_on_the_stand_in_gpu() {
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("device-bytes"), "{out}");
 }
+
+#[test]
+fn a_device_policy_stopped_while_its_client_holds_blocks_keeps_them_until_they_are_freed() {
+    let (stand_in, gpu) = stand_in(1, 1 << 30);
+    let config = [
+        ("kind", "device"),
+        ("abuse", "read-region"),
+        ("abuse-after", "1"),
+    ];
+    let probe = probe_on(&gpu, &config, device_grant());
+    let held = probe
+        .malloc(1 << 20)
+        .unwrap()
+        .expect("the honest first malloc");
+    let err = probe.malloc(100).unwrap_err();
+    assert_eq!(rule(err), Rule::DeviceBytes { device: 0 });
+    // Stopped: new requests are refused, the client's block stays in device memory.
+    assert!(probe.malloc(100).is_err());
+    // (The region of the failed request is held with it, until the client lets go.)
+    let regions = stand_in.allocated(0);
+    assert!(regions >= 1 << 20);
+    // Its free waits for the stream's work, then the regions go back to the driver.
+    stand_in.queue(0, 2);
+    probe.free(held, Some(1 << 20), &[2]).unwrap();
+    assert_eq!(stand_in.allocated(0), regions);
+    stand_in.finish(0, 2);
+    probe.trim().ok();
+    assert_eq!(probe.pending_frees(), Default::default());
+    assert_eq!(stand_in.allocated(0), 0);
+}
