@@ -16,6 +16,7 @@ use std::sync::Mutex;
 
 use crate::errors::{LoadError, to_py};
 use crate::loading::{Bounds, chain_builder};
+use crate::policy::set_counts;
 
 /// A GPU made of host memory (see `allocbox::gpu::StandIn`): its streams finish only
 /// when told to, so that stream-ordered frees can be watched.
@@ -175,22 +176,9 @@ impl DevicePolicy {
         let links = self.handler.link_stats().map_err(|e| to_py(&e))?;
         let pending = self.handler.pending_frees();
         let d = PyDict::new(py);
-        for (k, v) in [
-            ("mallocs", s.mallocs),
-            ("frees", s.frees),
-            ("failed", s.failed),
-            ("live_blocks", s.live_blocks),
-            ("live_bytes", s.live_bytes),
-            ("peak_bytes", s.peak_bytes),
-            ("total_bytes", s.total_bytes),
-            ("size_corrections", s.size_corrections),
-            ("magazine_hits", s.magazine_hits),
-            ("cached_blocks", s.cached_blocks),
-            ("pending_frees", pending.blocks),
-            ("pending_bytes", pending.bytes),
-        ] {
-            d.set_item(k, v)?;
-        }
+        set_counts(&d, &s)?;
+        d.set_item("pending_frees", pending.blocks)?;
+        d.set_item("pending_bytes", pending.bytes)?;
         let counters = PyDict::new(py);
         if let Some(top) = links.into_iter().next() {
             for (name, value) in top.counters {

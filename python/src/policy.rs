@@ -82,23 +82,7 @@ impl Policy {
         )?;
         let top = links.into_iter().next().map(|l| l.counters);
         d.set_item("counters", counters_dict(py, top.unwrap_or_default())?)?;
-        for (k, v) in [
-            ("mallocs", s.mallocs),
-            ("callocs", s.callocs),
-            ("reallocs", s.reallocs),
-            ("frees", s.frees),
-            ("failed", s.failed),
-            ("live_blocks", s.live_blocks),
-            ("live_bytes", s.live_bytes),
-            ("peak_bytes", s.peak_bytes),
-            ("total_bytes", s.total_bytes),
-            ("size_corrections", s.size_corrections),
-            ("magazine_hits", s.magazine_hits),
-            ("cached_blocks", s.cached_blocks),
-            ("budget_refusals", s.budget_refusals),
-        ] {
-            d.set_item(k, v)?;
-        }
+        set_counts(&d, &s)?;
         Ok(d)
     }
 
@@ -232,6 +216,28 @@ impl Policy {
     }
 }
 /// A policy's counters as a dict that keeps its order.
+/// The client's counts of `stats` in `d`, by the names `Policy.stats()` documents.
+pub(crate) fn set_counts(d: &Bound<'_, PyDict>, s: &allocbox::Stats) -> PyResult<()> {
+    for (k, v) in [
+        ("mallocs", s.mallocs),
+        ("callocs", s.callocs),
+        ("reallocs", s.reallocs),
+        ("frees", s.frees),
+        ("failed", s.failed),
+        ("live_blocks", s.live_blocks),
+        ("live_bytes", s.live_bytes),
+        ("peak_bytes", s.peak_bytes),
+        ("total_bytes", s.total_bytes),
+        ("size_corrections", s.size_corrections),
+        ("magazine_hits", s.magazine_hits),
+        ("cached_blocks", s.cached_blocks),
+        ("budget_refusals", s.budget_refusals),
+    ] {
+        d.set_item(k, v)?;
+    }
+    Ok(())
+}
+
 fn counters_dict(py: Python<'_>, counters: Vec<(String, u64)>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     for (name, value) in counters {

@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use allocbox::gpu::{Gpu, GpuError, StandIn};
 use allocbox::mapped::KindGrants;
-use allocbox::{DeviceHandler, Error, Grants, HandlerBuilder, Limits, Rule, Runtime};
+use allocbox::{DeviceHandler, Error, Grants, Handler, HandlerBuilder, Limits, Rule, Runtime};
+use allocbox_artifacts::Guest;
 
 use super::support::*;
 
@@ -38,6 +39,22 @@ fn pool_on(gpu: &Gpu, device: u32, config: &[(&str, &str)]) -> DeviceHandler {
         .link_with(&load(&allocbox_artifacts::GPU_POOL), config)
         .limits(limits(gpu, device_grant()))
         .build_device(device)
+        .unwrap()
+}
+
+fn pinned_grant() -> KindGrants {
+    KindGrants {
+        pinned: true,
+        ..KindGrants::default()
+    }
+}
+
+/// A handler of host memory of `guest`, granted `grants` of `gpu`.
+fn host_on(gpu: &Gpu, guest: &Guest, config: &[(&str, &str)], grants: KindGrants) -> Handler {
+    HandlerBuilder::new(Runtime::shared())
+        .link_with(&load(guest), config)
+        .limits(limits(gpu, grants))
+        .build()
         .unwrap()
 }
 
@@ -195,14 +212,8 @@ fn device_memory_needs_the_device_grant_and_a_device_handler() {
         "{counters:?}"
     );
     // A host handler's client reads and writes its blocks: no device memory at all.
-    let host = HandlerBuilder::new(Runtime::shared())
-        .link_with(
-            &load(&allocbox_artifacts::KINDS_PROBE),
-            &[("kind", "device")],
-        )
-        .limits(limits(&gpu, device_grant()))
-        .build()
-        .unwrap();
+    let probe = &allocbox_artifacts::KINDS_PROBE;
+    let host = host_on(&gpu, probe, &[("kind", "device")], device_grant());
     assert_eq!(host.malloc(100).unwrap(), None);
     let counters = &host.link_stats().unwrap()[0].counters;
     assert!(
@@ -215,18 +226,8 @@ fn device_memory_needs_the_device_grant_and_a_device_handler() {
 #[test]
 fn pinned_regions_are_host_memory_registered_while_they_live() {
     let (stand_in, gpu) = stand_in(1, 1 << 30);
-    let grants = KindGrants {
-        pinned: true,
-        ..KindGrants::default()
-    };
-    let h = HandlerBuilder::new(Runtime::shared())
-        .link_with(
-            &load(&allocbox_artifacts::KINDS_PROBE),
-            &[("kind", "pinned")],
-        )
-        .limits(limits(&gpu, grants))
-        .build()
-        .unwrap();
+    let probe = &allocbox_artifacts::KINDS_PROBE;
+    let h = host_on(&gpu, probe, &[("kind", "pinned")], pinned_grant());
     let block = h.malloc(10_000).unwrap().expect("pinned memory");
     fill(block, 10_000, 0x42);
     assert!(holds(block, 10_000, 0x42));
@@ -234,32 +235,15 @@ fn pinned_regions_are_host_memory_registered_while_they_live() {
     h.free(Some(block), 10_000).unwrap();
     assert_eq!(stand_in.registered(), 0);
     // Without the grant: refused, and counted.
-    let refused = HandlerBuilder::new(Runtime::shared())
-        .link_with(
-            &load(&allocbox_artifacts::KINDS_PROBE),
-            &[("kind", "pinned")],
-        )
-        .limits(limits(&gpu, KindGrants::default()))
-        .build()
-        .unwrap();
+    let refused = host_on(&gpu, probe, &[("kind", "pinned")], KindGrants::default());
     assert_eq!(refused.malloc(100).unwrap(), None);
 }
 
 #[test]
 fn the_gpu_pool_serves_numpy_sized_blocks_from_pinned_memory_with_calloc_and_realloc() {
     let (stand_in, gpu) = stand_in(1, 1 << 30);
-    let grants = KindGrants {
-        pinned: true,
-        ..KindGrants::default()
-    };
-    let h = HandlerBuilder::new(Runtime::shared())
-        .link_with(
-            &load(&allocbox_artifacts::GPU_POOL),
-            &[("memory", "pinned")],
-        )
-        .limits(limits(&gpu, grants))
-        .build()
-        .unwrap();
+    let pool = &allocbox_artifacts::GPU_POOL;
+    let h = host_on(&gpu, pool, &[("memory", "pinned")], pinned_grant());
     let a = h.calloc(100, 8).unwrap().unwrap();
     assert!(holds(a, 800, 0));
     fill(a, 800, 7);
