@@ -11,7 +11,8 @@ counts them (`N passed, N failed`), and the exit status is 1 when one failed.
 2. the device pool's speed: alloc+free pairs of 256 B, 1 MiB and 64 MiB from
    `gpu-pool` against CuPy's default pool and PyTorch's caching allocator;
 3. CuPy under `cupy_allocator`: a set of CuPy operations (creation, arithmetic,
-   matmul, reductions, FFT, sorting, two streams) against NumPy's answers;
+   matmul, reductions, FFT, sorting, two streams) against NumPy's answers, and pinned
+   staging buffers from `cupy_pinned_allocator`;
 4. PyTorch under `torch_allocator`: a small MLP trained for 20 steps, forward and
    backward on two streams (`record_stream`), in two processes, one with PyTorch's own
    allocator: the losses must be identical;
@@ -178,11 +179,23 @@ def cupy_under_policy():
     import cupy
 
     pool = allocbox.cuda.load("gpu-pool")
+    pinned = allocbox.load("gpu-pool", {"memory": "pinned"}, grant=["pinned"])
     cupy.cuda.set_allocator(allocbox.cuda.cupy_allocator(pool))
+    cupy.cuda.set_pinned_memory_allocator(allocbox.cuda.cupy_pinned_allocator(pinned))
     try:
         cupy_work(cupy)
+        import cupyx
+
+        staged = cupyx.empty_pinned((1 << 20,), dtype=np.float32)
+        kind = cupy.cuda.runtime.pointerGetAttributes(staged.ctypes.data).type
+        say(f"cupyx.empty_pinned from the pinned policy: the driver calls it {'pinned' if kind == 1 else kind}")
+        assert kind == 1 and pinned.stats()["live_blocks"] >= 1
+        staged[:] = 3
+        assert float(cupy.asarray(staged).sum()) == 3 * (1 << 20)
+        del staged
     finally:
         cupy.cuda.set_allocator(cupy.cuda.MemoryPool().malloc)
+        cupy.cuda.set_pinned_memory_allocator(cupy.cuda.PinnedMemoryPool().malloc)
     import gc
 
     # cuFFT's plans keep their work areas, from the allocator that was current.

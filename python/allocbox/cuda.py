@@ -15,6 +15,8 @@ Two kinds of memory, each granted to a policy by name:
     torch.cuda.memory.change_current_allocator(allocbox.cuda.torch_allocator(pool))
     cupy.cuda.set_allocator(allocbox.cuda.cupy_allocator(pool))
     allocbox.cuda.use_with_numba(pool)                         # before Numba's context
+    pinned = allocbox.load("gpu-pool", {"memory": "pinned"}, grant=["pinned"])
+    cupy.cuda.set_pinned_memory_allocator(allocbox.cuda.cupy_pinned_allocator(pinned))
 
 The CUDA driver is loaded when a GPU is first used: on a machine without one every
 request is refused, with the reason. `StandInGpu` is a GPU made of host memory, whose
@@ -36,6 +38,7 @@ __all__ = [
     "MemoryManager",
     "StandInGpu",
     "cupy_allocator",
+    "cupy_pinned_allocator",
     "load",
     "torch_allocator",
     "use_with_numba",
@@ -90,6 +93,35 @@ def cupy_allocator(policy):
         owner = _StreamHeld(block, stream)
         memory = cupy.cuda.UnownedMemory(block.ptr, size, owner, device_id=policy.device)
         return cupy.cuda.MemoryPointer(memory, 0)
+
+    return allocate
+
+
+class _PinnedBuffer:
+    """What CuPy's `PinnedMemoryPointer` holds: a NumPy array's bytes, placed by a host
+    policy of pinned memory, freed by it when CuPy lets go."""
+
+    __slots__ = ("array", "ptr", "size")
+
+    def __init__(self, array):
+        self.array = array
+        self.ptr = array.ctypes.data
+        self.size = array.nbytes
+
+
+def cupy_pinned_allocator(policy):
+    """A function for `cupy.cuda.set_pinned_memory_allocator`: the host buffers CuPy
+    stages copies in come from `policy`, a NumPy policy of pinned memory (e.g.
+    `allocbox.load("gpu-pool", {"memory": "pinned"}, grant=["pinned"])`)."""
+    import cupy
+    import numpy as np
+
+    from . import use
+
+    def allocate(size):
+        with use(policy):
+            array = np.empty(max(size, 1), dtype=np.uint8)
+        return cupy.cuda.PinnedMemoryPointer(_PinnedBuffer(array), 0)
 
     return allocate
 

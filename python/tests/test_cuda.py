@@ -152,9 +152,14 @@ def fake_cupy(monkeypatch):
     class OutOfMemoryError(MemoryError):
         pass
 
+    class PinnedMemoryPointer:
+        def __init__(self, mem, offset):
+            self.mem, self.ptr = mem, mem.ptr + offset
+
     current = types.SimpleNamespace(ptr=4)
     cuda.UnownedMemory = UnownedMemory
     cuda.MemoryPointer = MemoryPointer
+    cuda.PinnedMemoryPointer = PinnedMemoryPointer
     cuda.get_current_stream = lambda: current
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
     cupy.cuda = cuda
@@ -177,6 +182,17 @@ def test_cupys_arrays_free_on_the_stream_they_were_made_on_when_cupy_lets_go(gpu
     small = allocbox.cuda.load("gpu-pool", gpu=StandInGpu(memory=1 << 20))
     with pytest.raises(fake_cupy.cuda.memory.OutOfMemoryError):
         allocbox.cuda.cupy_allocator(small)(1 << 30)
+
+
+def test_cupys_pinned_staging_buffers_come_from_a_pinned_numpy_policy(gpu, fake_cupy):
+    policy = allocbox.load("gpu-pool", {"memory": "pinned"}, grant=["pinned"], gpu=gpu)
+    allocate = allocbox.cuda.cupy_pinned_allocator(policy)
+    pointer = allocate(10_000)
+    assert pointer.mem.size == 10_000 and gpu.registered() >= 10_000
+    assert policy.stats()["live_blocks"] == 1
+    del pointer
+    gc.collect()
+    assert policy.stats()["live_blocks"] == 0
 
 
 # --- Numba's EMM plugin, against a stand-in context -----------------------------------
