@@ -1,7 +1,9 @@
 """allocbox's checks on a machine with a GPU (CI has none): run with the wheel
 installed and PyTorch, CuPy and Numba with numba-cuda beside it.
 
-    python python/gpu_check.py [--out FILE] [--quick]
+    python -P python/gpu_check.py [--out FILE] [--quick]
+
+(`-P`: the installed package, not the source folder beside this script, is imported.)
 
 Each part prints its own lines and ends with `ok` or `FAILED: why`; the last line
 counts them (`N passed, N failed`), and the exit status is 1 when one failed.
