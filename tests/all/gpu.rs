@@ -406,13 +406,13 @@ fn a_device_policy_stopped_while_its_client_holds_blocks_keeps_them_until_they_a
     assert_eq!(rule(err), Rule::DeviceBytes { device: 0 });
     // Stopped: new requests are refused, the client's block stays in device memory.
     assert!(probe.malloc(100).is_err());
-    // (The region of the failed request is held with it, until the client lets go.)
-    let regions = stand_in.allocated(0);
-    assert!(regions >= 1 << 20);
-    // Its free waits for the stream's work, then the regions go back to the driver.
+    // The region of the failed request is given back at the stop: only the client's is
+    // kept.
+    assert_eq!(stand_in.allocated(0), 1 << 20);
+    // Its free waits for the stream's work, then the region goes back to the driver.
     stand_in.queue(0, 2);
     probe.free(held, Some(1 << 20), &[2]).unwrap();
-    assert_eq!(stand_in.allocated(0), regions);
+    assert_eq!(stand_in.allocated(0), 1 << 20);
     stand_in.finish(0, 2);
     probe.trim().ok();
     assert_eq!(probe.pending_frees(), Default::default());

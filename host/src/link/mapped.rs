@@ -93,6 +93,19 @@ impl Mapped {
         (end <= start + region.len).then_some((start, region.len, region.placement()))
     }
 
+    /// Unmap every region for which `clear(start, len)` says no block lent from it is
+    /// live (a stopped link's, whose client keeps only the blocks it holds).
+    pub(super) fn unmap_where(&mut self, mut clear: impl FnMut(u64, u64) -> bool) {
+        let regions = std::mem::take(&mut self.regions);
+        for (start, region) in regions {
+            if clear(start, region.len) {
+                self.cost -= region.cost();
+            } else {
+                self.regions.insert(start, region);
+            }
+        }
+    }
+
     pub(super) fn unmap_all(&mut self) {
         self.end_transit(false);
         self.regions.clear();

@@ -1,6 +1,7 @@
 //! A link that fails: its failure recorded once and carried up beside the answer, and
 //! the memory it holds given back once nothing above depends on it (at the stop, every
-//! upstream block no client block lies in; the rest once its client lets go).
+//! upstream block and mapped region no client block lies in; the rest once its client
+//! lets go).
 
 use std::sync::Arc;
 
@@ -102,6 +103,12 @@ impl Link {
         }
         if whole {
             state.mapped.unmap_all();
+        } else {
+            // Mapped regions as upstream blocks: those no client block lies in go now.
+            let lent = &mut state.lent;
+            state
+                .mapped
+                .unmap_where(|start, len| lent.ordered().overlapping(start, len).is_none());
         }
     }
 }
