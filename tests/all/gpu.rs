@@ -418,3 +418,33 @@ fn a_device_policy_stopped_while_its_client_holds_blocks_keeps_them_until_they_a
     assert_eq!(probe.pending_frees(), Default::default());
     assert_eq!(stand_in.allocated(0), 0);
 }
+
+/// `numa` as built at e37674a, against 0.2.0's `memory` interface before `map-pinned`
+/// and `map-device` were added to it.
+const NUMA_BEFORE_GPU_KINDS: &[u8] = include_bytes!("../fixtures/numa-built-before-gpu-kinds.wasm");
+
+#[test]
+fn a_policy_built_before_the_gpu_kinds_were_added_still_loads_and_maps_memory() {
+    let policy = Runtime::shared().load(NUMA_BEFORE_GPU_KINDS).unwrap();
+    let grants = KindGrants {
+        numa: true,
+        ..KindGrants::default()
+    };
+    let (_, gpu) = stand_in(1, 1 << 30);
+    let h = HandlerBuilder::new(Runtime::shared())
+        .link_with(&policy, &[("min-size", "4096")])
+        .limits(limits(&gpu, grants))
+        .build()
+        .unwrap();
+    let block = h.malloc(1 << 20).unwrap().expect("memory");
+    fill(block, 1 << 20, 9);
+    assert!(holds(block, 1 << 20, 9));
+    let top = &h.link_stats().unwrap()[0];
+    assert!(
+        top.counters.contains(&("placed".to_string(), 1)),
+        "{:?}",
+        top.counters
+    );
+    h.free(Some(block), 1 << 20).unwrap();
+    h.leak_check().unwrap();
+}
