@@ -30,6 +30,29 @@ fn counts_of_zero_and_too_many_threads_are_refused() {
 }
 
 #[test]
+fn a_check_time_that_is_no_time_or_past_a_week_is_refused_not_a_panic_or_an_empty_pass() {
+    // `inf`, `1e20` and 2^64 made the host panic (a Duration overflow); `0`, `-1` and
+    // `NaN` ran no case and said "every rule held" (issue 52).
+    for bad in [
+        "inf",
+        "1e20",
+        "18446744073709551616",
+        "0",
+        "-1",
+        "NaN",
+        "soon",
+    ] {
+        let (code, out, _) = run("check-time", &["check", "--time", bad]);
+        assert_eq!(code, 2, "{bad}: {out}");
+        assert!(out.contains(bad) && out.contains("a week"), "{bad}: {out}");
+        assert!(
+            !out.contains("panicked") && !out.contains("every rule held"),
+            "{bad}: {out}"
+        );
+    }
+}
+
+#[test]
 fn byte_sizes_take_the_units_the_help_shows_and_refuse_others() {
     let (code, out, _) = run(
         "byte-units",

@@ -70,7 +70,7 @@ enum Command {
         /// Seconds to spend on each policy, in rounds of `--cases` sequences (every
         /// fourth round long-lived instances of thousands of operations). Default 3,
         /// unless `--cases` is given alone.
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true, value_parser = check_seconds)]
         time: Option<f64>,
         /// Random sequences per round. Given without `--time`: run exactly this many.
         #[arg(long, value_parser = at_least_one::<u32>)]
@@ -265,6 +265,21 @@ where
     match s.parse::<T>() {
         Ok(n) if n >= T::from(1) => Ok(n),
         _ => bail!("`{s}` is not a whole number of at least 1"),
+    }
+}
+
+/// The longest `check --time`: a week.
+const MOST_CHECK_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
+
+/// Seconds a check may run: a number above 0, at most a week (so that no time budget
+/// is one that runs no case, or overflows a deadline).
+fn check_seconds(s: &str) -> Result<f64> {
+    match s.parse::<f64>() {
+        Ok(secs) if secs > 0.0 && secs <= MOST_CHECK_SECONDS => Ok(secs),
+        _ => bail!(
+            "`{s}` is not a time a check can run for: give seconds above 0 and at most \
+             {MOST_CHECK_SECONDS} (a week)"
+        ),
     }
 }
 
@@ -526,7 +541,7 @@ where
             options: CheckOptions {
                 cases: cases.unwrap_or(64),
                 time: match (time, cases) {
-                    (Some(secs), _) => Some(Duration::from_secs_f64(secs.max(0.0))),
+                    (Some(secs), _) => Some(Duration::from_secs_f64(secs)),
                     (None, Some(_)) => None,
                     (None, None) => Some(DEFAULT_CHECK_TIME),
                 },
