@@ -88,15 +88,30 @@ fn replay_with_its_arguments_swapped_says_which_comes_first() {
 }
 
 #[test]
-fn replay_refuses_a_script_that_frees_a_block_never_made_or_freed_twice() {
+fn replay_refuses_a_script_that_frees_a_block_never_made_or_freed_twice_or_makes_a_live_one_again()
+{
     let dir = tempdir("undefined-block");
     for (text, says) in [
         ("b0 = malloc 8\nfree b1\n", "line 2"),
         ("b0 = malloc 8\nfree b0\nfree b0\n", "freed on line 2"),
+        // Accepted before (issue 52): the first b0 could then never be freed by name.
+        (
+            "b0 = malloc 8\nb0 = calloc 2 4\n",
+            "line 2: `b0 = calloc 2 4`: b0 is still live, made on line 1",
+        ),
+        (
+            "b0 = malloc 8\nfree b0\nb0 = malloc 16\nrealloc b0 32\n",
+            "",
+        ),
     ] {
         let script = dir.join("script.txt");
         std::fs::write(&script, text).unwrap();
         let (code, out) = allocbox_cli(&["replay", script.to_str().unwrap()], &dir);
+        if says.is_empty() {
+            // A name made again once its block was freed is a new block, as in checks.
+            assert_eq!(code, 0, "{out}");
+            continue;
+        }
         assert_eq!(code, 2, "{out}");
         assert!(out.contains(says) && out.contains("script.txt"), "{out}");
     }

@@ -338,6 +338,12 @@ fn check_blocks(ops: &[(usize, usize, Op)]) -> Result<(), String> {
             continue;
         };
         if makes {
+            if let Some(&(true, made)) = blocks.get(&(thread, block)) {
+                return Err(format!(
+                    "line {line}: `{op}`: b{block} is still live, made on line {made}: free \
+                     it first, or give the new block a name of its own"
+                ));
+            }
             blocks.insert((thread, block), (true, line));
             continue;
         }
