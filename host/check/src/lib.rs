@@ -43,8 +43,8 @@ use seeds::SeedFile;
 use strategy::{Case, Scripts};
 use verdict::Tally;
 pub use verdict::{
-    CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS, MAX_SHRINK_TIME, Progress,
-    ProgressFn, default_regressions_dir,
+    COUNTERS_KEPT, CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS, MAX_SHRINK_TIME,
+    Progress, ProgressFn, default_regressions_dir,
 };
 
 /// A proptest runner for one round of `cases` sequences from `seed`, persisting failing
@@ -214,6 +214,7 @@ pub fn check(
             .counters
             .into_inner()
             .unwrap_or_else(|p| p.into_inner()),
+        counters_left_out: subject.tally.counters_left_out.into_inner(),
         ungranted: subject
             .tally
             .ungranted

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use allocbox::mapped::KindGrant;
@@ -171,6 +171,9 @@ pub struct CheckReport {
     /// over the cases (summed; a `peak-` counter its largest), in the policy's order;
     /// none for a 0.1.0 policy.
     pub counters: Vec<(String, u64)>,
+    /// Counter values reported under names past the first [`COUNTERS_KEPT`] (a policy
+    /// whose names change from case to case): counted, not listed.
+    pub counters_left_out: u64,
     /// Regions a policy asked for of a kind the check did not grant
     /// ([`allocbox::Grants::memory`]), by kind, over every case: the paths that would have used
     /// them ran only as refusals, untested.
@@ -203,6 +206,10 @@ pub fn default_regressions_dir() -> Option<PathBuf> {
     allocbox::cache_dir().map(|dir| dir.join("regressions"))
 }
 
+/// Distinct counter names a check keeps over its cases, as the host keeps per report:
+/// a policy that names new counters in every case cannot make the report unbounded.
+pub const COUNTERS_KEPT: usize = 64;
+
 /// Upstream requests refused on purpose, and the policy's own counters, over the cases
 /// run: summed, a `peak-` counter (a high-water mark) its largest.
 #[derive(Debug, Default)]
@@ -214,6 +221,8 @@ pub(super) struct Tally {
     /// The policy's `lifecycle.report` at the end of each case, by name, in the order
     /// the policy first named them.
     pub(super) counters: std::sync::Mutex<Vec<(String, u64)>>,
+    /// Values under names past the first [`COUNTERS_KEPT`].
+    pub(super) counters_left_out: AtomicU64,
     /// Regions a policy of the chain asked for of a kind not granted, by kind.
     pub(super) ungranted: std::sync::Mutex<Vec<(KindGrant, u64)>>,
 }
@@ -233,10 +242,14 @@ impl Tally {
     pub(super) fn add_counters(&self, counters: Vec<(String, u64)>) {
         let mut all = self.counters.lock().unwrap_or_else(|p| p.into_inner());
         for (name, value) in counters {
+            let full = all.len() >= COUNTERS_KEPT;
             match all.iter_mut().find(|(n, _)| *n == name) {
                 Some((n, peak)) if n.starts_with("peak-") => *peak = (*peak).max(value),
                 Some((_, sum)) => *sum = sum.saturating_add(value),
-                None => all.push((name, value)),
+                None if !full => all.push((name, value)),
+                None => {
+                    self.counters_left_out.fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
     }
@@ -258,5 +271,18 @@ mod tests {
         let expected: Vec<(String, u64)> =
             expected.iter().map(|&(n, v)| (n.to_string(), v)).collect();
         assert_eq!(all, expected);
+    }
+
+    #[test]
+    fn names_past_the_kept_ones_are_counted_not_listed() {
+        let tally = Tally::default();
+        for case in 0..1000 {
+            tally.add_counters(vec![(format!("counter-{case}"), 1)]);
+        }
+        assert_eq!(tally.counters.into_inner().unwrap().len(), COUNTERS_KEPT);
+        assert_eq!(
+            tally.counters_left_out.into_inner(),
+            1000 - COUNTERS_KEPT as u64
+        );
     }
 }

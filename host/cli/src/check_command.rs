@@ -116,7 +116,7 @@ fn text_report(
         if !report.counters.is_empty() {
             out += &format!(
                 "  its counters, summed over the cases (a `peak-` one: its largest): {}\n",
-                counter_list(&report.counters)
+                counter_list(&report.counters, report.counters_left_out)
             );
         }
         out += &not_tested(report);
@@ -171,12 +171,19 @@ fn not_tested(report: &CheckReport) -> String {
     )
 }
 
-/// A policy's counters as `name value, name value`.
-pub(crate) fn counter_list(counters: &[(String, u64)]) -> String {
-    let shown: Vec<String> = counters
+/// A policy's counters as `name value, name value`, and how many values under other
+/// names were left out.
+pub(crate) fn counter_list(counters: &[(String, u64)], left_out: u64) -> String {
+    let mut shown: Vec<String> = counters
         .iter()
         .map(|(name, value)| format!("{name} {value}"))
         .collect();
+    if left_out > 0 {
+        shown.push(format!(
+            "and {left_out} more values under other names (the first {} names are kept)",
+            allocbox_check::COUNTERS_KEPT
+        ));
+    }
     shown.join(", ")
 }
 
@@ -236,6 +243,7 @@ fn json_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> serde
             .iter()
             .map(|(name, value)| (name.clone(), serde_json::Value::from(*value)))
             .collect::<serde_json::Map<_, _>>(),
+        "counters_left_out": report.counters_left_out,
         "rule": rule,
         "message": message,
         "script": script,

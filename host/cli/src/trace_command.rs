@@ -147,7 +147,7 @@ pub(crate) fn run_replay_trace(
                 out += &format!(
                     "counters   {}: {}\n",
                     link.name,
-                    crate::check_command::counter_list(&link.counters)
+                    crate::check_command::counter_list(&link.counters, 0)
                 );
             }
             if let Some(latest) = link.recent_misuse.last() {
