@@ -355,6 +355,7 @@ fn many_random_gpu_frees_on_several_streams_all_reach_their_policy_and_nothing_l
 #[test]
 fn check_grant_device_checks_a_device_policy_on_the_stand_in_gpu() {
     let dir = tempdir("gpu-check");
+    let regressions = dir.join("regressions");
     let pool = allocbox_artifacts::GPU_POOL.path();
     let args = [
         "check",
@@ -383,6 +384,9 @@ fn check_grant_device_checks_a_device_policy_on_the_stand_in_gpu() {
         "kind=device",
         "-c",
         "abuse=read-region",
+        // Its failing seed is kept here, not in the user's cache.
+        "--regressions",
+        regressions.to_str().unwrap(),
     ];
     let (code, out) = allocbox_cli(&args, &dir);
     assert_eq!(code, 1, "{out}");
