@@ -3,6 +3,7 @@
 
 pub mod report;
 
+mod arguments;
 mod check_command;
 mod inspect;
 mod new_policy;
@@ -19,6 +20,10 @@ use allocbox_check::CheckOptions;
 use anyhow::{Context, Result, bail};
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
+use arguments::{
+    at_least_one, byte_size, check_seconds, client_threads, kind_grant, parse_compile_bound,
+    parse_key_value,
+};
 use check_command::{CheckArgs, run_check, run_replay};
 use inspect::inspect;
 use trace_command::{ReportArgs, config_per_policy, run_replay_trace, run_report};
@@ -42,21 +47,6 @@ struct Cli {
 
 /// The compile bounds of this process (`--compile-bound`), set by its first [`run`].
 static COMPILE_BOUNDS: std::sync::OnceLock<CompileBounds> = std::sync::OnceLock::new();
-
-fn parse_compile_bound(s: &str) -> Result<(CompileBound, u64)> {
-    let (name, value) = parse_key_value(s)?;
-    let Some(bound) = CompileBound::named(&name) else {
-        let names: Vec<&str> = CompileBound::ALL.iter().map(|b| b.name()).collect();
-        bail!(
-            "no compile bound is called `{name}`; the bounds are {}",
-            names.join(", ")
-        );
-    };
-    let value = value
-        .parse()
-        .with_context(|| format!("`{value}` is not a whole number for `{name}`"))?;
-    Ok((bound, value))
-}
 
 #[derive(Subcommand)]
 enum Command {
@@ -227,11 +217,6 @@ struct LimitArgs {
     grants: Vec<allocbox::mapped::KindGrant>,
 }
 
-/// One `--grant` name.
-fn kind_grant(s: &str) -> Result<allocbox::mapped::KindGrant> {
-    Ok(s.parse()?)
-}
-
 impl LimitArgs {
     fn limits(&self, call_time: Duration) -> Limits {
         let defaults = Limits::default();
@@ -256,77 +241,6 @@ impl LimitArgs {
 const CHECK_CALL_TIME: Duration = Duration::from_millis(250);
 /// How long `allocbox check` spends on a policy unless told otherwise.
 const DEFAULT_CHECK_TIME: Duration = Duration::from_secs(3);
-
-/// A count that must be 1 or more: a check of 0 cases or 0 threads checks nothing.
-fn at_least_one<T>(s: &str) -> Result<T>
-where
-    T: std::str::FromStr + PartialOrd + From<u8>,
-{
-    match s.parse::<T>() {
-        Ok(n) if n >= T::from(1) => Ok(n),
-        _ => bail!("`{s}` is not a whole number of at least 1"),
-    }
-}
-
-/// The longest `check --time`: a week.
-const MOST_CHECK_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
-
-/// Seconds a check may run: a number above 0, at most a week (so that no time budget
-/// is one that runs no case, or overflows a deadline).
-fn check_seconds(s: &str) -> Result<f64> {
-    match s.parse::<f64>() {
-        Ok(secs) if secs > 0.0 && secs <= MOST_CHECK_SECONDS => Ok(secs),
-        _ => bail!(
-            "`{s}` is not a time a check can run for: give seconds above 0 and at most \
-             {MOST_CHECK_SECONDS} (a week)"
-        ),
-    }
-}
-
-/// Client threads: 1 to the most a script can name.
-fn client_threads(s: &str) -> Result<usize> {
-    const MOST: usize = 256;
-    match at_least_one::<usize>(s)? {
-        n if n <= MOST => Ok(n),
-        _ => bail!("`{s}` threads: at most {MOST} client threads"),
-    }
-}
-
-/// Bytes, written as a number with an optional unit: `B`, `KiB`, `MiB`, `GiB`, `TiB`
-/// (and `K`, `M`, `G`, `T` for the same), `KB`, `MB`, `GB`, `TB` (powers of 1000); a
-/// space may stand between.
-fn byte_size(s: &str) -> Result<u64> {
-    let text = s.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let scale: u64 = match unit.trim() {
-        "" | "B" => 1,
-        "K" | "KiB" => 1 << 10,
-        "M" | "MiB" => 1 << 20,
-        "G" | "GiB" => 1 << 30,
-        "T" | "TiB" => 1 << 40,
-        "KB" => 1_000,
-        "MB" => 1_000_000,
-        "GB" => 1_000_000_000,
-        "TB" => 1_000_000_000_000,
-        other => bail!("`{other}` is not a unit of bytes in `{s}`: use B, KiB, MiB, GiB or TiB"),
-    };
-    number
-        .parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(scale))
-        .filter(|&n| n > 0)
-        .with_context(|| format!("`{s}` is not a size of at least 1 byte"))
-}
-
-fn parse_key_value(s: &str) -> Result<(String, String)> {
-    match s.split_once('=') {
-        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
-        _ => bail!("expected KEY=VALUE, got `{s}`"),
-    }
-}
 
 mod shipped {
     include!(concat!(env!("OUT_DIR"), "/shipped.rs"));

@@ -43,7 +43,10 @@ struct Pending {
 /// A block freed by its client, not yet given back to its policy.
 struct Waiting {
     addr: u64,
+    /// The size the client said, checked when the block is given back.
     size: u64,
+    /// The size the ledger has for it, counted in [`Pending::bytes`].
+    recorded: u64,
     /// One per stream the client named, each after the work queued before the free.
     events: Vec<Event>,
 }
@@ -137,13 +140,13 @@ impl DeviceHandler {
             drop(pending);
             self.give(ptr, size)?;
         } else {
-            // The size the client said is checked when the block is given back.
             let said = size.unwrap_or(recorded as u64);
             pending.addrs.insert(addr);
             pending.bytes += recorded as u64;
             pending.waiting.push_back(Waiting {
                 addr,
                 size: said,
+                recorded: recorded as u64,
                 events,
             });
             drop(pending);
@@ -194,10 +197,7 @@ impl DeviceHandler {
         for event in waiting.events {
             self.gpu.0.release(event);
         }
-        let recorded = to_ptr(waiting.addr)
-            .and_then(|p| self.handler.block_size(p))
-            .unwrap_or(0);
-        pending.bytes -= recorded as u64;
+        pending.bytes -= waiting.recorded;
         (waiting.addr, waiting.size)
     }
 

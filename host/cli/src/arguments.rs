@@ -1,0 +1,96 @@
+//! The values command-line options take, each parsed to its range or refused in one
+//! line that names the value and the range (clap prints it and exits 2).
+
+use allocbox::CompileBound;
+use anyhow::{Context, Result, bail};
+
+pub(crate) fn parse_compile_bound(s: &str) -> Result<(CompileBound, u64)> {
+    let (name, value) = parse_key_value(s)?;
+    let Some(bound) = CompileBound::named(&name) else {
+        let names: Vec<&str> = CompileBound::ALL.iter().map(|b| b.name()).collect();
+        bail!(
+            "no compile bound is called `{name}`; the bounds are {}",
+            names.join(", ")
+        );
+    };
+    let value = value
+        .parse()
+        .with_context(|| format!("`{value}` is not a whole number for `{name}`"))?;
+    Ok((bound, value))
+}
+
+/// One `--grant` name.
+pub(crate) fn kind_grant(s: &str) -> Result<allocbox::mapped::KindGrant> {
+    Ok(s.parse()?)
+}
+
+/// A count that must be 1 or more: a check of 0 cases or 0 threads checks nothing.
+pub(crate) fn at_least_one<T>(s: &str) -> Result<T>
+where
+    T: std::str::FromStr + PartialOrd + From<u8>,
+{
+    match s.parse::<T>() {
+        Ok(n) if n >= T::from(1) => Ok(n),
+        _ => bail!("`{s}` is not a whole number of at least 1"),
+    }
+}
+
+/// The longest `check --time`: a week.
+const MOST_CHECK_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
+
+/// Seconds a check may run: a number above 0, at most a week (so that no time budget
+/// is one that runs no case, or overflows a deadline).
+pub(crate) fn check_seconds(s: &str) -> Result<f64> {
+    match s.parse::<f64>() {
+        Ok(secs) if secs > 0.0 && secs <= MOST_CHECK_SECONDS => Ok(secs),
+        _ => bail!(
+            "`{s}` is not a time a check can run for: give seconds above 0 and at most \
+             {MOST_CHECK_SECONDS} (a week)"
+        ),
+    }
+}
+
+/// Client threads: 1 to the most a script can name.
+pub(crate) fn client_threads(s: &str) -> Result<usize> {
+    const MOST: usize = 256;
+    match at_least_one::<usize>(s)? {
+        n if n <= MOST => Ok(n),
+        _ => bail!("`{s}` threads: at most {MOST} client threads"),
+    }
+}
+
+/// Bytes, written as a number with an optional unit: `B`, `KiB`, `MiB`, `GiB`, `TiB`
+/// (and `K`, `M`, `G`, `T` for the same), `KB`, `MB`, `GB`, `TB` (powers of 1000); a
+/// space may stand between.
+pub(crate) fn byte_size(s: &str) -> Result<u64> {
+    let text = s.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "KiB" => 1 << 10,
+        "M" | "MiB" => 1 << 20,
+        "G" | "GiB" => 1 << 30,
+        "T" | "TiB" => 1 << 40,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        other => bail!("`{other}` is not a unit of bytes in `{s}`: use B, KiB, MiB, GiB or TiB"),
+    };
+    number
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(scale))
+        .filter(|&n| n > 0)
+        .with_context(|| format!("`{s}` is not a size of at least 1 byte"))
+}
+
+pub(crate) fn parse_key_value(s: &str) -> Result<(String, String)> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => bail!("expected KEY=VALUE, got `{s}`"),
+    }
+}
