@@ -29,6 +29,10 @@ pub struct CompileBounds {
     pub modules: u64,
     /// Bytes of WAT text, before it is parsed. Default 16 MiB.
     pub text_bytes: u64,
+    /// Bytes of the policy as given (its file's size, checked before the file is read).
+    /// Default 128 MiB: the sections the other bounds measure at their bounds, and room
+    /// for names and debug information.
+    pub file_bytes: u64,
 }
 
 impl Default for CompileBounds {
@@ -40,6 +44,7 @@ impl Default for CompileBounds {
             data_bytes: 32 << 20,
             modules: 32,
             text_bytes: 16 << 20,
+            file_bytes: 128 << 20,
         }
     }
 }
@@ -53,17 +58,19 @@ pub enum CompileBound {
     DataBytes,
     Modules,
     TextBytes,
+    FileBytes,
 }
 
 impl CompileBound {
     /// Every bound, in the order they are documented.
-    pub const ALL: [CompileBound; 6] = [
+    pub const ALL: [CompileBound; 7] = [
         CompileBound::Functions,
         CompileBound::CodeBytes,
         CompileBound::FunctionBytes,
         CompileBound::DataBytes,
         CompileBound::Modules,
         CompileBound::TextBytes,
+        CompileBound::FileBytes,
     ];
 
     /// Its name on the command line, in Python and in JSON: `functions`, `code-bytes`...
@@ -75,6 +82,7 @@ impl CompileBound {
             CompileBound::DataBytes => "data-bytes",
             CompileBound::Modules => "modules",
             CompileBound::TextBytes => "text-bytes",
+            CompileBound::FileBytes => "file-bytes",
         }
     }
 
@@ -93,6 +101,7 @@ impl fmt::Display for CompileBound {
             CompileBound::DataBytes => "bytes of data segments",
             CompileBound::Modules => "core modules",
             CompileBound::TextBytes => "bytes of WAT text",
+            CompileBound::FileBytes => "bytes in its file",
         })
     }
 }
@@ -107,6 +116,7 @@ impl CompileBounds {
             CompileBound::DataBytes => self.data_bytes,
             CompileBound::Modules => self.modules,
             CompileBound::TextBytes => self.text_bytes,
+            CompileBound::FileBytes => self.file_bytes,
         }
     }
 
@@ -119,7 +129,39 @@ impl CompileBounds {
             CompileBound::DataBytes => &mut self.data_bytes,
             CompileBound::Modules => &mut self.modules,
             CompileBound::TextBytes => &mut self.text_bytes,
+            CompileBound::FileBytes => &mut self.file_bytes,
         } = value;
+    }
+
+    /// Refuse a policy of more than [`CompileBounds::file_bytes`], whatever it holds.
+    pub(crate) fn check_file_len(&self, len: u64) -> Result<(), Exceeded> {
+        self.within(CompileBound::FileBytes, len)
+    }
+
+    /// The bytes of the policy file at `path`, refused past
+    /// [`CompileBounds::file_bytes`] before they are read: by the file's size, and
+    /// for what has no size (a pipe, a file that grows) by reading one byte more than
+    /// the bound at most.
+    pub(crate) fn read_file(&self, path: &std::path::Path) -> Result<Vec<u8>, ReadRefused> {
+        use std::io::Read;
+        let file = std::fs::File::open(path).map_err(ReadRefused::Io)?;
+        let known = file.metadata().map_err(ReadRefused::Io)?;
+        if known.is_dir() {
+            return Err(ReadRefused::Io(std::io::Error::from(
+                std::io::ErrorKind::IsADirectory,
+            )));
+        }
+        if known.is_file() {
+            self.check_file_len(known.len())
+                .map_err(ReadRefused::Bound)?;
+        }
+        let mut bytes = Vec::new();
+        file.take(self.file_bytes.saturating_add(1))
+            .read_to_end(&mut bytes)
+            .map_err(ReadRefused::Io)?;
+        self.check_file_len(bytes.len() as u64)
+            .map_err(ReadRefused::Bound)?;
+        Ok(bytes)
     }
 
     /// Refuse WAT text longer than [`CompileBounds::text_bytes`] before parsing it.
@@ -183,6 +225,13 @@ pub(crate) struct Exceeded {
     pub(crate) limit: u64,
 }
 
+/// Why a policy file was not read: the OS said no, or it is past a bound.
+#[derive(Debug)]
+pub(crate) enum ReadRefused {
+    Io(std::io::Error),
+    Bound(Exceeded),
+}
+
 /// What a binary has, so far as it was read.
 #[derive(Debug, Default)]
 struct Shape {
@@ -237,6 +286,7 @@ mod tests {
             data_bytes: 100,
             modules: 1,
             text_bytes: 50,
+            file_bytes: 60,
         };
         assert_eq!(refused(&tight, &module(10, 1, 100)), None);
         assert_eq!(
@@ -261,6 +311,59 @@ mod tests {
                 ..
             })
         ));
+        assert!(tight.check_file_len(60).is_ok());
+        assert!(matches!(
+            tight.check_file_len(61),
+            Err(Exceeded {
+                bound: CompileBound::FileBytes,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn a_file_past_the_bound_is_refused_by_its_size_before_it_is_read() {
+        let folder = std::env::temp_dir().join(format!("allocbox-bounds-{}", std::process::id()));
+        std::fs::create_dir_all(&folder).unwrap();
+        let path = folder.join("huge.wasm");
+        // Sparse: 2 GiB that take no disk and would take 2 GiB to read.
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(2 << 30)
+            .unwrap();
+        let refused = CompileBounds::default().read_file(&path);
+        assert!(
+            matches!(
+                refused,
+                Err(ReadRefused::Bound(Exceeded {
+                    bound: CompileBound::FileBytes,
+                    asked: 2147483648,
+                    ..
+                }))
+            ),
+            "{refused:?}"
+        );
+        let small = folder.join("small.wat");
+        std::fs::write(&small, "(component)").unwrap();
+        assert_eq!(
+            CompileBounds::default().read_file(&small).unwrap(),
+            b"(component)"
+        );
+        std::fs::remove_dir_all(&folder).unwrap();
+    }
+
+    #[test]
+    fn a_stream_past_the_bound_is_refused_after_one_byte_more_than_it_allows() {
+        let bounds = CompileBounds {
+            file_bytes: 10,
+            ..CompileBounds::default()
+        };
+        // /dev/zero has no size: only reading finds it endless.
+        let refused = bounds.read_file(std::path::Path::new("/dev/zero"));
+        assert!(
+            matches!(refused, Err(ReadRefused::Bound(Exceeded { asked: 11, .. }))),
+            "{refused:?}"
+        );
     }
 
     #[test]

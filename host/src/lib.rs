@@ -32,6 +32,6 @@ pub use native::NumpyDefault;
 pub use nep49::Buffer;
 pub use runtime::{
     COMPILE_CACHE_ENV, DEFAULT_POLICY_WAT, POLICY_WIT, POLICY_WIT_2, Policy, Runtime,
-    WORLD_PACKAGE, WORLD_VERSION, WORLD_VERSION_2, cache_dir, compile_cache_dir,
+    WORLD_PACKAGE, WORLD_VERSION, WORLD_VERSION_2, cache_dir, compile_cache_dir, read_policy_file,
 };
 pub use system::{Adversary, FRESH_MEMORY, Injected, QUARANTINE_POISON, Refusal, SYSTEM_ALIGNMENT};

@@ -70,6 +70,7 @@ const UNBOUNDED: CompileBounds = CompileBounds {
     data_bytes: u64::MAX,
     modules: u64::MAX,
     text_bytes: u64::MAX,
+    file_bytes: u64::MAX,
 };
 
 /// SHA-256 of a policy's bytes.
@@ -215,10 +216,7 @@ impl Runtime {
         bounds: &CompileBounds,
     ) -> Result<Policy, LoadError> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|error| LoadError::Io {
-            path: path.display().to_string(),
-            error,
-        })?;
+        let bytes = read_policy_file(path, bounds)?;
         self.load_named(&bytes, &path.display().to_string(), bounds)
     }
 
@@ -250,6 +248,7 @@ impl Runtime {
         bounds: &CompileBounds,
     ) -> Result<Policy, LoadError> {
         use sha2::Digest;
+        bounds.check_file_len(bytes.len() as u64)?;
         let key: PolicyDigest = sha2::Sha256::digest(bytes).into();
         let hit = self.inner.compiled.lock().get(&key).and_then(|hit| {
             (*hit.loaded_from == *bytes)
@@ -481,6 +480,20 @@ impl Runtime {
 /// package at `version`: a policy speaks one version) and the WASI the sandbox serves
 /// (`crate::wasi::SERVED`), naming the first such import: an allow-list, checked before
 /// anything is instantiated.
+/// The bytes of the policy (or hook) file at `path`, refused as
+/// [`LoadError::CompileBound`] past `bounds.file_bytes` before they are read, so a
+/// file far past every bound costs a `stat`, not its size in memory.
+pub fn read_policy_file(path: &Path, bounds: &CompileBounds) -> Result<Vec<u8>, LoadError> {
+    use crate::compile_bounds::ReadRefused;
+    bounds.read_file(path).map_err(|refused| match refused {
+        ReadRefused::Io(error) => LoadError::Io {
+            path: path.display().to_string(),
+            error,
+        },
+        ReadRefused::Bound(exceeded) => exceeded.into(),
+    })
+}
+
 fn refuse_unserved_imports(
     component: &Component,
     engine: &Engine,

@@ -165,7 +165,16 @@ def _recording_ends_before_shutdown(policy):
     (what leaked). `finish_recording()` ends it earlier."""
     import atexit
 
-    atexit.register(policy.finish_recording)
+    def finish():
+        try:
+            policy.finish_recording()
+        except AllocboxError as e:
+            # At exit there is no caller to raise to: said in one line, not a traceback.
+            stream = sys.stderr
+            if stream is not None and not getattr(stream, "closed", False):
+                print(f"allocbox: {e}", file=stream)
+
+    atexit.register(finish)
     return policy
 
 

@@ -56,10 +56,8 @@ def pytest_configure(config):
     global _policy, _restore_threads
     source = os.environ.get("ALLOCBOX_POLICY")
     record = config.getoption("allocbox_record", None)
-    if record is not None and not os.path.isdir(os.path.dirname(os.path.abspath(record))):
-        raise pytest.UsageError(
-            f"--allocbox-record {record}: its folder does not exist; name a file in a folder that does"
-        )
+    if record is not None:
+        record = _trace_path(record)
     if not source:
         for variable in ("ALLOCBOX_CONFIG", "ALLOCBOX_GRANT"):
             if os.environ.get(variable):
@@ -69,7 +67,10 @@ def pytest_configure(config):
                 )
         if record is None:
             return
-        _policy = allocbox.native_default(record=record)
+        try:
+            _policy = allocbox.native_default(record=record)
+        except allocbox.AllocboxError as error:
+            raise pytest.UsageError(f"--allocbox-record {record}: {error}") from None
     else:
         settings = _settings(os.environ.get("ALLOCBOX_CONFIG", ""))
         grant = [kind.strip() for kind in os.environ.get("ALLOCBOX_GRANT", "").split(",") if kind.strip()]
@@ -81,6 +82,19 @@ def pytest_configure(config):
             raise pytest.UsageError(f"ALLOCBOX_GRANT={os.environ['ALLOCBOX_GRANT']}: {error}") from None
     allocbox.set_handler(_policy)
     _restore_threads = allocbox._start_threads_with(_policy)
+
+
+def _trace_path(record):
+    """The trace's path, absolute (tests may change directory), or a usage error
+    naming what is wrong with it."""
+    path = os.path.abspath(record)
+    if os.path.isdir(path):
+        raise pytest.UsageError(f"--allocbox-record {record}: that is a folder; name a file to write the trace to")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise pytest.UsageError(
+            f"--allocbox-record {record}: its folder does not exist; name a file in a folder that does"
+        )
+    return path
 
 
 def pytest_unconfigure(config):
@@ -132,7 +146,13 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_sessionfinish(session, exitstatus):
     if _policy is not None:
         # The recording ends with the last test: what is live now is what leaked.
-        _policy.finish_recording()
+        try:
+            _policy.finish_recording()
+        except allocbox.AllocboxError as error:
+            session.exitstatus = 1
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"allocbox: {error}", red=True, bold=True)
     if _policy is not None and _policy.failure is not None:
         session.exitstatus = 1
         # Before pytest's own summary (its failures are this one's consequences).

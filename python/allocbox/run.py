@@ -20,10 +20,15 @@ and says how each compares with NumPy's default on this program.
 The program's exit status is the command's; at the end a few lines on standard error
 say what the policy saw. Input that cannot be used (a script or module that is not
 there, a policy that will not load, a trace that cannot be written) is one sentence
-and exit status 2, before the program starts. Child processes are not covered: a
-`multiprocessing` child runs under NumPy's default handler, and is not recorded.
+and exit status 2, before the program starts. Otherwise the program sees what `python
+SCRIPT` or `python -m MODULE` gives it: its own `__main__`, `sys.argv`, standard
+streams and `sys.excepthook`, the same traceback and exit status (`--` ends the options
+before a script's name). Paths given to `run` are resolved before the program starts,
+so a program that changes directory changes nothing of them. A forked child records
+into a file of its own beside the trace (`TRACE.PID`) and prints no summary.
 """
 
+import importlib.machinery
 import importlib.util
 import os
 import runpy
@@ -77,13 +82,19 @@ def parse(argv):
         elif arg == "--grant":
             grant += [kind.strip() for kind in value.split(",") if kind.strip()]
         elif arg == "--record":
-            record = value
+            # Resolved now: the program may change directory before the trace is read.
+            record = os.path.abspath(value)
         elif arg == "--report":
-            report["page"] = value
+            report["page"] = os.path.abspath(value)
         elif arg == "--compare":
             report["compare"] += [name.strip() for name in value.split(",") if name.strip()]
         elif arg == "-m":
             return chain, grant, (record, sites), report, ("module", value), args
+        elif arg == "--":
+            # As for any command: what follows is the program, even a name with a dash.
+            if not args:
+                raise UsageError(f"name the program to run after --: {USAGE}")
+            return chain, grant, (record, sites), report, ("script", args.pop(0)), args
         elif arg.startswith("-") and arg != "-":
             raise UsageError(f"{arg} is not an option of allocbox run: {USAGE}")
         else:
@@ -178,32 +189,105 @@ def write_report(report, chain, record):
 
 
 def run_program(kind, target, args, kept):
-    """Run the program as `python SCRIPT` or `python -m MODULE` would; returns its exit
-    status, and puts its module's globals in `kept` (as `python` keeps `__main__`'s
-    until it shuts down, so what they hold is live where the recording ends).
-    KeyboardInterrupt goes on up, as it does without allocbox."""
+    """Run the program as `python SCRIPT` or `python -m MODULE` would, in a `__main__`
+    module of its own; returns its exit status, and puts that module in `kept` (as
+    `python` keeps `__main__` until it shuts down, so what its globals hold is live
+    where the recording ends). An uncaught exception goes to `sys.excepthook` (the
+    program's own, if it set one) with the frames of `allocbox run` taken off, so the
+    traceback is the one `python` prints; a KeyboardInterrupt is printed so and raised
+    again, to end the process as Ctrl-C ends `python`."""
     sys.argv = [target, *args]
     # As `python` sets it: the script's folder, or for -m the current one.
     sys.path[0] = os.path.dirname(os.path.abspath(target)) if kind == "script" else os.getcwd()
     try:
-        if kind == "script":
-            kept.append(runpy.run_path(target, run_name="__main__"))
+        if kind == "module":
+            # What `python -m` itself calls: the module runs in `sys.modules["__main__"]`
+            # (a fresh one, not the module that runs allocbox), and its traceback has
+            # the same two frames of runpy's.
+            _fresh_main(kept)
+            runpy._run_module_as_main(target, alter_argv=True)
         else:
-            kept.append(runpy.run_module(target, run_name="__main__", alter_sys=True))
+            _run_script(os.path.abspath(target), kept)
     except SystemExit as e:
-        code = e.code
-        if code is None:
-            return 0
-        if isinstance(code, int):
-            return code
-        print(code, file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        raise
-    except BaseException:
-        traceback.print_exc()
+        return _exit_status(e)
+    except BaseException as e:  # noqa: B036 - the program's, given to its excepthook
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        try:
+            sys.excepthook(type(e), e, tb)
+        except SystemExit as exit:
+            return _exit_status(exit)
+        except BaseException as hook_error:  # noqa: B036 - printed as python prints it
+            print("Error in sys.excepthook:", file=sys.stderr)
+            sys.__excepthook__(type(hook_error), hook_error, hook_error.__traceback__)
+            print("\nOriginal exception was:", file=sys.stderr)
+            sys.__excepthook__(type(e), e, tb)
+        if isinstance(e, KeyboardInterrupt):
+            # Printed already: the interpreter's own report of it would repeat it.
+            sys.excepthook = lambda *_: None
+            raise _Interrupted() from None
         return 1
     return 0
+
+
+class _Interrupted(KeyboardInterrupt):
+    """The program's KeyboardInterrupt, already printed: raised on to the interpreter,
+    which ends the process as Ctrl-C does (by SIGINT, after `atexit`)."""
+
+
+def _run_script(path, kept):
+    """`python SCRIPT`: the script compiled under its absolute path (`python` names it
+    so in tracebacks and `__file__`) and run in a fresh `__main__`, which stays in
+    `sys.modules` (pickling and `multiprocessing` find the program's classes there). A
+    zip file or a folder with `__main__.py` runs as `python` runs those, by runpy."""
+    import io
+
+    if not os.path.isfile(path) or _is_zip(path):
+        kept.append(runpy.run_path(path, run_name="__main__"))
+        return
+    with io.open_code(path) as file:
+        source = file.read()
+    main = _fresh_main(kept)
+    main.__file__ = path
+    main.__cached__ = None
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    main.__spec__ = None
+    code = compile(source, path, "exec", dont_inherit=True)
+    exec(code, main.__dict__)
+
+
+def _fresh_main(kept):
+    """A new, empty `__main__` module in `sys.modules`, kept in `kept`."""
+    import builtins
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    kept.append(main)
+    return main
+
+
+def _is_zip(path):
+    import zipfile
+
+    try:
+        return zipfile.is_zipfile(path)
+    except OSError:
+        return False
+
+
+def _exit_status(e):
+    """The exit status `python` gives a SystemExit: its code, 0 for none, or 1 after
+    printing any other value."""
+    code = e.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
 
 
 def size_text(n):
@@ -238,6 +322,20 @@ def summary(handler, record):
     return lines
 
 
+def _say(lines):
+    """Print allocbox's own lines to the program's standard error, if it still has
+    one."""
+    stream = sys.stderr
+    if stream is None or getattr(stream, "closed", False):
+        return
+    try:
+        for line in lines:
+            print(line, file=stream)
+        stream.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv):
     try:
         chain, grant, recording, report, (kind, target), args = parse(argv)
@@ -250,25 +348,79 @@ def main(argv):
         return 2
     import allocbox
 
+    started_in = os.getpid()
+    if record is not None:
+        _finish_in_children(handler)
     code = None
     kept = []
     try:
         with allocbox.use(handler, threads=True):
             code = run_program(kind, target, args, kept)
     finally:
-        # The recording ends with the program: what is live now is what it leaked.
-        try:
-            handler.finish_recording()
-        except allocbox.AllocboxError as e:
-            print(f"allocbox: the trace {record!r} could not be written: {e}", file=sys.stderr)
-            code = code or 1
-        sys.stdout.flush()
-        for line in summary(handler, None if "temporary" in report else record):
-            print(line, file=sys.stderr)
+        if os.getpid() == started_in:
+            code = _end(handler, record, report, code)
+    if os.getpid() != started_in:
+        # A child the program forked that returned here: it ends as the program's
+        # code did, with no summary of its own (the process that started says it).
+        return code
     if report["page"] is not None:
         write_report(report, chain, record)
     if "temporary" in report:
         import shutil
 
         shutil.rmtree(report["temporary"], ignore_errors=True)
+    return code
+
+
+class _ChildRecording:
+    """A forked child's recording (`TRACE.PID`), ended as the child ends: by
+    `atexit` where it exits, or, for a `multiprocessing` child, which leaves by
+    `os._exit`, by one of multiprocessing's own exit finalizers."""
+
+    def __init__(self, handler):
+        self.handler = handler
+        self.registered = False
+
+    def before_fork(self):
+        # Only once multiprocessing is there: importing it for a program that does not
+        # would change what the program sees.
+        util = sys.modules.get("multiprocessing.util")
+        if util is not None and not self.registered:
+            self.registered = True
+            util.register_after_fork(self, _ChildRecording.in_child)
+
+    def in_child(self):
+        import multiprocessing.util
+
+        multiprocessing.util.Finalize(None, self.finish, exitpriority=0)
+
+    def finish(self):
+        try:
+            self.handler.finish_recording()
+        except Exception as e:  # noqa: BLE001 - said in one line, as the parent would
+            _say([f"allocbox: {e}"])
+
+
+def _finish_in_children(handler):
+    child = _ChildRecording(handler)
+    _finish_in_children.kept = child
+    os.register_at_fork(before=child.before_fork)
+
+
+def _end(handler, record, report, code):
+    """End the recording where the program ended (what is live now is what it
+    leaked) and say what the policy saw; returns the exit status."""
+    import allocbox
+
+    lines = []
+    try:
+        handler.finish_recording()
+    except allocbox.AllocboxError as e:
+        lines.append(f"allocbox: {e}")
+        code = code or 1
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError, AttributeError):
+        pass
+    _say(lines + summary(handler, None if "temporary" in report else record))
     return code

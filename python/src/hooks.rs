@@ -61,7 +61,7 @@ pub(crate) fn load_hook(
     name: &str,
     call_time: Option<f64>,
 ) -> PyResult<EventHook> {
-    let (bytes, _) = source_bytes(source)?;
+    let (bytes, _) = source_bytes(source, &allocbox::CompileBounds::default())?;
     let limits = Limits {
         call_time: call_time_or_default(call_time)?,
         ..Limits::default()

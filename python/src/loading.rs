@@ -38,16 +38,22 @@ fn compile_bounds_from(given: Option<Bound<'_, PyDict>>) -> PyResult<CompileBoun
     Ok(bounds)
 }
 
-/// A policy's bytes and a label for it, from a path or bytes.
-pub(crate) fn source_bytes(source: &Bound<'_, PyAny>) -> PyResult<(Vec<u8>, String)> {
+/// A policy's bytes and a label for it, from a path or bytes; a file past
+/// `bounds.file_bytes` is refused before it is read.
+pub(crate) fn source_bytes(
+    source: &Bound<'_, PyAny>,
+    bounds: &CompileBounds,
+) -> PyResult<(Vec<u8>, String)> {
     if let Ok(b) = source.cast::<PyBytes>() {
         return Ok((b.as_bytes().to_vec(), "<bytes>".into()));
     }
     let path: PathBuf = source
         .extract()
         .map_err(|_| PyTypeError::new_err("a policy is a path or bytes"))?;
-    let bytes = std::fs::read(&path)
-        .map_err(|e| LoadError::new_err(format!("cannot read `{}`: {e}", path.display())))?;
+    let bytes = allocbox::read_policy_file(&path, bounds).map_err(|e| match e {
+        allocbox::LoadError::Io { .. } => LoadError::new_err(e.to_string()),
+        _ => LoadError::new_err(format!("`{}`: {e}", path.display())),
+    })?;
     Ok((bytes, path.display().to_string()))
 }
 
@@ -123,7 +129,7 @@ pub(crate) fn chain_builder(
                 }
                 Err(_) => (item.clone(), Vec::new()),
             };
-        let (bytes, label) = source_bytes(&source)?;
+        let (bytes, label) = source_bytes(&source, &compile_bounds)?;
         let name = names.get(at).cloned().flatten().unwrap_or(label);
         let policy = runtime
             .load_named(&bytes, &name, &compile_bounds)

@@ -205,8 +205,13 @@ impl Policy {
     /// frees (what leaked, where the recording ends).
     fn finish_recording(&self) -> PyResult<()> {
         if let Some(r) = &self.recorder {
-            r.finish()
-                .map_err(|e| AllocboxError::new_err(e.to_string()))?;
+            r.finish().map_err(|e| {
+                let file = r.file().map(|f| format!(" `{}`", f.display()));
+                AllocboxError::new_err(format!(
+                    "the trace{} could not be written: {e}",
+                    file.unwrap_or_default()
+                ))
+            })?;
         }
         Ok(())
     }

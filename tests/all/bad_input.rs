@@ -14,11 +14,11 @@ fn run(name: &str, args: &[&str]) -> (i32, String, std::path::PathBuf) {
 fn counts_of_zero_and_too_many_threads_are_refused() {
     for (flag, value, says) in [
         ("--cases", "0", "at least 1"),
-        ("--max-ops", "0", "at least 1"),
-        ("--threads", "0", "at least 1"),
-        ("--threads", "1000", "at most 256"),
-        ("--call-time-ms", "0", "at least 1"),
-        ("--batch-limit", "0", "at least 1"),
+        ("--max-ops", "0", "from 1 to 100000"),
+        ("--threads", "0", "from 1 to 256"),
+        ("--threads", "1000", "from 1 to 256"),
+        ("--call-time-ms", "0", "from 1 to 3600000"),
+        ("--batch-limit", "0", "from 1 to 1048576"),
     ] {
         let (code, out, _) = run("zero-counts", &["check", flag, value]);
         assert_eq!(code, 2, "{flag} {value}: {out}");
@@ -27,6 +27,68 @@ fn counts_of_zero_and_too_many_threads_are_refused() {
             "{flag} {value}: {out}"
         );
     }
+}
+
+/// Found in issue 52's class of numeric options: values past what the host can hold
+/// (a deadline of 2^64 ms, a batch of 2^32 blocks, a memory past what wasm addresses)
+/// are each one line naming the range, exit 2, never a panic.
+#[test]
+fn numbers_past_what_the_host_can_hold_name_their_range_and_exit_2() {
+    for (flag, value, says) in [
+        (
+            "--call-time-ms",
+            "18446744073709551615",
+            "from 1 to 3600000",
+        ),
+        ("--batch-limit", "4294967295", "from 1 to 1048576"),
+        ("--max-ops", "18446744073709551615", "from 1 to 100000"),
+        ("--guest-memory", "1TiB", "at most 4 GiB"),
+        ("--overhead", "8192 TiB", "at most 1 PiB"),
+        ("--overhead", "16777216 TiB", "more bytes than can be counted"),
+        ("--overhead", "99999999999999999999", "at least 1 byte"),
+        ("--seed", "-1", "-1"),
+    ] {
+        let (code, out, _) = run("too-large", &["check", flag, value]);
+        assert_eq!(code, 2, "{flag} {value}: {out}");
+        assert!(out.contains(says), "{flag} {value}: {out}");
+        assert!(!out.contains("panicked"), "{flag} {value}: {out}");
+    }
+}
+
+/// Found in issue 52: a 2 GB (sparse) file given as a policy took +2 GB resident and
+/// 7-10 s before the refusal: the file is now judged by its size, before it is read.
+#[test]
+fn a_policy_file_past_the_file_bound_is_refused_by_its_size_before_it_is_read() {
+    let dir = tempdir("huge-policy");
+    std::fs::File::create(dir.join("huge.wasm"))
+        .unwrap()
+        .set_len(2 << 30)
+        .unwrap();
+    let (code, out, peak) = allocbox_cli_peak_rss(&["check", "huge.wasm"], &dir);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("huge.wasm")
+            && out.contains("2147483648 bytes in its file")
+            && out.contains("file-bytes"),
+        "{out}"
+    );
+    assert!(peak < 512 << 10, "refusing it took {peak} KiB resident");
+}
+
+/// Found in issue 52: a script of more than a script can be is refused by its size.
+#[test]
+fn a_replay_script_past_its_bound_is_refused_by_its_size() {
+    let dir = tempdir("huge-script");
+    std::fs::File::create(dir.join("huge.script"))
+        .unwrap()
+        .set_len(1 << 30)
+        .unwrap();
+    let (code, out) = allocbox_cli(&["replay", "huge.script", "builtin"], &dir);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("huge.script") && out.contains("more than 67108864 bytes"),
+        "{out}"
+    );
 }
 
 #[test]

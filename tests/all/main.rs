@@ -3,6 +3,7 @@
 mod support;
 
 mod bad_input;
+mod bad_traces;
 mod chain;
 mod chaos;
 mod check;

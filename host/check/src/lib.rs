@@ -143,7 +143,20 @@ pub fn check(
             if out_of_time && first_failure.get().is_none() {
                 return Ok(());
             }
-            let (script, finding) = subject.run(&case);
+            // While no case has failed, a case stops at the time budget; shrinking a
+            // failure runs each trial whole, to its own bound.
+            let deadline = match first_failure.get() {
+                None => options.time.map(|t| start + t),
+                Some(_) => None,
+            };
+            let (script, finding) = match subject.run(&case, deadline) {
+                Ok(judged) => judged,
+                Err(unfinished) => {
+                    // Ran, but not to its end: no case, nothing to judge.
+                    ops.fetch_add(unfinished.len() as u64, Ordering::Relaxed);
+                    return Ok(());
+                }
+            };
             let ops = ops.fetch_add(script.len() as u64, Ordering::Relaxed) + script.len() as u64;
             let cases = cases.fetch_add(1, Ordering::Relaxed) + 1;
             if let Some(progress) = &options.progress {
@@ -250,7 +263,7 @@ pub fn replay(
             path: script.path,
             threads: vec![ops.clone()],
         };
-        return Ok(subject.run(&case).1);
+        return Ok(subject.run(&case, None).ok().and_then(|judged| judged.1));
     }
     let (handler, adversary) = subject.start(script.path)?;
     // Operations reach the handler in the recorded order; a script without one runs its

@@ -3,6 +3,7 @@
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use std::sync::Arc;
 
@@ -372,8 +373,19 @@ impl Subject<'_> {
 
     /// Run a case's threads (one op list per client thread), then free everything,
     /// trim, and look for leaks. Returns the resolved script and the first finding.
-    pub(super) fn run(&self, case: &Case) -> (Script, Option<Finding>) {
+    /// Past `deadline` no operation starts: the case ends where it is, unjudged (the
+    /// handler is dropped, which calls no policy), so a check's time budget holds
+    /// within one call of the policy whatever each call costs. `None`: the case
+    /// ended so, with the operations it ran.
+    pub(super) fn run(
+        &self,
+        case: &Case,
+        deadline: Option<Instant>,
+    ) -> Result<(Script, Option<Finding>), Script> {
         let threads = &case.threads;
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(Script::default());
+        }
         let (handler, adversary) = match self.start(case.path) {
             Ok(started) => started,
             Err(e) => {
@@ -381,7 +393,7 @@ impl Subject<'_> {
                     rule: "start",
                     message: e.to_string(),
                 };
-                return (Script::default(), Some(finding));
+                return Ok((Script::default(), Some(finding)));
             }
         };
         // Before anything runs: a policy that fails is no longer served from magazines.
@@ -394,9 +406,9 @@ impl Subject<'_> {
                 &handler,
                 &adversary,
                 self.hook,
-                0,
-                &threads[0],
+                (0, &threads[0]),
                 &clock,
+                deadline,
             )]
         } else {
             std::thread::scope(|s| {
@@ -406,7 +418,9 @@ impl Subject<'_> {
                     .map(|(t, ops)| {
                         let (handler, adversary, clock) = (&handler, &*adversary, &clock);
                         let hook = self.hook;
-                        s.spawn(move || run_client(handler, adversary, hook, t, ops, clock))
+                        s.spawn(move || {
+                            run_client(handler, adversary, hook, (t, ops), clock, deadline)
+                        })
                     })
                     .collect();
                 running
@@ -422,6 +436,7 @@ impl Subject<'_> {
         };
         let mut finding = None;
         let mut turns = Vec::new();
+        let unfinished = results.iter().any(|ran| ran.unfinished);
         for (thread, ran) in results.into_iter().enumerate() {
             turns.extend(ran.tickets.iter().map(|&ticket| (ticket, thread)));
             script.threads.push(ran.ops);
@@ -431,11 +446,14 @@ impl Subject<'_> {
             turns.sort_unstable();
             script.order = turns.into_iter().map(|(_, thread)| thread).collect();
         }
+        if unfinished && finding.is_none() {
+            return Err(script);
+        }
         if finding.is_none() {
             finding = leak_check(&handler);
         }
         self.tally(&handler, &adversary);
-        (script, finding.map(|f| f.after_refusals(&adversary)))
+        Ok((script, finding.map(|f| f.after_refusals(&adversary))))
     }
 }
 
@@ -455,20 +473,30 @@ pub(super) struct Ran {
     ops: Vec<Op>,
     tickets: Vec<u64>,
     finding: Option<Finding>,
+    /// Stopped at the deadline: nothing was freed, and there is nothing to judge.
+    unfinished: bool,
 }
 
 pub(super) fn run_client(
     handler: &Handler,
     adversary: &Adversary,
     hook: Option<&WasmHook>,
-    thread: usize,
-    ops: &[Op],
+    (thread, ops): (usize, &[Op]),
     clock: &AtomicU64,
+    deadline: Option<Instant>,
 ) -> Ran {
     let mut client = Client::new(handler, adversary, hook, thread);
     let mut tickets = Vec::new();
     let mut finding = None;
     for op in ops {
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ran {
+                ops: client.ran,
+                tickets,
+                finding: None,
+                unfinished: true,
+            };
+        }
         let ticket = clock.fetch_add(1, Ordering::Relaxed);
         let before = client.ran.len();
         let result = client.run(op);
@@ -489,6 +517,7 @@ pub(super) fn run_client(
         ops: client.ran,
         tickets,
         finding,
+        unfinished: false,
     }
 }
 

@@ -35,6 +35,50 @@ where
     }
 }
 
+/// A whole number from `lo` to `hi`, or one line naming the range.
+fn whole_in<T>(s: &str, lo: T, hi: T, what: &str) -> Result<T>
+where
+    T: std::str::FromStr + PartialOrd + std::fmt::Display,
+{
+    match s.trim().parse::<T>() {
+        Ok(n) if n >= lo && n <= hi => Ok(n),
+        _ => bail!("`{s}` is not {what}: give a whole number from {lo} to {hi}"),
+    }
+}
+
+/// `--call-time-ms`: 1 ms to an hour (a deadline past that is no bound on a call).
+pub(crate) fn call_time_ms(s: &str) -> Result<u64> {
+    whole_in(s, 1, 3_600_000, "a call limit in ms")
+}
+
+/// `--batch-limit`: 1 to 2^20 blocks in one batch call.
+pub(crate) fn batch_limit(s: &str) -> Result<u32> {
+    whole_in(s, 1, 1 << 20, "a batch limit")
+}
+
+/// `--max-ops`: 1 to 100,000 operations in one case.
+pub(crate) fn max_ops(s: &str) -> Result<usize> {
+    whole_in(s, 1, 100_000, "a number of operations per case")
+}
+
+/// `--guest-memory`: a size up to 4 GiB, all a 32-bit wasm memory can address.
+pub(crate) fn guest_memory(s: &str) -> Result<u64> {
+    let bytes = byte_size(s)?;
+    match bytes <= 4 << 30 {
+        true => Ok(bytes),
+        false => bail!("`{s}` is more than a policy's memory can be: give at most 4 GiB"),
+    }
+}
+
+/// `--overhead`: a size up to 1 PiB.
+pub(crate) fn overhead(s: &str) -> Result<u64> {
+    let bytes = byte_size(s)?;
+    match bytes <= 1 << 50 {
+        true => Ok(bytes),
+        false => bail!("`{s}` is more overhead than any machine holds: give at most 1 PiB"),
+    }
+}
+
 /// The longest `check --time`: a week.
 const MOST_CHECK_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
 
@@ -52,11 +96,7 @@ pub(crate) fn check_seconds(s: &str) -> Result<f64> {
 
 /// Client threads: 1 to the most a script can name.
 pub(crate) fn client_threads(s: &str) -> Result<usize> {
-    const MOST: usize = 256;
-    match at_least_one::<usize>(s)? {
-        n if n <= MOST => Ok(n),
-        _ => bail!("`{s}` threads: at most {MOST} client threads"),
-    }
+    whole_in(s, 1, 256, "a number of client threads")
 }
 
 /// Bytes, written as a number with an optional unit: `B`, `KiB`, `MiB`, `GiB`, `TiB`
@@ -80,12 +120,13 @@ pub(crate) fn byte_size(s: &str) -> Result<u64> {
         "TB" => 1_000_000_000_000,
         other => bail!("`{other}` is not a unit of bytes in `{s}`: use B, KiB, MiB, GiB or TiB"),
     };
-    number
+    let n = number
         .parse::<u64>()
         .ok()
-        .and_then(|n| n.checked_mul(scale))
         .filter(|&n| n > 0)
-        .with_context(|| format!("`{s}` is not a size of at least 1 byte"))
+        .with_context(|| format!("`{s}` is not a size of at least 1 byte"))?;
+    n.checked_mul(scale)
+        .with_context(|| format!("`{s}` is more bytes than can be counted: give a smaller size"))
 }
 
 pub(crate) fn parse_key_value(s: &str) -> Result<(String, String)> {

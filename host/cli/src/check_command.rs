@@ -46,6 +46,15 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
             bar.finish();
         }
         let report = report?;
+        if report.failure.is_none() && report.cases == 0 {
+            bail!(
+                "no case of `{label}` ran to its end in the time given ({} operations in \
+                 {:.2} s): nothing was judged, so nothing is said to hold; give --time \
+                 more seconds",
+                report.ops,
+                report.elapsed.as_secs_f64()
+            );
+        }
         let script_file = match &report.failure {
             Some((_, script)) => save_script(&args.options, &report, script),
             None => None,
@@ -252,6 +261,41 @@ fn json_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> serde
     })
 }
 
+/// The most bytes a replay script may have: a shrunk script is a few lines, and a
+/// hand-written one that exercises a policy hard is thousands; what is past this is
+/// not a script.
+const MAX_SCRIPT_BYTES: u64 = 64 << 20;
+
+/// The script's bytes, refused by its size before they are read, and for what has
+/// no size (a pipe) after one byte more than the bound.
+fn read_script(script: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let cannot = || format!("cannot read the script `{}`", script.display());
+    let file = std::fs::File::open(script).with_context(cannot)?;
+    let size = file.metadata().with_context(cannot)?;
+    if size.is_dir() {
+        bail!("`{}` is a folder: name a script file", script.display());
+    }
+    let too_long = || {
+        anyhow::anyhow!(
+            "the script `{}` has more than {MAX_SCRIPT_BYTES} bytes: a script is one \
+             operation a line, and shorter than that",
+            script.display()
+        )
+    };
+    if size.len() > MAX_SCRIPT_BYTES {
+        return Err(too_long());
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_SCRIPT_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .with_context(cannot)?;
+    if bytes.len() as u64 > MAX_SCRIPT_BYTES {
+        return Err(too_long());
+    }
+    Ok(bytes)
+}
+
 pub(crate) fn run_replay(
     script: PathBuf,
     policy: Option<PathBuf>,
@@ -259,8 +303,7 @@ pub(crate) fn run_replay(
     limits: Limits,
 ) -> Result<Outcome> {
     let runtime = Runtime::shared();
-    let bytes =
-        std::fs::read(&script).with_context(|| format!("cannot read `{}`", script.display()))?;
+    let bytes = read_script(&script)?;
     let text = String::from_utf8(bytes)
         .ok()
         .filter(|text| !text.starts_with("\0asm") && !text.trim_start().starts_with('('));

@@ -21,8 +21,8 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use arguments::{
-    at_least_one, byte_size, check_seconds, client_threads, kind_grant, parse_compile_bound,
-    parse_key_value,
+    at_least_one, batch_limit, call_time_ms, check_seconds, client_threads, guest_memory,
+    kind_grant, max_ops, overhead, parse_compile_bound, parse_key_value,
 };
 use check_command::{CheckArgs, run_check, run_replay};
 use inspect::inspect;
@@ -69,7 +69,7 @@ enum Command {
         #[arg(long)]
         seed: Option<u64>,
         /// Most operations per sequence (per thread).
-        #[arg(long, default_value_t = 128, value_parser = at_least_one::<usize>)]
+        #[arg(long, default_value_t = 128, value_parser = max_ops)]
         max_ops: usize,
         /// Client threads calling one handler at once.
         #[arg(long, default_value_t = 1, value_parser = client_threads)]
@@ -197,19 +197,19 @@ struct HookArg {
 struct LimitArgs {
     /// Longest one call into a policy may run, time in its imports included, in ms
     /// [default: 1000; 250 for check and replay].
-    #[arg(long, value_parser = at_least_one::<u64>)]
+    #[arg(long, value_parser = call_time_ms)]
     call_time_ms: Option<u64>,
     /// Most bytes of its own memory a policy may grow to, as bytes or with a unit
     /// (`64MiB`, `1GiB`) [default: 128 MiB].
-    #[arg(long, value_parser = byte_size)]
+    #[arg(long, value_parser = guest_memory)]
     guest_memory: Option<u64>,
     /// Most blocks one malloc-many or free-many may ask of the host [default: 4096].
-    #[arg(long, value_parser = at_least_one::<u32>)]
+    #[arg(long, value_parser = batch_limit)]
     batch_limit: Option<u32>,
     /// Most bytes a policy may hold from upstream beyond what its client holds and asks
     /// for, as bytes or with a unit; past it, upstream requests are answered
     /// out-of-memory [default: 256 MiB].
-    #[arg(long, value_parser = byte_size)]
+    #[arg(long, value_parser = overhead)]
     overhead: Option<u64>,
     /// Kinds of memory a policy may ask the host to map for it, comma-separated:
     /// numa, huge-pages, locked, guarded [default: none].
@@ -320,14 +320,16 @@ pub(crate) fn load_hook(path: &Path, limits: &Limits) -> Result<Arc<WasmHook>> {
         return WasmHook::start(runtime, source.as_bytes(), name, limits.clone())
             .with_context(|| format!("the shipped hook `{name}` cannot be started"));
     }
-    let bytes = std::fs::read(path).map_err(|e| {
-        let shipped: Vec<&str> = SHIPPED_HOOKS.iter().map(|h| h.0).collect();
-        anyhow::anyhow!(
-            "cannot read the hook `{}`: {e}; shipped hooks: {}",
-            path.display(),
-            shipped.join(", ")
-        )
-    })?;
+    let bytes =
+        allocbox::read_policy_file(path, COMPILE_BOUNDS.get_or_init(CompileBounds::default))
+            .map_err(|e| {
+                let shipped: Vec<&str> = SHIPPED_HOOKS.iter().map(|h| h.0).collect();
+                anyhow::anyhow!(
+                    "the hook `{}`: {e}; shipped hooks: {}",
+                    path.display(),
+                    shipped.join(", ")
+                )
+            })?;
     let name = path
         .file_stem()
         .map_or("hook".into(), |s| s.to_string_lossy());

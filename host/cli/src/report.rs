@@ -25,6 +25,27 @@ use sections::{holdings_section, left_section, peak_section, phases_section};
 use summary::ratio_text;
 pub use summary::{MAGAZINE_NOTE, RATIO_NOTE, bytes, comparisons, summary_table, timeline_json};
 
+/// The most ticks a chart draws for the marks: about one a pixel column. A trace of a
+/// million tests draws a tick where any of them starts, not a million.
+const MAX_MARK_TICKS: usize = 1000;
+
+/// The marks' positions on an axis of `max`, one for each of [`MAX_MARK_TICKS`]
+/// columns that holds any.
+fn mark_ticks(at: impl Iterator<Item = f64>, max: f64) -> Vec<f64> {
+    let columns = MAX_MARK_TICKS as f64;
+    let column = |x: f64| (x / max.max(f64::MIN_POSITIVE) * columns).clamp(0.0, columns) as usize;
+    let mut seen = std::collections::HashSet::new();
+    at.filter(|&x| seen.insert(column(x))).collect()
+}
+
+#[cfg(test)]
+#[test]
+fn a_million_marks_draw_at_most_a_tick_a_column() {
+    let ticks = mark_ticks((0..1_000_000).map(f64::from), 1_000_000.0);
+    assert!(ticks.len() <= MAX_MARK_TICKS + 1, "{}", ticks.len());
+    assert_eq!(mark_ticks([5.0, 500.0].into_iter(), 1000.0), [5.0, 500.0]);
+}
+
 /// Text for HTML, escaped: everything a policy names itself or says in an error comes
 /// from the guest, which may be hostile.
 pub fn escape_html(text: &str) -> String {
@@ -89,7 +110,7 @@ pub fn render_page(
     let x = XAxis::new(recorded.times, events_max);
     let samples = || timelines.iter().flat_map(|t| &t.samples);
     let bytes_top = samples().flat_map(|s| [s.live, s.held]).max().unwrap_or(0) as f64;
-    let mark_ticks: Vec<f64> = marks.iter().map(|m| x.at(m.at)).collect();
+    let mark_ticks = mark_ticks(marks.iter().map(|m| x.at(m.at)), x.max);
     // Held/live from 1x, which no handler goes under (it holds at least what it lent;
     // 0, nothing live, is drawn at 1x); a policy's line at 1x is drawn over the axis.
     let ratios = || samples().map(|s| s.ratio).filter(|&r| r > 0.0);

@@ -6,6 +6,7 @@ use std::fmt;
 use std::io::Write;
 use std::ptr::NonNull;
 
+use allocbox_ledger::platform::fork;
 use parking_lot::Mutex;
 
 use super::{EventOp, Site, UNKNOWN_ID};
@@ -114,6 +115,8 @@ pub struct TraceWriter {
     /// [`coarse_now`] when the recording started.
     started: Option<u64>,
     sites: Option<SiteOf>,
+    /// The file written, for the file a forked child writes beside it.
+    path: Option<std::path::PathBuf>,
 }
 
 struct RecorderState {
@@ -126,9 +129,22 @@ struct RecorderState {
     error: Option<std::io::Error>,
     /// Ended by [`Recorder::finish`]: later calls are not written.
     ended: bool,
-    /// The number each site was given in its `#@site` record.
+    /// The number each site was given in its `#@site` record, for the sites seen
+    /// last (at most [`MAX_SITES_KEPT`]).
     site_numbers: HashMap<Site, u32>,
+    /// `#@site` records written: a site's number is never used for another.
+    sites_named: u32,
+    /// [`fork::generation`] of the process this recording writes for.
+    generation: u64,
 }
+
+/// The first line of every recording.
+const HEADER: &str = "# op(m=malloc,c=calloc,r=realloc,f=free) ptr-id size thread; \
+                      free(NULL)->id 0; unknown ptr->id 18446744073709551615\n";
+
+/// The most sites a recording remembers having named (a program that makes code
+/// objects without end, `exec` in a loop, names sites without end).
+const MAX_SITES_KEPT: usize = 1 << 16;
 
 impl fmt::Debug for RecordOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -158,14 +174,16 @@ impl Recorder {
         inner: SharedHandler,
         options: RecordOptions,
     ) -> std::io::Result<Recorder> {
-        let file = std::io::BufWriter::new(std::fs::File::create(path)?);
-        Ok(match path.extension().is_some_and(|e| e == "gz") {
-            true => {
-                let gz = flate2::write::GzEncoder::new(file, flate2::Compression::fast());
-                Recorder::with_options(inner, gz, options)
-            }
-            false => Recorder::with_options(inner, file, options),
-        })
+        let mut recorder = Recorder::with_options(inner, trace_file(path)?, options);
+        recorder.watcher.path = Some(path.to_owned());
+        // A file that takes no bytes (a full disk) is refused now, not at the end.
+        let mut st = recorder.watcher.state.lock();
+        if let Some(error) = st.error.take() {
+            return Err(error);
+        }
+        st.out.flush()?;
+        drop(st);
+        Ok(recorder)
     }
 
     /// Record the calls made to `inner` into `out`, each with what `options` asks.
@@ -175,9 +193,7 @@ impl Recorder {
         options: RecordOptions,
     ) -> Recorder {
         let mut out: Box<dyn Write + Send> = Box::new(out);
-        let header = "# op(m=malloc,c=calloc,r=realloc,f=free) ptr-id size thread; \
-                      free(NULL)->id 0; unknown ptr->id 18446744073709551615\n";
-        let error = out.write_all(header.as_bytes()).err();
+        let error = out.write_all(HEADER.as_bytes()).err();
         Watched {
             handler: inner,
             watcher: TraceWriter {
@@ -190,6 +206,11 @@ impl Recorder {
                     error,
                     ended: false,
                     site_numbers: HashMap::new(),
+                    sites_named: 0,
+                    generation: {
+                        fork::count_forks();
+                        fork::generation()
+                    },
                 }),
                 serial: {
                     static SERIAL: std::sync::atomic::AtomicU64 =
@@ -198,20 +219,88 @@ impl Recorder {
                 },
                 started: options.time.then(coarse_now),
                 sites: options.sites,
+                path: None,
             },
         }
     }
 
+    /// The file written, for a recording made by [`Recorder::create`].
+    pub fn file(&self) -> Option<&std::path::Path> {
+        self.watcher.path.as_deref()
+    }
+
     /// End the trace and flush it: calls after this one are served but not written, so
     /// the blocks live at this point are the ones the trace never frees (what leaked
-    /// where the recording ends). The first write error, if any, is returned here.
+    /// where the recording ends). The first write error, if any, is returned here, once.
     pub fn finish(&self) -> std::io::Result<()> {
         let mut state = self.watcher.state.lock();
-        state.ended = true;
-        if let Some(e) = state.error.take() {
-            return Err(e);
+        self.watcher.follow_fork(&mut state);
+        if state.ended {
+            return Ok(());
         }
-        state.out.flush()
+        state.ended = true;
+        let result = match state.error.take() {
+            Some(e) => Err(e),
+            None => state.out.flush(),
+        };
+        // Written out now (a gzip stream's end), whatever comes of the rest.
+        let out = std::mem::replace(&mut state.out, Box::new(std::io::sink()));
+        drop(out);
+        result
+    }
+}
+
+/// The file a recording writes at `path`: gzip-compressed when its name ends in `.gz`.
+fn trace_file(path: &std::path::Path) -> std::io::Result<Box<dyn Write + Send>> {
+    let file = std::io::BufWriter::new(std::fs::File::create(path)?);
+    Ok(match path.extension().is_some_and(|e| e == "gz") {
+        true => Box::new(flate2::write::GzEncoder::new(
+            file,
+            flate2::Compression::fast(),
+        )),
+        false => Box::new(file),
+    })
+}
+
+/// The file a forked child with process id `pid` records into beside its parent's
+/// `path`: `trace.PID`, or `trace.PID.gz` for `trace.gz`.
+pub(crate) fn child_path(path: &std::path::Path, pid: u32) -> std::path::PathBuf {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let child = match name.strip_suffix(".gz") {
+        Some(stem) => format!("{stem}.{pid}.gz"),
+        None => format!("{name}.{pid}"),
+    };
+    path.with_file_name(child)
+}
+
+impl TraceWriter {
+    /// In a forked child, on its first use: what the parent had buffered is the
+    /// parent's to write, so it is dropped unwritten, and the child records into a file
+    /// of its own ([`child_path`]), from a fresh start (blocks it inherited are freed as
+    /// unknown). A recording into a writer that is not a file ends in the child.
+    fn follow_fork(&self, st: &mut RecorderState) {
+        let now = fork::generation();
+        if st.generation == now {
+            return;
+        }
+        st.generation = now;
+        // Not dropped: dropping writes out the parent's buffer (and a gzip trailer).
+        std::mem::forget(std::mem::replace(&mut st.out, Box::new(std::io::sink())));
+        st.ids.clear();
+        st.threads.clear();
+        st.site_numbers.clear();
+        st.error = None;
+        let Some(path) = self.path.as_deref().filter(|_| !st.ended) else {
+            st.ended = true;
+            return;
+        };
+        match trace_file(&child_path(path, std::process::id())) {
+            Ok(mut out) => {
+                st.error = out.write_all(HEADER.as_bytes()).err();
+                st.out = out;
+            }
+            Err(error) => st.error = Some(error),
+        }
     }
 }
 
@@ -227,19 +316,6 @@ fn coarse_now() -> u64 {
     // Linux since 2.6.32.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut now) };
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
-}
-
-/// A function's name as one word of a `#@site` record.
-fn one_word(text: &str) -> String {
-    let word: String = text.chars().filter(|c| !c.is_whitespace()).collect();
-    if word.is_empty() { "?".into() } else { word }
-}
-
-/// A file's name as the rest of a `#@site` record's line.
-fn one_line(text: &str) -> String {
-    text.chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect()
 }
 
 thread_local! {
@@ -285,6 +361,7 @@ impl Watcher for TraceWriter {
             .started
             .map(|started| coarse_now().saturating_sub(started));
         let st = &mut *guard;
+        self.follow_fork(st);
         if st.ended {
             return;
         }
@@ -310,15 +387,20 @@ impl Watcher for TraceWriter {
         // on every allocation of the program.
         let line = &mut st.line;
         line.clear();
+        if st.site_numbers.len() >= MAX_SITES_KEPT {
+            // Forgotten sites are named again, under new numbers, when next seen.
+            st.site_numbers.clear();
+        }
         let site = site.map(|site| match st.site_numbers.get(&site) {
             Some(&number) => number,
             None => {
-                let number = st.site_numbers.len() as u32 + 1;
+                st.sites_named += 1;
+                let number = st.sites_named;
                 let record = format!(
                     "#@site {number} {} {} {}\n",
                     site.line,
-                    one_word(&site.function),
-                    one_line(&site.file)
+                    super::site_name(&site.function),
+                    super::site_name(&site.file)
                 );
                 line.extend_from_slice(record.as_bytes());
                 st.site_numbers.insert(site, number);

@@ -240,6 +240,12 @@ struct Schedule {
     stop: AtomicBool,
 }
 
+/// The most threads a replay runs at once. A recording names a new thread for every
+/// one the program started, over its whole run: past this, recorded threads share a
+/// replay thread (each keeps its order, and every event still waits for the one before
+/// it on its block, so the earliest unfinished event can always run).
+const MAX_REPLAY_THREADS: u32 = 64;
+
 fn replay_on_recorded_threads(
     handler: &dyn MemHandler,
     events: &[Event],
@@ -258,7 +264,8 @@ fn replay_on_recorded_threads(
         }
         block_of.push(block);
         before.push(last_event[block as usize].replace(i as u32));
-        by_thread.entry(event.thread).or_default().push(i as u32);
+        let worker = event.thread % MAX_REPLAY_THREADS;
+        by_thread.entry(worker).or_default().push(i as u32);
     }
     let schedule = Schedule {
         block_of,
@@ -293,7 +300,8 @@ fn replay_on_recorded_threads(
     report
 }
 
-/// One recorded thread's events, in order, each after the event before it on its block.
+/// One replay thread's events (a recorded thread's, or several's), in order, each after
+/// the event before it on its block.
 fn replay_thread(
     handler: &dyn MemHandler,
     events: &[Event],

@@ -38,8 +38,8 @@ pub fn generation() -> u64 {
     GENERATION.load(Ordering::Relaxed)
 }
 
-/// Take part in every fork from now on, while `forkable` lives.
-pub(crate) fn register(forkable: Weak<dyn Forkable>) {
+/// Count forks from now on, so that [`generation`] tells a child from its parent.
+pub fn count_forks() {
     static HANDLERS: Once = Once::new();
     // Miri runs no fork, and has no `pthread_atfork`.
     #[cfg(not(miri))]
@@ -52,6 +52,11 @@ pub(crate) fn register(forkable: Weak<dyn Forkable>) {
             "pthread_atfork refused its handlers: out of memory"
         );
     });
+}
+
+/// Take part in every fork from now on, while `forkable` lives.
+pub(crate) fn register(forkable: Weak<dyn Forkable>) {
+    count_forks();
     let mut all = FORKABLE.lock().unwrap_or_else(PoisonError::into_inner);
     all.retain(|f| f.strong_count() > 0);
     all.push(forkable);

@@ -1,0 +1,114 @@
+//! Bad traces given to `report` and `replay-trace`: whatever the file holds (a line that
+//! expands without end, a million comment lines, random or corrupted bytes, plain or
+//! gzip), the command ends with a page, a replay, or exit 2 and one line naming the
+//! trace's fault, within a bounded memory.
+
+use std::io::Write;
+
+use proptest::prelude::*;
+
+use super::support::*;
+
+fn gzip(text: &[u8]) -> Vec<u8> {
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    gz.write_all(text).unwrap();
+    gz.finish().unwrap()
+}
+
+/// Found in issue 52: a small `.gz` trace whose one line expands to gigabytes took
+/// +3 GB to read. A line is refused past 64 KiB, having held no more.
+#[test]
+fn a_gzip_line_that_expands_without_end_is_refused_having_held_a_line_at_most() {
+    let dir = tempdir("gz-bomb");
+    // 256 MiB of one comment line, in about 256 KiB.
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    gz.write_all(b"m 1 8\n#").unwrap();
+    let chunk = vec![b'x'; 1 << 20];
+    for _ in 0..256 {
+        gz.write_all(&chunk).unwrap();
+    }
+    std::fs::write(dir.join("bomb.trace.gz"), gz.finish().unwrap()).unwrap();
+    let (code, out, peak) =
+        allocbox_cli_peak_rss(&["replay-trace", "bomb.trace.gz", "-p", "default"], &dir);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("line 2") && out.contains("longer than 65536 bytes"),
+        "{out}"
+    );
+    assert_eq!(out.trim().lines().count(), 1, "{out}");
+    assert!(peak < 128 << 10, "reading it held {peak} KiB");
+}
+
+/// Found in issue 52: a trace made `report` write a 400 MB page. A mark (a test's
+/// start) per event draws one tick a column of the charts, not one per mark.
+#[test]
+fn a_report_of_a_trace_with_a_mark_per_event_is_a_page_of_bounded_size() {
+    let dir = tempdir("many-marks");
+    let mut text = String::new();
+    for id in 1..=100_000u64 {
+        text += &format!("m {id} 64\n# test_{id}\nf {id} 64\n");
+    }
+    std::fs::write(dir.join("marks.trace"), text).unwrap();
+    let (code, out) = allocbox_cli(
+        &["report", "marks.trace", "-p", "default", "-o", "page.html"],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    let page = std::fs::metadata(dir.join("page.html")).unwrap().len();
+    assert!(page < 2 << 20, "a page of {page} bytes");
+}
+
+/// What the command may end with for any trace: 0, 1 (a handler failed an event), or 2
+/// with one line that names the trace's fault.
+fn assert_ends_well(dir: &std::path::Path, trace: &str) -> Result<(), TestCaseError> {
+    let (code, out) = allocbox_cli(&["replay-trace", trace, "-p", "default"], dir);
+    prop_assert!(matches!(code, 0..=2), "exit {code}: {out}");
+    prop_assert!(!out.contains("panicked"), "{out}");
+    if code == 2 {
+        prop_assert_eq!(out.trim().lines().count(), 1, "{}", out);
+        prop_assert!(out.contains(trace), "the trace is named: {}", out);
+    }
+    Ok(())
+}
+
+/// A trace's lines: events (valid and not), sites, marks and noise.
+fn trace_lines() -> impl Strategy<Value = Vec<u8>> {
+    let line = prop_oneof![
+        (0u64..20, 0u64..5000, 1u32..4)
+            .prop_map(|(id, size, t)| format!("m {id} {size} {t}\n").into_bytes()),
+        (0u64..20, 0u64..5000).prop_map(|(id, size)| format!("f {id} {size}\n").into_bytes()),
+        (0u64..20, 0u64..5000).prop_map(|(id, size)| format!("r {id} {size} 1 t=5\n").into_bytes()),
+        (0u64..20, 0u64..9).prop_map(|(id, n)| format!("c {id} {n} s={n}\n").into_bytes()),
+        any::<String>().prop_map(|s| format!("#@site 1 2 {s}\n").into_bytes()),
+        any::<String>().prop_map(|s| format!("# {s}\n").into_bytes()),
+        proptest::collection::vec(any::<u8>(), 0..64),
+    ];
+    proptest::collection::vec(line, 0..40).prop_map(|lines| lines.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Issue 52's fuzzing of the tools: random traces, plain and gzip (whole, cut short,
+    /// or with bytes flipped), end in a replay or one line, never a panic.
+    #[test]
+    fn any_trace_plain_or_gzip_ends_in_a_replay_or_one_line_naming_its_fault(
+        text in trace_lines(),
+        compressed in any::<bool>(),
+        cut in any::<prop::sample::Index>(),
+        flip in proptest::option::of((any::<prop::sample::Index>(), 1u8..=255)),
+    ) {
+        let dir = tempdir("random-trace");
+        let mut bytes = if compressed { gzip(&text) } else { text };
+        if let Some((at, mask)) = flip.filter(|_| !bytes.is_empty()) {
+            let at = at.index(bytes.len());
+            bytes[at] ^= mask;
+        }
+        if compressed && cut.index(4) == 0 {
+            let keep = cut.index(bytes.len().max(1));
+            bytes.truncate(keep);
+        }
+        std::fs::write(dir.join("t.trace"), &bytes).unwrap();
+        assert_ends_well(&dir, "t.trace")?;
+    }
+}
