@@ -94,6 +94,16 @@ def _trace_path(record):
         raise pytest.UsageError(
             f"--allocbox-record {record}: its folder does not exist; name a file in a folder that does"
         )
+    try:
+        # Written as the recording will write it (which empties it too), so that a file
+        # that takes no bytes is refused now, not after the tests.
+        with open(path, "wb") as trace:
+            trace.write(b"#\n")
+            trace.flush()
+    except OSError as error:
+        raise pytest.UsageError(
+            f"--allocbox-record {record}: the trace could not be written ({error.strerror}); name a file that can be"
+        ) from None
     return path
 
 

@@ -185,7 +185,7 @@ def write_report(report, chain, record):
     command = [sys.executable, "-m", "allocbox", "report", record, *sum(handlers, []), "-o", report["page"]]
     done = subprocess.run(command, stdout=sys.stderr)
     if done.returncode != 2:
-        print(f"allocbox: report written to {report['page']}", file=sys.stderr)
+        print(f"allocbox: report written to {_shown(report['page'])}", file=sys.stderr)
 
 
 def run_program(kind, target, args, kept):
@@ -211,29 +211,35 @@ def run_program(kind, target, args, kept):
     except SystemExit as e:
         return _exit_status(e)
     except BaseException as e:  # noqa: B036 - the program's, given to its excepthook
-        tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-            tb = tb.tb_next
+        # The traceback printed is the exception's own, whatever the hook is given.
+        tb = e.__traceback__ = _program_frames(e.__traceback__)
         try:
             sys.excepthook(type(e), e, tb)
         except SystemExit as exit:
             return _exit_status(exit)
         except BaseException as hook_error:  # noqa: B036 - printed as python prints it
+            # As python reports it: the hook was not called while handling anything.
+            hook_error.__context__ = None
+            hook_error.__traceback__ = _program_frames(hook_error.__traceback__)
             print("Error in sys.excepthook:", file=sys.stderr)
             sys.__excepthook__(type(hook_error), hook_error, hook_error.__traceback__)
             print("\nOriginal exception was:", file=sys.stderr)
             sys.__excepthook__(type(e), e, tb)
         if isinstance(e, KeyboardInterrupt):
-            # Printed already: the interpreter's own report of it would repeat it.
+            # Printed already: the interpreter's own report of it would repeat it. A
+            # KeyboardInterrupt itself (no subclass), for the interpreter ends the
+            # process by SIGINT only for that type, after `atexit`, as for `python`.
             sys.excepthook = lambda *_: None
-            raise _Interrupted() from None
+            raise KeyboardInterrupt from None
         return 1
     return 0
 
 
-class _Interrupted(KeyboardInterrupt):
-    """The program's KeyboardInterrupt, already printed: raised on to the interpreter,
-    which ends the process as Ctrl-C does (by SIGINT, after `atexit`)."""
+def _program_frames(tb):
+    """`tb` without its first frames, those of `allocbox run` itself."""
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return tb
 
 
 def _run_script(path, kept):
@@ -290,6 +296,16 @@ def _exit_status(e):
     return 1
 
 
+# The directory `run` started in: paths given to it are resolved from there.
+_STARTED_IN = os.getcwd()
+
+
+def _shown(path):
+    """A path as the user would give it: relative to where `run` started, if inside."""
+    relative = os.path.relpath(path, _STARTED_IN)
+    return path if relative.startswith("..") else relative
+
+
 def size_text(n):
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
@@ -318,7 +334,8 @@ def summary(handler, record):
     if counters:
         lines.append("allocbox: counters: " + ", ".join(f"{k} {v:,}" for k, v in counters.items()))
     if record is not None:
-        lines.append(f"allocbox: trace written to {record}; read it with `allocbox report {record}`")
+        shown = _shown(record)
+        lines.append(f"allocbox: trace written to {shown}; read it with `allocbox report {shown}`")
     return lines
 
 

@@ -30,6 +30,11 @@ struct Code {
 /// Code objects seen so far, by address.
 static CODES: Mutex<Option<HashMap<usize, Code>>> = Mutex::new(None);
 
+/// The most code objects [`CODES`] keeps alive: a program that makes code without end
+/// (`exec` in a loop) would otherwise keep all of it. Past this they are forgotten
+/// (and released), and looked at again when next seen.
+const MAX_CODES_KEPT: usize = 1 << 14;
+
 /// Code in these is NumPy's, allocbox's or Python's import machinery, not the program's.
 const LIBRARIES: [&str; 3] = ["/numpy/", "/allocbox/", "<frozen "];
 
@@ -104,6 +109,9 @@ unsafe fn describe(
     let code = unsafe { Bound::from_owned_ptr(py, code) };
     if let Some(known) = codes.get(&address) {
         return known.own.clone();
+    }
+    if codes.len() >= MAX_CODES_KEPT {
+        codes.clear();
     }
     let name = |attribute| {
         code.getattr(attribute)

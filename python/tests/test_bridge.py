@@ -6,6 +6,8 @@ import gc
 import multiprocessing
 import os
 import pathlib
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -541,3 +543,23 @@ def test_failure_and_failures_are_both_attributes_of_the_policy_s_state():
             np.ones(100)
     assert "align" in bad.failure
     assert isinstance(bad.failures, list)
+
+
+def test_a_policy_file_past_the_file_bound_is_refused_by_its_size_before_it_is_read(tmp_path):
+    # Found in issue 52: a 2 GB (sparse) file given to allocbox.load took +2 GB resident
+    # and 7-10 s before its refusal. Measured in a child, whose peak is its own.
+    huge = tmp_path / "huge.wasm"
+    with open(huge, "wb") as f:
+        f.truncate(2 << 30)
+    probe = (
+        "import resource, sys, allocbox\n"
+        "try:\n"
+        "    allocbox.load(sys.argv[1])\n"
+        "except allocbox.LoadError as e:\n"
+        "    print(e)\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, str(huge)], capture_output=True, text=True, timeout=600)
+    said, peak_kib = done.stdout.strip().splitlines()
+    assert "huge.wasm" in said and "2147483648 bytes in its file" in said and "file-bytes" in said, said
+    assert int(peak_kib) < 512 << 10, f"refusing it took {peak_kib} KiB resident"

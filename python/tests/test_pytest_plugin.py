@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import guest
 
 TESTS = """
@@ -16,7 +18,7 @@ def test_arrays(n=0):
 """
 
 
-def _pytest(tmp_path, policy, config=None, tests=40, grant=None):
+def _pytest(tmp_path, policy, config=None, tests=40, grant=None, options=()):
     (tmp_path / "test_many.py").write_text(
         TESTS + "".join(f"\n\ndef test_{i}():\n    test_arrays()\n" for i in range(tests))
     )
@@ -30,7 +32,7 @@ def _pytest(tmp_path, policy, config=None, tests=40, grant=None):
     if grant is not None:
         env["ALLOCBOX_GRANT"] = grant
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "allocbox.pytest_plugin", "-p", "no:cacheprovider", "test_many.py"],
+        [sys.executable, "-m", "pytest", "-p", "allocbox.pytest_plugin", "-p", "no:cacheprovider", *options, "test_many.py"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -103,3 +105,23 @@ def test_a_stopped_policy_ends_the_run_with_its_cause_first(tmp_path):
     assert "200 passed" not in summary and "failed" in summary, summary
     assert int(summary.split(" failed")[0].split()[-1]) <= 2, summary
     del passed_or_failed
+
+
+@pytest.mark.parametrize(
+    "policy, record, says",
+    [
+        (None, ".", "that is a folder"),
+        ("size-classes", ".", "that is a folder"),
+        (None, "no/such/folder/t.trace", "its folder does not exist"),
+        (None, "/dev/full", "could not be written"),
+        ("size-classes", "/dev/full", "could not be written"),
+    ],
+)
+def test_a_trace_that_cannot_be_written_is_one_usage_line_before_the_session(tmp_path, policy, record, says):
+    # Found in issue 52: a folder ended in an INTERNALERROR traceback (exit 3), /dev/full
+    # in a traceback from pytest_sessionfinish and "Exception ignored in atexit callback".
+    code, out = _pytest(tmp_path, policy, tests=1, options=("--allocbox-record", record))
+    assert code == 4, out
+    assert "Traceback" not in out and "INTERNALERROR" not in out and "Exception ignored" not in out, out
+    assert f"--allocbox-record {record}: " in out and says in out, out
+    assert "passed" not in out, "no test ran"

@@ -44,7 +44,11 @@ fn numbers_past_what_the_host_can_hold_name_their_range_and_exit_2() {
         ("--max-ops", "18446744073709551615", "from 1 to 100000"),
         ("--guest-memory", "1TiB", "at most 4 GiB"),
         ("--overhead", "8192 TiB", "at most 1 PiB"),
-        ("--overhead", "16777216 TiB", "more bytes than can be counted"),
+        (
+            "--overhead",
+            "16777216 TiB",
+            "more bytes than can be counted",
+        ),
         ("--overhead", "99999999999999999999", "at least 1 byte"),
         ("--seed", "-1", "-1"),
     ] {
