@@ -1,6 +1,8 @@
 //! Bad input to the `allocbox` command: each kind is refused with exit 2 and a sentence
 //! that names the input and what to do, and nothing runs on it.
 
+use proptest::prelude::*;
+
 use super::support::*;
 
 /// Run the command in a fresh directory of its own; its exit code and everything it said.
@@ -309,4 +311,86 @@ fn a_shipped_name_works_wherever_a_policy_is_named_and_an_unknown_one_lists_them
     let (code, out) = allocbox_cli(&["check", "passthrough", "--cases", "4"], &dir);
     assert_eq!(code, 0, "{out}");
     assert!(out.starts_with("passthrough: every rule held"), "{out}");
+}
+
+/// Lines of a replay script: operations (on blocks that exist and not, of any size and
+/// thread), directives, comments and noise.
+fn script_lines() -> impl Strategy<Value = String> {
+    let block = prop_oneof![0u32..4, Just(u32::MAX), any::<u32>()];
+    let size = prop_oneof![0u64..5000, Just(u64::MAX), any::<u64>()];
+    let line = prop_oneof![
+        (block.clone(), size.clone()).prop_map(|(b, s)| format!("b{b} = malloc {s}")),
+        (block.clone(), size.clone(), 0u64..9)
+            .prop_map(|(b, n, e)| format!("b{b} = calloc {n} {e}")),
+        (block.clone(), size.clone()).prop_map(|(b, s)| format!("b{b} = realloc - {s}")),
+        (block.clone(), size.clone()).prop_map(|(b, s)| format!("realloc b{b} {s}")),
+        block.clone().prop_map(|b| format!("free b{b}")),
+        Just("trim".to_string()),
+        size.clone().prop_map(|n| format!("oom after {n}")),
+        size.clone().prop_map(|n| format!("oom every {n}")),
+        size.clone().prop_map(|n| format!("oom above {n}")),
+        Just("oom next".to_string()),
+        any::<u64>().prop_map(|n| format!("upstream seed {n}")),
+        prop_oneof![Just("magazines"), Just("per-call"), Just("thread")].prop_map(String::from),
+        (0u32..300, block, size).prop_map(|(t, b, s)| format!("t{t} b{b} = malloc {s}")),
+        any::<String>(),
+    ];
+    proptest::collection::vec(line, 0..24).prop_map(|lines| lines.join("\n"))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 24,
+        failure_persistence: None,
+        ..Default::default()
+    })]
+
+    /// Issue 52's fuzzing of the tools: any script `replay` is given ends in a verdict
+    /// (0 or 1) or one line naming its fault (2), never a panic, within a bounded memory.
+    #[test]
+    fn any_replay_script_ends_in_a_verdict_or_one_line_naming_its_fault(text in script_lines()) {
+        let dir = tempdir("random-script");
+        std::fs::write(dir.join("s.script"), &text).unwrap();
+        let (code, out, peak) = allocbox_cli_peak_rss(&["replay", "s.script", "builtin"], &dir);
+        prop_assert!(matches!(code, 0..=2), "exit {code}: {out}\n{text}");
+        prop_assert!(!out.contains("panicked"), "{out}\n{text}");
+        if code == 2 {
+            prop_assert_eq!(out.trim().lines().count(), 1, "{}\n{}", out, text);
+        }
+        prop_assert!(peak < 1 << 20, "{peak} KiB resident\n{text}");
+    }
+
+    /// The same for `check`'s options: any value of each numeric option is a check that
+    /// runs (0, or 1 where a policy cannot start in so little memory) or one line naming
+    /// the range, exit 2. (`--time` and `--cases` are left to the tests above: a value
+    /// they take runs the check that long.)
+    #[test]
+    fn any_value_of_a_check_option_runs_or_is_one_line_naming_its_range(
+        flag in proptest::sample::select(vec![
+            "--max-ops", "--threads", "--seed", "--call-time-ms",
+            "--batch-limit", "--guest-memory", "--overhead",
+        ]),
+        value in prop_oneof![
+            any::<i64>().prop_map(|n| n.to_string()),
+            any::<u64>().prop_map(|n| n.to_string()),
+            any::<f64>().prop_map(|n| n.to_string()),
+            "[0-9]{1,30}( ?[KMGT]i?B?)?",
+            any::<String>(),
+        ],
+    ) {
+        let dir = tempdir("random-option");
+        // A check kept short whatever the option: one case of few operations.
+        let mut args = vec!["check", "builtin", "--cases", "1"];
+        if flag != "--max-ops" {
+            args.extend(["--max-ops", "4"]);
+        }
+        let option = format!("{flag}={value}");
+        args.push(&option);
+        let (code, out) = allocbox_cli(&args, &dir);
+        prop_assert!(matches!(code, 0..=2), "{option}: exit {code}: {out}");
+        prop_assert!(!out.contains("panicked"), "{option}: {out}");
+        if code == 2 {
+            prop_assert!(out.trim().lines().count() <= 3, "{option}: {out}");
+        }
+    }
 }
