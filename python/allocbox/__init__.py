@@ -204,11 +204,35 @@ def use(policy, *, threads=False):
         restore = _start_threads_with(policy)
     try:
         yield policy
+    except BaseException as error:
+        _name_a_stop(error, policy)
+        raise
     finally:
         if threads:
             restore()
         numba_threads_done()
         set_handler(previous)
+
+
+def _name_a_stop(error, policy):
+    """Add to `error` a note naming `policy` and why it was stopped, when it was and
+    the error came of an allocation that failed: the MemoryError NumPy or Numba raises
+    for it (or the error Numba's parallel code makes of one) names neither."""
+    failure = getattr(policy, "failure", None)
+    if failure is None:
+        return
+    seen, cause = set(), error
+    while cause is not None and not isinstance(cause, MemoryError) and id(cause) not in seen:
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    if cause is None or id(cause) in seen:
+        return
+    note = (
+        f"allocbox: policy `{policy.name}` was stopped: {failure}; every allocation it "
+        "would have served fails from then on"
+    )
+    if note not in getattr(error, "__notes__", ()):
+        error.add_note(note)
 
 
 def set_handler(handler):

@@ -188,14 +188,17 @@ def write_report(report, chain, record):
         print(f"allocbox: report written to {_shown(report['page'])}", file=sys.stderr)
 
 
-def run_program(kind, target, args, kept):
+def run_program(kind, target, args, kept, handler):
     """Run the program as `python SCRIPT` or `python -m MODULE` would, in a `__main__`
     module of its own; returns its exit status, and puts that module in `kept` (as
     `python` keeps `__main__` until it shuts down, so what its globals hold is live
     where the recording ends). An uncaught exception goes to `sys.excepthook` (the
     program's own, if it set one) with the frames of `allocbox run` taken off, so the
-    traceback is the one `python` prints; a KeyboardInterrupt is printed so and raised
+    traceback is the one `python` prints (with a note naming the policy, when its stop
+    is why an allocation failed); a KeyboardInterrupt is printed so and raised
     again, to end the process as Ctrl-C ends `python`."""
+    import allocbox
+
     sys.argv = [target, *args]
     # As `python` sets it: the script's folder, or for -m the current one.
     sys.path[0] = os.path.dirname(os.path.abspath(target)) if kind == "script" else os.getcwd()
@@ -213,6 +216,7 @@ def run_program(kind, target, args, kept):
     except BaseException as e:  # noqa: B036 - the program's, given to its excepthook
         # The traceback printed is the exception's own, whatever the hook is given.
         tb = e.__traceback__ = _program_frames(e.__traceback__)
+        allocbox._name_a_stop(e, handler)
         try:
             sys.excepthook(type(e), e, tb)
         except SystemExit as exit:
@@ -372,7 +376,7 @@ def main(argv):
     kept = []
     try:
         with allocbox.use(handler, threads=True):
-            code = run_program(kind, target, args, kept)
+            code = run_program(kind, target, args, kept, handler)
     finally:
         if os.getpid() == started_in:
             code = _end(handler, record, report, code)

@@ -302,8 +302,14 @@ pub(crate) fn numba_threads_use(handler: &Bound<'_, PyAny>) -> u64 {
 /// The block that [`numba_threads_use`] opened with `token` is over.
 #[pyfunction]
 pub(crate) fn numba_threads_done(token: u64) {
-    let mut open = lock(&WITHOUT_PYTHON);
-    open.retain(|(t, _)| *t != token);
+    let ended: Vec<_> = {
+        let mut open = lock(&WITHOUT_PYTHON);
+        let at = open.iter().position(|(t, _)| *t == token);
+        at.map(|at| open.remove(at)).into_iter().collect()
+    };
+    // Dropped after the lock: the last reference to a bridge ends its handler, which
+    // must not keep Numba's workers from the list meanwhile.
+    drop(ended);
 }
 
 /// A shim's answer: an aligned MemInfo through the current handler when it is an

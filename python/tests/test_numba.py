@@ -5,6 +5,7 @@ that made them; and zero-copy hand-offs of allocbox arrays (DLPack, the buffer
 protocol, Numba arguments) keep their blocks alive until the last consumer lets go."""
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -389,3 +390,84 @@ def test_a_numba_allocbox_cannot_route_is_said_once_and_numpy_s_side_goes_on(mon
     assert allocbox.handler_name(a) == "size-classes"
     with allocbox.use(size_classes):  # said once
         np.arange(10.0)
+
+
+def test_the_error_a_stopped_policy_causes_in_numba_code_names_the_policy_and_its_failure():
+    # Found in issue 52: a policy stopped while prange workers allocate showed the
+    # program Numba's "Allocation failed (probably too large)" and a SystemError from
+    # its unpickling, neither naming the policy.
+    bad = allocbox.load(guest("broken"), {"fault": "misaligned"})
+    with pytest.raises(MemoryError) as raised:
+        with allocbox.use(bad):
+            double(np.arange(100.0))
+    assert any("policy `broken` was stopped:" in note and "align" in note for note in raised.value.__notes__)
+    stopping = allocbox.load(guest("broken"), {"fault": "misaligned-after-300"})
+    with pytest.raises((MemoryError, SystemError)) as raised:
+        with allocbox.use(stopping):
+            for _ in range(100):
+                row_sums(2000, 10)
+    assert any("policy `broken` was stopped:" in note for note in raised.value.__notes__), raised.value
+
+
+STRESS = """
+import gc, sys, threading
+import numba, numpy as np, allocbox
+sys.path.insert(0, sys.argv[2])
+from conftest import guest
+
+@numba.njit(nogil=True)
+def churn(n):
+    t = 0.0
+    for i in range(n):
+        a = np.empty(8 + i % 64)
+        a[0] = i
+        t += a[0]
+    return t
+
+@numba.njit(parallel=True)
+def rows(n, width):
+    out = np.empty(n)
+    for i in numba.prange(n):
+        out[i] = np.arange(width + i % 3)[width - 1]
+    return out
+
+stop = threading.Event()
+def worker():
+    while not stop.is_set():
+        try:
+            churn(500)
+        except MemoryError:
+            pass
+workers = [threading.Thread(target=worker) for _ in range(4)]
+for t in workers:
+    t.start()
+try:
+    for i in range(int(sys.argv[1])):
+        fault = "misaligned-after-300" if i % 5 == 2 else None
+        policy = allocbox.load(guest("broken"), {"fault": fault}) if fault else allocbox.load("size-classes")
+        try:
+            with allocbox.use(policy):
+                rows(300, 10)
+        except (MemoryError, SystemError) as e:
+            assert policy.failure is not None and any("was stopped" in n for n in e.__notes__), e
+        del policy
+        gc.collect()
+finally:
+    stop.set()
+    for t in workers:
+        t.join()
+print("done")
+"""
+
+
+def test_use_blocks_drops_and_stops_under_nogil_and_prange_allocation_never_hang(tmp_path):
+    # Found in issue 52: threads in nogil loops while the main thread opened and closed
+    # use blocks and dropped policies (one stopped) hung until killed, in one of two runs.
+    # Bounded by a count of blocks; the timeout only turns a hang into a failure.
+    script = tmp_path / "stress.py"
+    script.write_text(STRESS)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run(
+        [sys.executable, str(script), "60", tests], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stdout + done.stderr
