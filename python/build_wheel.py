@@ -3,7 +3,7 @@
     .venv/bin/python python/build_wheel.py      # prints target/wheels/allocbox-*.whl
 
 The guest crates that say `[package.metadata.allocbox] ship = true` in their Cargo.toml
-are built (for wasm32-wasip2, by the `allocbox-artifacts` build script) and copied into
+are built for wasm32-wasip2 (Rust alone: no other language's toolchain) and copied into
 the package as `allocbox/policies/<name>.wasm`, with `index.json` mapping each name to
 its crate's `description`. The wheel is then built by maturin, in release mode.
 """
@@ -46,11 +46,8 @@ def shipped_guests():
 
 
 def stage_policies():
-    # The artifacts build script builds every guest; a failure there names the fix.
-    run("cargo", "build", "--quiet", "-p", "allocbox-artifacts", cwd=ROOT)
-    # It only warns when a guest fails to compile (the tests that need it then fail),
-    # which would ship the last component that compiled: build the shipped ones again,
-    # as it does, failing on an error.
+    # Only the shipped guests, all Rust: the wheel needs no other language's toolchain
+    # (the test artifacts' build, which builds every guest, is not this one's business).
     shipped = list(shipped_guests())
     packages = [arg for _, crate, _ in shipped for arg in ("-p", crate)]
     host_only = ("RUSTFLAGS", "CARGO_ENCODED_RUSTFLAGS", "CARGO_BUILD_RUSTFLAGS", "CARGO_TARGET_DIR", "CARGO_BUILD_TARGET")
@@ -64,7 +61,7 @@ def stage_policies():
     for policy, crate, description in shipped:
         component = BUILT / f"{crate.replace('-', '_')}.wasm"
         if not component.exists():
-            sys.exit(f"{component} was not built: see `cargo build -p allocbox-artifacts -vv`")
+            sys.exit(f"{component} was not built: see the cargo build above")
         shutil.copyfile(component, STAGE / f"{policy}.wasm")
         index[policy] = description
     if not index:

@@ -237,11 +237,11 @@ def _name_a_stop(error, policy):
 
 def set_handler(handler):
     """Install a policy (or a capsule `set_handler` returned earlier, or `None` for
-    NumPy's default) as NumPy's handler in the current context — and, once Numba is
-    imported, of the arrays Numba's compiled code makes in it (`allocbox.numba`).
-    Returns the previous capsule."""
+    NumPy's default) as NumPy's handler in the current context — and of the arrays
+    Numba's compiled code makes in it (`allocbox.numba`), from when Numba is imported,
+    whether before or after. Returns the previous capsule."""
     previous = _set_handler(handler)
-    if "numba" in sys.modules:
+    if handler is not None:
         from . import numba as _numba
 
         _numba._route_if_imported()

@@ -11,9 +11,9 @@
     allocbox.handler_name(b)          # 'size-classes'
 
 Arrays that `@njit` code makes (`np.empty`, `np.zeros`, array expressions, arrays it
-returns) come from Numba's runtime (NRT), not from NumPy's handler. Once Numba is
-imported, `allocbox.use` and `allocbox.set_handler` route them too (`enable()` does it
-by hand): each is placed by the handler NumPy has current — the same context rule —
+returns) come from Numba's runtime (NRT), not from NumPy's handler. `allocbox.use` and
+`allocbox.set_handler` route them too, once Numba is imported (before or after the
+policy was set: an import hook waits for it; `enable()` does it by hand): each is placed by the handler NumPy has current — the same context rule —
 and freed by the policy that made it, with its size (NRT's free says none; the host's
 ledger knows it), however long it lives.
 
@@ -117,10 +117,15 @@ def _made_by(meminfo):
 
 
 def _route_if_imported():
-    """Enable the route if Numba is imported; a Numba allocbox cannot route is said
-    once, as a warning, and leaves NumPy's side as it is. Returns whether it is on."""
+    """Enable the route if Numba is imported, or as soon as it is (a policy in use
+    before the program imports Numba places its arrays too); a Numba allocbox cannot
+    route is said once, as a warning, and leaves NumPy's side as it is. Returns whether
+    it is on."""
     global _refused
-    if "numba" not in sys.modules or _refused:
+    if "numba" not in sys.modules:
+        _route_when_imported()
+        return _enabled
+    if _refused:
         return _enabled
     try:
         enable()
@@ -134,9 +139,40 @@ _refused = False
 
 
 def _threads_use(handler):
-    """Make `handler` the one of Numba's threads that run no Python, when the route is
-    on; returns what ends that."""
-    if not _route_if_imported():
-        return lambda: None
+    """Make `handler` the one of Numba's threads that run no Python (once the route is
+    on, now or when Numba is imported); returns what ends that."""
+    _route_if_imported()
     token = _numba_threads_use(handler)
     return lambda: _numba_threads_done(token)
+
+
+class _AfterNumbaImports:
+    """A finder on `sys.meta_path` that finds nothing itself: when `numba` is
+    imported, it lets the other finders find it and has its loader enable the route
+    once Numba's own `__init__` has run."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "numba" or self not in sys.meta_path:
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader_runs = spec.loader.exec_module
+
+        def exec_module(module):
+            loader_runs(module)
+            _route_if_imported()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+_after_numba_imports = _AfterNumbaImports()
+
+
+def _route_when_imported():
+    if _after_numba_imports not in sys.meta_path:
+        sys.meta_path.insert(0, _after_numba_imports)

@@ -446,3 +446,27 @@ def test_sites_keep_a_bounded_number_of_code_objects_alive(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) < 48 << 10, f"{done.stdout.strip()} KiB grown"
+
+
+def test_numba_imported_after_the_policy_is_set_has_its_arrays_placed_and_recorded(tmp_path):
+    # Found in issue 49: under `run`, a program that imports Numba (after the policy is
+    # set, as every program under `run` does) had its @njit arrays left out.
+    done = allocbox_run(
+        tmp_path,
+        "-p", "size-classes", "--record", "t.trace", "program.py",
+        program="""
+            import numba, numpy as np, allocbox
+
+            @numba.njit
+            def grids(n):
+                return [np.ones((n, n)) for _ in range(5)]
+
+            kept = grids(300)
+            print(allocbox.handler_name(kept[0]))
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "size-classes", done.stdout + done.stderr
+    events = [line.split() for line in (tmp_path / "t.trace").read_text().splitlines() if line[:1] in "mc"]
+    assert sum(1 for e in events if int(e[2]) >= 300 * 300 * 8) >= 5, "the five grids are in the trace"
+    assert "(3.6 MiB)" in done.stderr or "MiB)" in done.stderr.split(" placed ")[1].split(";")[0], done.stderr
