@@ -70,18 +70,45 @@ pub struct Mark {
 }
 
 /// Where a program was when it made a block: the innermost line of its own code (a
-/// trace's `#@site N LINE FUNCTION FILE` record; `allocbox run --sites` writes them).
+/// trace's `#@site N LINE FUNCTION FILE` record; `allocbox run --sites` writes them),
+/// and the library line it was in when that is not its own (`#@via N LINE FUNCTION
+/// FILE`): the program's `D = cdist(P, P)`, via SciPy's line that made the array.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Site {
     /// Shared: a recording names the same few files and functions over and over.
     pub file: std::sync::Arc<str>,
     pub line: u32,
     pub function: std::sync::Arc<str>,
+    /// The innermost library frame inside the program's line, if the block was made in
+    /// a library's code (one that is not NumPy's own).
+    pub via: Option<std::sync::Arc<Site>>,
+}
+
+impl Site {
+    /// `file:line`, and ` → file:line` of the library line it went through.
+    pub fn place(&self) -> String {
+        match &self.via {
+            None => format!("{}:{}", self.file, self.line),
+            Some(via) => format!("{}:{} → {}:{}", self.file, self.line, via.file, via.line),
+        }
+    }
+
+    /// The function, and ` → function` of the library line it went through.
+    pub fn functions(&self) -> String {
+        match &self.via {
+            None => self.function.to_string(),
+            Some(via) => format!("{} → {}", self.function, via.function),
+        }
+    }
 }
 
 impl fmt::Display for Site {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{} ({})", self.file, self.line, self.function)
+        write!(f, "{}:{} ({})", self.file, self.line, self.function)?;
+        if let Some(via) = &self.via {
+            write!(f, " → {via}")?;
+        }
+        Ok(())
     }
 }
 
@@ -179,6 +206,21 @@ pub fn parse_trace_marked(mut input: impl BufRead) -> Result<Trace, TraceError> 
                 message: "a site is `#@site NUMBER LINE FUNCTION FILE`".into(),
             })?;
             trace.site_table.insert(number, site);
+            continue;
+        }
+        if let Some(record) = text.strip_prefix("#@via ") {
+            let (number, via) = parse_site(record).ok_or_else(|| TraceError::Syntax {
+                line: n,
+                message: "a library line is `#@via NUMBER LINE FUNCTION FILE`".into(),
+            })?;
+            let site = trace
+                .site_table
+                .get_mut(&number)
+                .ok_or_else(|| TraceError::Syntax {
+                    line: n,
+                    message: format!("`#@via {number}` comes before site {number}'s `#@site`"),
+                })?;
+            site.via = Some(std::sync::Arc::new(via));
             continue;
         }
         if let Some(comment) = text.strip_prefix('#') {
@@ -284,6 +326,7 @@ fn parse_site(record: &str) -> Option<(u32, Site)> {
             file,
             line,
             function,
+            via: None,
         },
     ))
 }

@@ -94,6 +94,22 @@ def _source(source):
     return source
 
 
+def _library_folders():
+    """The folders of the standard library and of installed packages (each as given and
+    as its real path, ending in a separator): code in them is a library's, not the
+    program's own, for the lines a recording with sites names."""
+    import site
+    import sysconfig
+
+    paths = [sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")]
+    try:
+        paths += site.getsitepackages() + [site.getusersitepackages()]
+    except AttributeError:  # a virtualenv's old `site` module has neither
+        pass
+    folders = {os.path.join(form, "") for path in paths if path for form in (path, os.path.realpath(path))}
+    return sorted(folders)
+
+
 def _shipped_name(source):
     """The name of a shipped policy `source` names (`builtin` included), else None."""
     if not isinstance(source, str) or os.path.exists(source):

@@ -280,6 +280,9 @@ pub(crate) fn recorder_to(
     handler: Arc<dyn MemHandler>,
     sites: bool,
 ) -> PyResult<Arc<Recorder>> {
+    if sites {
+        Python::attach(crate::sites::prepare);
+    }
     let options = RecordOptions {
         time: true,
         sites: sites.then(|| -> SiteOf { Box::new(crate::sites::program_site) }),

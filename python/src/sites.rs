@@ -1,11 +1,14 @@
-//! Where the program was when it asked for an array: the innermost frame of its own
-//! code (not NumPy's, allocbox's or the import machinery's), for traces recorded with
-//! sites. It runs inside every allocation of such a recording, so it walks frames
-//! through the C API and looks at each code object's names once.
+//! Where the program was when it asked for an array, for traces recorded with sites:
+//! the innermost frame of its own code (not the standard library's, an installed
+//! package's, NumPy's, allocbox's or the import machinery's), and the innermost frame
+//! of a library inside it, when the array was made in a library's code (SciPy's
+//! `cdist`, called from the program's line). It runs inside every allocation of such a
+//! recording, so it walks frames through the C API and looks at each code object's
+//! names once.
 
 use std::collections::HashMap;
 use std::ffi::c_int;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use allocbox::trace::Site;
 use pyo3::ffi;
@@ -20,11 +23,22 @@ unsafe extern "C" {
     fn PyFrame_GetLineNumber(frame: *mut ffi::PyObject) -> c_int;
 }
 
-/// What a code object is: the program's own (its file and function), or a library's.
+/// Whose code a code object is.
+#[derive(Clone)]
+enum Whose {
+    /// The program's own: its file and function.
+    Own(Arc<str>, Arc<str>),
+    /// A library's (the standard library, an installed package): its file and function.
+    Library(Arc<str>, Arc<str>),
+    /// NumPy's, allocbox's or the import machinery's: never a line to show.
+    Machinery,
+}
+
+/// What a code object is.
 struct Code {
     /// Keeps the code object, so that its address names it for as long as it is here.
     _alive: Py<PyAny>,
-    own: Option<(Arc<str>, Arc<str>)>,
+    whose: Whose,
 }
 
 /// Code objects seen so far, by address.
@@ -35,8 +49,23 @@ static CODES: Mutex<Option<HashMap<usize, Code>>> = Mutex::new(None);
 /// (and released), and looked at again when next seen.
 const MAX_CODES_KEPT: usize = 1 << 14;
 
-/// Code in these is NumPy's, allocbox's or Python's import machinery, not the program's.
-const LIBRARIES: [&str; 3] = ["/numpy/", "/allocbox/", "<frozen "];
+/// Code in these is NumPy's, allocbox's or Python's import machinery.
+const MACHINERY: [&str; 3] = ["/numpy/", "/allocbox/", "<frozen "];
+
+/// The folders of the standard library and of installed packages, each ending in `/`
+/// ([`prepare`]).
+static LIBRARY_FOLDERS: OnceLock<Vec<String>> = OnceLock::new();
+
+/// Find the library folders (`allocbox._library_folders`) before the first
+/// allocation is recorded: not inside one, where running Python code could allocate.
+pub(crate) fn prepare(py: Python<'_>) {
+    LIBRARY_FOLDERS.get_or_init(|| {
+        py.import("allocbox")
+            .and_then(|allocbox| allocbox.getattr("_library_folders")?.call0())
+            .and_then(|folders| folders.extract::<Vec<String>>())
+            .unwrap_or_default()
+    });
+}
 
 /// The site of the innermost frame of the program's own code on this thread, or
 /// `None` (no Python frame, e.g. a thread of Numba's).
@@ -53,62 +82,78 @@ pub(crate) fn program_site() -> Option<Site> {
 }
 
 fn innermost_own_frame(py: Python<'_>) -> Option<Site> {
-    {
-        // SAFETY: the GIL is held (attach); the frame is borrowed from the thread state.
-        let mut frame = unsafe { PyEval_GetFrame() };
-        if frame.is_null() {
-            return None;
-        }
-        // SAFETY: a borrowed frame, owned from here on as every frame below it is.
-        unsafe { ffi::Py_INCREF(frame) };
-        let mut codes = CODES.lock().unwrap_or_else(|p| p.into_inner());
-        let codes = codes.get_or_insert_with(HashMap::new);
-        let mut found = None;
-        while !frame.is_null() {
-            // SAFETY: `frame` is a frame we own a reference to.
-            let code = unsafe { PyFrame_GetCode(frame) };
-            let own = match code.is_null() {
-                true => None,
-                // SAFETY: `code` is a new reference, handed to `describe` or released.
-                false => unsafe { describe(py, codes, code) },
-            };
-            if let Some((file, function)) = own {
-                // SAFETY: `frame` is alive.
-                let line = unsafe { PyFrame_GetLineNumber(frame) }.max(0) as u32;
-                found = Some(Site {
-                    file,
-                    line,
-                    function,
-                });
-                // SAFETY: our reference.
-                unsafe { ffi::Py_DECREF(frame) };
-                break;
-            }
-            // SAFETY: `frame` is alive; the next one is a new reference; ours is given up.
-            unsafe {
-                let back = PyFrame_GetBack(frame);
-                ffi::Py_DECREF(frame);
-                frame = back;
-            }
-        }
-        found
+    // SAFETY: the GIL is held (attach); the frame is borrowed from the thread state.
+    let mut frame = unsafe { PyEval_GetFrame() };
+    if frame.is_null() {
+        return None;
     }
+    // SAFETY: a borrowed frame, owned from here on as every frame below it is.
+    unsafe { ffi::Py_INCREF(frame) };
+    let mut codes = CODES.lock().unwrap_or_else(|p| p.into_inner());
+    let codes = codes.get_or_insert_with(HashMap::new);
+    let folders = LIBRARY_FOLDERS.get().map_or(&[][..], Vec::as_slice);
+    // The innermost library frame, until the program's own is found.
+    let mut via: Option<Site> = None;
+    while !frame.is_null() {
+        // SAFETY: `frame` is a frame we own a reference to.
+        let code = unsafe { PyFrame_GetCode(frame) };
+        let whose = match code.is_null() {
+            true => Whose::Machinery,
+            // SAFETY: `code` is a new reference, handed to `describe` or released.
+            false => unsafe { describe(py, codes, folders, code) },
+        };
+        // SAFETY: `frame` is alive.
+        let line = || unsafe { PyFrame_GetLineNumber(frame) }.max(0) as u32;
+        let found = match whose {
+            Whose::Own(file, function) => Some(Site {
+                file,
+                line: line(),
+                function,
+                via: via.take().map(Arc::new),
+            }),
+            Whose::Library(file, function) => {
+                via.get_or_insert_with(|| Site {
+                    file,
+                    line: line(),
+                    function,
+                    via: None,
+                });
+                None
+            }
+            Whose::Machinery => None,
+        };
+        if found.is_some() {
+            // SAFETY: our reference.
+            unsafe { ffi::Py_DECREF(frame) };
+            return found;
+        }
+        // SAFETY: `frame` is alive; the next one is a new reference; ours is given up.
+        unsafe {
+            let back = PyFrame_GetBack(frame);
+            ffi::Py_DECREF(frame);
+            frame = back;
+        }
+    }
+    // No frame of the program's own (it is itself an installed package's): the
+    // library line it was in.
+    via
 }
 
-/// The program's file and function for `code`, or `None` for a library's code.
+/// Whose code `code` is.
 ///
 /// # Safety
 /// The GIL is held and `code` is a new reference to a code object, which this takes.
 unsafe fn describe(
     py: Python<'_>,
     codes: &mut HashMap<usize, Code>,
+    folders: &[String],
     code: *mut ffi::PyObject,
-) -> Option<(Arc<str>, Arc<str>)> {
+) -> Whose {
     let address = code as usize;
     // SAFETY: the caller's contract: a new reference, owned here.
     let code = unsafe { Bound::from_owned_ptr(py, code) };
     if let Some(known) = codes.get(&address) {
-        return known.own.clone();
+        return known.whose.clone();
     }
     if codes.len() >= MAX_CODES_KEPT {
         codes.clear();
@@ -119,14 +164,22 @@ unsafe fn describe(
             .unwrap_or_else(|_| "?".into())
     };
     let file = name("co_filename");
-    let library = LIBRARIES.iter().any(|part| file.contains(part));
-    let own = (!library).then(|| (Arc::from(file), Arc::from(name("co_name"))));
+    let whose = if MACHINERY.iter().any(|part| file.contains(part)) {
+        Whose::Machinery
+    } else if folders
+        .iter()
+        .any(|folder| file.starts_with(folder.as_str()))
+    {
+        Whose::Library(Arc::from(file), Arc::from(name("co_name")))
+    } else {
+        Whose::Own(Arc::from(file), Arc::from(name("co_name")))
+    };
     codes.insert(
         address,
         Code {
             _alive: code.unbind().into_any(),
-            own: own.clone(),
+            whose: whose.clone(),
         },
     );
-    own
+    whose
 }

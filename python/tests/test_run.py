@@ -470,3 +470,42 @@ def test_numba_imported_after_the_policy_is_set_has_its_arrays_placed_and_record
     events = [line.split() for line in (tmp_path / "t.trace").read_text().splitlines() if line[:1] in "mc"]
     assert sum(1 for e in events if int(e[2]) >= 300 * 300 * 8) >= 5, "the five grids are in the trace"
     assert "(3.6 MiB)" in done.stderr or "MiB)" in done.stderr.split(" placed ")[1].split(";")[0], done.stderr
+
+
+def test_a_peak_made_inside_a_library_call_is_the_program_s_line_via_the_library_s(tmp_path):
+    # Found in issue 49: a peak made inside SciPy's `cdist` was credited to SciPy's line,
+    # not the program's `D = cdist(P, P)`. The library here is a package installed in the
+    # user's site-packages (PYTHONUSERBASE), which makes its arrays as `cdist` does.
+    import os
+
+    userbase = tmp_path / "userbase"
+    env = dict(os.environ, PYTHONUSERBASE=str(userbase))
+    packages = subprocess.run(
+        [sys.executable, "-c", "import site; print(site.getusersitepackages())"],
+        capture_output=True, text=True, env=env, check=True,
+    ).stdout.strip()
+    os.makedirs(packages)
+    with open(os.path.join(packages, "distances.py"), "w") as f:
+        f.write(
+            "import numpy as np\n"
+            "def cdist(a, b):\n"
+            "    return np.sqrt(((a[:, None, :] - b[None, :, :]) ** 2).sum(-1))\n"
+        )
+    (tmp_path / "program.py").write_text(
+        "import site, sys\n"
+        "sys.path.append(site.getusersitepackages())\n"
+        "import numpy as np, distances\n"
+        "P = np.random.rand(1500, 2)\n"
+        "D = distances.cdist(P, P)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "allocbox", "run", "--record", "t.trace", "--sites", "--report", "page.html", "program.py"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    page = (tmp_path / "page.html").read_text()
+    at_peak = page.split('<table class="lines at-peak">', 1)[1].split("</table>", 1)[0]
+    first_row = at_peak.split("<tbody>", 1)[1].split("</tr>", 1)[0]
+    program = tmp_path / "program.py"
+    assert f"{program}:5 → {packages}/distances.py:3" in first_row, first_row
+    assert "&lt;module&gt; → cdist" in first_row, first_row

@@ -25,10 +25,19 @@ impl Write for Shared {
 fn a_trace_recorded_with_time_and_sites_reads_back_with_both_and_replays_alike() {
     use allocbox::trace::{RecordOptions, Site, parse_trace_marked};
     let out = Shared::default();
+    // Line 11 made its blocks inside a library's function.
     let site = |line| Site {
         file: "/home/me/my job.py".into(),
         line,
         function: "build_peak".into(),
+        via: (line == 11).then(|| {
+            Arc::new(Site {
+                file: "/venv/site-packages/scipy/spatial/distance.py".into(),
+                line: 2926,
+                function: "cdist".into(),
+                via: None,
+            })
+        }),
     };
     let next = std::sync::atomic::AtomicU32::new(0);
     let options = RecordOptions {
@@ -59,6 +68,10 @@ fn a_trace_recorded_with_time_and_sites_reads_back_with_both_and_replays_alike()
     assert_eq!(trace.sites, [1, 2, 1, 0, 0, 0], "{text}");
     assert_eq!(trace.site_table[&1], site(10));
     assert_eq!(trace.site_table[&2], site(11));
+    assert_eq!(
+        trace.site_table[&2].place(),
+        "/home/me/my job.py:11 → /venv/site-packages/scipy/spatial/distance.py:2926"
+    );
     // The same events as a trace without the new fields.
     let plain: Vec<_> = text
         .lines()
@@ -299,7 +312,8 @@ fn replay_trace_and_report_run_an_event_hook_and_print_its_report() {
     let (code, out) = allocbox_cli(&["replay-trace", "t.trace", "--hook", "sises"], &dir);
     assert_eq!(code, 2, "{out}");
     assert!(
-        out.contains("cannot read the hook `sises`") && out.contains("sizes, counting"),
+        out.contains("the hook `sises`: cannot read the hook: No such file")
+            && out.contains("sizes, counting"),
         "{out}"
     );
 }

@@ -324,8 +324,14 @@ pub(crate) fn load_hook(path: &Path, limits: &Limits) -> Result<Arc<WasmHook>> {
         allocbox::read_policy_file(path, COMPILE_BOUNDS.get_or_init(CompileBounds::default))
             .map_err(|e| {
                 let shipped: Vec<&str> = SHIPPED_HOOKS.iter().map(|h| h.0).collect();
+                let why = match e {
+                    allocbox::LoadError::Io { error, .. } => {
+                        format!("cannot read the hook: {error}")
+                    }
+                    other => other.to_string(),
+                };
                 anyhow::anyhow!(
-                    "the hook `{}`: {e}; shipped hooks: {}",
+                    "the hook `{}`: {why}; shipped hooks: {}",
                     path.display(),
                     shipped.join(", ")
                 )

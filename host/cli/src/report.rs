@@ -160,7 +160,9 @@ pub fn render_page(
          sizes it asked for); <i>held</i> is what the handler holds from the host (for \
          the native default: the C library's usable sizes of its live blocks). Charts \
          show windows of events (the most bytes within each); charts of a row share \
-         their axes.</p>",
+         their axes. Sizes in the tables are binary, as NumPy's messages give them \
+         (1 KiB = 1024 bytes); the charts' log axes mark powers of ten (1 kB = 1000 \
+         bytes).</p>",
         timelines.len(),
         if timelines.len() == 1 { "" } else { "s" },
     );
@@ -168,7 +170,7 @@ pub fn render_page(
     html += "<h2>Summary</h2>\n<table class=\"summary\">\n<thead><tr><th>handler</th>\
              <th>policy</th><th>events</th><th>ns/event<br>median</th><th>ns/event<br>p99</th>\
              <th>peak<br>live</th><th>peak<br>held</th><th>held/live<br>at peak live</th>\
-             <th>peak<br>held/live</th><th>final<br>live</th><th>final<br>held</th>\
+             <th>final<br>live</th><th>final<br>held</th>\
              <th>final<br>held/live</th><th>failure</th></tr></thead>\n<tbody>\n";
     for t in timelines {
         let failed = t.replay.failure.is_some();
@@ -176,7 +178,7 @@ pub fn render_page(
             html,
             "<tr><td class=\"name\" title=\"{}\">{}</td><td class=\"name\">{}</td><td>{}</td>\
              <td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
-             <td>{}</td><td>{}</td><td class=\"{}\">{}</td></tr>",
+             <td>{}</td><td class=\"{}\">{}</td></tr>",
             escape_html(&t.label),
             escape_html(short_label(&t.label)),
             escape_html(&t.handler),
@@ -186,7 +188,6 @@ pub fn render_page(
             bytes(t.peak_live),
             bytes(t.peak_held),
             ratio_text(t.ratio_at_peak_live()),
-            ratio_text(t.peak_ratio),
             bytes(t.final_live),
             bytes(t.final_held),
             ratio_text(t.final_ratio()),
@@ -237,11 +238,14 @@ pub fn render_page(
     let rows: [Row<'_>; 4] = [
         (
             ("Bytes over time (log scale)", false),
-            vec![
+            [
                 (LIVE_COLOR, "live (client)"),
                 (HELD_COLOR, "held from host (under live where equal)"),
-                (MARK_COLOR, "a test starts"),
-            ],
+            ]
+            .into_iter()
+            // The marks' tick only where the trace has marks (a test suite's).
+            .chain((!marks.is_empty()).then_some((MARK_COLOR, "a test starts")))
+            .collect(),
             &|t| {
                 bytes_chart(
                     &x,

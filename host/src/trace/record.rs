@@ -403,6 +403,15 @@ impl Watcher for TraceWriter {
                     super::site_name(&site.file)
                 );
                 line.extend_from_slice(record.as_bytes());
+                if let Some(via) = &site.via {
+                    let record = format!(
+                        "#@via {number} {} {} {}\n",
+                        via.line,
+                        super::site_name(&via.function),
+                        super::site_name(&via.file)
+                    );
+                    line.extend_from_slice(record.as_bytes());
+                }
                 st.site_numbers.insert(site, number);
                 number
             }

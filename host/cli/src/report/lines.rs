@@ -16,10 +16,7 @@ const ROWS: usize = 20;
 
 fn place(sites: &HashMap<u32, Site>, number: u32) -> (String, String) {
     match sites.get(&number) {
-        Some(site) => (
-            format!("{}:{}", site.file, site.line),
-            site.function.to_string(),
-        ),
+        Some(site) => (site.place(), site.functions()),
         None => ("(no line recorded)".into(), String::new()),
     }
 }

@@ -10,8 +10,11 @@ use super::short_label;
 /// What the summary's ratio columns mean, printed under the table.
 pub const RATIO_NOTE: &str = "held/live: bytes the handler held from the host for each byte \
 the trace held (1.00x: nothing beyond the arrays themselves), when the trace held the \
-most and after its last event; the page also shows the most it reached at any event, \
-which a moment with almost nothing live can make huge.";
+most and after its last event.";
+
+/// Below this, on either side, a change of held bytes is said in bytes, not as a
+/// percentage: 21 KiB against 1 MiB is no "4550% more".
+const PERCENT_FLOOR: u64 = 1 << 20;
 
 /// Why small arrays look alike under every policy, said where the numbers are.
 pub const MAGAZINE_NOTE: &str = "Requests of up to 64 KiB to a policy that batches are \
@@ -37,16 +40,7 @@ pub fn comparisons(timelines: &[Timeline]) -> Vec<String> {
             if let Some((event, _)) = &t.replay.failure {
                 return format!("`{name}` failed at {event}, so it compares with nothing");
             }
-            let (held, was) = (
-                t.held_at_peak_live as f64,
-                base.held_at_peak_live.max(1) as f64,
-            );
-            let change = (held - was) / was * 100.0;
-            let held = match change {
-                c if c.abs() < 0.5 => "the same as".to_string(),
-                c if c < 0.0 => format!("{:.0}% less than", -c),
-                c => format!("{c:.0}% more than"),
-            };
+            let held = held_change(t.held_at_peak_live, base.held_at_peak_live);
             format!(
                 "on this trace, `{name}` would have held {held} `{}` at the peak ({} against \
                  {}) and taken {:.2}x its time",
@@ -57,6 +51,34 @@ pub fn comparisons(timelines: &[Timeline]) -> Vec<String> {
             )
         })
         .collect()
+}
+
+/// How `held` compares with `was`: a percentage where both are at least
+/// [`PERCENT_FLOOR`], else the difference in bytes.
+fn held_change(held: u64, was: u64) -> String {
+    if held.min(was) < PERCENT_FLOOR {
+        return match held.cmp(&was) {
+            std::cmp::Ordering::Equal => "the same as".to_string(),
+            std::cmp::Ordering::Less => format!("{} less than", bytes(was - held)),
+            std::cmp::Ordering::Greater => format!("{} more than", bytes(held - was)),
+        };
+    }
+    let change = (held as f64 - was as f64) / was as f64 * 100.0;
+    match change {
+        c if c.abs() < 0.5 => "the same as".to_string(),
+        c if c < 0.0 => format!("{:.0}% less than", -c),
+        c => format!("{c:.0}% more than"),
+    }
+}
+
+#[cfg(test)]
+#[test]
+fn a_change_between_small_amounts_is_said_in_bytes_not_a_percentage() {
+    // Issue 49: "arena would have held 4550% more" when 21 KiB was live.
+    assert_eq!(held_change(1 << 20, 22 << 10), "1002 KiB more than");
+    assert_eq!(held_change(22 << 10, 22 << 10), "the same as");
+    assert_eq!(held_change(12 << 20, 10 << 20), "20% more than");
+    assert_eq!(held_change(9 << 20, 10 << 20), "10% less than");
 }
 
 /// The plain-text summary: one row per handler, and what its ratios mean.
