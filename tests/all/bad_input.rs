@@ -61,15 +61,17 @@ fn numbers_past_what_the_host_can_hold_name_their_range_and_exit_2() {
     }
 }
 
+/// A file of `len` bytes that takes no disk (and would take `len` to read).
+fn sparse_file(path: &std::path::Path, len: u64) {
+    std::fs::File::create(path).unwrap().set_len(len).unwrap();
+}
+
 /// Found in issue 52: a 2 GB (sparse) file given as a policy took +2 GB resident and
 /// 7-10 s before the refusal: the file is now judged by its size, before it is read.
 #[test]
 fn a_policy_file_past_the_file_bound_is_refused_by_its_size_before_it_is_read() {
     let dir = tempdir("huge-policy");
-    std::fs::File::create(dir.join("huge.wasm"))
-        .unwrap()
-        .set_len(2 << 30)
-        .unwrap();
+    sparse_file(&dir.join("huge.wasm"), 2 << 30);
     let (code, out, peak) = allocbox_cli_peak_rss(&["check", "huge.wasm"], &dir);
     assert_eq!(code, 2, "{out}");
     assert!(
@@ -85,10 +87,7 @@ fn a_policy_file_past_the_file_bound_is_refused_by_its_size_before_it_is_read() 
 #[test]
 fn a_replay_script_past_its_bound_is_refused_by_its_size() {
     let dir = tempdir("huge-script");
-    std::fs::File::create(dir.join("huge.script"))
-        .unwrap()
-        .set_len(1 << 30)
-        .unwrap();
+    sparse_file(&dir.join("huge.script"), 1 << 30);
     let (code, out) = allocbox_cli(&["replay", "huge.script", "builtin"], &dir);
     assert_eq!(code, 2, "{out}");
     assert!(

@@ -138,6 +138,16 @@ struct RecorderState {
     generation: u64,
 }
 
+/// A `#@site` (or `#@via`) record: `#@KIND NUMBER LINE FUNCTION FILE`.
+fn site_record(kind: &str, number: u32, site: &Site) -> String {
+    format!(
+        "#@{kind} {number} {} {} {}\n",
+        site.line,
+        super::site_name(&site.function),
+        super::site_name(&site.file)
+    )
+}
+
 /// The first line of every recording.
 const HEADER: &str = "# op(m=malloc,c=calloc,r=realloc,f=free) ptr-id size thread; \
                       free(NULL)->id 0; unknown ptr->id 18446744073709551615\n";
@@ -396,21 +406,9 @@ impl Watcher for TraceWriter {
             None => {
                 st.sites_named += 1;
                 let number = st.sites_named;
-                let record = format!(
-                    "#@site {number} {} {} {}\n",
-                    site.line,
-                    super::site_name(&site.function),
-                    super::site_name(&site.file)
-                );
-                line.extend_from_slice(record.as_bytes());
+                line.extend_from_slice(site_record("site", number, &site).as_bytes());
                 if let Some(via) = &site.via {
-                    let record = format!(
-                        "#@via {number} {} {} {}\n",
-                        via.line,
-                        super::site_name(&via.function),
-                        super::site_name(&via.file)
-                    );
-                    line.extend_from_slice(record.as_bytes());
+                    line.extend_from_slice(site_record("via", number, via).as_bytes());
                 }
                 st.site_numbers.insert(site, number);
                 number
