@@ -450,10 +450,11 @@ def test_sites_keep_a_bounded_number_of_code_objects_alive(tmp_path):
 
 def test_numba_imported_after_the_policy_is_set_has_its_arrays_placed_and_recorded(tmp_path):
     # Found in issue 49: under `run`, a program that imports Numba (after the policy is
-    # set, as every program under `run` does) had its @njit arrays left out.
+    # set, as every program under `run` does) had its @njit arrays left out, and the
+    # report showed Numba's import-time lines as the peak.
     done = allocbox_run(
         tmp_path,
-        "-p", "size-classes", "--record", "t.trace", "program.py",
+        "-p", "size-classes", "--record", "t.trace", "--sites", "--report", "page.html", "program.py",
         program="""
             import numba, numpy as np, allocbox
 
@@ -469,7 +470,11 @@ def test_numba_imported_after_the_policy_is_set_has_its_arrays_placed_and_record
     assert done.stdout.strip() == "size-classes", done.stdout + done.stderr
     events = [line.split() for line in (tmp_path / "t.trace").read_text().splitlines() if line[:1] in "mc"]
     assert sum(1 for e in events if int(e[2]) >= 300 * 300 * 8) >= 5, "the five grids are in the trace"
-    assert "(3.6 MiB)" in done.stderr or "MiB)" in done.stderr.split(" placed ")[1].split(";")[0], done.stderr
+    assert "MiB)" in done.stderr.split(" placed ")[1].split(";")[0], done.stderr
+    page = (tmp_path / "page.html").read_text()
+    at_peak = page.split('<table class="lines at-peak">', 1)[1].split("</table>", 1)[0]
+    first_row = at_peak.split("<tbody>", 1)[1].split("</tr>", 1)[0]
+    assert f"{tmp_path / 'program.py'}:8<" in first_row, first_row
 
 
 def test_a_peak_made_inside_a_library_call_is_the_program_s_line_via_the_library_s(tmp_path):

@@ -296,8 +296,8 @@ impl TraceWriter {
         st.generation = now;
         // Not dropped: dropping writes out the parent's buffer (and a gzip trailer).
         std::mem::forget(std::mem::replace(&mut st.out, Box::new(std::io::sink())));
+        // The threads keep their numbers: the forking thread remembers its own.
         st.ids.clear();
-        st.threads.clear();
         st.site_numbers.clear();
         st.error = None;
         let Some(path) = self.path.as_deref().filter(|_| !st.ended) else {
