@@ -23,7 +23,7 @@ const HANG: Duration = Duration::from_secs(60);
 type Test = (&'static str, fn() -> Result<(), String>);
 
 fn main() {
-    let tests: [Test; 8] = [
+    let tests: [Test; 9] = [
         (
             "every_child_of_200_forks_amid_churning_threads_finishes_with_every_handler",
             every_child_of_200_forks_amid_churning_threads_finishes_with_every_handler,
@@ -55,6 +55,10 @@ fn main() {
         (
             "policies_lock_at_most_their_share_of_a_lowered_lock_limit",
             policies_lock_at_most_their_share_of_a_lowered_lock_limit,
+        ),
+        (
+            "children_forked_amid_recording_threads_record_into_files_of_their_own",
+            children_forked_amid_recording_threads_record_into_files_of_their_own,
         ),
     ];
     let filter: Vec<String> = std::env::args()
@@ -612,4 +616,74 @@ fn policies_lock_at_most_their_share_of_a_lowered_lock_limit() -> Result<(), Str
             )),
         }
     })
+}
+
+/// Issue 52: children forked from a recording process wrote into the parent's trace (a
+/// `.gz` recording came out corrupt). Forked while other threads record events (the
+/// recording's lock is taken before each fork, so no child finds it held), each child
+/// records into `TRACE.PID` and the parent's trace stays whole.
+fn children_forked_amid_recording_threads_record_into_files_of_their_own() -> Result<(), String> {
+    use std::sync::Arc;
+
+    use allocbox::MemHandler;
+    use allocbox::trace::{RecordOptions, Recorder, read_trace};
+    let dir = std::env::temp_dir().join(format!("allocbox-fork-trace-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let path = dir.join("t.trace.gz");
+    let recorder = Recorder::create(&path, Arc::new(system(true)), RecordOptions::default())
+        .map_err(|e| e.to_string())?;
+    let stop = AtomicBool::new(false);
+    let children = std::thread::scope(|s| {
+        for _ in 0..3 {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    if let Ok(Some(p)) = recorder.malloc(64) {
+                        let _ = recorder.free(Some(p), 64);
+                    }
+                }
+            });
+        }
+        let mut children = Vec::new();
+        for _ in 0..20 {
+            let child = in_child_ending(|| {
+                let made = recorder.malloc(100).ok().flatten();
+                let _ = recorder.free(made, 100);
+                match recorder.finish() {
+                    Ok(()) => std::process::id() as i32 & 0x7f,
+                    Err(_) => 255,
+                }
+            });
+            children.push(child);
+        }
+        stop.store(true, Ordering::Relaxed);
+        children
+    });
+    recorder.finish().map_err(|e| e.to_string())?;
+    let parent = read_trace(&path).map_err(|e| format!("the parent's trace: {e}"))?;
+    if parent.is_empty() {
+        return Err("the parent's trace has no events".into());
+    }
+    let files = std::fs::read_dir(&dir).map_err(|e| e.to_string())?.count();
+    for child in children {
+        let code = child?;
+        if code == 255 {
+            return Err("a child could not finish its recording".into());
+        }
+    }
+    if files != 21 {
+        return Err(format!("{files} files for a parent and 20 children"));
+    }
+    for entry in std::fs::read_dir(&dir).map_err(|e| e.to_string())? {
+        let file = entry.map_err(|e| e.to_string())?.path();
+        let events = read_trace(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+        if file != path && events.len() != 2 {
+            return Err(format!(
+                "{}: {} events, not the child's 2",
+                file.display(),
+                events.len()
+            ));
+        }
+    }
+    std::fs::remove_dir_all(&dir).map_err(|e| e.to_string())
 }

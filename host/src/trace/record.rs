@@ -5,9 +5,10 @@ use std::collections::HashMap;
 use std::fmt;
 use std::io::Write;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use allocbox_ledger::platform::fork;
-use parking_lot::Mutex;
 
 use super::{EventOp, Site, UNKNOWN_ID};
 use crate::error::Error;
@@ -109,7 +110,9 @@ pub struct RecordOptions {
 
 /// The trace a [`Recorder`] writes.
 pub struct TraceWriter {
-    state: Mutex<RecorderState>,
+    state: Arc<Mutex<RecorderState>>,
+    /// Its part in every fork, while it lives.
+    fork: Arc<ForkPart>,
     /// Unique among the recorders of the process (for [`THREAD_NUMBER`]).
     serial: u64,
     /// [`coarse_now`] when the recording started.
@@ -136,6 +139,64 @@ struct RecorderState {
     sites_named: u32,
     /// [`fork::generation`] of the process this recording writes for.
     generation: u64,
+}
+
+/// A recording's part in a fork: its lock is taken before the fork (within
+/// [`FORK_PATIENCE`]) and let go after it, so that the child never finds it held by a
+/// thread it does not have. (The standard library's lock: letting it go in the child
+/// wakes no waiter through tables other threads may have held, as parking_lot's does.)
+struct ForkPart {
+    state: Arc<Mutex<RecorderState>>,
+    /// In a child forked while another thread kept the lock past the patience: the
+    /// lock is that thread's forever, so the child records nothing.
+    abandoned: AtomicBool,
+}
+
+/// How long a fork waits for a thread writing an event (to a full pipe, say).
+const FORK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// What a recording's [`ForkPart`] holds across the fork. The guard is declared first,
+/// so it is dropped before the part that owns its lock.
+struct ForkHeld {
+    lock: Option<MutexGuard<'static, RecorderState>>,
+    part: Arc<ForkPart>,
+}
+
+impl fork::Forkable for ForkPart {
+    fn before_fork(self: Arc<Self>) -> Box<dyn fork::AfterFork> {
+        let give_up = std::time::Instant::now() + FORK_PATIENCE;
+        let lock = loop {
+            match self.state.try_lock() {
+                Ok(guard) => break Some(guard),
+                Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < give_up => {
+                    std::thread::yield_now();
+                }
+                Err(std::sync::TryLockError::WouldBlock) => break None,
+            }
+        };
+        // SAFETY: the guard borrows the mutex inside `self.state`, an `Arc` that the
+        // `ForkHeld` made here keeps alive; its `lock` field is dropped before its
+        // `part` (declaration order), so the guard never outlives the mutex.
+        let lock =
+            lock.map(|guard| unsafe {
+                std::mem::transmute::<
+                    MutexGuard<'_, RecorderState>,
+                    MutexGuard<'static, RecorderState>,
+                >(guard)
+            });
+        Box::new(ForkHeld { lock, part: self })
+    }
+}
+
+impl fork::AfterFork for ForkHeld {
+    fn after_fork(self: Box<Self>, in_child: bool) {
+        if in_child && self.lock.is_none() {
+            self.part.abandoned.store(true, Ordering::Relaxed);
+        }
+        // Dropped here, the lock before its part: the child's first use of the
+        // recording follows the fork (a file of its own).
+    }
 }
 
 /// A `#@site` (or `#@via`) record: `#@KIND NUMBER LINE FUNCTION FILE`.
@@ -187,7 +248,7 @@ impl Recorder {
         let mut recorder = Recorder::with_options(inner, trace_file(path)?, options);
         recorder.watcher.path = Some(path.to_owned());
         // A file that takes no bytes (a full disk) is refused now, not at the end.
-        let mut st = recorder.watcher.state.lock();
+        let mut st = recorder.watcher.lock();
         if let Some(error) = st.error.take() {
             return Err(error);
         }
@@ -204,28 +265,35 @@ impl Recorder {
     ) -> Recorder {
         let mut out: Box<dyn Write + Send> = Box::new(out);
         let error = out.write_all(HEADER.as_bytes()).err();
+        let state = Arc::new(Mutex::new(RecorderState {
+            out,
+            ids: HashMap::default(),
+            line: Vec::new(),
+            next_id: 1,
+            threads: HashMap::new(),
+            error,
+            ended: false,
+            site_numbers: HashMap::new(),
+            sites_named: 0,
+            generation: {
+                fork::count_forks();
+                fork::generation()
+            },
+        }));
+        let fork = Arc::new(ForkPart {
+            state: state.clone(),
+            abandoned: AtomicBool::new(false),
+        });
+        fork::register(Arc::downgrade(&fork) as std::sync::Weak<dyn fork::Forkable>);
         Watched {
             handler: inner,
             watcher: TraceWriter {
-                state: Mutex::new(RecorderState {
-                    out,
-                    ids: HashMap::default(),
-                    line: Vec::new(),
-                    next_id: 1,
-                    threads: HashMap::new(),
-                    error,
-                    ended: false,
-                    site_numbers: HashMap::new(),
-                    sites_named: 0,
-                    generation: {
-                        fork::count_forks();
-                        fork::generation()
-                    },
-                }),
+                state,
+                fork,
                 serial: {
                     static SERIAL: std::sync::atomic::AtomicU64 =
                         std::sync::atomic::AtomicU64::new(1);
-                    SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    SERIAL.fetch_add(1, Ordering::Relaxed)
                 },
                 started: options.time.then(coarse_now),
                 sites: options.sites,
@@ -243,7 +311,10 @@ impl Recorder {
     /// the blocks live at this point are the ones the trace never frees (what leaked
     /// where the recording ends). The first write error, if any, is returned here, once.
     pub fn finish(&self) -> std::io::Result<()> {
-        let mut state = self.watcher.state.lock();
+        if self.watcher.fork.abandoned.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let mut state = self.watcher.lock();
         self.watcher.follow_fork(&mut state);
         if state.ended {
             return Ok(());
@@ -284,6 +355,12 @@ pub(crate) fn child_path(path: &std::path::Path, pid: u32) -> std::path::PathBuf
 }
 
 impl TraceWriter {
+    /// The recording's state, locked (a writer that panicked left it whole: each event
+    /// is written under the lock in one piece).
+    fn lock(&self) -> MutexGuard<'_, RecorderState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// In a forked child, on its first use: what the parent had buffered is the
     /// parent's to write, so it is dropped unwritten, and the child records into a file
     /// of its own ([`child_path`]), from a fresh start (blocks it inherited are freed as
@@ -365,7 +442,10 @@ impl Watcher for TraceWriter {
             (Some(site_of), 'm' | 'c' | 'r') => site_of(),
             _ => None,
         };
-        let mut guard = self.state.lock();
+        if self.fork.abandoned.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut guard = self.lock();
         // Under the lock, so that times never go back down the file.
         let time = self
             .started

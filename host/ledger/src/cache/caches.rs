@@ -17,6 +17,8 @@ use std::time::Duration;
 use super::slot::{CacheGuard, Mine, Slot, Unreachable};
 use super::slots::Slots;
 use crate::ledger::CacheId;
+#[cfg(not(allocbox_loom))]
+use crate::platform::fork::{AfterFork, Forkable};
 use crate::sync::{Mutex, MutexGuard};
 
 /// What a handler's books do when a thread's cache is given back.
@@ -219,22 +221,6 @@ impl<'l, C: Books> Locked<'l, C> {
             C::thread_ended(self, cached, lent);
         }
     }
-}
-
-/// What a fork does to a handler's caches.
-#[cfg(not(allocbox_loom))]
-pub(crate) trait Forkable: Send + Sync {
-    /// Before the fork, in the forking thread: wait (up to the handler's patience) until
-    /// no other thread is in the books or a cache, and keep them out. The answer is
-    /// ended after the fork, in the parent and in the child.
-    fn before_fork(self: Arc<Self>) -> Box<dyn AfterFork>;
-}
-
-/// What [`Forkable::before_fork`] holds across the fork.
-#[cfg(not(allocbox_loom))]
-pub(crate) trait AfterFork {
-    /// Let the other threads back in; in the child, first settle what the fork left.
-    fn after_fork(self: Box<Self>, in_child: bool);
 }
 
 #[cfg(not(allocbox_loom))]

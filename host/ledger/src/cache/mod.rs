@@ -28,8 +28,6 @@ mod slot;
 mod slots;
 mod thread;
 
-#[cfg(not(allocbox_loom))]
-pub(crate) use caches::{AfterFork, Forkable};
 pub use caches::{Books, Caches, Locked};
 pub use counts::Counts;
 pub use lent::Lent;

@@ -11,9 +11,22 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, Once, PoisonError, Weak};
 
-use crate::cache::{AfterFork, Forkable};
+/// What takes part in a fork: a handler's caches, a recording's lock.
+pub trait Forkable: Send + Sync {
+    /// Before the fork, in the forking thread: wait (within its own patience) until no
+    /// other thread is inside what it guards, and keep them out. The answer is ended
+    /// after the fork, in the parent and in the child.
+    fn before_fork(self: std::sync::Arc<Self>) -> Box<dyn AfterFork>;
+}
 
-/// Every live handler's caches, in the order they were made.
+/// What [`Forkable::before_fork`] holds across the fork.
+pub trait AfterFork {
+    /// Let the other threads back in; in the child, first settle what the fork left.
+    fn after_fork(self: Box<Self>, in_child: bool);
+}
+
+/// Everything that takes part in forks (every live handler's caches, ...), in the
+/// order it was registered.
 static FORKABLE: Mutex<Vec<Weak<dyn Forkable>>> = Mutex::new(Vec::new());
 
 /// How many forks separate this process from the first: 0 in it, 1 in its child, ...
@@ -55,7 +68,7 @@ pub fn count_forks() {
 }
 
 /// Take part in every fork from now on, while `forkable` lives.
-pub(crate) fn register(forkable: Weak<dyn Forkable>) {
+pub fn register(forkable: Weak<dyn Forkable>) {
     count_forks();
     let mut all = FORKABLE.lock().unwrap_or_else(PoisonError::into_inner);
     all.retain(|f| f.strong_count() > 0);
