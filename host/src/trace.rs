@@ -126,6 +126,9 @@ pub struct Trace {
     pub sites: Vec<u32>,
     /// The sites the trace names, by number.
     pub site_table: std::collections::HashMap<u32, Site>,
+    /// The gzip stream ended before its end (a recording whose process was killed, as
+    /// `multiprocessing` ends its idle workers): read up to its last whole line.
+    pub cut_short: bool,
 }
 
 /// The longest line a trace may have, its end of line aside: an event is a few dozen
@@ -153,12 +156,34 @@ pub fn read_trace_marked(path: impl AsRef<Path>) -> Result<Trace, TraceError> {
     let gz = file.read(&mut magic)? == 2 && magic == [0x1f, 0x8b];
     file.seek(std::io::SeekFrom::Start(0))?;
     if gz {
-        parse_trace_marked(BufReader::with_capacity(
-            1 << 20,
-            flate2::read::MultiGzDecoder::new(BufReader::new(file)),
-        ))
+        let cut_short = std::cell::Cell::new(false);
+        let stream = CutShort {
+            inner: flate2::read::MultiGzDecoder::new(BufReader::new(file)),
+            cut_short: &cut_short,
+        };
+        let mut trace = parse_lines(BufReader::with_capacity(1 << 20, stream), &cut_short)?;
+        trace.cut_short = cut_short.get();
+        Ok(trace)
     } else {
         parse_trace_marked(BufReader::with_capacity(1 << 20, file))
+    }
+}
+
+/// A gzip stream that ends early ends there, saying so in `cut_short`.
+struct CutShort<'a, R> {
+    inner: R,
+    cut_short: &'a std::cell::Cell<bool>,
+}
+
+impl<R: Read> Read for CutShort<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self.inner.read(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                self.cut_short.set(true);
+                Ok(0)
+            }
+            other => other,
+        }
     }
 }
 
@@ -169,7 +194,16 @@ pub fn parse_trace(input: impl BufRead) -> Result<Vec<Event>, TraceError> {
 
 /// [`parse_trace`], with the marks: comment lines after the first event (those before
 /// it are the file's header). No line is held past [`MAX_LINE_BYTES`].
-pub fn parse_trace_marked(mut input: impl BufRead) -> Result<Trace, TraceError> {
+pub fn parse_trace_marked(input: impl BufRead) -> Result<Trace, TraceError> {
+    parse_lines(input, &std::cell::Cell::new(false))
+}
+
+/// [`parse_trace_marked`] of a stream that may be cut short (`cut_short` set once it
+/// was): its last line, without an end, is then a part of one, and left out.
+fn parse_lines(
+    mut input: impl BufRead,
+    cut_short: &std::cell::Cell<bool>,
+) -> Result<Trace, TraceError> {
     let mut trace = Trace::default();
     let mut raw = Vec::new();
     let mut n = 0u32;
@@ -183,6 +217,9 @@ pub fn parse_trace_marked(mut input: impl BufRead) -> Result<Trace, TraceError> 
             return Ok(trace);
         }
         n = n.saturating_add(1);
+        if cut_short.get() && !raw.ends_with(b"\n") {
+            return Ok(trace);
+        }
         let content = raw.strip_suffix(b"\n").unwrap_or(&raw);
         if content.len() > MAX_LINE_BYTES {
             return Err(TraceError::Syntax {
@@ -441,6 +478,35 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         let ops: Vec<EventOp> = events.unwrap().iter().map(|e| e.op).collect();
         assert_eq!(ops, [EventOp::Malloc, EventOp::Free]);
+    }
+
+    #[test]
+    fn a_gzip_recording_cut_short_reads_up_to_its_last_whole_event_and_says_so() {
+        use std::io::Write;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        for id in 1..=1000 {
+            writeln!(gz, "m {id} 64").unwrap();
+        }
+        let whole = gz.finish().unwrap();
+        // A process killed before its stream's end: the last 10 bytes never written.
+        let path = std::env::temp_dir().join(format!("allocbox-cut-{}.gz", std::process::id()));
+        std::fs::write(&path, &whole[..whole.len() - 10]).unwrap();
+        let trace = read_trace_marked(&path);
+        std::fs::remove_file(&path).unwrap();
+        let trace = trace.unwrap();
+        assert!(trace.cut_short);
+        assert!(
+            trace.events.len() >= 990 && trace.events.len() < 1000,
+            "{}",
+            trace.events.len()
+        );
+        assert!(
+            trace
+                .events
+                .iter()
+                .enumerate()
+                .all(|(i, e)| e.id == i as u64 + 1)
+        );
     }
 
     #[test]

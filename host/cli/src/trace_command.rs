@@ -86,10 +86,19 @@ fn observed<R>(
 /// A trace file's events and marks, under a spinner (a large trace takes seconds to
 /// read).
 fn read_trace(trace: &Path) -> Result<allocbox::trace::Trace> {
-    progress::spinning(&format!("reading {}", trace.display()), || {
+    let read = progress::spinning(&format!("reading {}", trace.display()), || {
         allocbox::trace::read_trace_marked(trace)
     })
-    .with_context(|| trace.display().to_string())
+    .with_context(|| trace.display().to_string())?;
+    if read.cut_short {
+        eprintln!(
+            "allocbox: {} ends before its gzip stream does (its process was killed before \
+             it finished recording?): read up to its last whole event, the {}th",
+            trace.display(),
+            read.events.len()
+        );
+    }
+    Ok(read)
 }
 
 pub(crate) fn run_replay_trace(
@@ -230,6 +239,7 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         times,
         sites,
         site_table,
+        ..
     } = read_trace(&args.trace)?;
     let mut timelines = Vec::new();
     let mut hook_reports = String::new();
