@@ -362,8 +362,8 @@ pub enum LoadError {
     /// compiled.
     #[error(
         "the policy has {asked} {bound}, more than the {limit} allowed before compiling it \
-         (the `{name}` compile bound; raise it with `--compile-bound {name}=N` if you trust \
-         the policy)",
+         (the `{name}` compile bound; if you trust the policy, raise it: `--compile-bound \
+         {name}=N` on the command line, `compile_bounds={{\"{name}\": N}}` in Python)",
         name = bound.name()
     )]
     CompileBound {
