@@ -139,29 +139,16 @@ impl CompileBounds {
     }
 
     /// The bytes of the policy file at `path`, refused past
-    /// [`CompileBounds::file_bytes`] before they are read: by the file's size, and
-    /// for what has no size (a pipe, a file that grows) by reading one byte more than
-    /// the bound at most.
+    /// [`CompileBounds::file_bytes`] before they are read ([`crate::input`]).
     pub(crate) fn read_file(&self, path: &std::path::Path) -> Result<Vec<u8>, ReadRefused> {
-        use std::io::Read;
-        let file = std::fs::File::open(path).map_err(ReadRefused::Io)?;
-        let known = file.metadata().map_err(ReadRefused::Io)?;
-        if known.is_dir() {
-            return Err(ReadRefused::Io(std::io::Error::from(
-                std::io::ErrorKind::IsADirectory,
-            )));
-        }
-        if known.is_file() {
-            self.check_file_len(known.len())
-                .map_err(ReadRefused::Bound)?;
-        }
-        let mut bytes = Vec::new();
-        file.take(self.file_bytes.saturating_add(1))
-            .read_to_end(&mut bytes)
-            .map_err(ReadRefused::Io)?;
-        self.check_file_len(bytes.len() as u64)
-            .map_err(ReadRefused::Bound)?;
-        Ok(bytes)
+        crate::input::read_at_most(path, self.file_bytes).map_err(|refused| match refused {
+            crate::input::TooLong::Io(error) => ReadRefused::Io(error),
+            crate::input::TooLong::Bytes { len, limit } => ReadRefused::Bound(Exceeded {
+                bound: CompileBound::FileBytes,
+                asked: len,
+                limit,
+            }),
+        })
     }
 
     /// Refuse WAT text longer than [`CompileBounds::text_bytes`] before parsing it.

@@ -6,6 +6,7 @@ mod error;
 pub mod gpu;
 mod handler;
 mod hook;
+pub mod input;
 mod link;
 pub mod mapped;
 mod memhandler;

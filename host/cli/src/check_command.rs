@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use allocbox::{Limits, Runtime};
 use allocbox_check::{self as check, CheckOptions, CheckReport, Script};
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 
 use crate::{Outcome, hook_report, load, load_hook, print_report, progress};
 
@@ -266,34 +266,19 @@ fn json_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> serde
 /// not a script.
 const MAX_SCRIPT_BYTES: u64 = 64 << 20;
 
-/// The script's bytes, refused by its size before they are read, and for what has
-/// no size (a pipe) after one byte more than the bound.
+/// The script's bytes, refused by its size before they are read.
 fn read_script(script: &Path) -> Result<Vec<u8>> {
-    use std::io::Read;
-    let cannot = || format!("cannot read the script `{}`", script.display());
-    let file = std::fs::File::open(script).with_context(cannot)?;
-    let size = file.metadata().with_context(cannot)?;
-    if size.is_dir() {
-        bail!("`{}` is a folder: name a script file", script.display());
-    }
-    let too_long = || {
-        anyhow::anyhow!(
+    use allocbox::input::TooLong;
+    allocbox::input::read_at_most(script, MAX_SCRIPT_BYTES).map_err(|refused| match refused {
+        TooLong::Io(error) => {
+            anyhow::anyhow!("cannot read the script `{}`: {error}", script.display())
+        }
+        TooLong::Bytes { .. } => anyhow::anyhow!(
             "the script `{}` has more than {MAX_SCRIPT_BYTES} bytes: a script is one \
              operation a line, and shorter than that",
             script.display()
-        )
-    };
-    if size.len() > MAX_SCRIPT_BYTES {
-        return Err(too_long());
-    }
-    let mut bytes = Vec::new();
-    file.take(MAX_SCRIPT_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .with_context(cannot)?;
-    if bytes.len() as u64 > MAX_SCRIPT_BYTES {
-        return Err(too_long());
-    }
-    Ok(bytes)
+        ),
+    })
 }
 
 pub(crate) fn run_replay(
