@@ -414,6 +414,7 @@ import gc, sys, threading
 import numba, numpy as np, allocbox
 sys.path.insert(0, sys.argv[2])
 from conftest import guest
+from test_numba import row_sums
 
 @numba.njit(nogil=True)
 def churn(n):
@@ -423,13 +424,6 @@ def churn(n):
         a[0] = i
         t += a[0]
     return t
-
-@numba.njit(parallel=True)
-def rows(n, width):
-    out = np.empty(n)
-    for i in numba.prange(n):
-        out[i] = np.arange(width + i % 3)[width - 1]
-    return out
 
 stop = threading.Event()
 def worker():
@@ -447,7 +441,7 @@ try:
         policy = allocbox.load(guest("broken"), {"fault": fault}) if fault else allocbox.load("size-classes")
         try:
             with allocbox.use(policy):
-                rows(300, 10)
+                row_sums(300, 10)
         except (MemoryError, SystemError) as e:
             assert policy.failure is not None and any("was stopped" in n for n in e.__notes__), e
         del policy

@@ -28,6 +28,7 @@ use allocbox::Limits;
 use allocbox::LoadError;
 use allocbox::{Policy, Runtime};
 
+mod client;
 mod model;
 mod pattern;
 mod runner;
