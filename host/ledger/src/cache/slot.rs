@@ -96,14 +96,23 @@ impl Slot {
         self.claim_holding(self.held.lock())
     }
 
-    /// In a forked child, a slot the fork did not claim: one another thread made after
-    /// the forking thread looked at the slots. Its owner is not in the child, and may
-    /// have been on its fast path at the fork; its cache is as it was made (everything
-    /// beyond the fast path waits for the books, which the fork held, and the fast path
-    /// of an empty cache changes nothing), so it is left free to claim.
+    /// In a forked child, where the forking thread is the only one and is on no fast
+    /// path: no owner is busy. Two kinds of slot may still say one is. A slot the fork
+    /// claimed, whose owner had stepped onto its fast path, seen the fork's claim and not
+    /// yet stepped back: it touched nothing. A slot the fork did not claim, made by
+    /// another thread after the forking thread looked at the slots: its cache is as it
+    /// was made (everything beyond the fast path waits for the books, which the fork
+    /// held, and the fast path of an empty cache changes nothing). Either is left free
+    /// to claim, so that the child gives its cache back.
     #[cfg(not(allocbox_loom))]
     pub(super) fn release_after_fork(&self) {
         self.busy.store(false, Ordering::Release);
+    }
+
+    /// As an owner between stepping onto its fast path and seeing a claim: busy.
+    #[cfg(all(test, not(allocbox_loom)))]
+    pub(super) fn step_on_as_owner(&self) {
+        self.busy.store(true, Ordering::Relaxed);
     }
 
     /// [`Slot::claim`], waiting at most `patience` for another holder of the slot to
