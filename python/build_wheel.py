@@ -2,12 +2,17 @@
 
     .venv/bin/python python/build_wheel.py      # prints target/wheels/allocbox-*.whl
 
+`--profile dev` builds the host unoptimised, its dependencies as the test suite's
+(`[profile.dev.package."*"]`), sharing their build: what CI tests, where a release build
+of wasmtime would cost ten minutes more. A user's wheel is the default, release.
+
 The guest crates that say `[package.metadata.allocbox] ship = true` in their Cargo.toml
 are built for wasm32-wasip2 (Rust alone: no other language's toolchain) and copied into
 the package as `allocbox/policies/<name>.wasm`, with `index.json` mapping each name to
 its crate's `description`. The wheel is then built by maturin, in release mode.
 """
 
+import argparse
 import json
 import os
 import pathlib
@@ -71,6 +76,10 @@ def stage_policies():
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", choices=("release", "dev"), default="release",
+                        help="the host's cargo profile (default: release)")
+    profile = parser.parse_args().profile
     index = stage_policies()
     print(f"shipping {', '.join(sorted(index))}", file=sys.stderr)
     WHEELS.mkdir(parents=True, exist_ok=True)
@@ -78,7 +87,7 @@ def main():
         old.unlink()
     maturin = pathlib.Path(sys.executable).parent / "maturin"
     env = dict(os.environ, VIRTUAL_ENV=str(pathlib.Path(sys.executable).parents[1]))
-    run(maturin, "build", "--release", "--quiet", "--out", WHEELS, cwd=ROOT / "python", env=env)
+    run(maturin, "build", "--profile", profile, "--quiet", "--out", WHEELS, cwd=ROOT / "python", env=env)
     (wheel,) = WHEELS.glob("allocbox-*.whl")
     print(wheel)
 
