@@ -277,6 +277,74 @@ fn the_report_command_writes_the_page_and_exits_1_when_a_handler_fails() {
     assert_eq!(code, 2, "at least one -p: {out}");
 }
 
+#[test]
+fn several_traces_make_one_page_a_part_each_in_the_order_given() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("report-parts");
+    std::fs::create_dir_all(&dir).unwrap();
+    // A program's trace and a child's, as `allocbox run` names them.
+    std::fs::write(dir.join("run.trace"), "m 1 8\nf 1 8\n").unwrap();
+    std::fs::write(dir.join("run.trace.4242"), "m 1 4096\nm 2 4096\n").unwrap();
+    let traces = ["run.trace", "run.trace.4242"];
+    let (code, out) = allocbox_cli(
+        &[
+            "report", traces[0], traces[1], "-p", "default", "-o", "out.html",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    let (program, child) = (out.find("run.trace:\n"), out.find("run.trace.4242:\n"));
+    assert!(
+        matches!((program, child), (Some(p), Some(c)) if p < c),
+        "a summary per trace, each under its name: {out}"
+    );
+    let html = std::fs::read_to_string(dir.join("out.html")).unwrap();
+    assert!(html.contains("<title>allocbox report: run.trace and 1 more trace</title>"));
+    let parts: Vec<_> = traces
+        .iter()
+        .map(|t| html.find(&format!("<h1>allocbox report: {t}</h1>")))
+        .collect();
+    assert!(
+        matches!(parts[..], [Some(p), Some(c)] if p < c),
+        "a part per trace, in order"
+    );
+
+    let (code, out) = allocbox_cli(
+        &[
+            "report", traces[0], traces[1], "-p", "default", "-o", "out.html", "--json",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let per_trace: Vec<_> = json
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["trace"].as_str().unwrap(),
+                t["peak_live_bytes"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(per_trace, [("run.trace", 8), ("run.trace.4242", 8192)]);
+
+    let (code, out) = allocbox_cli(
+        &[
+            "report",
+            traces[0],
+            "missing.trace",
+            "-p",
+            "default",
+            "-o",
+            "out.html",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 2, "a trace that cannot be read is said: {out}");
+    assert!(out.contains("missing.trace"), "{out}");
+}
+
 /// A policy that calls itself `<script>…` and breaks the contract on its first malloc,
 /// so its name reaches the page both as a name and inside an error message.
 fn hostile_policy() -> allocbox::Handler {

@@ -117,8 +117,11 @@ enum Command {
     /// sizes, the first failing event. Prints a summary table (or JSON). Exit 1 if an event fails in any handler, or a
     /// policy leaks (the page is still written).
     Report {
-        /// The trace: `op id size thread` lines, plain or gzip.
-        trace: PathBuf,
+        /// The trace: `op id size thread` lines, plain or gzip. Several (a program's and
+        /// its child processes', as `allocbox run` writes them) make one page, a part
+        /// per trace, each replayed on its own.
+        #[arg(required = true)]
+        traces: Vec<PathBuf>,
         /// A handler (repeatable, at least one): `default` (NumPy's default handler,
         /// natively), a shipped policy's name (`size-classes`, ..., `builtin`) or a policy
         /// file, each on its own over the host's memory.
@@ -485,7 +488,7 @@ where
             limits,
         } => run_replay(script, policy, config, limits.limits(CHECK_CALL_TIME)),
         Command::Report {
-            trace,
+            traces,
             policies,
             output,
             json,
@@ -494,7 +497,7 @@ where
             limits,
         } => per_policy(config).and_then(|config| {
             run_report(ReportArgs {
-                trace,
+                traces,
                 policies,
                 output,
                 json,

@@ -88,14 +88,68 @@ pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> 
     render_page(trace_name, timelines, marks, &Recorded::default())
 }
 
-/// One self-contained HTML page comparing `timelines` (the same trace through several
-/// handlers): a summary table, the failures, the peak and the phases (the trace's
+/// One self-contained HTML page of several traces' parts ([`render_part`]), in order:
+/// a program's trace and its child processes' (`allocbox run` names a child's trace
+/// `TRACE.PID`). One part is [`render_page`]'s page.
+pub fn render_parts(parts: &[(String, String)]) -> String {
+    let title = match parts {
+        [(name, _)] => format!("allocbox report: {}", escape_html(name)),
+        [(name, _), rest @ ..] => format!(
+            "allocbox report: {} and {} more trace{}",
+            escape_html(name),
+            rest.len(),
+            if rest.len() == 1 { "" } else { "s" }
+        ),
+        [] => "allocbox report".to_string(),
+    };
+    let mut html = format!(
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n\
+         <title>{title}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n"
+    );
+    if parts.len() > 1 {
+        let _ = writeln!(
+            html,
+            "<p class=\"lead\">{} traces, a part of this page each, in order: a program's and \
+             its child processes' (a child's trace is named after the program's, with the \
+             child's process id). Each is replayed on its own through the same handlers, as \
+             each process had a policy of its own.</p>\n<ol class=\"traces\">",
+            parts.len()
+        );
+        for (i, (name, _)) in parts.iter().enumerate() {
+            let _ = writeln!(
+                html,
+                "<li><a href=\"#trace-{i}\">{}</a></li>",
+                escape_html(name)
+            );
+        }
+        html += "</ol>\n";
+    }
+    for (i, (_, part)) in parts.iter().enumerate() {
+        let _ = writeln!(html, "<section id=\"trace-{i}\">\n{part}</section>");
+    }
+    html += "</body>\n</html>\n";
+    html
+}
+
+/// One self-contained HTML page of one trace: [`render_part`] alone.
+pub fn render_page(
+    trace_name: &str,
+    timelines: &[Timeline],
+    marks: &[Mark],
+    recorded: &Recorded<'_>,
+) -> String {
+    let part = render_part(trace_name, timelines, marks, recorded);
+    render_parts(&[(trace_name.to_string(), part)])
+}
+
+/// One trace's part of a page comparing `timelines` (the trace through several
+/// handlers): a heading naming the trace, a summary table, the failures, the peak and the phases (the trace's
 /// `marks`, its tests) that reached the most bytes or overhead, what the trace left
 /// live at its end, the lines behind the peak and behind what was never freed (when
 /// `recorded` has them), and per metric one chart per handler side by side with the
 /// same axes, over time when the trace has times. Every text that comes from outside
 /// is escaped.
-pub fn render_page(
+pub fn render_part(
     trace_name: &str,
     timelines: &[Timeline],
     marks: &[Mark],
@@ -144,13 +198,7 @@ pub fn render_page(
         points
     };
 
-    let mut html = String::new();
-    let title = format!("allocbox report: {}", escape_html(trace_name));
-    let _ = write!(
-        html,
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n\
-         <title>{title}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n<h1>{title}</h1>\n"
-    );
+    let mut html = format!("<h1>allocbox report: {}</h1>\n", escape_html(trace_name));
     let events = timelines.iter().map(|t| t.replay.events).max().unwrap_or(0);
     let _ = writeln!(
         html,
@@ -356,7 +404,6 @@ pub fn render_page(
             html += &left_section(timelines);
         }
     }
-    html += "</body>\n</html>\n";
     html
 }
 

@@ -219,7 +219,8 @@ pub(crate) fn config_per_policy(
 }
 
 pub(crate) struct ReportArgs {
-    pub(crate) trace: PathBuf,
+    /// One or more: a program's trace and its child processes'.
+    pub(crate) traces: Vec<PathBuf>,
     pub(crate) policies: Vec<String>,
     pub(crate) output: PathBuf,
     pub(crate) json: bool,
@@ -233,6 +234,51 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
     // Before the replays, which take seconds to minutes: a page that cannot be written
     // is said at once.
     let page_file = PageFile::create(&args.output)?;
+    // So is a trace that is not there, whichever of several.
+    for trace in &args.traces {
+        std::fs::metadata(trace).with_context(|| trace.display().to_string())?;
+    }
+    let mut parts = Vec::new();
+    let mut json = Vec::new();
+    let mut broken = false;
+    for trace in &args.traces {
+        let name = trace.display().to_string();
+        let reported = report_trace(&args, trace)?;
+        broken |= reported.hook_failed || reported.timelines.iter().any(|t| t.replay.failed());
+        if args.json {
+            json.extend(reported.timelines.iter().map(|t| {
+                let mut object = report::timeline_json(t);
+                object["trace"] = name.clone().into();
+                object
+            }));
+        } else {
+            if args.traces.len() > 1 {
+                print_report(&format!("{name}:\n"));
+            }
+            print_report(&report::summary_table(&reported.timelines));
+            print_report(&reported.hook_reports);
+        }
+        parts.push((name, reported.part));
+    }
+    page_file.write(&report::render_parts(&parts))?;
+    if args.json {
+        print_report(&format!("{}\n", serde_json::Value::Array(json)));
+    }
+    Ok(match broken {
+        true => Outcome::Broken,
+        false => Outcome::Held,
+    })
+}
+
+/// One trace through every handler: its part of the page, and what the summaries say.
+struct TraceReport {
+    part: String,
+    timelines: Vec<allocbox::trace::timeline::Timeline>,
+    hook_reports: String,
+    hook_failed: bool,
+}
+
+fn report_trace(args: &ReportArgs, trace: &Path) -> Result<TraceReport> {
     let allocbox::trace::Trace {
         events,
         marks,
@@ -240,7 +286,7 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         sites,
         site_table,
         ..
-    } = read_trace(&args.trace)?;
+    } = read_trace(trace)?;
     let mut timelines = Vec::new();
     let mut hook_reports = String::new();
     let mut hook_failed = false;
@@ -295,26 +341,12 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         times: &times,
         lines: lines.as_ref().map(|found| (found, &site_table)),
     };
-    let page = report::render_page(
-        &args.trace.display().to_string(),
-        &timelines,
-        &marks,
-        &recorded,
-    );
-    page_file.write(&page)?;
-    if args.json {
-        let all: Vec<_> = timelines.iter().map(report::timeline_json).collect();
-        print_report(&format!("{}\n", serde_json::Value::Array(all)));
-    } else {
-        print_report(&report::summary_table(&timelines));
-        print_report(&hook_reports);
-    }
-    Ok(
-        match hook_failed || timelines.iter().any(|t| t.replay.failed()) {
-            true => Outcome::Broken,
-            false => Outcome::Held,
-        },
-    )
+    Ok(TraceReport {
+        part: report::render_part(&trace.display().to_string(), &timelines, &marks, &recorded),
+        timelines,
+        hook_reports,
+        hook_failed,
+    })
 }
 
 /// The report's page, written whole or not at all: a file beside the page, created
