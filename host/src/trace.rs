@@ -9,7 +9,7 @@ mod record;
 mod replay;
 pub mod timeline;
 
-pub use record::{RecordOptions, Recorder, SiteOf, TraceWriter, Watched, Watcher};
+pub use record::{RecordOptions, Recorder, SiteOf, TraceWriter, Watched, Watcher, child_path};
 pub(crate) use replay::Held;
 pub use replay::{ReplayReport, leak_after_replay, replay_trace, replay_trace_counted};
 

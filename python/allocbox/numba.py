@@ -36,6 +36,8 @@ import gc
 import sys
 import warnings
 
+from _allocbox_startup import AfterImport
+
 from ._allocbox import numba_maker as _numba_maker
 from ._allocbox import numba_route as _numba_route
 from ._allocbox import numba_threads_done as _numba_threads_done
@@ -146,33 +148,9 @@ def _threads_use(handler):
     return lambda: _numba_threads_done(token)
 
 
-class _AfterNumbaImports:
-    """A finder on `sys.meta_path` that finds nothing itself: when `numba` is
-    imported, it lets the other finders find it and has its loader enable the route
-    once Numba's own `__init__` has run."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "numba" or self not in sys.meta_path:
-            return None
-        import importlib.util
-
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader_runs = spec.loader.exec_module
-
-        def exec_module(module):
-            loader_runs(module)
-            _route_if_imported()
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-_after_numba_imports = _AfterNumbaImports()
+# A policy set before the program imports Numba places its arrays too.
+_after_numba_imports = AfterImport("numba", lambda: _route_if_imported())
 
 
 def _route_when_imported():
-    if _after_numba_imports not in sys.meta_path:
-        sys.meta_path.insert(0, _after_numba_imports)
+    _after_numba_imports.arm()

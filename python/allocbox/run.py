@@ -24,8 +24,10 @@ and exit status 2, before the program starts. Otherwise the program sees what `p
 SCRIPT` or `python -m MODULE` gives it: its own `__main__`, `sys.argv`, standard
 streams and `sys.excepthook`, the same traceback and exit status (`--` ends the options
 before a script's name). Paths given to `run` are resolved before the program starts,
-so a program that changes directory changes nothing of them. A forked child records
-into a file of its own beside the trace (`TRACE.PID`) and prints no summary.
+so a program that changes directory changes nothing of them. Every Python process
+the program starts (forked, spawned by `multiprocessing`, or a `subprocess` running
+this environment's Python) runs under the same policy, records into a trace of its own
+beside the program's (`TRACE.PID`) and prints no summary; `--report` reads them all.
 """
 
 import importlib.machinery
@@ -34,7 +36,12 @@ import os
 import runpy
 import subprocess
 import sys
+import time
 import traceback
+
+import _allocbox_startup
+
+from . import children
 
 USAGE = (
     "usage: allocbox run [-p POLICY [-c KEY=VALUE]...]... [--grant KINDS] [--record FILE [--sites]] "
@@ -171,8 +178,8 @@ def check_report(report, recording):
     return record, sites
 
 
-def write_report(report, chain, record):
-    """Replay the recording through NumPy's default, the program's policy (a chain of
+def write_report(report, chain, traces):
+    """Replay the recordings (the program's, then its children's) through NumPy's default, the program's policy (a chain of
     one) and the ones to compare, into the page; the summary goes to standard error. A
     handler that fails there is said there: the exit status stays the program's."""
     handlers = [["-p", "default"]]
@@ -182,7 +189,7 @@ def write_report(report, chain, record):
         handlers.append(["-p", source, *sum(settings, [])])
     seen = {"default", *(source for source, _ in chain[:1] if len(chain) == 1)}
     handlers += [["-p", name] for name in report["compare"] if name not in seen]
-    command = [sys.executable, "-m", "allocbox", "report", record, *sum(handlers, []), "-o", report["page"]]
+    command = [sys.executable, "-m", "allocbox", "report", *traces, *sum(handlers, []), "-o", report["page"]]
     done = subprocess.run(command, stdout=sys.stderr)
     if done.returncode != 2:
         print(f"allocbox: report written to {_shown(report['page'])}", file=sys.stderr)
@@ -317,8 +324,9 @@ def size_text(n):
     return f"{n} bytes"
 
 
-def summary(handler, record):
-    """What the handler saw, in a few lines, the cause of a stop first."""
+def summary(handler, traces):
+    """What the handler saw, in a few lines, the cause of a stop first, and where the
+    `traces` are."""
     lines = []
     failure = handler.failure
     if failure:
@@ -337,9 +345,15 @@ def summary(handler, record):
     counters = stats["counters"]
     if counters:
         lines.append("allocbox: counters: " + ", ".join(f"{k} {v:,}" for k, v in counters.items()))
-    if record is not None:
-        shown = _shown(record)
-        lines.append(f"allocbox: trace written to {shown}; read it with `allocbox report {shown}`")
+    if traces:
+        shown = [_shown(trace) for trace in traces]
+        if len(shown) == 1:
+            lines.append(f"allocbox: trace written to {shown[0]}; read it with `allocbox report {shown[0]}`")
+        else:
+            lines.append(
+                f"allocbox: trace written to {shown[0]}, and {len(shown) - 1} by the program's child "
+                f"processes beside it; read them with `allocbox report {' '.join(shown)}`"
+            )
     return lines
 
 
@@ -358,6 +372,8 @@ def _say(lines):
 
 
 def main(argv):
+    # A run started by a program under another run runs its own policy, not that one's.
+    _allocbox_startup.disarm()
     try:
         chain, grant, recording, report, (kind, target), args = parse(argv)
         check_program(kind, target)
@@ -370,8 +386,11 @@ def main(argv):
     import allocbox
 
     started_in = os.getpid()
+    started_at = time.time()
     if record is not None:
-        _finish_in_children(handler)
+        children.finish_in_forked_children(handler)
+    if chain or record is not None:
+        children.hand_down(chain, grant, record, recording[1])
     code = None
     kept = []
     try:
@@ -379,13 +398,14 @@ def main(argv):
             code = run_program(kind, target, args, kept, handler)
     finally:
         if os.getpid() == started_in:
-            code = _end(handler, record, report, code)
+            traces = [record, *children.traces(record, started_at)] if record is not None else []
+            code = _end(handler, traces, report, code)
     if os.getpid() != started_in:
         # A child the program forked that returned here: it ends as the program's
         # code did, with no summary of its own (the process that started says it).
         return code
     if report["page"] is not None:
-        write_report(report, chain, record)
+        write_report(report, chain, traces)
     if "temporary" in report:
         import shutil
 
@@ -393,44 +413,10 @@ def main(argv):
     return code
 
 
-class _ChildRecording:
-    """A forked child's recording (`TRACE.PID`), ended as the child ends: by
-    `atexit` where it exits, or, for a `multiprocessing` child, which leaves by
-    `os._exit`, by one of multiprocessing's own exit finalizers."""
-
-    def __init__(self, handler):
-        self.handler = handler
-        self.registered = False
-
-    def before_fork(self):
-        # Only once multiprocessing is there: importing it for a program that does not
-        # would change what the program sees.
-        util = sys.modules.get("multiprocessing.util")
-        if util is not None and not self.registered:
-            self.registered = True
-            util.register_after_fork(self, _ChildRecording.in_child)
-
-    def in_child(self):
-        import multiprocessing.util
-
-        multiprocessing.util.Finalize(None, self.finish, exitpriority=0)
-
-    def finish(self):
-        try:
-            self.handler.finish_recording()
-        except Exception as e:  # noqa: BLE001 - said in one line, as the parent would
-            _say([f"allocbox: {e}"])
-
-
-def _finish_in_children(handler):
-    child = _ChildRecording(handler)
-    _finish_in_children.kept = child
-    os.register_at_fork(before=child.before_fork)
-
-
-def _end(handler, record, report, code):
+def _end(handler, traces, report, code):
     """End the recording where the program ended (what is live now is what it
-    leaked) and say what the policy saw; returns the exit status."""
+    leaked) and say what the policy saw, naming the traces (the program's first, then
+    its children's); returns the exit status."""
     import allocbox
 
     lines = []
@@ -443,5 +429,5 @@ def _end(handler, record, report, code):
         sys.stdout.flush()
     except (OSError, ValueError, AttributeError):
         pass
-    _say(lines + summary(handler, None if "temporary" in report else record))
+    _say(lines + summary(handler, [] if "temporary" in report else traces))
     return code

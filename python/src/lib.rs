@@ -42,6 +42,14 @@ fn run_command(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> u8 {
     py.detach(|| allocbox_cli::run(argv))
 }
 
+/// The trace a child process `pid` records into beside its parent's `trace`
+/// (`trace.PID`, or `trace.PID.gz` for `trace.gz`): where a forked child's recording goes,
+/// and where `allocbox run`'s other children write theirs.
+#[pyfunction]
+fn child_trace_path(trace: std::path::PathBuf, pid: u32) -> std::path::PathBuf {
+    allocbox::trace::child_path(&trace, pid)
+}
+
 // The wheel is built for the stable ABI (abi3, CPython 3.11 and later), which
 // free-threaded CPython cannot load. A build from source for one is untested there
 // (event hooks call into Python from inside NumPy's allocation callbacks), so the
@@ -56,6 +64,7 @@ fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(get_handler, m)?)?;
     m.add_function(wrap_pyfunction!(native_default, m)?)?;
     m.add_function(wrap_pyfunction!(run_command, m)?)?;
+    m.add_function(wrap_pyfunction!(child_trace_path, m)?)?;
     m.add_function(wrap_pyfunction!(numba_route::numba_route, m)?)?;
     m.add_function(wrap_pyfunction!(numba_route::numba_threads_use, m)?)?;
     m.add_function(wrap_pyfunction!(numba_route::numba_threads_done, m)?)?;

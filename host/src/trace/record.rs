@@ -345,7 +345,7 @@ fn trace_file(path: &std::path::Path) -> std::io::Result<Box<dyn Write + Send>> 
 
 /// The file a forked child with process id `pid` records into beside its parent's
 /// `path`: `trace.PID`, or `trace.PID.gz` for `trace.gz`.
-pub(crate) fn child_path(path: &std::path::Path, pid: u32) -> std::path::PathBuf {
+pub fn child_path(path: &std::path::Path, pid: u32) -> std::path::PathBuf {
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     let child = match name.strip_suffix(".gz") {
         Some(stem) => format!("{stem}.{pid}.gz"),
