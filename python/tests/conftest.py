@@ -1,4 +1,7 @@
 import pathlib
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -16,3 +19,17 @@ def guest(name):
 @pytest.fixture
 def guest_path():
     return guest
+
+
+def allocbox_run(tmp_path, *args, program=None, name="program.py"):
+    """Run `python -m allocbox run ARGS` in `tmp_path`, with `program` written to
+    `name` there first."""
+    if program is not None:
+        (tmp_path / name).write_text(textwrap.dedent(program))
+    return subprocess.run(
+        [sys.executable, "-m", "allocbox", "run", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
