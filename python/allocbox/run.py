@@ -350,11 +350,19 @@ def summary(handler, traces):
         if len(shown) == 1:
             lines.append(f"allocbox: trace written to {shown[0]}; read it with `allocbox report {shown[0]}`")
         else:
+            # Named one by one while few; a pool's many workers, by the shell's pattern.
+            children = " ".join(shown[1:]) if len(shown) <= 4 else _children_pattern(shown[0])
             lines.append(
                 f"allocbox: trace written to {shown[0]}, and {len(shown) - 1} by the program's child "
-                f"processes beside it; read them with `allocbox report {' '.join(shown)}`"
+                f"processes beside it; read them with `allocbox report {shown[0]} {children}`"
             )
     return lines
+
+
+def _children_pattern(trace):
+    """The shell's pattern for the children's traces beside `trace` (`TRACE.PID`,
+    `TRACE.PID.gz` for `TRACE.gz`)."""
+    return trace[:-3] + ".*.gz" if trace.endswith(".gz") else trace + ".*"
 
 
 def _say(lines):

@@ -153,3 +153,23 @@ def test_a_child_handed_what_allocbox_run_never_sets_says_so_and_runs_under_nump
     assert (child.returncode, child.stdout) == (0, "5.0\n"), child.stderr
     (said,) = child.stderr.splitlines()
     assert said.startswith("allocbox: process ") and "ALLOCBOX_RUN_CHILD is not what allocbox run sets" in said, said
+
+
+def test_the_summary_names_many_children_s_traces_by_a_pattern_that_matches_them_all(tmp_path):
+    done = allocbox_run(
+        tmp_path,
+        "-p", "system", "--record", "t.trace.gz", "program.py",
+        program="""
+            import os, numpy as np
+            for _ in range(5):
+                pid = os.fork()
+                if pid == 0:
+                    np.ones(100)
+                    os._exit(0)
+                os.waitpid(pid, 0)
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "and 5 by the program's child processes beside it; read them with " \
+        "`allocbox report t.trace.gz t.trace.*.gz`" in done.stderr, done.stderr
+    assert len(list(tmp_path.glob("t.trace.*.gz"))) == 5
