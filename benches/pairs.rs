@@ -1,7 +1,9 @@
 //! ns per malloc+free pair, in one run: glibc, the bare component-call floor, and
 //! allocbox handlers. Prints a table of medians and ratios.
 //!
-//! Run: `cargo bench -p allocbox --bench pairs` (`-- --quick` for a short run).
+//! Run: `cargo bench -p allocbox --bench pairs` (`-- --quick` for a short run;
+//! `-- --threads 1,4,16` for the thread counts of the throughput table, 1 and 2 by
+//! default, each cell `16: 475.5 (14.11x)`: pairs per µs, and the ratio to 1 thread).
 //!
 //! Instructions rather than time, on this noisy machine: `-- --profile` runs only
 //! 100,000 `system` per-op pairs and as many glibc-upstream floor pairs, each loop in a
@@ -281,6 +283,26 @@ fn profiled_floor(store: &mut Store<RawHost>, raw: &raw::Policy) {
     }
 }
 
+/// The thread counts of `--threads LIST` (`1,4,16`); 1 and 2 by default.
+fn thread_counts() -> Vec<usize> {
+    let args: Vec<String> = std::env::args().collect();
+    let Some(at) = args.iter().position(|a| a == "--threads") else {
+        return vec![1, 2];
+    };
+    let list = args.get(at + 1).map_or("", String::as_str);
+    let counts: Option<Vec<usize>> = list
+        .split(',')
+        .map(|n| n.trim().parse().ok().filter(|n| (1..=256).contains(n)))
+        .collect();
+    match counts {
+        Some(counts) if !counts.is_empty() => counts,
+        _ => {
+            eprintln!("--threads {list}: give thread counts from 1 to 256, as 1,4,16");
+            std::process::exit(2);
+        }
+    }
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--profile") {
         let h = handler(&[(&SYSTEM, &[])], false);
@@ -292,6 +314,7 @@ fn main() {
         return;
     }
     let quick = std::env::args().any(|a| a == "--quick");
+    let threads = thread_counts();
     let (rounds, iters) = if quick { (5, 20_000) } else { (15, 200_000) };
 
     let glibc = median_ns(rounds, iters, || glibc_pair(SIZE));
@@ -360,21 +383,31 @@ fn main() {
         "host work: system per op less the glibc-upstream floor, rounds in turn: {host_work:.1} ns"
     );
 
-    // Threads: the same handler shared by 2 threads on this machine's cores, against
-    // 1 thread, in pairs per microsecond (throughput, not latency).
-    println!("\nmalloc({SIZE})+free pairs per µs, 1 and 2 threads sharing one handler, same run");
+    // Threads: the same handler shared by each count of threads, against 1 thread, in
+    // pairs per microsecond (throughput, not latency).
     println!(
-        "{:<42} {:>9} {:>9} {:>9}",
-        "case", "1 thread", "2 threads", "x 1"
+        "\nmalloc({SIZE})+free pairs per µs, threads sharing one handler (x: against 1 thread), same run"
     );
     let thread_row = |name: &str, f: &(dyn Fn() + Sync)| {
-        // Ten times the pairs of a latency round, so one round lasts milliseconds.
-        let one = median_throughput(1, rounds, 10 * iters, f);
-        let two = median_throughput(2, rounds, 10 * iters, f);
-        println!("{name:<42} {one:>9.1} {two:>9.1} {:>9.2}", two / one);
+        // A round of about 20 ms for one thread, whatever a pair costs: a per-call
+        // policy shared by 16 threads may serve a hundred times fewer pairs than glibc.
+        let ns = median_ns(3, iters / 10, f);
+        let per_thread = ((20e6 / ns) as usize).clamp(1_000, 10 * iters);
+        let one = median_throughput(1, rounds, per_thread, f);
+        let cells: Vec<String> = threads
+            .iter()
+            .map(|&n| {
+                let at = match n {
+                    1 => one,
+                    n => median_throughput(n, rounds, per_thread, f),
+                };
+                format!("{n}: {at:.1} ({:.2}x)", at / one)
+            })
+            .collect();
+        println!("{name:<42} {}", cells.join("  "));
     };
     thread_row("glibc malloc+free", &|| glibc_pair(SIZE));
-    for (name, h) in cases.iter().filter(|(name, _)| name.ends_with("magazines")) {
+    for (name, h) in &cases {
         thread_row(name, &|| pair(h, SIZE));
     }
 
