@@ -46,7 +46,7 @@ def inherit():
         chain = [(str(source), dict(config)) for source, config in handed["chain"]]
         grant, record, sites = list(handed["grant"]), handed["record"], bool(handed["sites"])
     except (KeyError, ValueError, TypeError):
-        _say(
+        say(
             f"allocbox: process {pid} runs under NumPy's default: {CHILD} is not what allocbox run "
             "sets; unset it, or start the program with allocbox run"
         )
@@ -59,7 +59,7 @@ def inherit():
             policy = allocbox.native_default(record=trace, record_sites=sites)
     except (allocbox.AllocboxError, ValueError) as e:
         names = ", ".join(source for source, _ in chain) or "default"
-        _say(f"allocbox: process {pid} runs under NumPy's default: the policy {names} will not load in it: {e}")
+        say(f"allocbox: process {pid} runs under NumPy's default: the policy {names} will not load in it: {e}")
         return
     _inherited.append(policy)
     allocbox.set_handler(policy)
@@ -117,7 +117,7 @@ class _ForkedRecording:
         try:
             self.handler.finish_recording()
         except Exception as e:  # noqa: BLE001 - said in one line, as the parent would
-            _say(f"allocbox: {e}")
+            say(f"allocbox: {e}")
 
 
 _forked_recordings = []
@@ -130,12 +130,15 @@ def finish_in_forked_children(handler):
     os.register_at_fork(before=recording.before_fork)
 
 
-def _say(line):
-    """One line on standard error, if the process still has one."""
+def say(*lines):
+    """allocbox's own lines on the program's standard error, if it still has one (a
+    program may close or replace it)."""
     stream = sys.stderr
     if stream is None or getattr(stream, "closed", False):
         return
     try:
-        print(line, file=stream, flush=True)
+        for line in lines:
+            print(line, file=stream)
+        stream.flush()
     except (OSError, ValueError):
         pass

@@ -365,20 +365,6 @@ def _children_pattern(trace):
     return trace[:-3] + ".*.gz" if trace.endswith(".gz") else trace + ".*"
 
 
-def _say(lines):
-    """Print allocbox's own lines to the program's standard error, if it still has
-    one."""
-    stream = sys.stderr
-    if stream is None or getattr(stream, "closed", False):
-        return
-    try:
-        for line in lines:
-            print(line, file=stream)
-        stream.flush()
-    except (OSError, ValueError):
-        pass
-
-
 def main(argv):
     # A run started by a program under another run runs its own policy, not that one's.
     _allocbox_startup.disarm()
@@ -437,5 +423,5 @@ def _end(handler, traces, report, code):
         sys.stdout.flush()
     except (OSError, ValueError, AttributeError):
         pass
-    _say(lines + summary(handler, [] if "temporary" in report else traces))
+    children.say(*lines, *summary(handler, [] if "temporary" in report else traces))
     return code
