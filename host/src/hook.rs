@@ -171,7 +171,14 @@ impl WasmHook {
 /// replay-trace --hook`) without installing it process-wide. A failing hook is stopped
 /// (see [`WasmHook::failure`]); the allocation stands.
 impl Watcher for WasmHook {
-    fn served(&self, op: EventOp, old: Option<NonNull<u8>>, new: Option<NonNull<u8>>, size: usize) {
+    fn served(
+        &self,
+        op: EventOp,
+        old: Option<NonNull<u8>>,
+        new: Option<NonNull<u8>>,
+        size: usize,
+        _before: u64,
+    ) {
         // A free carries no size for a hook, and a free of NULL is no event.
         let size = if op == EventOp::Free { 0 } else { size };
         if old.is_some() || new.is_some() {

@@ -1,17 +1,22 @@
-//! Allocation traces in the format of `shared/traces/README.md` (`op id size thread`,
-//! one event a line): read and parsed here; any handler's calls recorded in it
+//! Allocation traces: the text form of `shared/traces/README.md` (`op id size thread`,
+//! one event a line), read and parsed here and written by `trace/text.rs`; the binary
+//! form recordings write (`trace/binary.rs`); any handler's calls recorded
 //! (`trace/record.rs`); a trace replayed through any handler, naming the event that
 //! fails (`trace/replay.rs`); [`timeline`], which replays one for a report, event
 //! by event; and [`by_site`], its live bytes by the program's line.
 
+mod binary;
 pub mod by_site;
 mod record;
 mod replay;
+mod text;
 pub mod timeline;
 
+pub use binary::{MAGIC as BINARY_MAGIC, MAX_CHUNK_BYTES, write_binary};
 pub use record::{RecordOptions, Recorder, SiteOf, TraceWriter, Watched, Watcher, child_path};
 pub(crate) use replay::Held;
 pub use replay::{ReplayReport, leak_after_replay, replay_trace, replay_trace_counted};
+pub use text::write_text;
 
 use std::fmt;
 use std::io::{BufRead, BufReader, Read, Seek};
@@ -31,7 +36,8 @@ pub struct Event {
     /// The recording's number for the thread that made the call (1 when the line has
     /// none).
     pub thread: u32,
-    /// The line it came from, for error messages.
+    /// The line it came from, for error messages: in a binary trace, the line it has in
+    /// the text form `allocbox trace-convert` writes.
     pub line: u32,
 }
 
@@ -51,6 +57,11 @@ pub enum TraceError {
     Io(std::io::Error),
     #[error("line {line}: {message}")]
     Syntax { line: u32, message: String },
+    /// A binary trace whose header or framing is not one.
+    #[error("{0}")]
+    Format(String),
+    #[error("chunk {chunk} of the binary trace: {message}")]
+    Chunk { chunk: u64, message: String },
 }
 
 impl From<std::io::Error> for TraceError {
@@ -138,9 +149,10 @@ pub struct Trace {
 pub const MAX_LINE_BYTES: usize = 64 << 10;
 
 /// The most of a comment kept as a mark's text: a test's name.
-const MAX_MARK_BYTES: usize = 1024;
+pub(crate) const MAX_MARK_BYTES: usize = 1024;
 
-/// Read a trace (plain text, or gzip when the file starts with the gzip magic).
+/// Read a trace: binary, or text (plain, or gzip when the file starts with the gzip
+/// magic).
 pub fn read_trace(path: impl AsRef<Path>) -> Result<Vec<Event>, TraceError> {
     read_trace_marked(path).map(|trace| trace.events)
 }
@@ -152,10 +164,13 @@ pub fn read_trace_marked(path: impl AsRef<Path>) -> Result<Trace, TraceError> {
     if file.metadata()?.is_dir() {
         return Err(TraceError::Io(std::io::ErrorKind::IsADirectory.into()));
     }
-    let mut magic = [0u8; 2];
-    let gz = file.read(&mut magic)? == 2 && magic == [0x1f, 0x8b];
+    let mut magic = [0u8; binary::MAGIC.len()];
+    let read = read_up_to(&mut file, &mut magic)?;
     file.seek(std::io::SeekFrom::Start(0))?;
-    if gz {
+    if magic[..read] == binary::MAGIC {
+        return binary::read_binary(BufReader::with_capacity(1 << 16, file));
+    }
+    if magic[..read].starts_with(&[0x1f, 0x8b]) {
         let cut_short = std::cell::Cell::new(false);
         let stream = CutShort {
             inner: flate2::read::MultiGzDecoder::new(BufReader::new(file)),
@@ -167,6 +182,18 @@ pub fn read_trace_marked(path: impl AsRef<Path>) -> Result<Trace, TraceError> {
     } else {
         parse_trace_marked(BufReader::with_capacity(1 << 20, file))
     }
+}
+
+/// As many bytes as `file` has, up to `buf`'s length.
+fn read_up_to(file: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut read = 0;
+    while read < buf.len() {
+        match file.read(&mut buf[read..])? {
+            0 => break,
+            n => read += n,
+        }
+    }
+    Ok(read)
 }
 
 /// A gzip stream that ends early ends there, saying so in `cut_short`.
@@ -193,8 +220,12 @@ pub fn parse_trace(input: impl BufRead) -> Result<Vec<Event>, TraceError> {
 }
 
 /// [`parse_trace`], with the marks: comment lines after the first event (those before
-/// it are the file's header). No line is held past [`MAX_LINE_BYTES`].
-pub fn parse_trace_marked(input: impl BufRead) -> Result<Trace, TraceError> {
+/// it are the file's header). No line is held past [`MAX_LINE_BYTES`]. A binary trace
+/// is read as one.
+pub fn parse_trace_marked(mut input: impl BufRead) -> Result<Trace, TraceError> {
+    if binary::is_binary(&mut input)? {
+        return binary::read_binary(input);
+    }
     parse_lines(input, &std::cell::Cell::new(false))
 }
 
@@ -566,7 +597,7 @@ mod tests {
             match parsed(&text) {
                 Ok(_) => {}
                 Err(TraceError::Syntax { line, .. }) => prop_assert!(line >= 1),
-                Err(TraceError::Io(e)) => prop_assert!(false, "{e}"),
+                Err(e) => prop_assert!(false, "{e}"),
             }
         }
     }

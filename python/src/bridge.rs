@@ -8,6 +8,7 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use allocbox::nep49::MemHandler;
+use allocbox::trace::{EventOp, Recorder, Watcher};
 use allocbox::{Error, Handler};
 
 use crate::diagnosis;
@@ -21,6 +22,9 @@ pub(crate) struct Bridge {
     /// call it without the trait object, so its magazine path is inlined into them and
     /// a small array's malloc and free touch fewer instruction-cache lines.
     direct: Option<Arc<Handler>>,
+    /// The recording `handler` is, when `direct` is the handler it records: a block
+    /// served from a magazine is written to the trace here.
+    recording: Option<Arc<Recorder>>,
     pub(crate) failures: Mutex<Vec<Error>>,
     /// Set when a callback panicked: the handler's books may be half-updated, so from
     /// then on every request is refused (NULL) and frees are left to the handler's drop,
@@ -40,6 +44,7 @@ impl Bridge {
         Bridge {
             handler,
             direct,
+            recording: None,
             failures: Mutex::new(Vec::new()),
             panicked: OnceLock::new(),
             diagnosing: None,
@@ -50,6 +55,35 @@ impl Bridge {
     /// What Numba's runtime lends through, made by `make` on first use.
     pub(crate) fn nrt_lending(&self, make: impl FnOnce() -> NrtLending) -> &NrtLending {
         self.nrt.get_or_init(make)
+    }
+
+    /// A bridge whose handler is `recording`, over the `direct` handler given to
+    /// [`Bridge::new`].
+    pub(crate) fn recording(mut self, recording: Arc<Recorder>) -> Self {
+        self.recording = Some(recording);
+        self
+    }
+
+    /// Where a free served from a magazine falls in the recording (taken before the
+    /// block can be handed to another thread); 0 when nothing is recorded.
+    #[inline(always)]
+    fn before_free(&self) -> u64 {
+        self.recording.as_ref().map_or(0, |r| r.watcher.before())
+    }
+
+    /// Write a call served from a magazine to the recording, if there is one.
+    #[inline(always)]
+    fn record(
+        &self,
+        op: EventOp,
+        old: Option<NonNull<u8>>,
+        new: Option<NonNull<u8>>,
+        size: usize,
+        before: u64,
+    ) {
+        if let Some(recording) = &self.recording {
+            self.guard((), || recording.watcher.served(op, old, new, size, before));
+        }
     }
 
     /// A bridge to `chain`, which diagnoses its client.
@@ -163,6 +197,7 @@ pub(crate) unsafe extern "C" fn bridge_malloc(ctx: *mut c_void, size: usize) -> 
     if let Some(h) = &b.direct
         && let Some(block) = b.guard(None, || h.malloc_from_magazine(size))
     {
+        b.record(EventOp::Malloc, None, Some(block), size, 0);
         b.tell_hook(std::ptr::null_mut(), block.as_ptr().cast(), size);
         return block.as_ptr().cast();
     }
@@ -212,10 +247,12 @@ pub(crate) unsafe extern "C" fn bridge_free(ctx: *mut c_void, ptr: *mut c_void, 
     // SAFETY: as in `bridge_malloc`.
     let b = unsafe { bridge(ctx) };
     let block = NonNull::new(ptr.cast::<u8>());
+    let before = b.before_free();
     if let Some(h) = &b.direct
         && let Some(block) = block
         && b.guard(false, || h.free_to_magazine(block, size))
     {
+        b.record(EventOp::Free, Some(block), None, size, before);
         b.tell_hook(ptr, std::ptr::null_mut(), 0);
         return;
     }
@@ -231,7 +268,8 @@ impl Bridge {
     /// ledger supplies it. Events and failures as for `bridge_free`.
     pub(crate) fn free_unsized(&self, block: NonNull<u8>) {
         let ptr = block.as_ptr().cast::<c_void>();
-        if let Some(h) = &self.direct
+        // A recording needs the size, which the handler's own path tells it.
+        if let Some(h) = self.direct.as_ref().filter(|_| self.recording.is_none())
             && self.guard(false, || h.free_unsized_to_magazine(block))
         {
             self.tell_hook(ptr, std::ptr::null_mut(), 0);

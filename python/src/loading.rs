@@ -192,13 +192,16 @@ pub(crate) fn load_chain(
         None => (handler.clone(), Some(handler.clone()), None),
         Some(path) => {
             let rec = recorder_to(&path, handler.clone(), record_sites)?;
-            (rec.clone(), None, Some(rec))
+            (rec.clone(), Some(handler.clone()), Some(rec))
         }
     };
-    let bridge = match handler.diagnoses() {
-        true => Bridge::new(shared, direct).diagnosing(handler.clone()),
-        false => Bridge::new(shared, direct),
-    };
+    let mut bridge = Bridge::new(shared, direct);
+    if let Some(recorder) = &recorder {
+        bridge = bridge.recording(recorder.clone());
+    }
+    if handler.diagnoses() {
+        bridge = bridge.diagnosing(handler.clone());
+    }
     Ok(Policy {
         handler: Some(handler),
         bridge: Arc::new(bridge),

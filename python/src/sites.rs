@@ -21,6 +21,7 @@ unsafe extern "C" {
     fn PyFrame_GetCode(frame: *mut ffi::PyObject) -> *mut ffi::PyObject;
     fn PyFrame_GetBack(frame: *mut ffi::PyObject) -> *mut ffi::PyObject;
     fn PyFrame_GetLineNumber(frame: *mut ffi::PyObject) -> c_int;
+    fn PyFrame_GetLasti(frame: *mut ffi::PyObject) -> c_int;
 }
 
 /// Whose code a code object is.
@@ -39,6 +40,36 @@ struct Code {
     /// Keeps the code object, so that its address names it for as long as it is here.
     _alive: Py<PyAny>,
     whose: Whose,
+    lines: Lines,
+}
+
+/// The line of each instruction of a code object asked about so far: CPython finds a
+/// line by reading the code's line table from its start, most of the cost of a site.
+#[derive(Default)]
+struct Lines(HashMap<c_int, u32>);
+
+/// The most instructions' lines one code object keeps (a function of thousands of
+/// lines allocating on every one).
+const MAX_LINES_KEPT: usize = 1 << 12;
+
+impl Lines {
+    /// The line `frame`, running this code, is at.
+    ///
+    /// # Safety
+    /// The GIL is held and `frame` is a live frame running this code.
+    unsafe fn line(&mut self, frame: *mut ffi::PyObject) -> u32 {
+        // SAFETY: the caller's contract.
+        let at = unsafe { PyFrame_GetLasti(frame) };
+        if let Some(&line) = self.0.get(&at) {
+            return line;
+        }
+        // SAFETY: the caller's contract.
+        let line = unsafe { PyFrame_GetLineNumber(frame) }.max(0) as u32;
+        if self.0.len() < MAX_LINES_KEPT {
+            self.0.insert(at, line);
+        }
+        line
+    }
 }
 
 /// Code objects seen so far, by address.
@@ -97,30 +128,34 @@ fn innermost_own_frame(py: Python<'_>) -> Option<Site> {
     while !frame.is_null() {
         // SAFETY: `frame` is a frame we own a reference to.
         let code = unsafe { PyFrame_GetCode(frame) };
-        let whose = match code.is_null() {
-            true => Whose::Machinery,
-            // SAFETY: `code` is a new reference, handed to `describe` or released.
-            false => unsafe { describe(py, codes, folders, code) },
-        };
-        // SAFETY: `frame` is alive.
-        let line = || unsafe { PyFrame_GetLineNumber(frame) }.max(0) as u32;
-        let found = match whose {
-            Whose::Own(file, function) => Some(Site {
-                file,
-                line: line(),
-                function,
-                via: via.take().map(Arc::new),
-            }),
-            Whose::Library(file, function) => {
-                via.get_or_insert_with(|| Site {
-                    file,
-                    line: line(),
-                    function,
-                    via: None,
-                });
-                None
+        let found = match code.is_null() {
+            true => None,
+            false => {
+                // SAFETY: `code` is a new reference, handed to `describe`.
+                let code = unsafe { describe(py, codes, folders, code) };
+                match &code.whose {
+                    Whose::Own(file, function) => Some(Site {
+                        file: file.clone(),
+                        // SAFETY: `frame` is alive and runs `code`.
+                        line: unsafe { code.lines.line(frame) },
+                        function: function.clone(),
+                        via: via.take().map(Arc::new),
+                    }),
+                    Whose::Library(file, function) => {
+                        if via.is_none() {
+                            via = Some(Site {
+                                file: file.clone(),
+                                // SAFETY: as above.
+                                line: unsafe { code.lines.line(frame) },
+                                function: function.clone(),
+                                via: None,
+                            });
+                        }
+                        None
+                    }
+                    Whose::Machinery => None,
+                }
             }
-            Whose::Machinery => None,
         };
         if found.is_some() {
             // SAFETY: our reference.
@@ -139,25 +174,26 @@ fn innermost_own_frame(py: Python<'_>) -> Option<Site> {
     via
 }
 
-/// Whose code `code` is.
+/// What `code` is, looked at once.
 ///
 /// # Safety
 /// The GIL is held and `code` is a new reference to a code object, which this takes.
-unsafe fn describe(
+unsafe fn describe<'a>(
     py: Python<'_>,
-    codes: &mut HashMap<usize, Code>,
+    codes: &'a mut HashMap<usize, Code>,
     folders: &[String],
     code: *mut ffi::PyObject,
-) -> Whose {
+) -> &'a mut Code {
     let address = code as usize;
     // SAFETY: the caller's contract: a new reference, owned here.
     let code = unsafe { Bound::from_owned_ptr(py, code) };
-    if let Some(known) = codes.get(&address) {
-        return known.whose.clone();
-    }
-    if codes.len() >= MAX_CODES_KEPT {
+    if codes.len() >= MAX_CODES_KEPT && !codes.contains_key(&address) {
         codes.clear();
     }
+    let new = match codes.entry(address) {
+        std::collections::hash_map::Entry::Occupied(known) => return known.into_mut(),
+        std::collections::hash_map::Entry::Vacant(new) => new,
+    };
     let name = |attribute| {
         code.getattr(attribute)
             .and_then(|v| v.extract::<String>())
@@ -174,12 +210,9 @@ unsafe fn describe(
     } else {
         Whose::Own(Arc::from(file), Arc::from(name("co_name")))
     };
-    codes.insert(
-        address,
-        Code {
-            _alive: code.unbind().into_any(),
-            whose: whose.clone(),
-        },
-    );
-    whose
+    new.insert(Code {
+        _alive: code.unbind().into_any(),
+        whose,
+        lines: Lines::default(),
+    })
 }

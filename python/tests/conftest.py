@@ -33,3 +33,21 @@ def allocbox_run(tmp_path, *args, program=None, name="program.py"):
         cwd=tmp_path,
         timeout=600,
     )
+
+
+def trace_text(path):
+    """A recorded trace (the binary form) as text, by `allocbox trace-convert`: the
+    lines a person reads (written to a folder of its own, not beside the trace, where
+    tests count the traces)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        text = pathlib.Path(folder) / "trace.txt"
+        done = subprocess.run(
+            [sys.executable, "-m", "allocbox", "trace-convert", str(path), str(text), "--to", "text"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr
+        return text.read_text()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import allocbox
-from conftest import guest
+from conftest import guest, trace_text
 
 numba = pytest.importorskip("numba")
 
@@ -236,7 +236,7 @@ def test_a_trace_and_an_event_hook_see_numba_s_blocks_with_their_sizes(tmp_path)
     news = [e for e in events if e[0] == 0 and e[1] <= address < e[1] + e[2]]
     frees = [e for e in events if e[1] == 0 and e[0] == news[0][1]]
     assert len(news) == 1 and len(frees) == 1, events
-    lines = [line.split() for line in path.read_text().splitlines() if not line.startswith("#")]
+    lines = [line.split() for line in trace_text(path).splitlines() if not line.startswith("#")]
     ops = [(op, int(size)) for op, _, size, *_ in lines]
     assert ops == [("m", news[0][2]), ("f", news[0][2])], ops
 

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from conftest import allocbox_run, guest
+from conftest import allocbox_run, guest, trace_text
 
 
 PROGRAM = """
@@ -88,7 +88,7 @@ def test_with_no_policy_it_records_numpy_s_default_and_the_recording_ends_with_t
     )
     assert done.returncode == 0, done.stderr
     assert "allocbox: `default_allocator` placed" in done.stderr and "t.trace" in done.stderr
-    events = [line.split() for line in (tmp_path / "t.trace").read_text().splitlines() if not line.startswith("#")]
+    events = [line.split() for line in trace_text(tmp_path / "t.trace").splitlines() if not line.startswith("#")]
     freed = {event[1] for event in events if event[0] == "f"}
     live = [event for event in events if event[0] in "mc" and event[1] not in freed]
     assert [int(event[2]) for event in live].count(8000) == 3, "the three kept arrays are what leaked"
@@ -145,7 +145,7 @@ def test_the_pytest_plugin_records_a_run_and_its_threads_run_under_the_policy(tm
         capture_output=True, text=True, cwd=tmp_path, env=env,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    trace = (tmp_path / "run.trace").read_text()
+    trace = trace_text(tmp_path / "run.trace")
     assert any(line.startswith("m ") and line.split()[2] == "984" for line in trace.splitlines()), trace[:500]
     bad = subprocess.run(
         [*command, "--allocbox-record", "nodir/run.trace", "test_sample.py"],
@@ -160,7 +160,7 @@ def test_a_run_recorded_with_sites_names_the_peak_s_function_and_the_leaking_lin
     example = ROOT / "examples" / "python" / "peak.py"
     done = allocbox_run(tmp_path, "-p", "size-classes", "--record", "peak.trace", "--sites", str(example))
     assert done.returncode == 0, done.stderr
-    trace = (tmp_path / "peak.trace").read_text()
+    trace = trace_text(tmp_path / "peak.trace")
     assert "#@site " in trace and " t=" in trace and " s=" in trace
     report = subprocess.run(
         [sys.executable, "-m", "allocbox", "report", "peak.trace", "-p", "default", "-p", "size-classes", "-o", "peak.html"],
@@ -223,7 +223,7 @@ def test_a_recording_nobody_ended_ends_at_the_program_s_last_line_so_globals_sho
     )
     done = subprocess.run([sys.executable, "program.py"], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0 and done.stderr == "", done.stderr
-    events = [line.split() for line in (tmp_path / "t.trace").read_text().splitlines() if not line.startswith("#")]
+    events = [line.split() for line in trace_text(tmp_path / "t.trace").splitlines() if not line.startswith("#")]
     freed = {event[1] for event in events if event[0] == "f"}
     live = [int(event[2]) for event in events if event[0] in "mc" and event[1] not in freed]
     assert live.count(8000) == 2, "interpreter shutdown frees them after the recording ended"
@@ -394,7 +394,7 @@ def test_numba_imported_after_the_policy_is_set_has_its_arrays_placed_and_record
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "size-classes", done.stdout + done.stderr
-    events = [line.split() for line in (tmp_path / "t.trace").read_text().splitlines() if line[:1] in "mc"]
+    events = [line.split() for line in trace_text(tmp_path / "t.trace").splitlines() if line[:1] in "mc"]
     assert sum(1 for e in events if int(e[2]) >= 300 * 300 * 8) >= 5, "the five grids are in the trace"
     assert "MiB)" in done.stderr.split(" placed ")[1].split(";")[0], done.stderr
     page = (tmp_path / "page.html").read_text()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import allocbox_run, guest
+from conftest import allocbox_run, guest, trace_text
 
 
 def test_a_forked_child_prints_no_summary_and_records_into_a_file_of_its_own(tmp_path):
@@ -40,7 +40,7 @@ def test_a_forked_child_prints_no_summary_and_records_into_a_file_of_its_own(tmp
         assert report.returncode == 0, (trace, report.stdout, report.stderr)
 
 
-def test_multiprocessing_children_leave_the_parent_s_gzip_trace_whole_and_write_their_own(tmp_path):
+def test_multiprocessing_children_leave_the_parent_s_trace_whole_and_write_their_own(tmp_path):
     # Found in issue 52: with fork-based multiprocessing children, a .gz recording came
     # out corrupt (children writing the parent's open file).
     done = allocbox_run(
@@ -73,7 +73,7 @@ def test_multiprocessing_children_leave_the_parent_s_gzip_trace_whole_and_write_
 
 def _sizes_in(trace):
     """The sizes of the blocks a text trace's mallocs and callocs ask for."""
-    lines = trace.read_text().splitlines()
+    lines = trace_text(trace).splitlines()
     return {int(f[2]) for f in (line.split() for line in lines) if f and f[0] in ("m", "c")}
 
 

@@ -112,3 +112,104 @@ proptest! {
         assert_ends_well(&dir, "t.trace")?;
     }
 }
+
+/// `text` (when it reads as a trace) in the binary form.
+fn binary(text: &[u8]) -> Option<Vec<u8>> {
+    let trace = allocbox::trace::parse_trace_marked(text).ok()?;
+    let mut bytes = Vec::new();
+    allocbox::trace::write_binary(&trace, &mut bytes).unwrap();
+    Some(bytes)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Binary traces, whole, cut short or with bytes flipped (in the header, the
+    /// compressed stream or the chunks), end in a replay or one line, never a panic.
+    #[test]
+    fn any_binary_trace_whole_cut_or_flipped_ends_in_a_replay_or_one_line_naming_its_fault(
+        text in trace_lines(),
+        cut in any::<prop::sample::Index>(),
+        flip in proptest::option::of((any::<prop::sample::Index>(), 1u8..=255)),
+    ) {
+        let Some(mut bytes) = binary(&text) else {
+            return Ok(());
+        };
+        if let Some((at, mask)) = flip {
+            let at = at.index(bytes.len());
+            bytes[at] ^= mask;
+        }
+        if cut.index(4) == 0 {
+            let keep = cut.index(bytes.len());
+            bytes.truncate(keep);
+        }
+        let dir = tempdir("random-binary-trace");
+        std::fs::write(dir.join("t.trace"), &bytes).unwrap();
+        assert_ends_well(&dir, "t.trace")?;
+    }
+}
+
+/// A binary trace whose chunk says it is gigabytes long is refused by that length,
+/// before anything of it is held, in one line naming the trace and the chunk.
+#[test]
+fn a_binary_chunk_longer_than_the_bound_is_refused_having_held_nothing_of_it() {
+    let dir = tempdir("binary-bomb");
+    let mut bytes = binary(b"m 1 8\n").unwrap();
+    let header = bytes[..10].to_vec();
+    // Thread 1, 4 GiB long, then 256 MiB of zeros: about 8 KiB compressed.
+    let mut body = vec![1u8, 0x80, 0x80, 0x80, 0x80, 0x10];
+    body.extend(vec![0u8; 256 << 20]);
+    bytes = header;
+    bytes.extend(zstd_compress(&body));
+    std::fs::write(dir.join("bomb.trace"), bytes).unwrap();
+    let (code, out, peak) =
+        allocbox_cli_peak_rss(&["replay-trace", "bomb.trace", "-p", "default"], &dir);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("bomb.trace")
+            && out.contains("chunk 1 of the binary trace")
+            && out.contains("past the 1048576 a chunk may be"),
+        "{out}"
+    );
+    assert_eq!(out.trim().lines().count(), 1, "{out}");
+    assert!(peak < 128 << 10, "reading it held {peak} KiB");
+}
+
+fn zstd_compress(bytes: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut encoder = zstd::stream::write::Encoder::new(&mut out, 19).unwrap();
+    encoder.write_all(bytes).unwrap();
+    encoder.finish().unwrap();
+    out
+}
+
+/// `trace-convert` never writes over the trace it reads, and a trace it cannot read
+/// leaves the output as it was.
+#[test]
+fn trace_convert_refuses_its_input_as_output_and_leaves_an_output_whole_on_a_bad_trace() {
+    let dir = tempdir("convert");
+    std::fs::write(dir.join("t.trace"), "m 1 8\nf 1 8\n").unwrap();
+    let (code, out) = allocbox_cli(&["trace-convert", "t.trace", "./t.trace"], &dir);
+    assert_eq!(code, 2, "{out}");
+    assert_eq!(
+        out.trim(),
+        "allocbox: t.trace is both the trace to convert and the output: name another output file"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("t.trace")).unwrap(),
+        "m 1 8\nf 1 8\n"
+    );
+    std::fs::write(dir.join("bad.trace"), "m 1 8\nx\n").unwrap();
+    std::fs::write(dir.join("out.trace"), "kept").unwrap();
+    let (code, out) = allocbox_cli(&["trace-convert", "bad.trace", "out.trace"], &dir);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("bad.trace") && out.contains("line 2"), "{out}");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("out.trace")).unwrap(),
+        "kept"
+    );
+    let (code, out) = allocbox_cli(&["trace-convert", "missing.trace", "out.trace"], &dir);
+    assert_eq!(code, 2, "{out}");
+    assert_eq!(out.trim().lines().count(), 1, "{out}");
+    assert!(out.contains("missing.trace"), "{out}");
+}

@@ -21,6 +21,16 @@ impl Write for Shared {
     }
 }
 
+impl Shared {
+    /// What was recorded into it, in the text form.
+    fn text(&self) -> String {
+        let trace = allocbox::trace::parse_trace_marked(&self.0.lock().unwrap()[..]).unwrap();
+        let mut text = Vec::new();
+        allocbox::trace::write_text(&trace, &mut text).unwrap();
+        String::from_utf8(text).unwrap()
+    }
+}
+
 #[test]
 fn a_trace_recorded_with_time_and_sites_reads_back_with_both_and_replays_alike() {
     use allocbox::trace::{RecordOptions, Site, parse_trace_marked};
@@ -59,7 +69,7 @@ fn a_trace_recorded_with_time_and_sites_reads_back_with_both_and_replays_alike()
         rec.free(p, size).unwrap();
     }
     rec.finish().unwrap();
-    let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    let text = out.text();
     let trace = parse_trace_marked(text.as_bytes()).unwrap();
     assert_eq!(trace.events.len(), 6);
     assert!(trace.marks.is_empty(), "site records are not marks: {text}");
@@ -101,7 +111,7 @@ fn a_recording_ends_where_it_is_finished_so_what_is_live_then_is_what_leaked() {
     rec.free(later, 20).unwrap();
     rec.free(kept, 10).unwrap();
     rec.finish().unwrap();
-    let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    let text = out.text();
     let lines: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
     assert_eq!(lines, ["m 1 10 1"], "served after the end, not written");
 }
@@ -120,7 +130,7 @@ fn a_recorded_trace_replays_to_the_same_calls() {
     rec.free(b, 32).unwrap();
     rec.free(a, 100).unwrap();
     rec.finish().unwrap();
-    let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+    let text = out.text();
     let lines: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
     assert_eq!(
         lines,
@@ -259,6 +269,63 @@ fn numpy_s_recorded_trace_replays_through_every_policy_without_violation() {
         );
         assert_eq!(report.stats.live_blocks, 0, "{}", guest.name);
     }
+}
+
+/// The start of NumPy's own recorded suite, converted to the binary form and back by
+/// `trace-convert`: every event, mark and thread as it was, in a fraction of the gzip
+/// text's bytes.
+#[test]
+fn numpy_s_trace_converted_to_binary_and_back_keeps_every_event_and_mark() {
+    let shared = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../../shared/traces/numpy-core-sample.txt.gz"
+    );
+    let mut original = allocbox::trace::read_trace_marked(shared).unwrap();
+    original.events.truncate(400_000);
+    original.marks.retain(|m| m.at < 400_000);
+    let dir = tempdir("convert-numpy");
+    let mut gz = flate2::write::GzEncoder::new(
+        std::fs::File::create(dir.join("numpy.txt.gz")).unwrap(),
+        flate2::Compression::default(),
+    );
+    allocbox::trace::write_text(&original, &mut gz).unwrap();
+    gz.finish().unwrap();
+    for (from, to) in [("numpy.txt.gz", "numpy.trace"), ("numpy.trace", "back.txt")] {
+        let (code, out) = allocbox_cli(&["trace-convert", from, to], &dir);
+        assert_eq!(code, 0, "{out}");
+    }
+    let back = allocbox::trace::read_trace_marked(dir.join("back.txt")).unwrap();
+    // Its ids are renumbered in the order blocks are made (the binary form names
+    // blocks by address): the same calls, each block's life the same.
+    let calls = |t: &allocbox::trace::Trace| {
+        t.events
+            .iter()
+            .map(|e| (e.op, e.size, e.thread))
+            .collect::<Vec<_>>()
+    };
+    assert!(calls(&back) == calls(&original), "the calls differ");
+    // One block of one is one block of the other, for its whole life.
+    let mut as_back = std::collections::HashMap::new();
+    for (at, (was, is)) in original.events.iter().zip(&back.events).enumerate() {
+        use allocbox::trace::EventOp::*;
+        let same = match was.op {
+            Malloc | Calloc => {
+                as_back.insert(was.id, is.id);
+                true
+            }
+            Realloc => *as_back.entry(was.id).or_insert(is.id) == is.id,
+            Free => match as_back.remove(&was.id) {
+                Some(id) => id == is.id,
+                None if was.id == 0 => is.id == 0,
+                None => is.id == allocbox::trace::UNKNOWN_ID,
+            },
+        };
+        assert!(same, "event {at}: {was} is {is}");
+    }
+    assert_eq!(back.marks, original.marks);
+    let binary = std::fs::metadata(dir.join("numpy.trace")).unwrap().len();
+    let gzip = std::fs::metadata(dir.join("numpy.txt.gz")).unwrap().len();
+    assert!(binary * 2 < gzip, "{binary} bytes binary, {gzip} gzip text");
 }
 
 /// `--hook` attaches an event hook to a replay: the shipped `sizes` hook by name reports

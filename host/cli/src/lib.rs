@@ -5,6 +5,7 @@ pub mod report;
 
 mod arguments;
 mod check_command;
+mod convert;
 mod inspect;
 mod new_policy;
 mod progress;
@@ -89,7 +90,19 @@ enum Command {
         #[command(flatten)]
         limits: LimitArgs,
     },
-    /// Replay an allocation trace (`op id size thread` lines, plain or gzip) through a
+    /// Convert a trace between the binary form recordings write and the text form
+    /// (`op id size thread` lines) people read and write by hand.
+    TraceConvert {
+        /// The trace to convert (either form).
+        input: PathBuf,
+        /// Where to write it; replaced only once written whole. Text is gzip-compressed
+        /// when the name ends in `.gz`.
+        output: PathBuf,
+        /// The form to write [default: the other form than the input's].
+        #[arg(long, value_enum)]
+        to: Option<convert::Form>,
+    },
+    /// Replay an allocation trace (binary, or `op id size thread` lines, plain or gzip) through a
     /// handler and report time per event, peak bytes, corrections and the first failing
     /// event. Exit 1 if an event fails, or if a policy still holds host memory once every
     /// block is freed and it is trimmed (a leak).
@@ -506,6 +519,9 @@ where
                 limits: limits.limits(Limits::default().call_time),
             })
         }),
+        Command::TraceConvert { input, output, to } => {
+            convert::run_trace_convert(&input, &output, to)
+        }
         Command::ReplayTrace {
             trace,
             policies,

@@ -1,30 +1,60 @@
 //! Recording a handler's calls as a trace: any handler wrapped so that a watcher sees
-//! each call it served, and the watcher that writes the trace format.
+//! each call it served, and the watcher that writes the binary trace form
+//! (`trace/binary.rs`).
+//!
+//! Each thread writes its calls into a chunk of its own, under a lock only finishing
+//! (and a fork) ever contends for, numbering them from one shared counter; full chunks
+//! go to a writer thread, which compresses them into the file.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::io::Write;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use allocbox_ledger::platform::fork;
+use thread_local::ThreadLocal;
 
-use super::{EventOp, Site, UNKNOWN_ID};
+use super::binary::{self, Call, ChunkEncoder};
+use super::{EventOp, Site};
 use crate::error::Error;
 use crate::memhandler::{MemHandler, Stats};
 use crate::nep49::SharedHandler;
 
 /// What a [`Watched`] handler tells its watcher after each call it forwarded and that
-/// did not fail: the operation, the block before and after (`None` for none), and the
-/// size (a free's: what the client passed). A `realloc` answered "none" is not told.
+/// did not fail: the operation, the block before and after (`None` for none), the size
+/// (a free's: what the client passed), and what [`Watcher::before`] answered for a free
+/// or a realloc (0 for the others). A `realloc` answered "none" is not told.
 pub trait Watcher: Send + Sync {
-    fn served(&self, op: EventOp, old: Option<NonNull<u8>>, new: Option<NonNull<u8>>, size: usize);
+    /// Called before a free or a realloc reaches the handler: the moment after which the
+    /// old block may be handed to another thread.
+    fn before(&self) -> u64 {
+        0
+    }
+    fn served(
+        &self,
+        op: EventOp,
+        old: Option<NonNull<u8>>,
+        new: Option<NonNull<u8>>,
+        size: usize,
+        before: u64,
+    );
 }
 
 impl<W: Watcher + ?Sized> Watcher for &W {
-    fn served(&self, op: EventOp, old: Option<NonNull<u8>>, new: Option<NonNull<u8>>, size: usize) {
-        (**self).served(op, old, new, size);
+    fn before(&self) -> u64 {
+        (**self).before()
+    }
+    fn served(
+        &self,
+        op: EventOp,
+        old: Option<NonNull<u8>>,
+        new: Option<NonNull<u8>>,
+        size: usize,
+        before: u64,
+    ) {
+        (**self).served(op, old, new, size, before);
     }
 }
 
@@ -52,13 +82,13 @@ where
     }
     fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
         let p = self.handler.malloc(size)?;
-        self.watcher.served(EventOp::Malloc, None, p, size);
+        self.watcher.served(EventOp::Malloc, None, p, size, 0);
         Ok(p)
     }
     fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error> {
         let p = self.handler.calloc(nelem, elsize)?;
         let size = nelem.saturating_mul(elsize);
-        self.watcher.served(EventOp::Calloc, None, p, size);
+        self.watcher.served(EventOp::Calloc, None, p, size, 0);
         Ok(p)
     }
     fn realloc(
@@ -66,20 +96,25 @@ where
         ptr: Option<NonNull<u8>>,
         new_size: usize,
     ) -> Result<Option<NonNull<u8>>, Error> {
+        let before = self.watcher.before();
         let p = self.handler.realloc(ptr, new_size)?;
         if p.is_some() {
-            self.watcher.served(EventOp::Realloc, ptr, p, new_size);
+            self.watcher
+                .served(EventOp::Realloc, ptr, p, new_size, before);
         }
         Ok(p)
     }
     fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error> {
+        let before = self.watcher.before();
         self.handler.free(ptr, size)?;
-        self.watcher.served(EventOp::Free, ptr, None, size);
+        self.watcher.served(EventOp::Free, ptr, None, size, before);
         Ok(())
     }
     fn free_unsized(&self, ptr: NonNull<u8>) -> Result<usize, Error> {
+        let before = self.watcher.before();
         let size = self.handler.free_unsized(ptr)?;
-        self.watcher.served(EventOp::Free, Some(ptr), None, size);
+        self.watcher
+            .served(EventOp::Free, Some(ptr), None, size, before);
         Ok(size)
     }
     fn stats(&self) -> Result<Stats, Error> {
@@ -95,26 +130,23 @@ pub type Recorder = Watched<SharedHandler, TraceWriter>;
 
 /// Where the client was when it asked for a block, asked of the embedder for each
 /// allocation a [`Recorder`] writes with sites (the NumPy bridge: the innermost line of
-/// the program's own Python code). Called outside the recorder's lock.
+/// the program's own Python code). Called before anything of the recording is locked.
 pub type SiteOf = Box<dyn Fn() -> Option<Site> + Send + Sync>;
 
 /// What a [`Recorder`] writes beside each event.
 #[derive(Default)]
 pub struct RecordOptions {
-    /// Nanoseconds since the recording started, as `t=N`.
+    /// Nanoseconds since the recording started.
     pub time: bool,
-    /// The site of each allocation, as `s=N`, each site named once in a `#@site`
-    /// record before its first event.
+    /// The site of each allocation, each site named once per thread.
     pub sites: Option<SiteOf>,
 }
 
 /// The trace a [`Recorder`] writes.
 pub struct TraceWriter {
-    state: Arc<Mutex<RecorderState>>,
+    shared: Arc<Shared>,
     /// Its part in every fork, while it lives.
     fork: Arc<ForkPart>,
-    /// Unique among the recorders of the process (for [`THREAD_NUMBER`]).
-    serial: u64,
     /// [`coarse_now`] when the recording started.
     started: Option<u64>,
     sites: Option<SiteOf>,
@@ -122,43 +154,83 @@ pub struct TraceWriter {
     path: Option<std::path::PathBuf>,
 }
 
-struct RecorderState {
-    out: Box<dyn Write + Send>,
-    /// The id of each live block, by address: looked up on every event.
-    ids: HashMap<usize, u64, foldhash::fast::RandomState>,
-    line: Vec<u8>,
-    next_id: u64,
-    threads: HashMap<std::thread::ThreadId, u32>,
+/// What every thread recording into one trace shares.
+struct Shared {
+    /// The calls' order: one number a call (two for a realloc), from every thread.
+    seq: AtomicU64,
+    /// Thread numbers given out.
+    threads: AtomicU32,
+    /// [`binary::TIMES`], [`binary::SITES`].
+    flags: u8,
+    /// Set by [`Recorder::finish`]: later calls are not written.
+    ended: AtomicBool,
+    /// Each thread's chunk being written.
+    chunks: ThreadLocal<ThreadChunk>,
+    sink: Mutex<Sink>,
+}
+
+/// One thread's chunk being written. Its lock is taken by its thread on every call, and
+/// by another only to finish the trace (holding the [`Sink`]'s lock, so never across a
+/// fork).
+struct ThreadChunk {
+    /// [`fork::generation`] of the process the chunk writes for: a forked child never
+    /// locks a chunk its parent's other threads had (one may have held it).
+    generation: AtomicU64,
+    writing: Mutex<Option<Writing>>,
+}
+
+struct Writing {
+    /// The thread writing it ([`this_thread`]).
+    thread: u64,
+    encoder: ChunkEncoder,
+    to_writer: Option<SyncSender<Message>>,
+}
+
+enum Message {
+    Chunk(Vec<u8>),
+    /// Write the end and finish the file.
+    End,
+}
+
+/// Where chunks go.
+struct Sink {
+    /// The file, the header written, until the writer thread starts with it.
+    out: Option<Box<dyn Write + Send>>,
+    writer: Option<WriterThread>,
     error: Option<std::io::Error>,
-    /// Ended by [`Recorder::finish`]: later calls are not written.
     ended: bool,
-    /// The number each site was given in its `#@site` record, for the sites seen
-    /// last (at most [`MAX_SITES_KEPT`]).
-    site_numbers: HashMap<Site, u32>,
-    /// `#@site` records written: a site's number is never used for another.
-    sites_named: u32,
     /// [`fork::generation`] of the process this recording writes for.
     generation: u64,
 }
 
-/// A recording's part in a fork: its lock is taken before the fork (within
+struct WriterThread {
+    chunks: SyncSender<Message>,
+    thread: std::thread::JoinHandle<std::io::Result<()>>,
+}
+
+/// Chunks waiting for the writer (4 MiB of 64 KiB ones): a thread that finds it full
+/// waits, so that a writer slower than the program (a full pipe) holds the program back
+/// rather than its memory without bound.
+const CHUNKS_QUEUED: usize = 64;
+
+/// A recording's part in a fork: the sink's lock is taken before the fork (within
 /// [`FORK_PATIENCE`]) and let go after it, so that the child never finds it held by a
 /// thread it does not have. (The standard library's lock: letting it go in the child
 /// wakes no waiter through tables other threads may have held, as parking_lot's does.)
 struct ForkPart {
-    state: Arc<Mutex<RecorderState>>,
+    shared: Arc<Shared>,
     /// In a child forked while another thread kept the lock past the patience: the
     /// lock is that thread's forever, so the child records nothing.
     abandoned: AtomicBool,
 }
 
-/// How long a fork waits for a thread writing an event (to a full pipe, say).
+/// How long a fork waits for a thread finishing the recording.
 const FORK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// What a recording's [`ForkPart`] holds across the fork. The guard is declared first,
 /// so it is dropped before the part that owns its lock.
 struct ForkHeld {
-    lock: Option<MutexGuard<'static, RecorderState>>,
+    lock: Option<MutexGuard<'static, Sink>>,
     part: Arc<ForkPart>,
 }
 
@@ -166,7 +238,7 @@ impl fork::Forkable for ForkPart {
     fn before_fork(self: Arc<Self>) -> Box<dyn fork::AfterFork> {
         let give_up = std::time::Instant::now() + FORK_PATIENCE;
         let lock = loop {
-            match self.state.try_lock() {
+            match self.shared.sink.try_lock() {
                 Ok(guard) => break Some(guard),
                 Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
                 Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < give_up => {
@@ -175,16 +247,12 @@ impl fork::Forkable for ForkPart {
                 Err(std::sync::TryLockError::WouldBlock) => break None,
             }
         };
-        // SAFETY: the guard borrows the mutex inside `self.state`, an `Arc` that the
+        // SAFETY: the guard borrows the mutex inside `self.shared`, an `Arc` that the
         // `ForkHeld` made here keeps alive; its `lock` field is dropped before its
         // `part` (declaration order), so the guard never outlives the mutex.
-        let lock =
-            lock.map(|guard| unsafe {
-                std::mem::transmute::<
-                    MutexGuard<'_, RecorderState>,
-                    MutexGuard<'static, RecorderState>,
-                >(guard)
-            });
+        let lock = lock.map(|guard| unsafe {
+            std::mem::transmute::<MutexGuard<'_, Sink>, MutexGuard<'static, Sink>>(guard)
+        });
         Box::new(ForkHeld { lock, part: self })
     }
 }
@@ -198,24 +266,6 @@ impl fork::AfterFork for ForkHeld {
         // recording follows the fork (a file of its own).
     }
 }
-
-/// A `#@site` (or `#@via`) record: `#@KIND NUMBER LINE FUNCTION FILE`.
-fn site_record(kind: &str, number: u32, site: &Site) -> String {
-    format!(
-        "#@{kind} {number} {} {} {}\n",
-        site.line,
-        super::site_name(&site.function),
-        super::site_name(&site.file)
-    )
-}
-
-/// The first line of every recording.
-const HEADER: &str = "# op(m=malloc,c=calloc,r=realloc,f=free) ptr-id size thread; \
-                      free(NULL)->id 0; unknown ptr->id 18446744073709551615\n";
-
-/// The most sites a recording remembers having named (a program that makes code
-/// objects without end, `exec` in a loop, names sites without end).
-const MAX_SITES_KEPT: usize = 1 << 16;
 
 impl fmt::Debug for RecordOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -239,7 +289,7 @@ impl Recorder {
     }
 
     /// Record the calls made to `inner` into the file at `path`, created (or emptied)
-    /// here: gzip-compressed when its name ends in `.gz`, as `read_trace` reads it.
+    /// here.
     pub fn create(
         path: &std::path::Path,
         inner: SharedHandler,
@@ -248,12 +298,14 @@ impl Recorder {
         let mut recorder = Recorder::with_options(inner, trace_file(path)?, options);
         recorder.watcher.path = Some(path.to_owned());
         // A file that takes no bytes (a full disk) is refused now, not at the end.
-        let mut st = recorder.watcher.lock();
-        if let Some(error) = st.error.take() {
+        let mut sink = recorder.watcher.sink();
+        if let Some(error) = sink.error.take() {
             return Err(error);
         }
-        st.out.flush()?;
-        drop(st);
+        if let Some(out) = &mut sink.out {
+            out.flush()?;
+        }
+        drop(sink);
         Ok(recorder)
     }
 
@@ -263,38 +315,41 @@ impl Recorder {
         out: impl Write + Send + 'static,
         options: RecordOptions,
     ) -> Recorder {
+        let flags = if options.time { binary::TIMES } else { 0 }
+            | if options.sites.is_some() {
+                binary::SITES
+            } else {
+                0
+            };
         let mut out: Box<dyn Write + Send> = Box::new(out);
-        let error = out.write_all(HEADER.as_bytes()).err();
-        let state = Arc::new(Mutex::new(RecorderState {
-            out,
-            ids: HashMap::default(),
-            line: Vec::new(),
-            next_id: 1,
-            threads: HashMap::new(),
-            error,
-            ended: false,
-            site_numbers: HashMap::new(),
-            sites_named: 0,
-            generation: {
-                fork::count_forks();
-                fork::generation()
-            },
-        }));
+        let error = out.write_all(&binary::header(flags)).err();
+        let shared = Arc::new(Shared {
+            seq: AtomicU64::new(1),
+            threads: AtomicU32::new(0),
+            flags,
+            ended: AtomicBool::new(false),
+            chunks: ThreadLocal::new(),
+            sink: Mutex::new(Sink {
+                out: Some(out),
+                writer: None,
+                error,
+                ended: false,
+                generation: {
+                    fork::count_forks();
+                    fork::generation()
+                },
+            }),
+        });
         let fork = Arc::new(ForkPart {
-            state: state.clone(),
+            shared: shared.clone(),
             abandoned: AtomicBool::new(false),
         });
         fork::register(Arc::downgrade(&fork) as std::sync::Weak<dyn fork::Forkable>);
         Watched {
             handler: inner,
             watcher: TraceWriter {
-                state,
+                shared,
                 fork,
-                serial: {
-                    static SERIAL: std::sync::atomic::AtomicU64 =
-                        std::sync::atomic::AtomicU64::new(1);
-                    SERIAL.fetch_add(1, Ordering::Relaxed)
-                },
                 started: options.time.then(coarse_now),
                 sites: options.sites,
                 path: None,
@@ -307,40 +362,20 @@ impl Recorder {
         self.watcher.path.as_deref()
     }
 
-    /// End the trace and flush it: calls after this one are served but not written, so
-    /// the blocks live at this point are the ones the trace never frees (what leaked
-    /// where the recording ends). The first write error, if any, is returned here, once.
+    /// End the trace and write it out: calls after this one are served but not
+    /// written, so the blocks live at this point are the ones the trace never frees
+    /// (what leaked where the recording ends). The first write error, if any, is
+    /// returned here, once.
     pub fn finish(&self) -> std::io::Result<()> {
-        if self.watcher.fork.abandoned.load(Ordering::Relaxed) {
-            return Ok(());
-        }
-        let mut state = self.watcher.lock();
-        self.watcher.follow_fork(&mut state);
-        if state.ended {
-            return Ok(());
-        }
-        state.ended = true;
-        let result = match state.error.take() {
-            Some(e) => Err(e),
-            None => state.out.flush(),
-        };
-        // Written out now (a gzip stream's end), whatever comes of the rest.
-        let out = std::mem::replace(&mut state.out, Box::new(std::io::sink()));
-        drop(out);
-        result
+        self.watcher.finish()
     }
 }
 
-/// The file a recording writes at `path`: gzip-compressed when its name ends in `.gz`.
+/// The file a recording writes at `path`.
 fn trace_file(path: &std::path::Path) -> std::io::Result<Box<dyn Write + Send>> {
-    let file = std::io::BufWriter::new(std::fs::File::create(path)?);
-    Ok(match path.extension().is_some_and(|e| e == "gz") {
-        true => Box::new(flate2::write::GzEncoder::new(
-            file,
-            flate2::Compression::fast(),
-        )),
-        false => Box::new(file),
-    })
+    Ok(Box::new(std::io::BufWriter::new(std::fs::File::create(
+        path,
+    )?)))
 }
 
 /// The file a forked child with process id `pid` records into beside its parent's
@@ -354,40 +389,144 @@ pub fn child_path(path: &std::path::Path, pid: u32) -> std::path::PathBuf {
     path.with_file_name(child)
 }
 
+/// The writer thread: every chunk into the compressed stream, in the order they come,
+/// then the end.
+fn write_chunks(out: Box<dyn Write + Send>, chunks: Receiver<Message>) -> std::io::Result<()> {
+    let mut stream = binary::compressor(out)?;
+    // A recording dropped without being finished ends when its senders are gone.
+    for message in chunks {
+        match message {
+            Message::Chunk(chunk) => stream.write_all(&chunk)?,
+            Message::End => break,
+        }
+    }
+    stream.write_all(&binary::END)?;
+    stream.finish()?.flush()
+}
+
 impl TraceWriter {
-    /// The recording's state, locked (a writer that panicked left it whole: each event
-    /// is written under the lock in one piece).
-    fn lock(&self) -> MutexGuard<'_, RecorderState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    /// The sink, locked, for this process (a writer that panicked left it whole).
+    fn sink(&self) -> MutexGuard<'_, Sink> {
+        let mut sink = self
+            .shared
+            .sink
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        self.follow_fork(&mut sink);
+        sink
     }
 
-    /// In a forked child, on its first use: what the parent had buffered is the
-    /// parent's to write, so it is dropped unwritten, and the child records into a file
-    /// of its own ([`child_path`]), from a fresh start (blocks it inherited are freed as
-    /// unknown). A recording into a writer that is not a file ends in the child.
-    fn follow_fork(&self, st: &mut RecorderState) {
+    /// In a forked child, on its first use: the parent's writer thread is not here and
+    /// its file is the parent's to write, so the child records into a file of its own
+    /// ([`child_path`]), from a fresh start (blocks it inherited are freed as unknown).
+    /// A recording into a writer that is not a file ends in the child.
+    fn follow_fork(&self, sink: &mut Sink) {
         let now = fork::generation();
-        if st.generation == now {
+        if sink.generation == now {
             return;
         }
-        st.generation = now;
-        // Not dropped: dropping writes out the parent's buffer (and a gzip trailer).
-        std::mem::forget(std::mem::replace(&mut st.out, Box::new(std::io::sink())));
-        // The threads keep their numbers: the forking thread remembers its own.
-        st.ids.clear();
-        st.site_numbers.clear();
-        st.error = None;
-        let Some(path) = self.path.as_deref().filter(|_| !st.ended) else {
-            st.ended = true;
+        sink.generation = now;
+        // Not dropped: the channel's and the file's state may be mid-change by a
+        // thread the child does not have, and dropping would write the parent's bytes.
+        std::mem::forget(sink.out.take());
+        std::mem::forget(sink.writer.take());
+        sink.error = None;
+        let Some(path) = self.path.as_deref().filter(|_| !sink.ended) else {
+            sink.ended = true;
             return;
         };
         match trace_file(&child_path(path, std::process::id())) {
             Ok(mut out) => {
-                st.error = out.write_all(HEADER.as_bytes()).err();
-                st.out = out;
+                sink.error = out.write_all(&binary::header(self.shared.flags)).err();
+                sink.out = Some(out);
             }
-            Err(error) => st.error = Some(error),
+            Err(error) => sink.error = Some(error),
         }
+    }
+
+    /// A way to the writer thread, started here for the first chunk of this process.
+    fn to_writer(&self, sink: &mut Sink) -> Option<SyncSender<Message>> {
+        if sink.ended {
+            return None;
+        }
+        if sink.writer.is_none() {
+            let out = sink.out.take()?;
+            let (chunks, received) = sync_channel(CHUNKS_QUEUED);
+            match std::thread::Builder::new()
+                .name("allocbox-trace".into())
+                .spawn(move || write_chunks(out, received))
+            {
+                Ok(thread) => sink.writer = Some(WriterThread { chunks, thread }),
+                Err(error) => {
+                    sink.error.get_or_insert(error);
+                    return None;
+                }
+            }
+        }
+        sink.writer.as_ref().map(|w| w.chunks.clone())
+    }
+
+    fn finish(&self) -> std::io::Result<()> {
+        if self.fork.abandoned.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let mut sink = self.sink();
+        if sink.ended {
+            return Ok(());
+        }
+        self.shared.ended.store(true, Ordering::Relaxed);
+        // Every thread's last chunk, while the sink's lock keeps forks out.
+        let generation = sink.generation;
+        let mut last = Vec::new();
+        for chunk in self.shared.chunks.iter() {
+            if chunk.generation.load(Ordering::Relaxed) != generation {
+                continue;
+            }
+            let mut writing = chunk.writing.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(writing) = writing.as_mut() {
+                last.extend(writing.encoder.take());
+                writing.to_writer = None;
+            }
+        }
+        let to_writer = match last.is_empty() {
+            true => None,
+            false => self.to_writer(&mut sink),
+        };
+        for chunk in last {
+            if let Some(to_writer) = &to_writer {
+                let _ = to_writer.send(Message::Chunk(chunk));
+            }
+        }
+        sink.ended = true;
+        let mut result = match sink.writer.take() {
+            Some(writer) => {
+                let _ = writer.chunks.send(Message::End);
+                drop(writer.chunks);
+                writer.thread.join().unwrap_or_else(|_| {
+                    Err(std::io::Error::other("the trace's writer thread panicked"))
+                })
+            }
+            // Nothing was recorded: the header alone, and the end.
+            None => match sink.out.take() {
+                Some(out) => (|| {
+                    let mut stream = binary::compressor(out)?;
+                    stream.write_all(&binary::END)?;
+                    stream.finish()?.flush()
+                })(),
+                None => Ok(()),
+            },
+        };
+        if let Some(error) = sink.error.take() {
+            result = Err(error);
+        }
+        result
+    }
+}
+
+impl Drop for TraceWriter {
+    /// A recording dropped unfinished is finished: its file is a whole trace.
+    fn drop(&mut self) {
+        let _ = self.finish();
     }
 }
 
@@ -405,116 +544,136 @@ fn coarse_now() -> u64 {
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
-thread_local! {
-    /// The last recorder this thread wrote to (its serial) and its number there: most
-    /// events find it here, not in the recorder's map.
-    static THREAD_NUMBER: std::cell::Cell<(u64, u32)> = const { std::cell::Cell::new((0, 0)) };
+impl Watcher for TraceWriter {
+    fn before(&self) -> u64 {
+        self.shared.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn served(
+        &self,
+        op: EventOp,
+        old: Option<NonNull<u8>>,
+        new: Option<NonNull<u8>>,
+        size: usize,
+        before: u64,
+    ) {
+        // Before any lock: finding the site may wait for the client's own locks (the
+        // GIL), which another thread may hold while it waits for this recording.
+        let site = match (&self.sites, op) {
+            (Some(site_of), EventOp::Malloc | EventOp::Calloc | EventOp::Realloc) => site_of(),
+            _ => None,
+        };
+        if self.shared.ended.load(Ordering::Relaxed) || self.fork.abandoned.load(Ordering::Relaxed)
+        {
+            return;
+        }
+        let chunk = self.shared.chunks.get_or(|| ThreadChunk {
+            generation: AtomicU64::new(0),
+            writing: Mutex::new(None),
+        });
+        let this = this_thread();
+        let generation = fork::generation();
+        let mut writing = chunk.writing.lock().unwrap_or_else(PoisonError::into_inner);
+        if chunk.generation.load(Ordering::Relaxed) != generation
+            || writing.as_ref().is_none_or(|w| w.thread != this)
+        {
+            // Not under this lock: finishing takes the sink's lock, then this one.
+            let old = writing.take();
+            drop(writing);
+            let forked = chunk.generation.load(Ordering::Relaxed) != generation;
+            let Some((started, generation)) = self.start_chunk(old, forked, this) else {
+                return;
+            };
+            writing = chunk.writing.lock().unwrap_or_else(PoisonError::into_inner);
+            chunk.generation.store(generation, Ordering::Relaxed);
+            *writing = Some(started);
+        }
+        let Some(writing) = writing.as_mut() else {
+            return;
+        };
+        let seq = match op {
+            EventOp::Free | EventOp::Realloc => before,
+            EventOp::Malloc | EventOp::Calloc => self.shared.seq.fetch_add(1, Ordering::Relaxed),
+        };
+        let done = match op {
+            EventOp::Realloc => self.shared.seq.fetch_add(1, Ordering::Relaxed),
+            _ => seq,
+        };
+        let address = |p: Option<NonNull<u8>>| p.map_or(0, |p| p.as_ptr() as u64);
+        writing.encoder.call(Call {
+            op,
+            seq,
+            done,
+            old: address(old),
+            new: address(new),
+            size: size as u64,
+            time: self
+                .started
+                .map_or(0, |started| coarse_now().saturating_sub(started)),
+            site,
+        });
+        if writing.encoder.full()
+            && let (Some(to_writer), Some(chunk)) = (&writing.to_writer, writing.encoder.take())
+        {
+            // The writer gone (it failed, and said why where the trace is finished):
+            // the chunk is dropped.
+            let _ = to_writer.send(Message::Chunk(chunk));
+        }
+    }
 }
 
 impl TraceWriter {
-    /// This thread's number in this recording, 1 for the first thread it saw.
-    fn thread_number(&self, st: &mut RecorderState) -> u32 {
-        let (serial, number) = THREAD_NUMBER.get();
-        if serial == self.serial {
-            return number;
+    /// This thread's chunk, set up for this process: at a thread's first call, at the
+    /// first call of a thread that took an ended thread's place (`old` is handed over
+    /// first), or at a forked child's first (`old` is the parent's to write:
+    /// forgotten). With the process's generation; `None` when the recording has ended
+    /// here.
+    fn start_chunk(&self, old: Option<Writing>, forked: bool, this: u64) -> Option<(Writing, u64)> {
+        let mut kept = None;
+        if let Some(Writing {
+            thread,
+            mut encoder,
+            to_writer,
+        }) = old
+        {
+            if forked {
+                std::mem::forget(to_writer);
+                encoder.forget();
+                // The forking thread keeps its number.
+                kept = (thread == this).then_some(encoder);
+            } else if let Some((chunk, to_writer)) = encoder.take().zip(to_writer) {
+                let _ = to_writer.send(Message::Chunk(chunk));
+            }
         }
-        let next = st.threads.len() as u32 + 1;
-        let number = *st
-            .threads
-            .entry(std::thread::current().id())
-            .or_insert(next);
-        THREAD_NUMBER.set((self.serial, number));
-        number
+        let mut sink = self.sink();
+        let to_writer = self.to_writer(&mut sink)?;
+        let generation = sink.generation;
+        drop(sink);
+        let encoder = kept.unwrap_or_else(|| {
+            let number = self.shared.threads.fetch_add(1, Ordering::Relaxed) + 1;
+            ChunkEncoder::new(number, self.shared.flags)
+        });
+        let writing = Writing {
+            thread: this,
+            encoder,
+            to_writer: Some(to_writer),
+        };
+        Some((writing, generation))
     }
 }
 
-impl Watcher for TraceWriter {
-    fn served(&self, op: EventOp, old: Option<NonNull<u8>>, new: Option<NonNull<u8>>, size: usize) {
-        let op = match op {
-            EventOp::Malloc => 'm',
-            EventOp::Calloc => 'c',
-            EventOp::Realloc => 'r',
-            EventOp::Free => 'f',
-        };
-        // Before the lock: finding the site may wait for the client's own locks (the
-        // GIL), which another thread may hold while it waits for this lock.
-        let site = match (&self.sites, op) {
-            (Some(site_of), 'm' | 'c' | 'r') => site_of(),
-            _ => None,
-        };
-        if self.fork.abandoned.load(Ordering::Relaxed) {
-            return;
-        }
-        let mut guard = self.lock();
-        // Under the lock, so that times never go back down the file.
-        let time = self
-            .started
-            .map(|started| coarse_now().saturating_sub(started));
-        let st = &mut *guard;
-        self.follow_fork(st);
-        if st.ended {
-            return;
-        }
-        let thread = self.thread_number(st);
-        let key = |p: NonNull<u8>| p.as_ptr() as usize;
-        let id = match (op, old, new) {
-            ('f', None, _) => 0,
-            ('f', Some(p), _) => st.ids.remove(&key(p)).unwrap_or(UNKNOWN_ID),
-            (_, Some(p), Some(q)) => {
-                let id = st.ids.remove(&key(p)).unwrap_or(UNKNOWN_ID);
-                st.ids.insert(key(q), id);
-                id
-            }
-            (_, _, Some(q)) => {
-                let id = st.next_id;
-                st.next_id += 1;
-                st.ids.insert(key(q), id);
-                id
-            }
-            _ => return,
-        };
-        // One line buffer, reused, and integers written by `itoa`: an event is written
-        // on every allocation of the program.
-        let line = &mut st.line;
-        line.clear();
-        if st.site_numbers.len() >= MAX_SITES_KEPT {
-            // Forgotten sites are named again, under new numbers, when next seen.
-            st.site_numbers.clear();
-        }
-        let site = site.map(|site| match st.site_numbers.get(&site) {
-            Some(&number) => number,
-            None => {
-                st.sites_named += 1;
-                let number = st.sites_named;
-                line.extend_from_slice(site_record("site", number, &site).as_bytes());
-                if let Some(via) = &site.via {
-                    line.extend_from_slice(site_record("via", number, via).as_bytes());
-                }
-                st.site_numbers.insert(site, number);
-                number
-            }
-        });
-        let mut number = itoa::Buffer::new();
-        line.push(op as u8);
-        for (prefix, value) in [
-            (&b" "[..], id),
-            (b" ", size as u64),
-            (b" ", u64::from(thread)),
-        ] {
-            line.extend_from_slice(prefix);
-            line.extend_from_slice(number.format(value).as_bytes());
-        }
-        if let Some(site) = site {
-            line.extend_from_slice(b" s=");
-            line.extend_from_slice(number.format(site).as_bytes());
-        }
-        if let Some(time) = time {
-            line.extend_from_slice(b" t=");
-            line.extend_from_slice(number.format(time).as_bytes());
-        }
-        line.push(b'\n');
-        if st.error.is_none() {
-            st.error = st.out.write_all(line).err();
-        }
+/// A number for this thread, unique in the process: `ThreadLocal` hands the place of a
+/// thread that ended to the next thread to start, which must not write as the other.
+fn this_thread() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static THIS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     }
+    THIS.with(|this| match this.get() {
+        0 => {
+            this.set(NEXT.fetch_add(1, Ordering::Relaxed));
+            this.get()
+        }
+        number => number,
+    })
 }
