@@ -214,7 +214,9 @@ def use(policy, *, threads=False):
     initargs=(policy,)`."""
     from . import numba as _numba
 
-    previous = set_handler(policy)
+    # Not `set_handler`, whose hold on Numba's route is for good: the block's own hold
+    # (`_threads_use`) ends with it.
+    previous = _set_handler(policy)
     numba_threads_done = _numba._threads_use(policy)
     if threads:
         restore = _start_threads_with(policy)
@@ -227,7 +229,7 @@ def use(policy, *, threads=False):
         if threads:
             restore()
         numba_threads_done()
-        set_handler(previous)
+        _set_handler(previous)
 
 
 def _name_a_stop(error, policy):
@@ -260,7 +262,7 @@ def set_handler(handler):
     if handler is not None:
         from . import numba as _numba
 
-        _numba._route_if_imported()
+        _numba._hold()
     return previous
 
 

@@ -26,7 +26,11 @@ are compiled again (or loaded again from `cache=True`'s cache) on their next cal
 
 Threads that run no Python (`parallel=True`'s workers, `nogil` functions) cannot read
 a context: they use the policy of the innermost `allocbox.use` block open in the
-process. Not covered: `@cfunc` callbacks compiled before `enable()`, and what NRT
+process. While no `use` block is open and `set_handler` was never given a handler, no
+allocbox handler can be current, and the route hands every array to Numba's own
+allocator after one load of a counter, without asking NumPy (a context copied inside
+a block and run after it, an asyncio task the block started that outlives it, places
+its NumPy arrays with the policy and its Numba arrays with Numba's own). Not covered: `@cfunc` callbacks compiled before `enable()`, and what NRT
 allocates other than arrays (lists, dicts, strings).
 
 Needs Numba (`pip install allocbox[numba]`); tested with Numba 0.68.
@@ -40,6 +44,7 @@ from _allocbox_startup import AfterImport
 
 from ._allocbox import numba_maker as _numba_maker
 from ._allocbox import numba_route as _numba_route
+from ._allocbox import numba_route_hold as _numba_route_hold
 from ._allocbox import numba_threads_done as _numba_threads_done
 from ._allocbox import numba_threads_use as _numba_threads_use
 
@@ -138,6 +143,13 @@ def _route_if_imported():
 
 
 _refused = False
+
+
+def _hold():
+    """`set_handler` installed a handler: the route asks NumPy for the current handler
+    on every array from now on (other contexts may keep it), once it is on."""
+    _route_if_imported()
+    _numba_route_hold()
 
 
 def _threads_use(handler):

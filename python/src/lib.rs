@@ -67,6 +67,8 @@ fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(child_trace_path, m)?)?;
     m.add_function(wrap_pyfunction!(numba_route::numba_route, m)?)?;
     m.add_function(wrap_pyfunction!(numba_route::numba_threads_use, m)?)?;
+    m.add_function(wrap_pyfunction!(numba_route::numba_route_hold, m)?)?;
+    m.add_function(wrap_pyfunction!(numba_route::numba_route_holds, m)?)?;
     m.add_function(wrap_pyfunction!(numba_route::numba_threads_done, m)?)?;
     m.add_function(wrap_pyfunction!(numba_route::numba_maker, m)?)?;
     m.add_class::<EventHook>()?;

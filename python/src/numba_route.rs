@@ -12,7 +12,7 @@
 use std::cell::Cell;
 use std::ffi::c_void;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use pyo3::exceptions::PyRuntimeError;
@@ -275,6 +275,27 @@ fn probe_layout(route: &Route, release: Release, data: Data) -> PyResult<()> {
 /// process (`None`: Numba's own allocator), each entry by the token its block holds.
 static WITHOUT_PYTHON: Mutex<Vec<(u64, Option<Arc<Bridge>>)>> = Mutex::new(Vec::new());
 
+/// Whether any allocbox handler may be current anywhere: each open `allocbox.use` block
+/// holds one ([`numba_threads_use`] to [`numba_threads_done`]), and `set_handler` with a
+/// handler holds one for good ([`numba_route_hold`]: the contexts it reached may live
+/// on). While none is held, the route hands every array to Numba's own allocator after
+/// this one load, without asking NumPy for its handler. Relaxed: a thread's own hold is
+/// in its program order, and a worker Numba starts inside a block starts after it.
+static HOLDS: AtomicUsize = AtomicUsize::new(0);
+
+/// `set_handler` installed a handler that may be one of allocbox's: the route asks NumPy
+/// for the handler from now on.
+#[pyfunction]
+pub(crate) fn numba_route_hold() {
+    HOLDS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many holds the route has: 0 while it hands every array to Numba's own.
+#[pyfunction]
+pub(crate) fn numba_route_holds() -> usize {
+    HOLDS.load(Ordering::Relaxed)
+}
+
 /// Make `handler` (a `Policy` or a capsule) the handler of Numba's threads that run no
 /// Python until [`numba_threads_done`] with the returned token.
 #[pyfunction]
@@ -296,6 +317,7 @@ pub(crate) fn numba_threads_use(handler: &Bound<'_, PyAny>) -> u64 {
     let token = NEXT.fetch_add(1, Ordering::Relaxed);
     let mut open = lock(&WITHOUT_PYTHON);
     open.push((token, bridge));
+    HOLDS.fetch_add(1, Ordering::Relaxed);
     token
 }
 
@@ -305,7 +327,12 @@ pub(crate) fn numba_threads_done(token: u64) {
     let ended: Vec<_> = {
         let mut open = lock(&WITHOUT_PYTHON);
         let at = open.iter().position(|(t, _)| *t == token);
-        at.map(|at| open.remove(at)).into_iter().collect()
+        at.map(|at| {
+            HOLDS.fetch_sub(1, Ordering::Relaxed);
+            open.remove(at)
+        })
+        .into_iter()
+        .collect()
     };
     // Dropped after the lock: the last reference to a bridge ends its handler, which
     // must not keep Numba's workers from the list meanwhile.
@@ -328,6 +355,9 @@ fn route_alloc(size: usize, align: u32, safe: bool) -> *mut MemInfo {
             }
         }
     };
+    if HOLDS.load(Ordering::Relaxed) == 0 {
+        return own();
+    }
     // SAFETY: `PyGILState_Check` may be called from any thread.
     if unsafe { PyGILState_Check() } == 1 {
         // SAFETY: this thread holds the GIL; NumPy's `PyDataMem_GetHandler` returns a

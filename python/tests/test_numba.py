@@ -97,6 +97,32 @@ def test_arrays_made_outside_the_block_stay_with_numba_s_own_allocator(size_clas
     assert counts(size_classes)["mallocs"] == 0
 
 
+def test_the_route_asks_numpy_only_while_a_block_is_open_or_after_set_handler(tmp_path):
+    # In a process of its own: the test session's own `set_handler` calls hold the route.
+    program = tmp_path / "holds.py"
+    program.write_text(textwrap.dedent("""
+        import numba, numpy as np, allocbox, allocbox.numba
+        from allocbox._allocbox import numba_route_holds as holds
+
+        @numba.njit
+        def double(a):
+            return a * 2
+
+        policy = allocbox.load("size-classes")
+        with allocbox.use(policy):
+            inside = (holds(), allocbox.handler_name(double(np.ones(3))))
+        after = (holds(), allocbox.handler_name(double(np.ones(3))))
+        allocbox.set_handler(policy)
+        set_ = (holds() > 0, allocbox.handler_name(double(np.ones(3))))
+        allocbox.set_handler(None)
+        reset = (holds() > 0, allocbox.handler_name(double(np.ones(3))))
+        print(inside, after, set_, reset)
+    """))
+    done = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "(1, 'size-classes') (0, None) (True, 'size-classes') (True, None)", done.stdout
+
+
 def test_an_array_outlives_a_change_of_policy_and_is_freed_by_its_maker(size_classes):
     other = allocbox.load("system")
     x = np.arange(100.0)
