@@ -11,6 +11,7 @@ use std::ffi::c_int;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use allocbox::trace::Site;
+use foldhash::fast::RandomState;
 use pyo3::ffi;
 use pyo3::prelude::*;
 
@@ -46,7 +47,7 @@ struct Code {
 /// The line of each instruction of a code object asked about so far: CPython finds a
 /// line by reading the code's line table from its start, most of the cost of a site.
 #[derive(Default)]
-struct Lines(HashMap<c_int, u32>);
+struct Lines(HashMap<c_int, u32, RandomState>);
 
 /// The most instructions' lines one code object keeps (a function of thousands of
 /// lines allocating on every one).
@@ -73,7 +74,7 @@ impl Lines {
 }
 
 /// Code objects seen so far, by address.
-static CODES: Mutex<Option<HashMap<usize, Code>>> = Mutex::new(None);
+static CODES: Mutex<Option<HashMap<usize, Code, RandomState>>> = Mutex::new(None);
 
 /// The most code objects [`CODES`] keeps alive: a program that makes code without end
 /// (`exec` in a loop) would otherwise keep all of it. Past this they are forgotten
@@ -121,7 +122,7 @@ fn innermost_own_frame(py: Python<'_>) -> Option<Site> {
     // SAFETY: a borrowed frame, owned from here on as every frame below it is.
     unsafe { ffi::Py_INCREF(frame) };
     let mut codes = CODES.lock().unwrap_or_else(|p| p.into_inner());
-    let codes = codes.get_or_insert_with(HashMap::new);
+    let codes = codes.get_or_insert_with(HashMap::default);
     let folders = LIBRARY_FOLDERS.get().map_or(&[][..], Vec::as_slice);
     // The innermost library frame, until the program's own is found.
     let mut via: Option<Site> = None;
@@ -180,7 +181,7 @@ fn innermost_own_frame(py: Python<'_>) -> Option<Site> {
 /// The GIL is held and `code` is a new reference to a code object, which this takes.
 unsafe fn describe<'a>(
     py: Python<'_>,
-    codes: &'a mut HashMap<usize, Code>,
+    codes: &'a mut HashMap<usize, Code, RandomState>,
     folders: &[String],
     code: *mut ffi::PyObject,
 ) -> &'a mut Code {

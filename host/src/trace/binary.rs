@@ -75,6 +75,10 @@ pub(crate) struct ChunkEncoder {
     time: u64,
     sites: HashMap<Site, u32, foldhash::fast::RandomState>,
     sites_named: u32,
+    /// The last site and its number: a loop allocates at one line over and over, and
+    /// its names are the same `Arc`s each time, compared by address, where the map
+    /// hashes the names' text.
+    last_site: Option<(Site, u32)>,
 }
 
 /// The most sites a thread remembers having named (a program that makes code objects
@@ -93,6 +97,7 @@ impl ChunkEncoder {
             time: 0,
             sites: HashMap::default(),
             sites_named: 0,
+            last_site: None,
         }
     }
 
@@ -149,6 +154,17 @@ impl ChunkEncoder {
 
     /// The number of `site` on this thread, named first in the chunk if it is new.
     fn site_number(&mut self, site: &Site) -> u32 {
+        if let Some((last, number)) = &self.last_site
+            && same_site(last, site)
+        {
+            return *number;
+        }
+        let number = self.named_site_number(site);
+        self.last_site = Some((site.clone(), number));
+        number
+    }
+
+    fn named_site_number(&mut self, site: &Site) -> u32 {
         if let Some(&number) = self.sites.get(site) {
             return number;
         }
@@ -198,7 +214,22 @@ impl ChunkEncoder {
         self.bytes.clear();
         (self.seq, self.address, self.time) = (0, 0, 0);
         self.sites.clear();
+        self.last_site = None;
     }
+}
+
+/// Whether two sites are the same by the addresses of their names (and lines): a
+/// cheap test that may say no for equal sites, never yes for different ones.
+fn same_site(a: &Site, b: &Site) -> bool {
+    let place = |a: &Site, b: &Site| {
+        a.line == b.line && Arc::ptr_eq(&a.file, &b.file) && Arc::ptr_eq(&a.function, &b.function)
+    };
+    place(a, b)
+        && match (&a.via, &b.via) {
+            (None, None) => true,
+            (Some(a), Some(b)) => place(a, b),
+            _ => false,
+        }
 }
 
 /// The header of a binary trace, uncompressed: the magic, the version, the flags.
@@ -921,6 +952,49 @@ mod tests {
             ),
             "{error}"
         );
+    }
+
+    #[test]
+    fn a_site_met_again_by_the_same_names_keeps_its_number_and_another_gets_its_own() {
+        let site = |line| Site {
+            file: "/job.py".into(),
+            line,
+            function: "work".into(),
+            via: None,
+        };
+        let (ten, eleven) = (site(10), site(11));
+        // A copy of `ten` with names of its own: equal, not the same `Arc`s.
+        let also_ten = site(10);
+        let mut encoder = ChunkEncoder::new(1, SITES);
+        for (at, site) in [&ten, &ten, &eleven, &ten, &also_ten, &eleven]
+            .into_iter()
+            .enumerate()
+        {
+            let at = at as u64 + 1;
+            encoder.call(Call {
+                op: EventOp::Malloc,
+                seq: at,
+                done: at,
+                old: 0,
+                new: 16 * at,
+                size: 8,
+                time: 0,
+                site: Some(site.clone()),
+            });
+        }
+        let mut bytes = header(SITES).to_vec();
+        let mut stream = compressor(&mut bytes).unwrap();
+        stream.write_all(&encoder.take().unwrap()).unwrap();
+        stream.write_all(&END).unwrap();
+        stream.finish().unwrap();
+        let trace = read_binary(&bytes[..]).unwrap();
+        let lines: Vec<u32> = trace
+            .sites
+            .iter()
+            .map(|n| trace.site_table[n].line)
+            .collect();
+        assert_eq!(lines, [10, 10, 11, 10, 10, 11]);
+        assert_eq!(trace.site_table.len(), 2, "each site named once");
     }
 
     #[test]
