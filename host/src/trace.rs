@@ -1,7 +1,7 @@
 //! Allocation traces: the text form of `shared/traces/README.md` (`op id size thread`,
 //! one event a line), read and parsed here and written by `trace/text.rs`; the binary
-//! form recordings write (`trace/binary.rs`); any handler's calls recorded
-//! (`trace/record.rs`); a trace replayed through any handler, naming the event that
+//! form recordings write (`trace/binary.rs`); any handler's calls watched
+//! (`trace/watched.rs`) and recorded (`trace/record.rs`); a trace replayed through any handler, naming the event that
 //! fails (`trace/replay.rs`); [`timeline`], which replays one for a report, event
 //! by event; and [`by_site`], its live bytes by the program's line.
 
@@ -11,12 +11,14 @@ mod record;
 mod replay;
 mod text;
 pub mod timeline;
+mod watched;
 
 pub use binary::{MAGIC as BINARY_MAGIC, MAX_CHUNK_BYTES, write_binary};
-pub use record::{RecordOptions, Recorder, SiteOf, TraceWriter, Watched, Watcher, child_path};
+pub use record::{RecordOptions, Recorder, SiteOf, TraceWriter, child_path};
 pub(crate) use replay::Held;
 pub use replay::{ReplayReport, leak_after_replay, replay_trace, replay_trace_counted};
 pub use text::write_text;
+pub use watched::{Watched, Watcher};
 
 use std::fmt;
 use std::io::{BufRead, BufReader, Read, Seek};

@@ -1,0 +1,390 @@
+//! Reading a binary trace: its chunks, bounded before they are read, and their calls put
+//! back in the recording's order and numbered as a text trace's blocks are.
+
+use std::collections::HashMap;
+use std::io::{self, BufRead, Read};
+use std::sync::Arc;
+
+use super::{MAGIC, MARK, MAX_CHUNK_BYTES, SITE, SITES, TIMES, VERSION, unzigzag};
+use crate::trace::{
+    Event, EventOp, MAX_LINE_BYTES, MAX_MARK_BYTES, Mark, Site, Trace, TraceError, UNKNOWN_ID,
+};
+
+/// Whether `input` starts as a binary trace does.
+pub(crate) fn is_binary(input: &mut impl BufRead) -> io::Result<bool> {
+    Ok(input.fill_buf()?.starts_with(&MAGIC))
+}
+
+/// One thing a chunk says, at its place in the recording's order.
+struct Item {
+    seq: u64,
+    what: What,
+}
+
+enum What {
+    Call {
+        op: EventOp,
+        thread: u32,
+        old: u64,
+        new: u64,
+        size: u64,
+        time: u64,
+        /// The site's number in the whole trace, 0 for none.
+        site: u32,
+        /// A realloc's: where its [`What::Release`] left the old block's id.
+        held: u32,
+    },
+    /// A realloc letting its old block go, before the handler could hand it to anyone.
+    Release {
+        address: u64,
+        held: u32,
+    },
+    Mark(String),
+}
+
+/// Read a binary trace from its first byte: the calls put back in order and numbered as
+/// a text trace's, every bound of a text trace kept (`docs/traces.md`).
+pub(crate) fn read_binary(mut input: impl Read) -> Result<Trace, TraceError> {
+    let mut head = [0u8; 10];
+    input
+        .read_exact(&mut head)
+        .map_err(|_| format_error("the file ends inside the header of a binary trace"))?;
+    if head[..8] != MAGIC {
+        return Err(format_error("the file is not a binary trace"));
+    }
+    if head[8] != VERSION {
+        return Err(format_error(&format!(
+            "the trace is in version {} of the binary form and this allocbox reads version {VERSION}: \
+             read it with the allocbox that wrote it (its `trace-convert` writes the text form)",
+            head[8]
+        )));
+    }
+    let flags = head[9];
+    let mut stream = io::BufReader::new(zstd::stream::read::Decoder::new(input)?);
+    let mut items = Vec::new();
+    let mut site_table = HashMap::new();
+    let mut site_numbers: HashMap<(u32, u32), u32> = HashMap::new();
+    let mut held = 0u32;
+    let mut cut_short = false;
+    let mut chunk = Vec::new();
+    for number in 1u64.. {
+        let bad = |message: String| TraceError::Chunk {
+            chunk: number,
+            message,
+        };
+        let Some(thread) = read_varint(&mut stream, &mut cut_short)? else {
+            break;
+        };
+        let Some(length) = read_varint(&mut stream, &mut cut_short)? else {
+            break;
+        };
+        if thread == 0 && length == 0 {
+            break;
+        }
+        let thread = u32::try_from(thread)
+            .map_err(|_| bad(format!("thread {thread} is past any thread's number")))?;
+        if length > MAX_CHUNK_BYTES as u64 {
+            return Err(bad(format!(
+                "the chunk says it is {length} bytes long, past the {MAX_CHUNK_BYTES} a chunk may be (is this file damaged?)"
+            )));
+        }
+        chunk.resize(length as usize, 0);
+        if let Err(error) = stream.read_exact(&mut chunk) {
+            ended_early(error, &mut cut_short)?;
+            break;
+        }
+        let mut chunk = Cursor {
+            bytes: &chunk,
+            at: 0,
+        };
+        let (mut seq, mut address, mut time) = (0u64, 0u64, 0u64);
+        while !chunk.done() {
+            let tag = chunk.byte().map_err(bad)?;
+            let mut at = |delta: u64| -> u64 {
+                seq = seq.wrapping_add(delta);
+                seq
+            };
+            match tag {
+                0..=3 => {
+                    let op = [
+                        EventOp::Malloc,
+                        EventOp::Calloc,
+                        EventOp::Realloc,
+                        EventOp::Free,
+                    ][tag as usize];
+                    let first = at(chunk.varint().map_err(bad)?);
+                    let mut next_address = |chunk: &mut Cursor| -> Result<u64, String> {
+                        address = address.wrapping_add(unzigzag(chunk.varint()?));
+                        Ok(address)
+                    };
+                    let (old, new) = match op {
+                        EventOp::Malloc | EventOp::Calloc => {
+                            (0, next_address(&mut chunk).map_err(bad)?)
+                        }
+                        EventOp::Free => (next_address(&mut chunk).map_err(bad)?, 0),
+                        EventOp::Realloc => (
+                            next_address(&mut chunk).map_err(bad)?,
+                            next_address(&mut chunk).map_err(bad)?,
+                        ),
+                    };
+                    let mut seq_of_call = first;
+                    if op == EventOp::Realloc {
+                        held += 1;
+                        items.push(Item {
+                            seq: first,
+                            what: What::Release { address: old, held },
+                        });
+                        seq_of_call = at(chunk.varint().map_err(bad)?);
+                    }
+                    let size = chunk.varint().map_err(bad)?;
+                    if flags & TIMES != 0 {
+                        time = time.wrapping_add(unzigzag(chunk.varint().map_err(bad)?));
+                    }
+                    let site = match flags & SITES != 0 {
+                        true => {
+                            let local = chunk.varint().map_err(bad)?;
+                            match local {
+                                0 => 0,
+                                local => *u32::try_from(local)
+                                    .ok()
+                                    .and_then(|local| site_numbers.get(&(thread, local)))
+                                    .ok_or_else(|| bad(format!("thread {thread} names site {local} before saying where it is")))?,
+                            }
+                        }
+                        false => 0,
+                    };
+                    let held = if op == EventOp::Realloc { held } else { 0 };
+                    items.push(Item {
+                        seq: seq_of_call,
+                        what: What::Call {
+                            op,
+                            thread,
+                            old,
+                            new,
+                            size,
+                            time,
+                            site,
+                            held,
+                        },
+                    });
+                }
+                SITE => {
+                    let local = chunk.varint().map_err(bad)?;
+                    let local = u32::try_from(local)
+                        .map_err(|_| bad(format!("site {local} is past any site's number")))?;
+                    let mut site = chunk.place().map_err(bad)?;
+                    match chunk.byte().map_err(bad)? {
+                        0 => {}
+                        1 => site.via = Some(Arc::new(chunk.place().map_err(bad)?)),
+                        other => {
+                            return Err(bad(format!(
+                                "a site's library line is marked {other}, not 0 or 1"
+                            )));
+                        }
+                    }
+                    let number = site_table.len() as u32 + 1;
+                    site_table.insert(number, site);
+                    site_numbers.insert((thread, local), number);
+                }
+                MARK => {
+                    let seq = at(chunk.varint().map_err(bad)?);
+                    let text = chunk.string().map_err(bad)?;
+                    items.push(Item {
+                        seq,
+                        what: What::Mark(crate::untrusted::escape_at_most(
+                            text.trim(),
+                            MAX_MARK_BYTES,
+                        )),
+                    });
+                }
+                other => {
+                    return Err(bad(format!(
+                        "{other} is not a kind of record (a newer allocbox's trace?)"
+                    )));
+                }
+            }
+        }
+    }
+    // Chunks come in the order threads handed them over; each thread's are in order.
+    items.sort_by_key(|item| item.seq);
+    let mut trace = Trace {
+        site_table,
+        cut_short,
+        ..Trace::default()
+    };
+    replay_order(items, flags, held, &mut trace);
+    Ok(trace)
+}
+
+/// The calls in sequence order, as a text trace's events: each block numbered when it
+/// is made, a free of an address never made `UNKNOWN_ID`, and each event's `line` the
+/// line it has in the text form `trace-convert` writes.
+fn replay_order(items: Vec<Item>, flags: u8, holds: u32, trace: &mut Trace) {
+    let mut ids: HashMap<u64, u64, foldhash::fast::RandomState> = HashMap::default();
+    let mut released = vec![None; holds as usize + 1];
+    let mut next_id = 1;
+    // Line 1 is the header; each new site's record precedes its first event.
+    let mut line = 1u32;
+    let mut named = std::collections::HashSet::new();
+    for item in items {
+        match item.what {
+            What::Release { address, held } => {
+                released[held as usize] = ids.remove(&address);
+            }
+            What::Mark(text) => {
+                line = line.saturating_add(1);
+                trace.marks.push(Mark {
+                    at: trace.events.len() as u64,
+                    text,
+                });
+            }
+            What::Call {
+                op,
+                thread,
+                old,
+                new,
+                size,
+                time,
+                site,
+                held,
+            } => {
+                let id = match op {
+                    EventOp::Free if old == 0 => 0,
+                    EventOp::Free => ids.remove(&old).unwrap_or(UNKNOWN_ID),
+                    EventOp::Malloc | EventOp::Calloc | EventOp::Realloc => {
+                        let id = released[held as usize].take().unwrap_or_else(|| {
+                            next_id += 1;
+                            next_id - 1
+                        });
+                        ids.insert(new, id);
+                        id
+                    }
+                };
+                if site != 0 && named.insert(site) {
+                    let via = trace.site_table.get(&site).is_some_and(|s| s.via.is_some());
+                    line = line.saturating_add(1 + u32::from(via));
+                }
+                line = line.saturating_add(1);
+                if flags & TIMES != 0 {
+                    trace.times.push(time);
+                }
+                if flags & SITES != 0 {
+                    trace.sites.push(site);
+                }
+                trace.events.push(Event {
+                    op,
+                    id,
+                    size,
+                    thread,
+                    line,
+                });
+            }
+        }
+    }
+}
+
+fn format_error(message: &str) -> TraceError {
+    TraceError::Format(message.to_owned())
+}
+
+/// A stream that ended where it should not: a recording whose process was killed ends
+/// inside its compressed stream, and is read up to its last whole chunk.
+fn ended_early(error: io::Error, cut_short: &mut bool) -> Result<(), TraceError> {
+    match error.kind() {
+        io::ErrorKind::UnexpectedEof => {
+            *cut_short = true;
+            Ok(())
+        }
+        _ => Err(TraceError::Io(error)),
+    }
+}
+
+/// A number of the stream's framing, or `None` where the stream ends (cut short: a
+/// whole trace ends with [`END`]).
+fn read_varint(stream: &mut impl BufRead, cut_short: &mut bool) -> Result<Option<u64>, TraceError> {
+    let mut value = 0u64;
+    for shift in (0..70).step_by(7) {
+        let mut byte = [0u8];
+        match stream.read(&mut byte) {
+            Ok(0) => {
+                *cut_short = true;
+                return Ok(None);
+            }
+            Ok(_) => {}
+            Err(error) => {
+                ended_early(error, cut_short)?;
+                return Ok(None);
+            }
+        }
+        value |= u64::from(byte[0] & 0x7f).checked_shl(shift).unwrap_or(0);
+        if byte[0] & 0x80 == 0 {
+            return Ok(Some(value));
+        }
+    }
+    Err(format_error(
+        "a number of the stream runs past ten bytes (is this file damaged?)",
+    ))
+}
+
+/// Reading one chunk's items.
+struct Cursor<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl Cursor<'_> {
+    fn done(&self) -> bool {
+        self.at >= self.bytes.len()
+    }
+
+    fn byte(&mut self) -> Result<u8, String> {
+        let byte = *self
+            .bytes
+            .get(self.at)
+            .ok_or("the chunk ends inside a record")?;
+        self.at += 1;
+        Ok(byte)
+    }
+
+    fn varint(&mut self) -> Result<u64, String> {
+        let mut value = 0u64;
+        for shift in (0..70).step_by(7) {
+            let byte = self.byte()?;
+            value |= u64::from(byte & 0x7f).checked_shl(shift).unwrap_or(0);
+            if byte & 0x80 == 0 {
+                return Ok(value);
+            }
+        }
+        Err("a number runs past ten bytes".into())
+    }
+
+    fn string(&mut self) -> Result<&str, String> {
+        let length = self.varint()?;
+        if length > MAX_LINE_BYTES as u64 {
+            return Err(format!(
+                "a name says it is {length} bytes long, past the {MAX_LINE_BYTES} a name may be"
+            ));
+        }
+        let end = self.at + length as usize;
+        let bytes = self
+            .bytes
+            .get(self.at..end)
+            .ok_or("the chunk ends inside a name")?;
+        self.at = end;
+        std::str::from_utf8(bytes).map_err(|_| "a name is not UTF-8 text".into())
+    }
+
+    /// A site's line, function and file, escaped: a trace is input.
+    fn place(&mut self) -> Result<Site, String> {
+        let line =
+            u32::try_from(self.varint()?).map_err(|_| "a site's line is past any line's number")?;
+        let function = crate::untrusted::escape(self.string()?).into();
+        let file = crate::untrusted::escape(self.string()?).into();
+        Ok(Site {
+            file,
+            line,
+            function,
+            via: None,
+        })
+    }
+}

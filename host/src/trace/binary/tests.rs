@@ -1,0 +1,312 @@
+use std::io::Write;
+use std::sync::Arc;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::trace::{Event, Mark};
+
+/// A well-formed trace: blocks numbered in the order they are made, freed at most
+/// once, over a few threads, with marks, times and sites when asked.
+fn traces() -> impl Strategy<Value = Trace> {
+    let step = (
+        0u8..6,
+        0usize..64,
+        1u64..1 << 20,
+        1u32..4,
+        any::<u64>(),
+        0u32..4,
+    );
+    (
+        proptest::collection::vec(step, 0..200),
+        any::<bool>(),
+        any::<bool>(),
+    )
+        .prop_map(|(steps, times, sites)| {
+            let mut trace = Trace::default();
+            let mut live: Vec<(u64, u64)> = Vec::new();
+            let mut next = 1;
+            let site_of = |n: u32| Site {
+                file: format!("/job/part {n}.py").into(),
+                line: n * 10,
+                function: "work".into(),
+                via: n.is_multiple_of(2).then(|| {
+                    Arc::new(Site {
+                        file: "/venv/lib/site-packages/lib.py".into(),
+                        line: n,
+                        function: "inner name".into(),
+                        via: None,
+                    })
+                }),
+            };
+            let mut time = 0;
+            for (kind, pick, size, thread, mark, site) in steps {
+                let (op, id) = match (kind, live.is_empty()) {
+                    (0 | 1, _) | (_, true) => {
+                        next += 1;
+                        live.push((next - 1, size));
+                        (
+                            [EventOp::Malloc, EventOp::Calloc][kind as usize % 2],
+                            next - 1,
+                        )
+                    }
+                    (2, false) => {
+                        let at = pick % live.len();
+                        live[at].1 = size;
+                        (EventOp::Realloc, live[at].0)
+                    }
+                    (3, false) => (EventOp::Free, 0),
+                    _ => {
+                        let (id, _) = live.swap_remove(pick % live.len());
+                        (EventOp::Free, id)
+                    }
+                };
+                if mark.is_multiple_of(7) && !trace.events.is_empty() {
+                    trace.marks.push(Mark {
+                        at: trace.events.len() as u64,
+                        text: format!("test {mark}"),
+                    });
+                }
+                if times {
+                    time += mark % 1000;
+                    trace.times.push(time);
+                }
+                if sites {
+                    let number = if op == EventOp::Free { 0 } else { site };
+                    if number != 0 {
+                        trace.site_table.insert(number, site_of(number));
+                    }
+                    trace.sites.push(number);
+                }
+                trace.events.push(Event {
+                    op,
+                    id,
+                    size,
+                    thread,
+                    line: 0,
+                });
+            }
+            trace
+        })
+}
+
+fn binary(trace: &Trace) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    write_binary(trace, &mut bytes).unwrap();
+    bytes
+}
+
+/// Events without their lines (a text trace's and a binary one's differ).
+fn calls(trace: &Trace) -> Vec<(EventOp, u64, u64, u32)> {
+    trace
+        .events
+        .iter()
+        .map(|e| (e.op, e.id, e.size, e.thread))
+        .collect()
+}
+
+proptest! {
+    #[test]
+    fn a_trace_written_binary_reads_back_with_every_event_mark_time_and_site(trace in traces()) {
+        let back = read_binary(&binary(&trace)[..]).unwrap();
+        prop_assert_eq!(calls(&back), calls(&trace));
+        prop_assert_eq!(&back.marks, &trace.marks);
+        prop_assert_eq!(&back.times, &trace.times);
+        prop_assert!(!back.cut_short);
+        prop_assert_eq!(back.sites.len(), trace.sites.len());
+        for (read, written) in back.sites.iter().zip(&trace.sites) {
+            prop_assert_eq!(back.site_table.get(read), trace.site_table.get(written));
+        }
+    }
+
+    #[test]
+    fn a_binary_trace_s_event_lines_are_those_of_its_text_form(trace in traces()) {
+        let back = read_binary(&binary(&trace)[..]).unwrap();
+        let mut text = Vec::new();
+        super::super::write_text(&back, &mut text).unwrap();
+        let reread = super::super::parse_trace_marked(&text[..]).unwrap();
+        prop_assert_eq!(calls(&reread), calls(&back));
+        let lines = |t: &Trace| t.events.iter().map(|e| e.line).collect::<Vec<_>>();
+        prop_assert_eq!(lines(&reread), lines(&back));
+    }
+
+    #[test]
+    fn any_bytes_after_the_header_read_or_are_refused_never_a_panic(
+        body in proptest::collection::vec(any::<u8>(), 0..512),
+        compress in any::<bool>(),
+    ) {
+        let mut bytes = header(TIMES | SITES).to_vec();
+        match compress {
+            true => bytes.extend(zstd::bulk::compress(&body, 1).unwrap()),
+            false => bytes.extend(&body),
+        }
+        let _ = read_binary(&bytes[..]);
+    }
+}
+
+#[test]
+fn calls_from_threads_interleaved_read_back_in_the_order_they_were_numbered() {
+    // Thread 2 frees the block thread 1 made, and thread 1 is handed the same
+    // address again while thread 2's realloc of another block is under way.
+    let mut first = ChunkEncoder::new(1, 0);
+    let mut second = ChunkEncoder::new(2, 0);
+    let call = |op, seq, done, old, new| Call {
+        op,
+        seq,
+        done,
+        old,
+        new,
+        size: 8,
+        time: 0,
+        site: None,
+    };
+    first.call(call(EventOp::Malloc, 1, 1, 0, 0x1000));
+    second.call(call(EventOp::Malloc, 2, 2, 0, 0x2000));
+    second.call(call(EventOp::Free, 3, 3, 0x1000, 0));
+    second.call(call(EventOp::Realloc, 4, 6, 0x2000, 0x3000));
+    first.call(call(EventOp::Malloc, 5, 5, 0, 0x2000));
+    let mut bytes = header(0).to_vec();
+    let mut stream = compressor(&mut bytes).unwrap();
+    // Thread 2's chunk first: the reader orders by number, not by arrival.
+    for encoder in [&mut second, &mut first] {
+        stream.write_all(&encoder.take().unwrap()).unwrap();
+    }
+    stream.write_all(&END).unwrap();
+    stream.finish().unwrap();
+    let trace = read_binary(&bytes[..]).unwrap();
+    assert_eq!(
+        calls(&trace),
+        [
+            (EventOp::Malloc, 1, 8, 1),
+            (EventOp::Malloc, 2, 8, 2),
+            (EventOp::Free, 1, 8, 2),
+            (EventOp::Malloc, 3, 8, 1),
+            (EventOp::Realloc, 2, 8, 2),
+        ],
+        "the address thread 1 is handed again is a new block; the realloc keeps its id"
+    );
+}
+
+#[test]
+fn a_recording_cut_short_reads_up_to_its_last_whole_chunk_and_says_so() {
+    let mut trace = Trace::default();
+    for id in 1..=40_000 {
+        trace.events.push(Event {
+            op: EventOp::Malloc,
+            id,
+            size: id * 16,
+            thread: 1,
+            line: 0,
+        });
+    }
+    let whole = binary(&trace);
+    let cut = read_binary(&whole[..whole.len() - 20]).unwrap();
+    assert!(cut.cut_short);
+    assert!(cut.events.len() < 40_000, "{}", cut.events.len());
+    assert_eq!(calls(&cut), calls(&trace)[..cut.events.len()]);
+    let mut without_end = header(0).to_vec();
+    without_end.extend(zstd::bulk::compress(&[], 1).unwrap());
+    assert!(read_binary(&without_end[..]).unwrap().cut_short);
+}
+
+#[test]
+fn a_chunk_longer_than_the_bound_is_refused_before_it_is_read() {
+    let mut body = Vec::new();
+    put(&mut body, 1);
+    put(&mut body, MAX_CHUNK_BYTES as u64 + 1);
+    let mut bytes = header(0).to_vec();
+    bytes.extend(zstd::bulk::compress(&body, 1).unwrap());
+    let error = read_binary(&bytes[..]).unwrap_err().to_string();
+    assert_eq!(
+        error,
+        "chunk 1 of the binary trace: the chunk says it is 1048577 bytes long, past the \
+         1048576 a chunk may be (is this file damaged?)"
+    );
+}
+
+#[test]
+fn a_newer_version_is_refused_naming_both_versions() {
+    let mut bytes = header(0).to_vec();
+    bytes[8] = 2;
+    let error = read_binary(&bytes[..]).unwrap_err().to_string();
+    assert!(
+        error.starts_with(
+            "the trace is in version 2 of the binary form and this allocbox reads version 1"
+        ),
+        "{error}"
+    );
+}
+
+#[test]
+fn a_site_met_again_by_the_same_names_keeps_its_number_and_another_gets_its_own() {
+    let site = |line| Site {
+        file: "/job.py".into(),
+        line,
+        function: "work".into(),
+        via: None,
+    };
+    let (ten, eleven) = (site(10), site(11));
+    // A copy of `ten` with names of its own: equal, not the same `Arc`s.
+    let also_ten = site(10);
+    let mut encoder = ChunkEncoder::new(1, SITES);
+    for (at, site) in [&ten, &ten, &eleven, &ten, &also_ten, &eleven]
+        .into_iter()
+        .enumerate()
+    {
+        let at = at as u64 + 1;
+        encoder.call(Call {
+            op: EventOp::Malloc,
+            seq: at,
+            done: at,
+            old: 0,
+            new: 16 * at,
+            size: 8,
+            time: 0,
+            site: Some(site.clone()),
+        });
+    }
+    let mut bytes = header(SITES).to_vec();
+    let mut stream = compressor(&mut bytes).unwrap();
+    stream.write_all(&encoder.take().unwrap()).unwrap();
+    stream.write_all(&END).unwrap();
+    stream.finish().unwrap();
+    let trace = read_binary(&bytes[..]).unwrap();
+    let lines: Vec<u32> = trace
+        .sites
+        .iter()
+        .map(|n| trace.site_table[n].line)
+        .collect();
+    assert_eq!(lines, [10, 10, 11, 10, 10, 11]);
+    assert_eq!(trace.site_table.len(), 2, "each site named once");
+}
+
+#[test]
+fn a_site_s_long_names_are_cut_to_the_bound_a_reader_takes() {
+    let long = "é".repeat(MAX_NAME_BYTES);
+    let mut encoder = ChunkEncoder::new(1, SITES);
+    let site = Site {
+        file: long.clone().into(),
+        line: 1,
+        function: "f".into(),
+        via: None,
+    };
+    encoder.call(Call {
+        op: EventOp::Malloc,
+        seq: 1,
+        done: 1,
+        old: 0,
+        new: 16,
+        size: 8,
+        time: 0,
+        site: Some(site),
+    });
+    let mut bytes = header(SITES).to_vec();
+    let mut stream = compressor(&mut bytes).unwrap();
+    stream.write_all(&encoder.take().unwrap()).unwrap();
+    stream.write_all(&END).unwrap();
+    stream.finish().unwrap();
+    let trace = read_binary(&bytes[..]).unwrap();
+    let file = &trace.site_table[&1].file;
+    assert_eq!(file.len(), MAX_NAME_BYTES);
+    assert!(long.starts_with(&**file));
+}

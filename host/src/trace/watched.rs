@@ -1,0 +1,112 @@
+//! Any handler wrapped so that a watcher sees each call it served: a trace being
+//! recorded (`trace/record.rs`) or an event hook (`hook.rs`).
+
+use std::fmt;
+use std::ptr::NonNull;
+
+use super::EventOp;
+use crate::error::Error;
+use crate::memhandler::{MemHandler, Stats};
+
+/// What a [`Watched`] handler tells its watcher after each call it forwarded and that
+/// did not fail: the operation, the block before and after (`None` for none), the size
+/// (a free's: what the client passed), and what [`Watcher::before`] answered for a free
+/// or a realloc (0 for the others). A `realloc` answered "none" is not told.
+pub trait Watcher: Send + Sync {
+    /// Called before a free or a realloc reaches the handler: the moment after which the
+    /// old block may be handed to another thread.
+    fn before(&self) -> u64 {
+        0
+    }
+    fn served(
+        &self,
+        op: EventOp,
+        old: Option<NonNull<u8>>,
+        new: Option<NonNull<u8>>,
+        size: usize,
+        before: u64,
+    );
+}
+
+impl<W: Watcher + ?Sized> Watcher for &W {
+    fn before(&self) -> u64 {
+        (**self).before()
+    }
+    fn served(
+        &self,
+        op: EventOp,
+        old: Option<NonNull<u8>>,
+        new: Option<NonNull<u8>>,
+        size: usize,
+        before: u64,
+    ) {
+        (**self).served(op, old, new, size, before);
+    }
+}
+
+/// `handler`, with `watcher` told about every call it serves: a trace being recorded
+/// ([`Recorder`]) or an event hook ([`crate::WasmHook`]).
+#[derive(Debug)]
+pub struct Watched<H, W> {
+    pub handler: H,
+    pub watcher: W,
+}
+
+impl<H, W> MemHandler for Watched<H, W>
+where
+    H: std::ops::Deref<Target: MemHandler> + Send + Sync + fmt::Debug,
+    W: Watcher + fmt::Debug,
+{
+    fn name(&self) -> &str {
+        self.handler.name()
+    }
+    fn version(&self) -> u8 {
+        self.handler.version()
+    }
+    fn alignment(&self) -> u64 {
+        self.handler.alignment()
+    }
+    fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
+        let p = self.handler.malloc(size)?;
+        self.watcher.served(EventOp::Malloc, None, p, size, 0);
+        Ok(p)
+    }
+    fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error> {
+        let p = self.handler.calloc(nelem, elsize)?;
+        let size = nelem.saturating_mul(elsize);
+        self.watcher.served(EventOp::Calloc, None, p, size, 0);
+        Ok(p)
+    }
+    fn realloc(
+        &self,
+        ptr: Option<NonNull<u8>>,
+        new_size: usize,
+    ) -> Result<Option<NonNull<u8>>, Error> {
+        let before = self.watcher.before();
+        let p = self.handler.realloc(ptr, new_size)?;
+        if p.is_some() {
+            self.watcher
+                .served(EventOp::Realloc, ptr, p, new_size, before);
+        }
+        Ok(p)
+    }
+    fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error> {
+        let before = self.watcher.before();
+        self.handler.free(ptr, size)?;
+        self.watcher.served(EventOp::Free, ptr, None, size, before);
+        Ok(())
+    }
+    fn free_unsized(&self, ptr: NonNull<u8>) -> Result<usize, Error> {
+        let before = self.watcher.before();
+        let size = self.handler.free_unsized(ptr)?;
+        self.watcher
+            .served(EventOp::Free, Some(ptr), None, size, before);
+        Ok(size)
+    }
+    fn stats(&self) -> Result<Stats, Error> {
+        self.handler.stats()
+    }
+    fn usable(&self) -> Result<(), Error> {
+        self.handler.usable()
+    }
+}
