@@ -403,6 +403,43 @@ def test_numba_imported_after_the_policy_is_set_has_its_arrays_placed_and_record
     assert f"{tmp_path / 'program.py'}:8<" in first_row, first_row
 
 
+def test_a_recording_of_numba_s_parallel_workers_replays_with_each_block_made_before_it_is_freed(tmp_path):
+    # Issue 49's binary traces: each thread writes chunks of its own, numbered from one
+    # counter, a free's number taken before its block can be handed to another thread.
+    # Four workers (on however few cores) making and dropping arrays at once: the trace
+    # puts every call back in order, so no free precedes its block's malloc.
+    done = allocbox_run(
+        tmp_path,
+        "-p", "size-classes", "--record", "t.trace", "program.py",
+        program="""
+            import os
+            os.environ["NUMBA_NUM_THREADS"] = "4"
+            import numba, numpy as np
+
+            @numba.njit(parallel=True)
+            def churn(n):
+                total = 0.0
+                for i in numba.prange(n):
+                    a = np.ones(8 + i % 3)  # a size of its own: not hoisted out of the loop
+                    total += a.sum()
+                return total
+
+            for _ in range(5):
+                churn(20_000)
+        """,
+    )
+    assert done.returncode == 0, done.stderr
+    replayed = subprocess.run(
+        [sys.executable, "-m", "allocbox", "replay-trace", "t.trace", "-p", "size-classes"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=600,
+    )
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    said = dict(line.split(None, 1) for line in replayed.stdout.splitlines() if line.strip())
+    assert said["quirks"].startswith("0 ids not allocated in the trace"), replayed.stdout
+    assert "replayed on 1 thread)" not in said["trace"], replayed.stdout
+    assert int(said["calls"].split()[0]) >= 100_000, replayed.stdout
+
+
 def test_a_peak_made_inside_a_library_call_is_the_program_s_line_via_the_library_s(tmp_path):
     # Found in issue 49: a peak made inside SciPy's `cdist` was credited to SciPy's line,
     # not the program's `D = cdist(P, P)`. The library here is a package installed in the
