@@ -11,7 +11,9 @@ median of 9 rounds. "numba's own" is measured first, before `allocbox.numba.enab
 round: "no policy" is Numba's own allocator behind the route (what the route costs
 where no allocbox policy is current), "native, bridged" NumPy's default handler
 reimplemented natively behind the route and the bridge (what they cost before a policy
-does anything). Build the extension with `maturin develop --release` first: a debug
+does anything), and "process-wide" the last policy again, placing every array
+under `allocbox.numba.use` (process-wide: no question to NumPy per array; what
+`allocbox run` does). Build the extension with `maturin develop --release` first: a debug
 build measures unoptimised host code.
 """
 
@@ -65,6 +67,9 @@ def main():
         if not path.exists():
             sys.exit(f"{path} is missing: build the guests first (cargo test)")
         handlers.append((name, allocbox.load(path)))
+    # The last policy again, process-wide: no question to NumPy per array.
+    last = handlers[-1][1]
+    handlers.append(("process-wide", lambda: allocbox.numba.use(last)))
     make_and_drop(10, 8)  # compiled again, through the route
     columns = ["numba's own", *(name for name, _ in handlers)]
     print(f"{'workload':<34}" + "".join(f"{name:>17}" for name in columns))
@@ -75,6 +80,8 @@ def main():
         cells = [f"{t * 1e3:8.1f}ms {t / base:5.2f}x" for t in results]
         print(f"{label:<34}" + "".join(f"{c:>17}" for c in cells))
     for name, policy in handlers[1:]:
+        if callable(policy):
+            continue
         policy.raise_if_failed()
         stats = policy.stats()
         if stats["live_blocks"] != 0 or stats["mallocs"] == 0:

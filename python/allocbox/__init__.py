@@ -266,9 +266,11 @@ def set_handler(handler):
     return previous
 
 
-def _start_threads_with(policy):
+def _start_threads_with(policy, hold=True):
     """Make `policy` the handler of every thread `threading` starts from now on, until
-    the returned function is called. It rides on `threading.setprofile`, the one hook
+    the returned function is called; with `hold`, Numba's arrays in those threads follow
+    their context for good (`set_handler`), where an `allocbox.numba.use` block that
+    outlives them places them all. It rides on `threading.setprofile`, the one hook
     that runs inside each new thread before its target, and hands that thread on to the
     profiler that was set before (if any) once the policy is installed."""
     import sys
@@ -286,7 +288,10 @@ def _start_threads_with(policy):
         if event != "call":
             return
         sys.setprofile(outer)
-        set_handler(handler)
+        if hold:
+            set_handler(handler)
+        else:
+            _set_handler(handler)
         if outer is not None:
             outer(frame, event, arg)
 

@@ -62,9 +62,10 @@ def inherit():
         say(f"allocbox: process {pid} runs under NumPy's default: the policy {names} will not load in it: {e}")
         return
     _inherited.append(policy)
-    allocbox.set_handler(policy)
-    _numba._threads_use(policy)
-    allocbox._start_threads_with(policy)
+    # As `allocbox run` places the parent's arrays (`run._placing`), for good.
+    allocbox._set_handler(policy)
+    _numba._use_for_good(policy)
+    allocbox._start_threads_with(policy, hold=False)
     if trace is not None:
         finish_in_forked_children(policy)
 

@@ -30,7 +30,9 @@ process. While no `use` block is open and `set_handler` was never given a handle
 allocbox handler can be current, and the route hands every array to Numba's own
 allocator after one load of a counter, without asking NumPy (a context copied inside
 a block and run after it, an asyncio task the block started that outlives it, places
-its NumPy arrays with the policy and its Numba arrays with Numba's own). Not covered: `@cfunc` callbacks compiled before `enable()`, and what NRT
+its NumPy arrays with the policy and its Numba arrays with Numba's own). `use(policy)`
+here places every array of the process with `policy`, without asking NumPy on each
+(what `allocbox run` does). Not covered: `@cfunc` callbacks compiled before `enable()`, and what NRT
 allocates other than arrays (lists, dicts, strings).
 
 Needs Numba (`pip install allocbox[numba]`); tested with Numba 0.68.
@@ -39,16 +41,18 @@ Needs Numba (`pip install allocbox[numba]`); tested with Numba 0.68.
 import gc
 import sys
 import warnings
+from contextlib import contextmanager
 
 from _allocbox_startup import AfterImport
 
 from ._allocbox import numba_maker as _numba_maker
+from ._allocbox import numba_process_wide_use as _numba_process_wide_use
 from ._allocbox import numba_route as _numba_route
 from ._allocbox import numba_route_hold as _numba_route_hold
 from ._allocbox import numba_threads_done as _numba_threads_done
 from ._allocbox import numba_threads_use as _numba_threads_use
 
-__all__ = ["enable", "enabled"]
+__all__ = ["enable", "enabled", "use"]
 
 _enabled = False
 # Compiled code replaced by `enable()`, kept so that nothing still running it loses it.
@@ -143,6 +147,29 @@ def _route_if_imported():
 
 
 _refused = False
+
+
+@contextmanager
+def use(policy):
+    """Place every array Numba's compiled code makes in this process with `policy` for
+    the block: on every thread, in every context, without asking NumPy for its handler
+    on each array (NumPy's own arrays keep following NumPy's context). `allocbox run`
+    runs the program in such a block. While an `allocbox.use` block is open anywhere,
+    or once `set_handler` was given a handler, Numba's arrays follow NumPy's context
+    again, as they do without this block; the innermost of nested blocks wins. `policy`
+    is a policy or a handler `set_handler` returned for one."""
+    token = _numba_process_wide_use(policy)
+    try:
+        _route_if_imported()
+        yield policy
+    finally:
+        _numba_threads_done(token)
+
+
+def _use_for_good(policy):
+    """`use(policy)` for the rest of the process (a child of `allocbox run`)."""
+    _numba_process_wide_use(policy)
+    _route_if_imported()
 
 
 def _hold():

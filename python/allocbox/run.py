@@ -30,6 +30,7 @@ this environment's Python) runs under the same policy, records into a trace of i
 beside the program's (`TRACE.PID`) and prints no summary; `--report` reads them all.
 """
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import os
@@ -193,6 +194,28 @@ def write_report(report, chain, traces):
     done = subprocess.run(command, stdout=sys.stderr)
     if done.returncode != 2:
         print(f"allocbox: report written to {_shown(report['page'])}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _placing(handler):
+    """`handler` places the program's arrays: NumPy's in this thread and in every
+    thread it starts, as `allocbox.use(handler, threads=True)` does, and Numba's in the
+    whole process (`allocbox.numba.use`: no question to NumPy per array, while the
+    program opens no `allocbox.use` block of its own)."""
+    import allocbox
+    import allocbox.numba
+
+    previous = allocbox._set_handler(handler)
+    restore = allocbox._start_threads_with(handler, hold=False)
+    try:
+        with allocbox.numba.use(handler):
+            yield
+    except BaseException as error:
+        allocbox._name_a_stop(error, handler)
+        raise
+    finally:
+        restore()
+        allocbox._set_handler(previous)
 
 
 def run_program(kind, target, args, kept, handler):
@@ -388,7 +411,7 @@ def main(argv):
     code = None
     kept = []
     try:
-        with allocbox.use(handler, threads=True):
+        with _placing(handler):
             code = run_program(kind, target, args, kept, handler)
     finally:
         if os.getpid() == started_in:

@@ -12,7 +12,7 @@
 use std::cell::Cell;
 use std::ffi::c_void;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use pyo3::exceptions::PyRuntimeError;
@@ -21,8 +21,8 @@ use pyo3::prelude::*;
 
 use crate::bridge::{Bridge, bridge_malloc};
 use crate::nrt_lending::{NrtAllocator, NrtLending, aligned_start, lock};
+use crate::numba_blocks;
 use crate::numpy_api::{CAPSULE_GENERATION, CAPSULE_NAME, PyDataMemHandler, get_handler_fn};
-use crate::policy::Policy;
 
 type NrtMalloc = unsafe extern "C" fn(usize, *mut c_void) -> *mut c_void;
 type BridgeMalloc = unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void;
@@ -270,75 +270,6 @@ fn probe_layout(route: &Route, release: Release, data: Data) -> PyResult<()> {
     }
 }
 
-/// The handlers Numba's threads that run no Python use (`parallel=True` workers, and
-/// `nogil` functions): the one of the innermost `allocbox.use` block open in the
-/// process (`None`: Numba's own allocator), each entry by the token its block holds.
-static WITHOUT_PYTHON: Mutex<Vec<(u64, Option<Arc<Bridge>>)>> = Mutex::new(Vec::new());
-
-/// Whether any allocbox handler may be current anywhere: each open `allocbox.use` block
-/// holds one ([`numba_threads_use`] to [`numba_threads_done`]), and `set_handler` with a
-/// handler holds one for good ([`numba_route_hold`]: the contexts it reached may live
-/// on). While none is held, the route hands every array to Numba's own allocator after
-/// this one load, without asking NumPy for its handler. Relaxed: a thread's own hold is
-/// in its program order, and a worker Numba starts inside a block starts after it.
-static HOLDS: AtomicUsize = AtomicUsize::new(0);
-
-/// `set_handler` installed a handler that may be one of allocbox's: the route asks NumPy
-/// for the handler from now on.
-#[pyfunction]
-pub(crate) fn numba_route_hold() {
-    HOLDS.fetch_add(1, Ordering::Relaxed);
-}
-
-/// How many holds the route has: 0 while it hands every array to Numba's own.
-#[pyfunction]
-pub(crate) fn numba_route_holds() -> usize {
-    HOLDS.load(Ordering::Relaxed)
-}
-
-/// Make `handler` (a `Policy` or a capsule) the handler of Numba's threads that run no
-/// Python until [`numba_threads_done`] with the returned token.
-#[pyfunction]
-pub(crate) fn numba_threads_use(handler: &Bound<'_, PyAny>) -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    let bridge = match handler.cast::<Policy>() {
-        Ok(policy) => Some(policy.get().bridge.clone()),
-        // SAFETY: the GIL is held (we have a `Bound`); the object is alive.
-        Err(_) => unsafe { bridge_in(handler.as_ptr()) }.map(|bridge| {
-            let ptr = std::ptr::from_ref(bridge);
-            // SAFETY: a capsule's bridge lives in an Arc whose reference the capsule
-            // holds (`make_capsule`); this adds one for the entry.
-            unsafe {
-                Arc::increment_strong_count(ptr);
-                Arc::from_raw(ptr)
-            }
-        }),
-    };
-    let token = NEXT.fetch_add(1, Ordering::Relaxed);
-    let mut open = lock(&WITHOUT_PYTHON);
-    open.push((token, bridge));
-    HOLDS.fetch_add(1, Ordering::Relaxed);
-    token
-}
-
-/// The block that [`numba_threads_use`] opened with `token` is over.
-#[pyfunction]
-pub(crate) fn numba_threads_done(token: u64) {
-    let ended: Vec<_> = {
-        let mut open = lock(&WITHOUT_PYTHON);
-        let at = open.iter().position(|(t, _)| *t == token);
-        at.map(|at| {
-            HOLDS.fetch_sub(1, Ordering::Relaxed);
-            open.remove(at)
-        })
-        .into_iter()
-        .collect()
-    };
-    // Dropped after the lock: the last reference to a bridge ends its handler, which
-    // must not keep Numba's workers from the list meanwhile.
-    drop(ended);
-}
-
 /// A shim's answer: an aligned MemInfo through the current handler when it is an
 /// allocbox one, else from Numba's own allocator (`own`).
 #[inline]
@@ -355,11 +286,21 @@ fn route_alloc(size: usize, align: u32, safe: bool) -> *mut MemInfo {
             }
         }
     };
-    if HOLDS.load(Ordering::Relaxed) == 0 {
+    if numba_blocks::nothing_held() {
         return own();
     }
     // SAFETY: `PyGILState_Check` may be called from any thread.
-    if unsafe { PyGILState_Check() } == 1 {
+    let with_python = unsafe { PyGILState_Check() } == 1;
+    if let Some(mi) =
+        numba_blocks::with_process_wide(|bridge| alloc_through(route, bridge, size, align, safe))
+    {
+        if with_python && !mi.is_null() {
+            // SAFETY: the GIL is held, so tracemalloc's own GIL wait is none.
+            unsafe { PyTraceMalloc_Track(TRACEMALLOC_DOMAIN, mi as usize, block_size(mi)) };
+        }
+        return mi;
+    }
+    if with_python {
         // SAFETY: this thread holds the GIL; NumPy's `PyDataMem_GetHandler` returns a
         // new reference (or NULL with an exception set).
         let capsule = unsafe { (route.numpy_get_handler)() };
@@ -385,11 +326,7 @@ fn route_alloc(size: usize, align: u32, safe: bool) -> *mut MemInfo {
         unsafe { ffi::Py_DECREF(capsule) };
         return mi;
     }
-    let bridge = {
-        let open = lock(&WITHOUT_PYTHON);
-        open.last().and_then(|(_, bridge)| bridge.clone())
-    };
-    match bridge {
+    match numba_blocks::without_python() {
         Some(bridge) => alloc_through(route, &bridge, size, align, safe),
         None => own(),
     }
@@ -408,7 +345,7 @@ thread_local! {
 ///
 /// # Safety
 /// `capsule` is a live object and the GIL is held.
-unsafe fn bridge_in<'a>(capsule: *mut ffi::PyObject) -> Option<&'a Bridge> {
+pub(crate) unsafe fn bridge_in<'a>(capsule: *mut ffi::PyObject) -> Option<&'a Bridge> {
     let generation = CAPSULE_GENERATION.load(Ordering::Acquire);
     let (last, bridge, seen) = LAST_CAPSULE.get();
     if last == capsule as usize && seen == generation {

@@ -123,6 +123,59 @@ def test_the_route_asks_numpy_only_while_a_block_is_open_or_after_set_handler(tm
     assert done.stdout.strip() == "(1, 'size-classes') (0, None) (True, 'size-classes') (True, None)", done.stdout
 
 
+def test_numba_use_places_every_thread_s_arrays_and_an_allocbox_use_block_inside_comes_first(tmp_path):
+    # In a process of its own: the test session's own `set_handler` calls make Numba's
+    # arrays follow NumPy's context for good, where the process-wide block steps aside.
+    program = tmp_path / "process_wide.py"
+    program.write_text(textwrap.dedent("""
+        import threading
+        import numba, numpy as np, allocbox, allocbox.numba
+
+        @numba.njit
+        def double(a):
+            return a * 2
+
+        @numba.njit(parallel=True)
+        def row_sums(n, width):
+            out = np.empty(n)
+            for i in numba.prange(n):
+                row = np.ones(width + i % 3)
+                out[i] = row.sum()
+            return out
+
+        def name(array):
+            return allocbox.handler_name(array)
+
+        policy, other = allocbox.load("size-classes"), allocbox.load("system")
+        with allocbox.numba.use(policy):
+            seen = [name(double(np.ones(3))), name(np.ones(3))]
+            thread = threading.Thread(target=lambda: seen.append(name(double(np.ones(3)))))
+            thread.start()
+            thread.join()
+            before = policy.stats()["mallocs"]
+            row_sums(400, 8)
+            seen.append(policy.stats()["mallocs"] - before >= 400)
+            with allocbox.use(other):
+                seen.append(name(double(np.ones(3))))
+            seen.append(name(double(np.ones(3))))
+        seen.append(name(double(np.ones(3))))
+        print(seen)
+        try:
+            with allocbox.numba.use("size-classes"):
+                pass
+        except TypeError as e:
+            print(e)
+    """))
+    done = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    seen, refused = done.stdout.strip().splitlines()
+    # Numba's arrays on the main thread, a thread with no handler of its own and the
+    # parallel workers, by the policy; NumPy's own arrays by NumPy's context; an
+    # `allocbox.use` block's context inside; nothing after the block.
+    assert seen == "['size-classes', 'default_allocator', 'size-classes', True, 'system', 'size-classes', None]", seen
+    assert refused.startswith("allocbox.numba.use takes a policy") and refused.endswith("not str"), refused
+
+
 def test_an_array_outlives_a_change_of_policy_and_is_freed_by_its_maker(size_classes):
     other = allocbox.load("system")
     x = np.arange(100.0)
