@@ -452,16 +452,16 @@ impl Watcher for TraceWriter {
         size: usize,
         before: u64,
     ) {
+        if self.shared.ended.load(Ordering::Relaxed) || self.fork.abandoned.load(Ordering::Relaxed)
+        {
+            return;
+        }
         // Before any lock: finding the site may wait for the client's own locks (the
         // GIL), which another thread may hold while it waits for this recording.
         let site = match (&self.sites, op) {
             (Some(site_of), EventOp::Malloc | EventOp::Calloc | EventOp::Realloc) => site_of(),
             _ => None,
         };
-        if self.shared.ended.load(Ordering::Relaxed) || self.fork.abandoned.load(Ordering::Relaxed)
-        {
-            return;
-        }
         let chunk = self.shared.chunks.get_or(|| ThreadChunk {
             generation: AtomicU64::new(0),
             writing: Mutex::new(None),

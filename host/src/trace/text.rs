@@ -1,10 +1,10 @@
-//! The text form written: what `trace-convert` makes of a binary trace, line for line as
-//! the reader in `trace.rs` reads it back.
+//! The text form (`op id size thread`, one event a line): read within its bounds, and
+//! written, as `trace-convert` makes it of a binary trace, line for line as it reads back.
 
 use std::collections::HashSet;
-use std::io::{self, Write};
+use std::io::{self, BufRead, Read, Write};
 
-use super::{EventOp, Site, Trace, site_name};
+use super::{Event, EventOp, MAX_LINE_BYTES, MAX_MARK_BYTES, Mark, Site, Trace, TraceError};
 
 /// The first line of a trace written in the text form.
 const HEADER: &str = "# op(m=malloc,c=calloc,r=realloc,f=free) ptr-id size thread; \
@@ -61,4 +61,319 @@ fn site_record(kind: &str, number: u32, site: &Site) -> String {
         site_name(&site.function),
         site_name(&site.file)
     )
+}
+
+/// [`parse_trace_marked`] of a stream that may be cut short (`cut_short` set once it
+/// was): its last line, without an end, is then a part of one, and left out.
+pub(super) fn parse_lines(
+    mut input: impl BufRead,
+    cut_short: &std::cell::Cell<bool>,
+) -> Result<Trace, TraceError> {
+    let mut trace = Trace::default();
+    let mut raw = Vec::new();
+    let mut n = 0u32;
+    loop {
+        raw.clear();
+        if (&mut input)
+            .take(MAX_LINE_BYTES as u64 + 1)
+            .read_until(b'\n', &mut raw)?
+            == 0
+        {
+            return Ok(trace);
+        }
+        n = n.saturating_add(1);
+        if cut_short.get() && !raw.ends_with(b"\n") {
+            return Ok(trace);
+        }
+        let content = raw.strip_suffix(b"\n").unwrap_or(&raw);
+        if content.len() > MAX_LINE_BYTES {
+            return Err(TraceError::Syntax {
+                line: n,
+                message: format!(
+                    "the line is longer than {MAX_LINE_BYTES} bytes: a trace's lines are \
+                     events, sites and short comments (is this file a trace?)"
+                ),
+            });
+        }
+        let Ok(text) = std::str::from_utf8(content) else {
+            return Err(TraceError::Syntax {
+                line: n,
+                message: "the line is not UTF-8 text (is this file a trace?)".into(),
+            });
+        };
+        let text = text.trim();
+        if let Some(record) = text.strip_prefix("#@site ") {
+            let (number, site) = parse_site(record).ok_or_else(|| TraceError::Syntax {
+                line: n,
+                message: "a site is `#@site NUMBER LINE FUNCTION FILE`".into(),
+            })?;
+            trace.site_table.insert(number, site);
+            continue;
+        }
+        if let Some(record) = text.strip_prefix("#@via ") {
+            let (number, via) = parse_site(record).ok_or_else(|| TraceError::Syntax {
+                line: n,
+                message: "a library line is `#@via NUMBER LINE FUNCTION FILE`".into(),
+            })?;
+            let site = trace
+                .site_table
+                .get_mut(&number)
+                .ok_or_else(|| TraceError::Syntax {
+                    line: n,
+                    message: format!("`#@via {number}` comes before site {number}'s `#@site`"),
+                })?;
+            site.via = Some(std::sync::Arc::new(via));
+            continue;
+        }
+        if let Some(comment) = text.strip_prefix('#') {
+            if !trace.events.is_empty() {
+                trace.marks.push(Mark {
+                    at: trace.events.len() as u64,
+                    text: crate::untrusted::escape_at_most(comment.trim(), MAX_MARK_BYTES),
+                });
+            }
+            continue;
+        }
+        if text.is_empty() {
+            continue;
+        }
+        let bad = |message: String| TraceError::Syntax { line: n, message };
+        let mut words = text.split_ascii_whitespace();
+        let op = match words.next() {
+            Some("m") => EventOp::Malloc,
+            Some("c") => EventOp::Calloc,
+            Some("r") => EventOp::Realloc,
+            Some("f") => EventOp::Free,
+            Some(other) => {
+                return Err(bad(format!(
+                    "`{}` is not an operation: a line is `m`, `c`, `r` or `f`, then id, \
+                     size and (optionally) thread",
+                    crate::untrusted::escape_at_most(other, 32)
+                )));
+            }
+            None => unreachable!("a line that is not empty has a first word"),
+        };
+        let mut number = |what: &str| -> Result<u64, TraceError> {
+            let w = words.next().ok_or_else(|| bad(format!("missing {what}")))?;
+            w.parse().map_err(|e| {
+                bad(format!(
+                    "{what} `{}`: {e}",
+                    crate::untrusted::escape_at_most(w, 32)
+                ))
+            })
+        };
+        let id = number("id")?;
+        let size = number("size")?;
+        let thread = match words.next() {
+            None => 1,
+            Some(w) => w.parse().map_err(|e| {
+                bad(format!(
+                    "thread `{}`: {e}",
+                    crate::untrusted::escape_at_most(w, 32)
+                ))
+            })?,
+        };
+        // Optional `key=value` fields; unknown keys are for newer readers.
+        let (mut time, mut site) = (None, None);
+        for word in words {
+            let field = |w: &str| {
+                w.parse::<u64>().map_err(|e| {
+                    bad(format!(
+                        "`{}`: {e}",
+                        crate::untrusted::escape_at_most(word, 32)
+                    ))
+                })
+            };
+            match word.split_once('=') {
+                Some(("t", w)) => time = Some(field(w)?),
+                Some(("s", w)) => site = Some(field(w)? as u32),
+                _ => {}
+            }
+        }
+        let at = trace.events.len();
+        if let Some(time) = time {
+            trace.times.resize(at, 0);
+            trace.times.push(time);
+        } else if !trace.times.is_empty() {
+            let last = trace.times.last().copied().unwrap_or(0);
+            trace.times.push(last);
+        }
+        if let Some(site) = site {
+            trace.sites.resize(at, 0);
+            trace.sites.push(site);
+        } else if !trace.sites.is_empty() {
+            trace.sites.push(0);
+        }
+        trace.events.push(Event {
+            op,
+            id,
+            size,
+            thread,
+            line: n,
+        });
+    }
+}
+
+/// `NUMBER LINE FUNCTION FILE`, each name as [`site_name`] writes it (the file last:
+/// one written before names were escaped may hold spaces), escaped: a trace is input.
+fn parse_site(record: &str) -> Option<(u32, Site)> {
+    let mut words = record.splitn(4, ' ');
+    let number = words.next()?.parse().ok()?;
+    let line = words.next()?.parse().ok()?;
+    let function = crate::untrusted::escape(&site_name_read(words.next()?)).into();
+    let file = crate::untrusted::escape(&site_name_read(words.next()?.trim())).into();
+    Some((
+        number,
+        Site {
+            file,
+            line,
+            function,
+            via: None,
+        },
+    ))
+}
+
+/// A file's or function's name as one word of a `#@site` record: `%`, white space and
+/// control characters as `%XX` (each byte of their UTF-8), the empty name as a lone
+/// `%`. Any name a program has is written, and read back by [`parse_site`].
+fn site_name(name: &str) -> String {
+    if name.is_empty() {
+        return "%".into();
+    }
+    let mut word = String::with_capacity(name.len());
+    for c in name.chars() {
+        if c == '%' || c.is_whitespace() || c.is_control() {
+            let mut utf8 = [0u8; 4];
+            for byte in c.encode_utf8(&mut utf8).bytes() {
+                word.push_str(&format!("%{byte:02X}"));
+            }
+        } else {
+            word.push(c);
+        }
+    }
+    word
+}
+
+/// [`site_name`] undone; a `%` not followed by two hexadecimal digits is itself.
+fn site_name_read(word: &str) -> String {
+    if word == "%" {
+        return String::new();
+    }
+    let bytes = word.as_bytes();
+    let mut name = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        let hex = bytes
+            .get(at + 1..at + 3)
+            .filter(|_| bytes[at] == b'%')
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match hex {
+            Some(byte) => {
+                name.push(byte);
+                at += 3;
+            }
+            None => {
+                name.push(bytes[at]);
+                at += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&name).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn parsed(text: &[u8]) -> Result<Trace, TraceError> {
+        super::super::parse_trace_marked(text)
+    }
+
+    #[test]
+    fn a_line_past_the_bound_is_refused_with_its_number_having_held_no_more() {
+        let mut text = b"m 1 8\n".to_vec();
+        text.extend(std::iter::repeat_n(b'x', MAX_LINE_BYTES + 1));
+        let error = parsed(&text).unwrap_err().to_string();
+        assert!(
+            error.starts_with("line 2: the line is longer than 65536 bytes"),
+            "{error}"
+        );
+        let mut at_bound = b"m 1 8\n#".to_vec();
+        at_bound.extend(std::iter::repeat_n(b'x', MAX_LINE_BYTES - 1));
+        at_bound.push(b'\n');
+        assert_eq!(parsed(&at_bound).unwrap().marks.len(), 1);
+    }
+
+    #[test]
+    fn a_line_that_is_not_text_is_refused_with_its_number() {
+        let error = parsed(b"m 1 8\nm \xff 8\n").unwrap_err().to_string();
+        assert_eq!(
+            error,
+            "line 2: the line is not UTF-8 text (is this file a trace?)"
+        );
+    }
+
+    #[test]
+    fn names_the_format_cannot_hold_as_they_are_are_written_so_they_read_back() {
+        for name in [
+            "",
+            " ",
+            "\t",
+            "a b",
+            "line\nbreak",
+            "100%",
+            "%41",
+            "<string>",
+            "é ü",
+        ] {
+            let record = format!("7 12 {} {}", site_name(name), site_name(name));
+            let (number, site) = parse_site(&record).unwrap_or_else(|| panic!("{record:?}"));
+            assert_eq!(number, 7);
+            assert_eq!(&*site.file, crate::untrusted::escape(name), "{record:?}");
+            assert_eq!(
+                &*site.function,
+                crate::untrusted::escape(name),
+                "{record:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_site_written_before_names_were_escaped_still_reads_with_spaces_in_its_file() {
+        let (_, site) = parse_site("3 4 main /home/me/my project/run.py").unwrap();
+        assert_eq!(&*site.file, "/home/me/my project/run.py");
+    }
+
+    proptest! {
+        #[test]
+        fn any_name_reads_back_as_written_with_control_characters_escaped(
+            function in any::<String>(),
+            file in any::<String>(),
+            line in any::<u32>(),
+        ) {
+            let text = format!(
+                "#@site 1 {line} {} {}\nm 1 8 1 s=1\n",
+                site_name(&function),
+                site_name(&file)
+            );
+            let trace = parsed(text.as_bytes()).unwrap();
+            let site = &trace.site_table[&1];
+            prop_assert_eq!(&*site.function, crate::untrusted::escape(&function));
+            prop_assert_eq!(&*site.file, crate::untrusted::escape(&file));
+            prop_assert_eq!(site.line, line);
+        }
+
+        #[test]
+        fn any_bytes_parse_or_are_refused_with_a_line_number(
+            text in proptest::collection::vec(any::<u8>(), 0..512),
+        ) {
+            match parsed(&text) {
+                Ok(_) => {}
+                Err(TraceError::Syntax { line, .. }) => prop_assert!(line >= 1),
+                Err(e) => prop_assert!(false, "{e}"),
+            }
+        }
+    }
 }
