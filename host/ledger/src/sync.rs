@@ -13,13 +13,20 @@
 
 #[cfg(not(allocbox_loom))]
 mod imp {
-    pub(crate) use std::sync::atomic::{AtomicBool, Ordering};
+    pub(crate) use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, Ordering, fence};
     use std::sync::{PoisonError, TryLockError};
+    pub(crate) use std::thread::{Thread, current, park};
     use std::time::{Duration, Instant};
 
     /// Give the processor to another thread while waiting.
     pub(crate) fn yield_now() {
         std::thread::yield_now();
+    }
+
+    /// Wait a moment on this processor, for a value another thread is about to write.
+    #[inline(always)]
+    pub(crate) fn spin() {
+        std::hint::spin_loop();
     }
 
     /// A mutual-exclusion lock that is never poisoned: the books it guards are checked
@@ -37,6 +44,16 @@ mod imp {
 
         pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
             self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        }
+
+        /// The lock if no other thread holds it.
+        #[inline]
+        pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+            match self.0.try_lock() {
+                Ok(guard) => Some(guard),
+                Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+                Err(TryLockError::WouldBlock) => None,
+            }
         }
 
         /// The lock, waiting at most `patience` for it; for taking locks before a fork,
@@ -87,9 +104,15 @@ mod imp {
 
 #[cfg(allocbox_loom)]
 mod imp {
-    pub(crate) use loom::sync::atomic::{AtomicBool, Ordering, fence};
+    pub(crate) use loom::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, Ordering, fence};
+    pub(crate) use loom::thread::{Thread, current, park};
 
     pub(crate) fn yield_now() {
+        loom::thread::yield_now();
+    }
+
+    /// A spin is a yield to loom, which must see every waiting loop give way.
+    pub(crate) fn spin() {
         loom::thread::yield_now();
     }
 
@@ -107,6 +130,10 @@ mod imp {
             self.0
                 .lock()
                 .expect("loom locks are not poisoned in these models")
+        }
+
+        pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+            self.0.try_lock().ok()
         }
     }
 

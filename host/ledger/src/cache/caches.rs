@@ -10,10 +10,12 @@
 //! the books or a cache, or the child refuses the handler
 //! ([`Unreachable::ForkedMidCall`]).
 
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use super::combining::Waiting;
 use super::slot::{CacheGuard, Mine, Slot, Unreachable};
 use super::slots::Slots;
 use crate::ledger::CacheId;
@@ -33,7 +35,9 @@ pub trait Books: Send + Sized + 'static {
 /// A handler's books (`C`) behind one lock, and every thread's cache in front of them.
 #[derive(Debug)]
 pub struct Caches<C> {
-    books: Mutex<C>,
+    pub(super) books: Mutex<C>,
+    /// Requests queued for whoever holds `books` to serve ([`Caches::combine`]).
+    pub(super) waiting: Waiting<C>,
     slots: Slots,
     /// Set in a forked child when the fork came while another thread was inside: the
     /// books and caches may be half-updated, and their locks held by a thread that
@@ -55,6 +59,7 @@ impl<C: Books> Caches<C> {
     pub fn new(books: C, magazines: bool, fork_patience: Duration) -> Arc<Self> {
         let caches = Arc::new_cyclic(|this| Caches {
             books: Mutex::new(books),
+            waiting: Waiting::default(),
             slots: Slots::new(magazines),
             forked_mid_call: AtomicBool::new(false),
             ghosts: AtomicBool::new(false),
@@ -94,17 +99,31 @@ impl<C: Books> Caches<C> {
     /// The books, under their lock.
     #[inline]
     pub fn lock(&self) -> Result<Locked<'_, C>, Unreachable> {
-        if self.forked_mid_call.load(Ordering::Relaxed) {
-            return Err(Unreachable::ForkedMidCall);
+        self.check_reachable()?;
+        Ok(self.locked(self.books.lock()))
+    }
+
+    /// Whether the books may be reached at all: not in a child forked mid-call.
+    #[inline]
+    pub(super) fn check_reachable(&self) -> Result<(), Unreachable> {
+        match self.forked_mid_call.load(Ordering::Relaxed) {
+            true => Err(Unreachable::ForkedMidCall),
+            false => Ok(()),
         }
+    }
+
+    /// The books, just locked, as a [`Locked`]; the first lock in a forked child gives
+    /// the caches of threads that are not there back.
+    #[inline]
+    pub(super) fn locked<'l>(&'l self, books: MutexGuard<'l, C>) -> Locked<'l, C> {
         let mut locked = Locked {
-            books: self.books.lock(),
+            books: ManuallyDrop::new(books),
             caches: self,
         };
         if self.ghosts.load(Ordering::Relaxed) {
             self.give_back_ghosts(&mut locked);
         }
-        Ok(locked)
+        locked
     }
 
     /// The thread that owned `id` ended: its magazines go back, and the blocks it lent
@@ -131,20 +150,48 @@ impl<C: Books> Caches<C> {
 }
 
 /// The books, locked; the way to every thread cache. See the module doc for its rules.
+/// Dropped, it serves the requests queued meanwhile before it lets the books go
+/// ([`Caches::combine`]).
 #[derive(Debug)]
-pub struct Locked<'l, C> {
-    books: MutexGuard<'l, C>,
+pub struct Locked<'l, C: Books> {
+    books: ManuallyDrop<MutexGuard<'l, C>>,
     caches: &'l Caches<C>,
 }
 
-impl<C> std::ops::Deref for Locked<'_, C> {
+impl<C: Books> Drop for Locked<'_, C> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+impl<'l, C: Books> Locked<'l, C> {
+    pub(super) fn caches(&self) -> &'l Caches<C> {
+        self.caches
+    }
+
+    /// Let the books go.
+    ///
+    /// # Safety
+    /// Once per lock: the books are not reached again until [`Locked::relock`].
+    pub(super) unsafe fn unlock(&mut self) {
+        // SAFETY: by the caller's contract, the guard is dropped once.
+        unsafe { ManuallyDrop::drop(&mut self.books) };
+    }
+
+    /// Hold the books again, after [`Locked::unlock`].
+    pub(super) fn relock(&mut self, books: MutexGuard<'l, C>) {
+        self.books = ManuallyDrop::new(books);
+    }
+}
+
+impl<C: Books> std::ops::Deref for Locked<'_, C> {
     type Target = C;
     fn deref(&self) -> &C {
         &self.books
     }
 }
 
-impl<C> std::ops::DerefMut for Locked<'_, C> {
+impl<C: Books> std::ops::DerefMut for Locked<'_, C> {
     fn deref_mut(&mut self) -> &mut C {
         &mut self.books
     }
@@ -274,8 +321,10 @@ struct ForkHeld<C: 'static> {
 #[cfg(not(allocbox_loom))]
 impl<C: Books> AfterFork for ForkHeld<C> {
     fn after_fork(self: Box<Self>, in_child: bool) {
-        let caches = &self.caches;
+        let caches = self.caches.clone();
         if in_child {
+            // The threads whose requests wait are the parent's.
+            caches.waiting.forget_all();
             if self.complete {
                 for slot in caches.slots.iter() {
                     slot.release_after_fork();
@@ -293,6 +342,8 @@ impl<C: Books> AfterFork for ForkHeld<C> {
         // A released lock whose waiters were parked wakes them with one futex call,
         // harmless in a child where they do not exist.
         drop(self);
+        // Requests queued while the fork held the books are served now.
+        caches.serve_waiting();
     }
 }
 

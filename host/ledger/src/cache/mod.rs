@@ -19,6 +19,7 @@
 //! threads wait on each other.
 
 mod caches;
+mod combining;
 mod counts;
 mod lent;
 mod magazine;
