@@ -35,6 +35,11 @@ impl CallTicks {
     pub(crate) fn of(limit: Duration) -> CallTicks {
         CallTicks(limit.as_nanos().div_ceil(EPOCH_TICK.as_nanos()) as u64 + 1)
     }
+
+    #[cfg(test)]
+    pub(crate) fn ticks(self) -> u64 {
+        self.0
+    }
 }
 
 impl Deadline {
@@ -174,6 +179,9 @@ mod tests {
                 // A request of an observing policy's client, renewal and delivery
                 // included.
                 "handler/observed.rs",
+                // A request served through the combining queue, and its client's time
+                // in the queue.
+                "handler/combined.rs",
             ],
         ),
     ];

@@ -472,6 +472,17 @@ pub enum Error {
         handler: Arc<str>,
         reason: allocbox_ledger::cache::Unreachable,
     },
+    /// A request waited for other threads' calls of the same policy past its client's
+    /// time limit and was not served: no policy is at fault, and the handler goes on.
+    #[error(
+        "handler `{handler}` did not reach this call within its time limit of {}: other \
+         threads' calls of the same policy were being served; no policy is at fault and it \
+         goes on serving. Raise the limit (`--call-time-ms` on the command line, \
+         `call_time=` in Python, `Limits::call_time` in Rust), or let fewer threads share \
+         one handler",
+        duration_text(*limit)
+    )]
+    Waited { handler: Arc<str>, limit: Duration },
     #[error(transparent)]
     Client(#[from] ClientError),
     /// An event hook (the `hook` world) failed: `cause` is what it did, which names the
@@ -500,12 +511,12 @@ impl Error {
             | Error::WorkLimit { policy, .. }
             | Error::Poisoned { policy, .. } => Some(policy),
             Error::Hook { hook, .. } => Some(hook),
-            Error::Client(_) | Error::Unreachable { .. } => None,
+            Error::Client(_) | Error::Unreachable { .. } | Error::Waited { .. } => None,
         }
     }
 
     /// A short stable name for what went wrong: a [`Rule::name`], a [`Bound::name`], or
-    /// `trap`, `timeout`, `memory-limit`, `client`, `unreachable`; a poisoning is named
+    /// `trap`, `timeout`, `memory-limit`, `client`, `unreachable`, `waited`; a poisoning is named
     /// by its cause.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -517,6 +528,7 @@ impl Error {
             Error::Poisoned { cause, .. } => cause.kind(),
             Error::Client(_) => "client",
             Error::Unreachable { .. } => "unreachable",
+            Error::Waited { .. } => "waited",
             Error::Hook { cause, .. } => cause.kind(),
         }
     }

@@ -4,6 +4,7 @@
 
 mod builder;
 mod chain;
+mod combined;
 mod device;
 mod fallback;
 mod give_back;
@@ -46,6 +47,7 @@ pub struct Handler {
     /// client's may take, every guest call it causes included.
     clock: Arc<Clock>,
     call_ticks: CallTicks,
+    call_time: std::time::Duration,
     /// Where its blocks lie: host memory, or a GPU's for a [`DeviceHandler`], whose
     /// handler never zeroes or copies a block.
     placement: Placement,
@@ -145,6 +147,15 @@ impl Handler {
         Ok(c)
     }
 
+    /// A request that waited for other threads' calls past its client's time limit.
+    #[cold]
+    fn waited(&self) -> Error {
+        Error::Waited {
+            handler: self.name.clone(),
+            limit: self.call_time,
+        }
+    }
+
     #[cold]
     fn unreachable(&self, reason: Unreachable) -> Error {
         Error::Unreachable {
@@ -211,6 +222,10 @@ impl Handler {
         size: u64,
         from_magazine: bool,
     ) -> Result<(Option<NonNull<u8>>, Via), Error> {
+        if mine.is_none() && deadline.is_none() && self.combines() {
+            let block = self.lend_combined::<ZEROED>(size, 1)?;
+            return Ok((block, Via::Policy));
+        }
         let mut fresh;
         let (mut c, deadline) = match deadline {
             Some(deadline) => (self.lock_for(deadline)?, deadline),
@@ -254,6 +269,9 @@ impl Handler {
                 || (self.caches.keeps_magazines() && size <= MAGAZINE_MAX_SIZE))
         {
             return self.lend::<true>(size);
+        }
+        if self.combines() {
+            return self.lend_combined::<true>(nelem as u64, elsize as u64);
         }
         let mut mine = self.thread_cache();
         let mut c = self.lock()?;

@@ -41,8 +41,9 @@ pub(crate) fn to_py(error: &Error) -> pyo3::PyErr {
         Error::Violation(_) => ContractViolation::new_err(text),
         Error::Poisoned { .. } => PoisonedPolicy::new_err(text),
         Error::Client(_) => ClientError::new_err(text),
-        // No policy is at fault: the host cannot reach the handler (a fork mid-call).
-        Error::Unreachable { .. } => AllocboxError::new_err(text),
+        // No policy is at fault: the host cannot reach the handler (a fork mid-call),
+        // or a call waited for other threads' past its time limit.
+        Error::Unreachable { .. } | Error::Waited { .. } => AllocboxError::new_err(text),
         _ => PoisonedPolicy::new_err(text),
     }
 }

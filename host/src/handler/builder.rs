@@ -221,6 +221,7 @@ impl HandlerBuilder {
             observed,
             clock: self.runtime.clock().clone(),
             call_ticks: CallTicks::of(self.limits.call_time),
+            call_time: self.limits.call_time,
             placement,
         })
     }

@@ -87,6 +87,12 @@ impl Handler {
         ptr: NonNull<u8>,
         said: Option<u64>,
     ) -> Result<u64, Error> {
+        if mine.is_none()
+            && self.combines()
+            && let Some(size) = self.free_combined(ptr, said)?
+        {
+            return Ok(size);
+        }
         let addr = ptr.as_ptr() as u64;
         let mut c = self.lock()?;
         let deadline = &mut self.client_call();
@@ -166,7 +172,7 @@ impl Handler {
 
     /// A free said the wrong size; the recorded one was used.
     #[cold]
-    fn note_size_correction(&self, addr: u64, said: u64, recorded: u64) {
+    pub(super) fn note_size_correction(&self, addr: u64, said: u64, recorded: u64) {
         log::debug!(
             "{}: free of {addr:#x} with {said} bytes corrected to {recorded}",
             self.info.name
