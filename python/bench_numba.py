@@ -13,15 +13,23 @@ where no allocbox policy is current), "native, bridged" NumPy's default handler
 reimplemented natively behind the route and the bridge (what they cost before a policy
 does anything), and "process-wide" the last policy again, placing every array
 under `allocbox.numba.use` (process-wide: no question to NumPy per array; what
-`allocbox run` does). Build the extension with `maturin develop --release` first: a debug
-build measures unoptimised host code.
+`allocbox run` does). A second table runs a `prange` loop making arrays on every one of
+Numba's workers at once, at 2 threads and at 16 (`NUMBA_NUM_THREADS`, 16 unless set),
+under Numba's own allocator, `system` asked on every call (`magazines=False`), and
+`system` with magazines. Build the extension with `maturin develop --release` first: a
+debug build measures unoptimised host code.
 """
 
 import argparse
+import os
 import pathlib
 import sys
 
-import numba
+# Numba's pool has this many workers at most, fixed when it starts: 16, so that the
+# parallel rows can oversubscribe a small machine.
+os.environ.setdefault("NUMBA_NUM_THREADS", "16")
+
+import numba  # noqa: E402 - after its thread count
 import numpy as np
 
 import allocbox
@@ -43,6 +51,36 @@ def make_and_drop(n, size):
     return total
 
 
+@numba.njit(parallel=True)
+def make_and_drop_in_parallel(n, size):
+    total = 0.0
+    for i in numba.prange(n):
+        a = np.empty(size)
+        a[0] = i
+        a[size - 1] = 1.0
+        total += a[0] + a[size - 1]
+    return total
+
+
+def on_threads(count, n, size):
+    """`make_and_drop_in_parallel` on `count` of Numba's workers."""
+
+    def work():
+        numba.set_num_threads(count)
+        make_and_drop_in_parallel(n, size)
+
+    return work
+
+
+# Every worker makes and drops arrays at once: Numba's own allocator, a policy asked on
+# every call (its threads' calls served in turn by whichever is inside it), and the same
+# policy with per-thread magazines. Both policies place every array process-wide, as
+# `allocbox run` does, so that Numba's workers use them.
+PARALLEL_WORKLOADS = [
+    (f"prange small arrays, {count} threads", on_threads(count, 40_000, 8)) for count in (2, 16)
+]
+
+
 # About 15 ms a round each, as in bench_numpy.py: shorter rounds moved the ratio by more
 # than the differences being measured.
 WORKLOADS = [
@@ -56,8 +94,9 @@ def main():
     parser.add_argument("--policy", action="append", help="a built guest by name (repeatable); default: system, size-classes")
     args = parser.parse_args()
     make_and_drop(10, 8)  # compiled before anything is timed
+    make_and_drop_in_parallel(10, 8)
     own = []
-    for _, work in WORKLOADS:
+    for _, work in WORKLOADS + PARALLEL_WORKLOADS:
         work()  # warm up caches and page tables
         own.append(medians(work, [("numba's own", None)])[0])
     allocbox.numba.enable()
@@ -79,6 +118,26 @@ def main():
         results = [base, *medians(work, handlers)]
         cells = [f"{t * 1e3:8.1f}ms {t / base:5.2f}x" for t in results]
         print(f"{label:<34}" + "".join(f"{c:>17}" for c in cells))
+    per_call = allocbox.load(GUESTS / "policy_system.wasm", magazines=False)
+    magazines = allocbox.load(GUESTS / "policy_system.wasm")
+    parallel = [
+        ("system, per call", lambda: allocbox.numba.use(per_call)),
+        ("system, magazines", lambda: allocbox.numba.use(magazines)),
+    ]
+    make_and_drop_in_parallel(10, 8)  # compiled again, through the route
+    print()
+    print(f"{'workload':<34}" + "".join(f"{name:>19}" for name in ["numba's own", *(n for n, _ in parallel)]))
+    for (label, work), base in zip(PARALLEL_WORKLOADS, own[len(WORKLOADS):]):
+        for _, policy in parallel:
+            timed(work, policy)
+        results = [base, *medians(work, parallel)]
+        cells = [f"{t * 1e3:8.1f}ms {t / base:6.2f}x" for t in results]
+        print(f"{label:<34}" + "".join(f"{c:>19}" for c in cells))
+    for name, policy in [("system, per call", per_call), ("system, magazines", magazines)]:
+        policy.raise_if_failed()
+        stats = policy.stats()
+        if stats["live_blocks"] != 0 or stats["mallocs"] == 0:
+            sys.exit(f"{name}: the parallel kernel's arrays did not all go through it: {stats}")
     for name, policy in handlers[1:]:
         if callable(policy):
             continue

@@ -129,7 +129,10 @@ def load(source, config=None, *, record=None, record_sites=False, **limits):
     (bytes the policy may hold beyond what NumPy holds), `host_memory_limit`. `grant`
     lists the kinds of memory the policy may ask the host for: "numa", "huge-pages",
     "locked", "guarded" (none by default), e.g.
-    `load("guard", {"sample": "1"}, grant=["guarded"])`."""
+    `load("guard", {"sample": "1"}, grant=["guarded"])`. `magazines=False` asks the
+    policy on every call even when it declares `batch` (by default the host then keeps
+    per-thread magazines of blocks it placed); many threads still share it at the
+    throughput of one, served in turn by whichever thread is inside it."""
     item = (source, {str(k): str(v) for k, v in config.items()}) if config else source
     return load_chain(item, record=record, record_sites=record_sites, **limits)
 

@@ -155,8 +155,10 @@ pub(crate) fn chain_builder(
 /// data-bytes, modules, text-bytes). `names` says what to call each policy in messages
 /// before it names itself (a shipped policy's name); by default its path, or `<bytes>`.
 /// `gpu` is a stand-in GPU for the `pinned` kind (by default the CUDA driver's).
+/// `magazines=False` asks the top policy on every call even when it declares `batch`
+/// (per-thread magazines are the default for such a policy).
 #[pyfunction]
-#[pyo3(signature = (*chain, record = None, record_sites = false, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None, grant = None, names = None, gpu = None))]
+#[pyo3(signature = (*chain, record = None, record_sites = false, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None, grant = None, names = None, gpu = None, magazines = true))]
 #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
 pub(crate) fn load_chain(
     chain: Vec<Bound<'_, PyAny>>,
@@ -171,6 +173,7 @@ pub(crate) fn load_chain(
     grant: Option<Vec<String>>,
     names: Option<Vec<Option<String>>>,
     gpu: Option<PyRef<'_, crate::cuda::StandInGpu>>,
+    magazines: bool,
 ) -> PyResult<Policy> {
     let bounds = Bounds {
         call_time,
@@ -182,7 +185,7 @@ pub(crate) fn load_chain(
         grant,
         gpu: gpu.map(|g| g.gpu()),
     };
-    let builder = chain_builder(chain, bounds, names)?;
+    let builder = chain_builder(chain, bounds, names)?.magazines(magazines);
     let handler = Arc::new(
         builder
             .build()

@@ -367,6 +367,33 @@ def test_realloc_without_the_gil_from_many_threads(size_classes):
     assert size_classes.stats()["reallocs"] >= 800
 
 
+def test_a_policy_asked_on_every_call_serves_eight_threads_and_counts_every_array():
+    """`magazines=False`: no per-thread magazines, so every array of every thread is a
+    call of the one instance, the threads' calls served in turn by whichever is inside."""
+    per_call = allocbox.load("system", magazines=False)
+    errors = []
+
+    def work():
+        allocbox.set_handler(per_call)
+        try:
+            for i in range(500):
+                a = np.full(8 + i % 64, float(i))
+                assert a[-1] == float(i)
+        except Exception as e:  # noqa: BLE001 - any failure fails the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    per_call.raise_if_failed()
+    stats = per_call.stats()
+    assert stats["mallocs"] + stats["callocs"] >= 8 * 500, stats
+    assert stats["live_blocks"] == 0, stats
+
+
 def _sum_of_squares_and_handler(n):
     a = np.arange(float(n)) ** 2
     return float(a.sum()), allocbox.handler_name(a)

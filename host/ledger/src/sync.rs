@@ -13,9 +13,8 @@
 
 #[cfg(not(allocbox_loom))]
 mod imp {
-    pub(crate) use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, Ordering, fence};
+    pub(crate) use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
     use std::sync::{PoisonError, TryLockError};
-    pub(crate) use std::thread::{Thread, current, park};
     use std::time::{Duration, Instant};
 
     /// Give the processor to another thread while waiting.
@@ -27,6 +26,60 @@ mod imp {
     #[inline(always)]
     pub(crate) fn spin() {
         std::hint::spin_loop();
+    }
+
+    /// A thread that may sleep on a word until another thread changes it and wakes it:
+    /// a futex on the word itself, so the waker needs only its address, which it may
+    /// use after the word's owner has moved on (a wake of a word nobody waits on does
+    /// nothing), and no handle of the sleeper's thread (which a thread that is ending
+    /// may no longer give).
+    #[derive(Debug, Default)]
+    pub(crate) struct Sleeper;
+
+    /// How to wake a [`Sleeper`]: the address of the word it sleeps on.
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) struct Waker(*const AtomicU32);
+
+    impl Sleeper {
+        pub(crate) fn new() -> Self {
+            Sleeper
+        }
+
+        /// Sleep while `word` holds `value` (or until woken, or for no reason: the
+        /// caller looks again).
+        pub(crate) fn sleep(&self, word: &AtomicU32, value: u32) {
+            // SAFETY: FUTEX_WAIT reads the word at a valid, aligned address and
+            // compares it with `value` before it sleeps.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_futex,
+                    word.as_ptr(),
+                    libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+                    value,
+                    std::ptr::null::<libc::timespec>(),
+                );
+            }
+        }
+
+        /// What wakes this sleeper on `word`; made before the word is changed.
+        pub(crate) fn waker(&self, word: &AtomicU32) -> Waker {
+            Waker(word)
+        }
+    }
+
+    impl Waker {
+        pub(crate) fn wake(self) {
+            // SAFETY: FUTEX_WAKE of a private futex reads no memory: the address is a
+            // key, harmless if the word has gone.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_futex,
+                    self.0,
+                    libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+                    1,
+                );
+            }
+        }
     }
 
     /// A mutual-exclusion lock that is never poisoned: the books it guards are checked
@@ -104,8 +157,7 @@ mod imp {
 
 #[cfg(allocbox_loom)]
 mod imp {
-    pub(crate) use loom::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, Ordering, fence};
-    pub(crate) use loom::thread::{Thread, current, park};
+    pub(crate) use loom::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering, fence};
 
     pub(crate) fn yield_now() {
         loom::thread::yield_now();
@@ -114,6 +166,35 @@ mod imp {
     /// A spin is a yield to loom, which must see every waiting loop give way.
     pub(crate) fn spin() {
         loom::thread::yield_now();
+    }
+
+    /// loom has no futex: a sleeper parks its loom thread, and its waker unparks it.
+    #[derive(Debug)]
+    pub(crate) struct Sleeper(loom::thread::Thread);
+
+    #[derive(Debug, Clone)]
+    pub(crate) struct Waker(loom::thread::Thread);
+
+    impl Sleeper {
+        pub(crate) fn new() -> Self {
+            Sleeper(loom::thread::current())
+        }
+
+        pub(crate) fn sleep(&self, word: &AtomicU32, value: u32) {
+            if word.load(Ordering::Acquire) == value {
+                loom::thread::park();
+            }
+        }
+
+        pub(crate) fn waker(&self, _word: &AtomicU32) -> Waker {
+            Waker(self.0.clone())
+        }
+    }
+
+    impl Waker {
+        pub(crate) fn wake(self) {
+            self.0.unpark();
+        }
     }
 
     #[derive(Debug)]

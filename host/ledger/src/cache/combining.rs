@@ -12,13 +12,16 @@
 //!
 //! - A request ([`Caches::combine`]) takes the lock if it is free and runs at once.
 //!   Otherwise it pushes a [`Request`] (on its own stack) onto `waiting`, a lock-free
-//!   stack, and waits on the request's `state`: spinning a little, then parked.
+//!   stack, and waits on the request's `state`: spinning a little, yielding, then asleep
+//!   on the state word itself (a futex: the server needs no handle of the thread).
 //! - Whoever releases the books (a [`Locked`] dropped: a request's server or any other
 //!   holder) first serves what is waiting: each request's work runs under the lock,
-//!   its outcome is stored beside it, and its thread is told (`SERVED`, then unpark).
+//!   its outcome is stored beside it, and its thread is told (`SERVED`, and a wake-up
+//!   if it sleeps).
 //!   Then it lets go, and looks once more: a request pushed after its last look, whose
-//!   thread then failed to take the lock, is seen here (both sides put a `SeqCst` fence
-//!   between their write and their read), and served if the lock is still free.
+//!   thread then failed to take the lock, is seen here (the look is a read-modify-write
+//!   of the stack, ordered with every push: see [`Waiting::any_after_release`]), and
+//!   served if the lock is still free.
 //! - One release serves at most [`SERVE_AT_MOST`] requests. Past that it hands the rest
 //!   to one waiting thread (`YOURS`), which takes the lock, runs its own request and
 //!   serves the others: no thread serves others for ever, and none is left waiting.
@@ -36,7 +39,7 @@ use std::ptr;
 
 use super::caches::{Books, Caches, Locked};
 use super::slot::Unreachable;
-use crate::sync::{AtomicPtr, AtomicU8, Ordering, Thread, current, fence, park, spin, yield_now};
+use crate::sync::{AtomicPtr, AtomicU32, Ordering, Sleeper, spin, yield_now};
 
 /// The most requests one release of the books serves for other threads; the rest go to
 /// one of their threads to serve. Large enough that a queue of every thread's request
@@ -48,25 +51,27 @@ pub(super) const SERVE_AT_MOST: usize = 64;
 pub(super) const SERVE_AT_MOST: usize = 1;
 
 /// How a waiting thread waits: it looks at its request [`SPINS`] times, then gives its
-/// processor away [`YIELDS`] times, then parks until it is told. Measured with 16
+/// processor away [`YIELDS`] times, then sleeps until it is told. Measured with 16
 /// threads on 2 cores (`benches/pairs.rs`), where a waiter that spins longer takes the
-/// processor from the thread serving it, and one that parks early costs a wake-up (a
+/// processor from the thread serving it, and one that sleeps early costs a wake-up (a
 /// round trip of about 12 µs there) per request: more than the request.
 #[cfg(not(allocbox_loom))]
 const SPINS: u32 = 8;
 #[cfg(not(allocbox_loom))]
 const YIELDS: u32 = 200;
-/// Under loom a waiter parks at once: the models then cover the wake-ups a parked
+/// Under loom a waiter sleeps at once: the models then cover the wake-ups a sleeping
 /// request relies on, which spinning would hide.
 #[cfg(allocbox_loom)]
 const SPINS: u32 = 0;
 #[cfg(allocbox_loom)]
 const YIELDS: u32 = 0;
 
-/// A request's state: waiting, answered, or handed the queue.
-const QUEUED: u8 = 0;
-const SERVED: u8 = 1;
-const YOURS: u8 = 2;
+/// A request's state: waiting (awake, or asleep and to be woken), answered, or handed
+/// the queue.
+const QUEUED: u32 = 0;
+const ASLEEP: u32 = 1;
+const SERVED: u32 = 2;
+const YOURS: u32 = 3;
 
 /// Requests waiting for the books: a stack of [`Request`]s, each on its thread's stack,
 /// pushed by their threads and taken whole by whoever holds the books.
@@ -87,8 +92,8 @@ impl<C> Default for Waiting<C> {
 pub(super) struct Request<C> {
     /// The next request down the stack (older), or in a taken list the next to serve.
     next: *mut Request<C>,
-    state: AtomicU8,
-    thread: Thread,
+    state: AtomicU32,
+    sleeper: Sleeper,
     /// Runs the closure behind `work` once on the `Locked<C>` behind its second
     /// argument, storing its outcome beside the closure. (Erased, so that the queue
     /// needs no bound on the books.)
@@ -129,9 +134,10 @@ impl<C> Waiting<C> {
         loop {
             // SAFETY: `request` is the caller's, not yet shared.
             unsafe { (*request).next = top };
+            // Acquire as well: see `Waiting::any_after_release`.
             match self
                 .top
-                .compare_exchange_weak(top, request, Ordering::Release, Ordering::Relaxed)
+                .compare_exchange_weak(top, request, Ordering::AcqRel, Ordering::Relaxed)
             {
                 Ok(_) => return,
                 Err(now) => top = now,
@@ -177,6 +183,25 @@ impl<C> Waiting<C> {
         self.top.load(Ordering::Relaxed).is_null()
     }
 
+    /// Whether requests wait, looked at by a thread that just let the books go: a
+    /// read-modify-write that writes back what it read, so that it and every push are
+    /// in one order. A push before it is seen here; a push after it reads from it (a
+    /// release, which the push acquires), so the pusher's `try_lock`, later, sees the
+    /// books let go. Either this thread serves the request or its own thread takes the
+    /// books: none sleeps with nobody to serve it.
+    fn any_after_release(&self) -> bool {
+        let mut top = self.top.load(Ordering::Relaxed);
+        loop {
+            match self
+                .top
+                .compare_exchange_weak(top, top, Ordering::AcqRel, Ordering::Relaxed)
+            {
+                Ok(_) => return !top.is_null(),
+                Err(now) => top = now,
+            }
+        }
+    }
+
     /// How many requests wait; only under the books' lock, which keeps every one of
     /// them where it is.
     #[cfg(test)]
@@ -216,19 +241,23 @@ impl<C: Books> Caches<C> {
         };
         let mut request = Request {
             next: ptr::null_mut(),
-            state: AtomicU8::new(QUEUED),
-            thread: current(),
+            state: AtomicU32::new(QUEUED),
+            sleeper: Sleeper::new(),
             run: run_work::<C, F, R>,
             work: (&raw mut work).cast(),
             books: std::marker::PhantomData,
         };
         let request: *mut Request<C> = &raw mut request;
         self.waiting.push(request);
-        // Pairs with the fence in `Locked::release`: either this thread's `try_lock`
-        // sees the books free or their holder sees this request.
-        fence(Ordering::SeqCst);
         let mut spins: u32 = 0;
         loop {
+            if let Some(locked) = self.try_lock() {
+                // Its release serves the queue, this request among them unless another
+                // holder served it already or handed it the queue.
+                drop(locked);
+            }
+            // Looked at after the `try_lock`: a wake-up that came while it was tried is
+            // seen here rather than waited for.
             // SAFETY: the request lives in this frame; others only read its state and
             // thread and, holding the lock, run its work and write its state.
             match unsafe { (*request).state.load(Ordering::Acquire) } {
@@ -242,19 +271,22 @@ impl<C: Books> Caches<C> {
                 }
                 _ => {}
             }
-            if let Some(locked) = self.try_lock() {
-                // Its release serves the queue, this request among them unless another
-                // holder served it already.
-                drop(locked);
-                continue;
-            }
             spins = spins.saturating_add(1);
             if spins <= SPINS {
                 spin();
             } else if spins <= SPINS + YIELDS {
                 yield_now();
             } else {
-                park();
+                // SAFETY: as above.
+                let (state, sleeper) = unsafe { (&(*request).state, &(*request).sleeper) };
+                // Asleep only if still waiting: a server that answers from now on wakes it.
+                if state
+                    .compare_exchange(QUEUED, ASLEEP, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+                    || state.load(Ordering::Relaxed) == ASLEEP
+                {
+                    sleeper.sleep(state, ASLEEP);
+                }
             }
         }
         match work
@@ -281,8 +313,7 @@ impl<C: Books> Caches<C> {
     /// After the books were released by a holder other than a [`Locked`] (a fork's):
     /// serve what waited meanwhile.
     pub(super) fn serve_waiting(&self) {
-        fence(Ordering::SeqCst);
-        if !self.waiting.is_empty()
+        if self.waiting.any_after_release()
             && let Some(locked) = self.try_lock()
         {
             drop(locked);
@@ -299,10 +330,26 @@ unsafe fn serve<C: Books>(locked: &mut Locked<'_, C>, request: *mut Request<C>) 
     // by this thread alone, until `SERVED` is stored; `run` was made for this `C`.
     unsafe {
         ((*request).run)((*request).work, (locked as *mut Locked<'_, C>).cast());
-        // Its thread may return once it sees `SERVED`, taking the request with it.
-        let thread = (*request).thread.clone();
-        (*request).state.store(SERVED, Ordering::Release);
-        thread.unpark();
+        tell(request, SERVED);
+    }
+}
+
+/// Put `request` in `state` (served, or handed the queue), and wake its thread if it
+/// sleeps.
+///
+/// # Safety
+/// `request` waits, reached by the caller alone; from the store on its thread may
+/// return, taking the request with it, so nothing of it is used after.
+unsafe fn tell<C>(request: *mut Request<C>, state: u32) {
+    // SAFETY: by the caller's contract, live until the swap.
+    let (word, waker) = unsafe {
+        (
+            &(*request).state,
+            (*request).sleeper.waker(&(*request).state),
+        )
+    };
+    if word.swap(state, Ordering::AcqRel) == ASLEEP {
+        waker.wake();
     }
 }
 
@@ -340,13 +387,8 @@ impl<C> Unserved<'_, C> {
             }
             self.waiting.push_list(rest, last);
         }
-        // SAFETY: `first` waits, reached by this thread alone; once `YOURS` is stored
-        // its own thread reaches it, so the handle is cloned first.
-        unsafe {
-            let thread = (*first).thread.clone();
-            (*first).state.store(YOURS, Ordering::Release);
-            thread.unpark();
-        }
+        // SAFETY: `first` waits, reached by this thread alone.
+        unsafe { tell(first, YOURS) };
     }
 }
 
@@ -403,10 +445,8 @@ impl<C: Books> Locked<'_, C> {
             if handed_off {
                 return;
             }
-            // Pairs with the fence in `Caches::combine`.
-            fence(Ordering::SeqCst);
             let caches = self.caches();
-            if caches.waiting.is_empty() {
+            if !caches.waiting.any_after_release() {
                 return;
             }
             match caches.books.try_lock() {
