@@ -55,10 +55,13 @@ def make_and_drop(n, size):
 def make_and_drop_in_parallel(n, size):
     total = 0.0
     for i in numba.prange(n):
-        a = np.empty(size)
+        # A length that changes with `i`: Numba hoists a loop-invariant allocation out of
+        # a `prange` loop, which would make one array per worker.
+        length = size + i % 2
+        a = np.empty(length)
         a[0] = i
-        a[size - 1] = 1.0
-        total += a[0] + a[size - 1]
+        a[length - 1] = 1.0
+        total += a[0] + a[length - 1]
     return total
 
 
@@ -77,7 +80,7 @@ def on_threads(count, n, size):
 # policy with per-thread magazines. Both policies place every array process-wide, as
 # `allocbox run` does, so that Numba's workers use them.
 PARALLEL_WORKLOADS = [
-    (f"prange small arrays, {count} threads", on_threads(count, 40_000, 8)) for count in (2, 16)
+    (f"prange small arrays, {count} threads", on_threads(count, 100_000, 8)) for count in (2, 16)
 ]
 
 
