@@ -29,16 +29,15 @@ mod imp {
     }
 
     /// A thread that may sleep on a word until another thread changes it and wakes it:
-    /// a futex on the word itself, so the waker needs only its address, which it may
-    /// use after the word's owner has moved on (a wake of a word nobody waits on does
-    /// nothing), and no handle of the sleeper's thread (which a thread that is ending
-    /// may no longer give).
+    /// a futex on the word itself, so the waker needs only its address, and no handle
+    /// of the sleeper's thread (which a thread that is ending may no longer give).
     #[derive(Debug, Default)]
     pub(crate) struct Sleeper;
 
-    /// How to wake a [`Sleeper`]: the address of the word it sleeps on.
+    /// How to wake a [`Sleeper`]: the address of the word it sleeps on, which its
+    /// owner keeps until the waker is done (see `combining::tell`).
     #[derive(Debug, Clone, Copy)]
-    pub(crate) struct Waker(*const AtomicU32);
+    pub(crate) struct Waker(*mut u32);
 
     impl Sleeper {
         pub(crate) fn new() -> Self {
@@ -63,14 +62,14 @@ mod imp {
 
         /// What wakes this sleeper on `word`; made before the word is changed.
         pub(crate) fn waker(&self, word: &AtomicU32) -> Waker {
-            Waker(word)
+            Waker(word.as_ptr())
         }
     }
 
     impl Waker {
         pub(crate) fn wake(self) {
-            // SAFETY: FUTEX_WAKE of a private futex reads no memory: the address is a
-            // key, harmless if the word has gone.
+            // SAFETY: FUTEX_WAKE of a private futex takes the address as a key; the
+            // word is still there (its owner waits for the waker to finish).
             unsafe {
                 libc::syscall(
                     libc::SYS_futex,

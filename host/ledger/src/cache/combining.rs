@@ -66,12 +66,14 @@ const SPINS: u32 = 0;
 #[cfg(allocbox_loom)]
 const YIELDS: u32 = 0;
 
-/// A request's state: waiting (awake, or asleep and to be woken), answered, or handed
-/// the queue.
+/// A request's state: waiting (awake, or asleep and to be woken), being woken (its
+/// server still uses the word: the thread waits for the answer before it leaves),
+/// answered, or handed the queue.
 const QUEUED: u32 = 0;
 const ASLEEP: u32 = 1;
-const SERVED: u32 = 2;
-const YOURS: u32 = 3;
+const WAKING: u32 = 2;
+const SERVED: u32 = 3;
+const YOURS: u32 = 4;
 
 /// Requests waiting for the books: a stack of [`Request`]s, each on its thread's stack,
 /// pushed by their threads and taken whole by whoever holds the books.
@@ -258,8 +260,8 @@ impl<C: Books> Caches<C> {
             }
             // Looked at after the `try_lock`: a wake-up that came while it was tried is
             // seen here rather than waited for.
-            // SAFETY: the request lives in this frame; others only read its state and
-            // thread and, holding the lock, run its work and write its state.
+            // SAFETY: the request lives in this frame; others only read its state and,
+            // holding the lock, run its work and write its state.
             match unsafe { (*request).state.load(Ordering::Acquire) } {
                 SERVED => break,
                 YOURS => {
@@ -268,6 +270,12 @@ impl<C: Books> Caches<C> {
                     // this thread reaches it.
                     unsafe { serve(&mut locked, request) };
                     break;
+                }
+                // Its server is waking it and still uses the word: the answer comes
+                // within the wake-up's system call.
+                WAKING => {
+                    spin();
+                    continue;
                 }
                 _ => {}
             }
@@ -338,18 +346,25 @@ unsafe fn serve<C: Books>(locked: &mut Locked<'_, C>, request: *mut Request<C>) 
 /// sleeps.
 ///
 /// # Safety
-/// `request` waits, reached by the caller alone; from the store on its thread may
+/// `request` waits, reached by the caller alone; from the last store on its thread may
 /// return, taking the request with it, so nothing of it is used after.
 unsafe fn tell<C>(request: *mut Request<C>, state: u32) {
-    // SAFETY: by the caller's contract, live until the swap.
-    let (word, waker) = unsafe {
-        (
-            &(*request).state,
-            (*request).sleeper.waker(&(*request).state),
-        )
-    };
-    if word.swap(state, Ordering::AcqRel) == ASLEEP {
+    // SAFETY: by the caller's contract, live until the last store: a thread that finds
+    // its request `WAKING` waits for that store.
+    unsafe {
+        let word = &(*request).state;
+        if word
+            .compare_exchange(QUEUED, state, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            return;
+        }
+        // Asleep: only its own thread goes from `QUEUED` to `ASLEEP`, and only this
+        // one from `ASLEEP` on.
+        let waker = (*request).sleeper.waker(word);
+        word.store(WAKING, Ordering::Relaxed);
         waker.wake();
+        word.store(state, Ordering::Release);
     }
 }
 
