@@ -151,6 +151,18 @@ pub fn set_event_hook(hook: Option<(Hook, HookData)>) -> Option<(Hook, HookData)
     std::mem::replace(&mut *current, hook)
 }
 
+/// Remove the hook if `is_it` says its data is the one meant, in one step under the
+/// hook's lock, so that a hook another thread set meanwhile stays; returns what was
+/// removed, for the caller to drop outside the lock.
+pub fn remove_event_hook_if(is_it: impl FnOnce(&HookData) -> bool) -> Option<(Hook, HookData)> {
+    let mut current = HOOK.write();
+    if !current.as_ref().is_some_and(|(_, data)| is_it(data)) {
+        return None;
+    }
+    HOOKED.store(false, Ordering::Relaxed);
+    current.take()
+}
+
 /// Whether an event hook is set: one relaxed load, for callers that skip the work of
 /// telling it when none is.
 #[inline]

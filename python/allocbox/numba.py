@@ -40,6 +40,7 @@ Needs Numba (`pip install allocbox[numba]`); tested with Numba 0.68.
 
 import gc
 import sys
+import threading
 import warnings
 from contextlib import contextmanager
 
@@ -55,6 +56,7 @@ from ._allocbox import numba_threads_use as _numba_threads_use
 __all__ = ["enable", "enabled", "use"]
 
 _enabled = False
+_enabling = threading.RLock()
 # Compiled code replaced by `enable()`, kept so that nothing still running it loses it.
 _retired = []
 
@@ -72,41 +74,46 @@ def enable():
     global _enabled
     if _enabled:
         return
-    try:
-        from llvmlite import binding as ll
-        from numba.core.registry import cpu_target
-        from numba.core.runtime import _nrt_python
-        from numba.core.runtime.nrt import rtsys
-    except ImportError as e:
-        from . import AllocboxError
+    # Two threads enabling at once (no GIL orders them on a free-threaded build) would
+    # replace Numba's functions twice: the second waits and finds it done.
+    with _enabling:
+        if _enabled:
+            return
+        try:
+            from llvmlite import binding as ll
+            from numba.core.registry import cpu_target
+            from numba.core.runtime import _nrt_python
+            from numba.core.runtime.nrt import rtsys
+        except ImportError as e:
+            from . import AllocboxError
 
-        raise AllocboxError(
-            f"allocbox.numba needs Numba, which cannot be imported ({e}): "
-            "install it with `pip install allocbox[numba]`"
-        ) from None
-    # Numba registers its runtime's symbols when it first compiles; ours must come
-    # after, or they would be overwritten.
-    rtsys.initialize(cpu_target.target_context)
-    helpers = _nrt_python.c_helpers
-    try:
-        aligned, safe_aligned = _numba_route(
-            {
-                "get_api": helpers.get("get_api", 0),
-                "alloc_aligned": helpers.get("MemInfo_alloc_aligned", 0),
-                "alloc_safe_aligned": helpers.get("MemInfo_alloc_safe_aligned", 0),
-                "alloc_safe_aligned_external": helpers.get("MemInfo_alloc_safe_aligned_external", 0),
-                "release": helpers.get("MemInfo_release", 0),
-                "data": helpers.get("MemInfo_data", 0),
-            }
-        )
-    except RuntimeError as e:
-        from . import AllocboxError
+            raise AllocboxError(
+                f"allocbox.numba needs Numba, which cannot be imported ({e}): "
+                "install it with `pip install allocbox[numba]`"
+            ) from None
+        # Numba registers its runtime's symbols when it first compiles; ours must come
+        # after, or they would be overwritten.
+        rtsys.initialize(cpu_target.target_context)
+        helpers = _nrt_python.c_helpers
+        try:
+            aligned, safe_aligned = _numba_route(
+                {
+                    "get_api": helpers.get("get_api", 0),
+                    "alloc_aligned": helpers.get("MemInfo_alloc_aligned", 0),
+                    "alloc_safe_aligned": helpers.get("MemInfo_alloc_safe_aligned", 0),
+                    "alloc_safe_aligned_external": helpers.get("MemInfo_alloc_safe_aligned_external", 0),
+                    "release": helpers.get("MemInfo_release", 0),
+                    "data": helpers.get("MemInfo_data", 0),
+                }
+            )
+        except RuntimeError as e:
+            from . import AllocboxError
 
-        raise AllocboxError(str(e)) from None
-    ll.add_symbol("NRT_MemInfo_alloc_aligned", aligned)
-    ll.add_symbol("NRT_MemInfo_alloc_safe_aligned", safe_aligned)
-    _enabled = True
-    _recompile_later()
+            raise AllocboxError(str(e)) from None
+        ll.add_symbol("NRT_MemInfo_alloc_aligned", aligned)
+        ll.add_symbol("NRT_MemInfo_alloc_safe_aligned", safe_aligned)
+        _enabled = True
+        _recompile_later()
 
 
 def _recompile_later():

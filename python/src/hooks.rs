@@ -86,12 +86,8 @@ fn detach_hook(py: Python<'_>, stopped: &PythonHook, why: PyErr) {
         data.downcast_ref::<PythonHook>()
             .is_some_and(|h| h.object.is(&stopped.object))
     };
-    let current = allocbox::nep49::set_event_hook(None);
-    match current {
-        Some((_, data)) if ours(&data) => {}
-        // Another hook replaced it meanwhile: put that one back.
-        other => drop(allocbox::nep49::set_event_hook(other)),
-    }
+    // Only if it is still the hook: one set by another thread meanwhile stays.
+    drop(allocbox::nep49::remove_event_hook_if(ours));
     // The hook's own exception, so that its traceback ends at the hook's line; what
     // became of the hook is the object it is reported "in" (Python prints
     // "Exception ignored in: " and its repr first), and a note on it (PEP 678).
@@ -130,6 +126,9 @@ impl DetachedHook {
     }
 }
 
+/// Called on whichever thread made the event, with or without the GIL, so on a
+/// free-threaded build two threads' events reach a Python hook at once (it must be
+/// thread-safe itself); the table of hooks is behind `allocbox::nep49`'s lock.
 fn on_python_hook_event(
     old: Option<NonNull<u8>>,
     new: Option<NonNull<u8>>,

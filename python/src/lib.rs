@@ -55,7 +55,8 @@ fn child_trace_path(trace: std::path::PathBuf, pid: u32) -> std::path::PathBuf {
 // free-threaded CPython cannot load. A build from source for one is untested there
 // (event hooks call into Python from inside NumPy's allocation callbacks), so the
 // module says it uses the GIL, and a free-threaded interpreter turns the GIL back on
-// when it imports the module, with a warning, rather than run it untested.
+// when it imports the module, with a warning, rather than run it untested. What is
+// left before it can say otherwise: README.md, "Free-threaded CPython".
 #[pymodule(gil_used = true)]
 fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();

@@ -73,8 +73,15 @@ pub(crate) fn with_process_wide<R>(f: impl FnOnce(&Bridge) -> R) -> Option<R> {
                 let now = PROCESS_WIDE_GENERATION.load(Ordering::Relaxed);
                 (now, open.last().map(|(_, bridge)| bridge.clone()))
             };
-            // Replaced after the lock: the last reference to a bridge ends its handler.
-            let _ended = here.replace(innermost);
+            let ended = match here.try_borrow_mut() {
+                Ok(mut cached) => std::mem::replace(&mut *cached, innermost),
+                // Re-entered from inside `f` (an event hook that makes a Numba array):
+                // served by the fresh reference, kept by the outer call's next look.
+                Err(_) => return innermost.1.as_deref().map(f),
+            };
+            // Dropped after the lock and the borrow: the last reference to a bridge
+            // ends its handler.
+            drop(ended);
         }
         here.borrow().1.as_deref().map(f)
     })
@@ -105,7 +112,7 @@ pub(crate) fn numba_route_holds() -> usize {
 fn bridge_of_handler(handler: &Bound<'_, PyAny>) -> Option<Arc<Bridge>> {
     match handler.cast::<Policy>() {
         Ok(policy) => Some(policy.get().bridge.clone()),
-        // SAFETY: the GIL is held (we have a `Bound`); the object is alive.
+        // SAFETY: this thread is attached to Python (we have a `Bound`); the object is alive.
         Err(_) => unsafe { crate::numba_route::bridge_in(handler.as_ptr()) }.map(|bridge| {
             let ptr = std::ptr::from_ref(bridge);
             // SAFETY: a capsule's bridge lives in an Arc whose reference the capsule

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
 
 use crate::bridge::{Bridge, bridge_malloc};
 use crate::nrt_lending::{NrtAllocator, NrtLending, aligned_start, lock};
@@ -116,12 +117,20 @@ struct Route {
     numpy_get_handler: GetHandler,
 }
 
+/// Set once, by the first `numba_route` to finish its probe; read without a lock by
+/// every shim.
 static ROUTE: OnceLock<Route> = OnceLock::new();
+
+/// Held while the route is built: the probe has one slot ([`PROBE`]), so two threads
+/// enabling the route at once (no GIL orders them on a free-threaded build) probe one
+/// after the other, and the second finds the route made.
+static BUILDING: Mutex<()> = Mutex::new(());
 
 // Every CPython the wheel supports exports these, though the limited API (and so
 // PyO3's abi3 bindings) leaves them out.
 unsafe extern "C" {
-    /// Whether the calling thread holds the GIL.
+    /// Whether the calling thread holds the GIL (on a free-threaded build: whether it
+    /// is attached to Python).
     fn PyGILState_Check() -> std::ffi::c_int;
     /// Tell `tracemalloc` of a block (when it is tracing); takes the GIL.
     fn PyTraceMalloc_Track(domain: std::ffi::c_uint, ptr: usize, size: usize) -> std::ffi::c_int;
@@ -153,8 +162,15 @@ pub(crate) struct NrtHelpers {
 #[pyfunction]
 pub(crate) fn numba_route(py: Python<'_>, helpers: NrtHelpers) -> PyResult<(usize, usize)> {
     if ROUTE.get().is_none() {
-        let route = make_route(py, &helpers)?;
-        let _ = ROUTE.set(route);
+        // Taken detached from Python while it waits: the holder runs Python (Numba's
+        // probe) and may need this thread to let the interpreter go on.
+        let _building = BUILDING
+            .lock_py_attached(py)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if ROUTE.get().is_none() {
+            let route = make_route(py, &helpers)?;
+            let _ = ROUTE.set(route);
+        }
     }
     let aligned: AllocAligned = shim_aligned;
     let safe_aligned: AllocAligned = shim_safe_aligned;
@@ -210,7 +226,8 @@ fn make_route(py: Python<'_>, h: &NrtHelpers) -> PyResult<Route> {
     Ok(route)
 }
 
-/// What the probe's allocator saw: the block it lent and whether it got it back.
+/// What the probe's allocator saw: the block it lent and whether it got it back. One
+/// probe at a time: it runs under [`BUILDING`].
 static PROBE: Mutex<(usize, bool)> = Mutex::new((0, false));
 
 unsafe extern "C" fn probe_malloc(size: usize, _: *mut c_void) -> *mut c_void {
@@ -295,27 +312,27 @@ fn route_alloc(size: usize, align: u32, safe: bool) -> *mut MemInfo {
         numba_blocks::with_process_wide(|bridge| alloc_through(route, bridge, size, align, safe))
     {
         if with_python && !mi.is_null() {
-            // SAFETY: the GIL is held, so tracemalloc's own GIL wait is none.
+            // SAFETY: this thread is attached to Python, so tracemalloc has nothing to wait for.
             unsafe { PyTraceMalloc_Track(TRACEMALLOC_DOMAIN, mi as usize, block_size(mi)) };
         }
         return mi;
     }
     if with_python {
-        // SAFETY: this thread holds the GIL; NumPy's `PyDataMem_GetHandler` returns a
+        // SAFETY: this thread is attached to Python; NumPy's `PyDataMem_GetHandler` returns a
         // new reference (or NULL with an exception set).
         let capsule = unsafe { (route.numpy_get_handler)() };
         if capsule.is_null() {
-            // SAFETY: the GIL is held; the error says nothing the fallback changes.
+            // SAFETY: this thread is attached to Python; the error says nothing the fallback changes.
             unsafe { ffi::PyErr_Clear() };
             return own();
         }
         // SAFETY: the capsule reference keeps its bridge alive for the call; released
-        // after, with the GIL still held.
+        // after, still attached.
         let mi = match unsafe { bridge_in(capsule) } {
             Some(bridge) => {
                 let mi = alloc_through(route, bridge, size, align, safe);
                 if !mi.is_null() {
-                    // SAFETY: the GIL is held, so tracemalloc's own GIL wait is none.
+                    // SAFETY: this thread is attached to Python, so tracemalloc has nothing to wait for.
                     unsafe { PyTraceMalloc_Track(TRACEMALLOC_DOMAIN, mi as usize, block_size(mi)) };
                 }
                 mi
@@ -344,7 +361,7 @@ thread_local! {
 /// destroyed since (most calls: the name comparison is most of the work).
 ///
 /// # Safety
-/// `capsule` is a live object and the GIL is held.
+/// `capsule` is a live object and this thread is attached to Python.
 pub(crate) unsafe fn bridge_in<'a>(capsule: *mut ffi::PyObject) -> Option<&'a Bridge> {
     let generation = CAPSULE_GENERATION.load(Ordering::Acquire);
     let (last, bridge, seen) = LAST_CAPSULE.get();

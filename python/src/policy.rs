@@ -13,6 +13,7 @@ use allocbox::trace::{RecordOptions, Recorder, SiteOf};
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::sync::MutexExt;
 use pyo3::types::PyDict;
 
 use crate::bridge::Bridge;
@@ -39,7 +40,11 @@ impl Policy {
 
     /// The `mem_handler` capsule NumPy holds for arrays this policy placed.
     fn capsule(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let mut slot = self.capsule.lock().unwrap_or_else(|p| p.into_inner());
+        // Waited for detached from Python: its holder makes a capsule, a Python object.
+        let mut slot = self
+            .capsule
+            .lock_py_attached(py)
+            .unwrap_or_else(|p| p.into_inner());
         if let Some(c) = &*slot {
             return Ok(c.clone_ref(py));
         }

@@ -14,6 +14,7 @@ use allocbox::trace::Site;
 use foldhash::fast::RandomState;
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::sync::{MutexExt, OnceLockExt};
 
 // Every CPython the wheel supports exports these, though PyO3's abi3 bindings leave
 // some out. Each returns a new reference, or NULL.
@@ -57,7 +58,7 @@ impl Lines {
     /// The line `frame`, running this code, is at.
     ///
     /// # Safety
-    /// The GIL is held and `frame` is a live frame running this code.
+    /// This thread is attached to Python and `frame` is a live frame running this code.
     unsafe fn line(&mut self, frame: *mut ffi::PyObject) -> u32 {
         // SAFETY: the caller's contract.
         let at = unsafe { PyFrame_GetLasti(frame) };
@@ -73,7 +74,10 @@ impl Lines {
     }
 }
 
-/// Code objects seen so far, by address.
+/// Code objects seen so far, by address. Its lock is what protects it (threads record
+/// sites at once without the GIL on a free-threaded build); a thread that must wait
+/// for it waits detached from Python ([`MutexExt::lock_py_attached`]), since its
+/// holder calls into Python.
 static CODES: Mutex<Option<HashMap<usize, Code, RandomState>>> = Mutex::new(None);
 
 /// The most code objects [`CODES`] keeps alive: a program that makes code without end
@@ -91,7 +95,8 @@ static LIBRARY_FOLDERS: OnceLock<Vec<String>> = OnceLock::new();
 /// Find the library folders (`allocbox._library_folders`) before the first
 /// allocation is recorded: not inside one, where running Python code could allocate.
 pub(crate) fn prepare(py: Python<'_>) {
-    LIBRARY_FOLDERS.get_or_init(|| {
+    // Detached while another thread runs the initialiser, which runs Python.
+    LIBRARY_FOLDERS.get_or_init_py_attached(py, || {
         py.import("allocbox")
             .and_then(|allocbox| allocbox.getattr("_library_folders")?.call0())
             .and_then(|folders| folders.extract::<Vec<String>>())
@@ -114,14 +119,16 @@ pub(crate) fn program_site() -> Option<Site> {
 }
 
 fn innermost_own_frame(py: Python<'_>) -> Option<Site> {
-    // SAFETY: the GIL is held (attach); the frame is borrowed from the thread state.
+    // SAFETY: attached to Python (`attach`); the frame is borrowed from the thread state.
     let mut frame = unsafe { PyEval_GetFrame() };
     if frame.is_null() {
         return None;
     }
     // SAFETY: a borrowed frame, owned from here on as every frame below it is.
     unsafe { ffi::Py_INCREF(frame) };
-    let mut codes = CODES.lock().unwrap_or_else(|p| p.into_inner());
+    let mut codes = CODES
+        .lock_py_attached(py)
+        .unwrap_or_else(|p| p.into_inner());
     let codes = codes.get_or_insert_with(HashMap::default);
     let folders = LIBRARY_FOLDERS.get().map_or(&[][..], Vec::as_slice);
     // The innermost library frame, until the program's own is found.
@@ -178,7 +185,7 @@ fn innermost_own_frame(py: Python<'_>) -> Option<Site> {
 /// What `code` is, looked at once.
 ///
 /// # Safety
-/// The GIL is held and `code` is a new reference to a code object, which this takes.
+/// This thread is attached to Python and `code` is a new reference to a code object, which this takes.
 unsafe fn describe<'a>(
     py: Python<'_>,
     codes: &'a mut HashMap<usize, Code, RandomState>,

@@ -325,3 +325,22 @@ fn a_hook_s_report_is_cut_at_its_bound() {
     let numbers = hook.report().unwrap();
     assert_eq!(numbers.len(), allocbox::MAX_REPORTED_NUMBERS);
 }
+
+#[test]
+fn removing_a_failed_hook_removes_only_that_hook_never_one_set_meanwhile() {
+    let _turn = exclusive();
+    let hook: nep49::Hook = Arc::new(|_, _, _, _: &HookData| {});
+    let (failed, replacement): (HookData, HookData) = (Arc::new(1u8), Arc::new(2u8));
+    let is_failed = |data: &HookData| Arc::ptr_eq(data, &failed);
+    nep49::set_event_hook(Some((hook.clone(), replacement.clone())));
+    assert!(
+        nep49::remove_event_hook_if(is_failed).is_none(),
+        "another thread's hook, set after the failed one, stays"
+    );
+    assert!(nep49::event_hook_set());
+    nep49::set_event_hook(Some((hook, failed.clone())));
+    let (_, removed) = nep49::remove_event_hook_if(is_failed).expect("the failed hook");
+    assert!(Arc::ptr_eq(&removed, &failed));
+    assert!(!nep49::event_hook_set());
+    assert!(nep49::set_event_hook(None).is_none());
+}
