@@ -69,22 +69,28 @@ fn requests_from_many_threads_are_each_served_once_with_their_own_answer() {
     assert!(!caches.requests_waiting());
 }
 
-#[test]
-fn a_holder_of_the_plain_lock_serves_what_queued_while_it_held_it() {
-    const QUEUED: usize = 4;
-    let caches = caches();
-    let holder = std::thread::current().id();
+/// Hold the books with the plain lock on this thread while `count` requests of other
+/// threads queue, then let go; returns when every one has its answer.
+fn queued_behind_the_plain_lock(caches: &Caches<Tally>, count: usize) {
     std::thread::scope(|s| {
         let books = caches.lock().unwrap();
-        let waiters: Vec<_> = (0..QUEUED)
+        let waiters: Vec<_> = (0..count)
             .map(|_| s.spawn(|| caches.combine(ticket).unwrap()))
             .collect();
-        until_queued(&books, QUEUED);
+        until_queued(&books, count);
         drop(books);
         for w in waiters {
             w.join().unwrap();
         }
     });
+}
+
+#[test]
+fn a_holder_of_the_plain_lock_serves_what_queued_while_it_held_it() {
+    const QUEUED: usize = 4;
+    let caches = caches();
+    let holder = std::thread::current().id();
+    queued_behind_the_plain_lock(&caches, QUEUED);
     let books = caches.lock().unwrap();
     assert_eq!(books.runs, QUEUED);
     assert!(
@@ -159,17 +165,7 @@ fn past_its_bound_a_release_hands_the_rest_of_the_queue_to_a_waiting_thread() {
     };
     let caches = caches();
     let holder = std::thread::current().id();
-    std::thread::scope(|s| {
-        let books = caches.lock().unwrap();
-        let waiters: Vec<_> = (0..queued)
-            .map(|_| s.spawn(|| caches.combine(ticket).unwrap()))
-            .collect();
-        until_queued(&books, queued);
-        drop(books);
-        for w in waiters {
-            w.join().unwrap();
-        }
-    });
+    queued_behind_the_plain_lock(&caches, queued);
     let books = caches.lock().unwrap();
     assert_eq!(books.runs, queued);
     let by_holder = books.ran_by.iter().filter(|&&t| t == holder).count();
