@@ -3,7 +3,9 @@
 //!
 //! Run: `cargo bench -p allocbox --bench pairs` (`-- --quick` for a short run;
 //! `-- --threads 1,4,16` for the thread counts of the throughput table, 1 and 2 by
-//! default, each cell `16: 475.5 (14.11x)`: pairs per µs, and the ratio to 1 thread).
+//! default, each cell `16: 475.5 (14.11x)`: pairs per µs, and the ratio to 1 thread;
+//! the counts take turns round by round, and the ratio is the median of each round's
+//! against one thread's round beside it).
 //!
 //! Instructions rather than time, on this noisy machine: `-- --profile` runs only
 //! 100,000 `system` per-op pairs and as many glibc-upstream floor pairs, each loop in a
@@ -201,18 +203,18 @@ fn median_difference_ns(
     median(samples)
 }
 
-/// Median pairs per microsecond of `threads` threads each running `iters` calls of `f`
-/// at once, over `rounds` rounds after one warm-up round. The same threads run every
-/// round (so thread start-up and each thread's first-use set-up are not timed) and start
-/// each round together at a barrier. The workers time themselves: a round lasts from the
-/// first worker's start to the last one's end (the main thread may not get a core then).
-fn median_throughput(threads: usize, rounds: usize, iters: usize, f: impl Fn() + Sync) -> f64 {
+/// Pairs per microsecond of `threads` threads each running `iters` calls of `f` at
+/// once, for one round after a warm-up round. The same threads run both (so thread
+/// start-up and each thread's first-use set-up are not timed) and start each round
+/// together at a barrier. The workers time themselves: a round lasts from the first
+/// worker's start to the last one's end (the main thread may not get a core then).
+fn round_throughput(threads: usize, iters: usize, f: &(dyn Fn() + Sync)) -> f64 {
     let barrier = std::sync::Barrier::new(threads);
-    let spans: Vec<Vec<(Instant, Instant)>> = std::thread::scope(|s| {
+    let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..threads)
             .map(|_| {
                 s.spawn(|| {
-                    (0..=rounds)
+                    (0..2)
                         .map(|_| {
                             barrier.wait();
                             let start = Instant::now();
@@ -221,21 +223,46 @@ fn median_throughput(threads: usize, rounds: usize, iters: usize, f: impl Fn() +
                             }
                             (start, Instant::now())
                         })
-                        .skip(1)
-                        .collect()
+                        .last()
+                        .unwrap()
                 })
             })
             .collect();
         workers.into_iter().map(|w| w.join().unwrap()).collect()
     });
-    let samples: Vec<f64> = (0..rounds)
-        .map(|round| {
-            let start = spans.iter().map(|w| w[round].0).min().unwrap();
-            let end = spans.iter().map(|w| w[round].1).max().unwrap();
-            (threads * iters) as f64 / (end - start).as_nanos() as f64 * 1000.0
-        })
-        .collect();
-    median(samples)
+    let start = spans.iter().map(|w| w.0).min().unwrap();
+    let end = spans.iter().map(|w| w.1).max().unwrap();
+    (threads * iters) as f64 / (end - start).as_nanos() as f64 * 1000.0
+}
+
+/// For each thread count: the median pairs per microsecond over `rounds` rounds, and
+/// the median ratio to one thread. The counts take turns within each round, one
+/// thread's among them, so each ratio compares rounds run moments apart: this machine
+/// changes speed by about 2x from one moment to the next.
+fn throughput_by_threads(
+    counts: &[usize],
+    rounds: usize,
+    iters: usize,
+    f: &(dyn Fn() + Sync),
+) -> Vec<(f64, f64)> {
+    let mut rates = vec![Vec::with_capacity(rounds); counts.len()];
+    let mut ratios = vec![Vec::with_capacity(rounds); counts.len()];
+    for _ in 0..rounds {
+        let one = round_throughput(1, iters, f);
+        for (i, &n) in counts.iter().enumerate() {
+            let rate = match n {
+                1 => one,
+                n => round_throughput(n, iters, f),
+            };
+            rates[i].push(rate);
+            ratios[i].push(rate / one);
+        }
+    }
+    rates
+        .into_iter()
+        .zip(ratios)
+        .map(|(rates, ratios)| (median(rates), median(ratios)))
+        .collect()
 }
 
 fn handler(links: &[(&allocbox_artifacts::Guest, &[(&str, &str)])], magazines: bool) -> Handler {
@@ -386,23 +413,17 @@ fn main() {
     // Threads: the same handler shared by each count of threads, against 1 thread, in
     // pairs per microsecond (throughput, not latency).
     println!(
-        "\nmalloc({SIZE})+free pairs per µs, threads sharing one handler (x: against 1 thread), same run"
+        "\nmalloc({SIZE})+free pairs per µs, threads sharing one handler (x: median ratio to 1 thread in the same round), same run"
     );
     let thread_row = |name: &str, f: &(dyn Fn() + Sync)| {
         // A round of about 20 ms for one thread, whatever a pair costs: a per-call
         // policy shared by 16 threads may serve a hundred times fewer pairs than glibc.
         let ns = median_ns(3, iters / 10, f);
         let per_thread = ((20e6 / ns) as usize).clamp(1_000, 10 * iters);
-        let one = median_throughput(1, rounds, per_thread, f);
         let cells: Vec<String> = threads
             .iter()
-            .map(|&n| {
-                let at = match n {
-                    1 => one,
-                    n => median_throughput(n, rounds, per_thread, f),
-                };
-                format!("{n}: {at:.1} ({:.2}x)", at / one)
-            })
+            .zip(throughput_by_threads(&threads, rounds, per_thread, f))
+            .map(|(n, (at, ratio))| format!("{n}: {at:.1} ({ratio:.2}x)"))
             .collect();
         println!("{name:<42} {}", cells.join("  "));
     };
