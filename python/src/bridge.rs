@@ -93,18 +93,42 @@ impl Bridge {
         self
     }
 
-    /// Record where `new` (of `size` bytes) was allocated and forget `old`, for a
-    /// diagnosing bridge; and warn about misuse its policies reported meanwhile.
+    /// For a diagnosing bridge, before `old` goes back to the handler (a free or a
+    /// realloc): take its site out, so that a block another thread gets at its address
+    /// meanwhile keeps its own. Given to [`Bridge::diagnose`] after.
     #[inline(always)]
-    fn diagnose(&self, old: *mut c_void, new: *mut c_void, size: usize) {
+    fn before_giving_back(&self, old: *mut c_void) -> Option<diagnosis::Site> {
+        match self.diagnosing.is_some() {
+            true => self.guard(None, || diagnosis::take_site(old)),
+            false => None,
+        }
+    }
+
+    /// Record where `new` (of `size` bytes) was allocated, for a diagnosing bridge, and
+    /// warn about misuse its policies reported meanwhile; `old` is the block given back
+    /// (null for none) with its site, as [`Bridge::before_giving_back`] took it.
+    #[inline(always)]
+    fn diagnose(
+        &self,
+        old: *mut c_void,
+        old_site: Option<diagnosis::Site>,
+        new: *mut c_void,
+        size: usize,
+    ) {
         if self.diagnosing.is_some() {
-            self.diagnose_slowly(old, new, size);
+            self.diagnose_slowly(old, old_site, new, size);
         }
     }
 
     #[cold]
     #[inline(never)]
-    fn diagnose_slowly(&self, old: *mut c_void, new: *mut c_void, size: usize) {
+    fn diagnose_slowly(
+        &self,
+        old: *mut c_void,
+        old_site: Option<diagnosis::Site>,
+        new: *mut c_void,
+        size: usize,
+    ) {
         self.guard((), || {
             let Some(chain) = &self.diagnosing else {
                 return;
@@ -112,10 +136,8 @@ impl Bridge {
             if let Ok(reports) = chain.take_client_misuse()
                 && !reports.is_empty()
             {
-                diagnosis::warn(reports);
-            }
-            if !old.is_null() && old != new {
-                diagnosis::forget_site(old);
+                let given_back = old_site.as_ref().map(|site| (old as u64, site));
+                diagnosis::warn(reports, given_back);
             }
             diagnosis::record_site(new, size);
         });
@@ -208,7 +230,7 @@ pub(crate) unsafe extern "C" fn bridge_malloc(ctx: *mut c_void, size: usize) -> 
 #[inline(never)]
 fn malloc_slowly(b: &Bridge, size: usize) -> *mut c_void {
     let block = b.block(|| b.handler.malloc(size));
-    b.diagnose(std::ptr::null_mut(), block, size);
+    b.diagnose(std::ptr::null_mut(), None, block, size);
     b.tell_hook(std::ptr::null_mut(), block, size);
     block
 }
@@ -221,7 +243,12 @@ pub(crate) unsafe extern "C" fn bridge_calloc(
     // SAFETY: as in `bridge_malloc`.
     let b = unsafe { bridge(ctx) };
     let block = b.block(|| b.handler.calloc(nelem, elsize));
-    b.diagnose(std::ptr::null_mut(), block, nelem.saturating_mul(elsize));
+    b.diagnose(
+        std::ptr::null_mut(),
+        None,
+        block,
+        nelem.saturating_mul(elsize),
+    );
     b.tell_hook(std::ptr::null_mut(), block, nelem.saturating_mul(elsize));
     block
 }
@@ -234,10 +261,13 @@ pub(crate) unsafe extern "C" fn bridge_realloc(
     // SAFETY: as in `bridge_malloc`.
     let b = unsafe { bridge(ctx) };
     let old = NonNull::new(ptr.cast::<u8>());
+    let old_site = b.before_giving_back(ptr);
     let block = b.block(|| b.handler.realloc(old, size));
-    // A refused realloc left the old block as it was: no event.
-    if !block.is_null() {
-        b.diagnose(ptr, block, size);
+    // A refused realloc left the old block as it was: no event, and it keeps its site.
+    if block.is_null() {
+        diagnosis::put_back_site(ptr, old_site);
+    } else {
+        b.diagnose(ptr, old_site, block, size);
         b.tell_hook(ptr, block, size);
     }
     block
@@ -256,10 +286,10 @@ pub(crate) unsafe extern "C" fn bridge_free(ctx: *mut c_void, ptr: *mut c_void, 
         b.tell_hook(ptr, std::ptr::null_mut(), 0);
         return;
     }
+    let site = b.before_giving_back(ptr);
     free_slowly(b, block, size);
-    // The policy checked the block as it was freed: its report names the block's site,
-    // which is forgotten after.
-    b.diagnose(ptr, std::ptr::null_mut(), 0);
+    // The policy checked the block as it was freed: its report names the block's site.
+    b.diagnose(ptr, site, std::ptr::null_mut(), 0);
     b.tell_hook(ptr, std::ptr::null_mut(), 0);
 }
 
@@ -275,12 +305,13 @@ impl Bridge {
             self.tell_hook(ptr, std::ptr::null_mut(), 0);
             return;
         }
+        let site = self.before_giving_back(ptr);
         self.guard((), || {
             if let Err(e) = self.handler.free_unsized(block) {
                 self.note(e);
             }
         });
-        self.diagnose(ptr, std::ptr::null_mut(), 0);
+        self.diagnose(ptr, site, std::ptr::null_mut(), 0);
         self.tell_hook(ptr, std::ptr::null_mut(), 0);
     }
 }

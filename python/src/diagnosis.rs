@@ -23,7 +23,7 @@ pyo3::create_exception!(
 );
 
 /// Where a block was allocated: its size, and the Python file and line.
-struct Site {
+pub(crate) struct Site {
     size: u64,
     file: String,
     line: u32,
@@ -55,9 +55,20 @@ pub(crate) fn record_site(block: *mut c_void, size: usize) {
     sites().insert(block as u64, site);
 }
 
-pub(crate) fn forget_site(block: *mut c_void) {
-    if !block.is_null() {
-        sites().remove(&(block as u64));
+/// Take the site of a block its client is about to give back, before the handler may
+/// lend its address again: a block another thread then gets at that address keeps the
+/// site it records (without the GIL, as Numba's workers allocate, the two overlap).
+pub(crate) fn take_site(block: *mut c_void) -> Option<Site> {
+    match block.is_null() {
+        true => None,
+        false => sites().remove(&(block as u64)),
+    }
+}
+
+/// Put back the site of a block whose client still holds it (a refused realloc).
+pub(crate) fn put_back_site(block: *mut c_void, site: Option<Site>) {
+    if let Some(site) = site {
+        sites().insert(block as u64, site);
     }
 }
 
@@ -106,15 +117,28 @@ fn warning_text(misuse: &ClientMisuse, site: Option<&Site>) -> String {
     )
 }
 
+/// The site of `block`: the one taken out when the call gave it back, else the map's.
+fn site_of<'a>(
+    block: u64,
+    given_back: Option<(u64, &'a Site)>,
+    sites: &'a BTreeMap<u64, Site>,
+) -> Option<&'a Site> {
+    given_back
+        .filter(|(given, _)| *given == block)
+        .map(|(_, site)| site)
+        .or_else(|| sites.get(&block))
+}
+
 /// Warn about each report (`ClientMisuseWarning`), from a free: an exception the
 /// warning raises (the filter says "error") goes to `sys.unraisablehook`, as any
-/// exception while an object is freed.
-pub(crate) fn warn(reports: Vec<ClientMisuse>) {
+/// exception while an object is freed. `given_back` is the block this call gave back
+/// and its site, taken out before ([`take_site`]).
+pub(crate) fn warn(reports: Vec<ClientMisuse>, given_back: Option<(u64, &Site)>) {
     let texts: Vec<String> = {
         let sites = sites();
         reports
             .iter()
-            .map(|m| warning_text(m, sites.get(&m.block)))
+            .map(|m| warning_text(m, site_of(m.block, given_back, &sites)))
             .collect()
     };
     Python::attach(|py| {
@@ -239,4 +263,42 @@ fn report_overrun(addr: u64, guard: u64, page: &GuardPage) {
     let len = out.position() as usize;
     // SAFETY: writes `len` initialised bytes of `buffer` to stderr; async-signal-safe.
     unsafe { libc::write(2, buffer.as_ptr().cast(), len) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn site(file: &str, line: u32) -> Site {
+        Site {
+            size: 64,
+            file: file.into(),
+            line,
+        }
+    }
+
+    /// Thread A frees a block; before A's warning is made, thread B gets a block at
+    /// the same address and records its site. A's warning names A's line, and B's
+    /// block keeps B's.
+    #[test]
+    fn a_block_given_back_is_named_by_its_own_site_and_a_new_block_at_its_address_keeps_its_own() {
+        let block = 0x5eed_0000_1000u64;
+        sites().insert(block, site("a.py", 1));
+        let taken = take_site(block as *mut c_void).expect("recorded");
+        sites().insert(block, site("b.py", 2));
+        let misuse = ClientMisuse {
+            policy: "guard".into(),
+            block,
+            size: 64,
+            offset: 64,
+            message: "a write past its end".into(),
+        };
+        let text = {
+            let sites = sites();
+            warning_text(&misuse, site_of(block, Some((block, &taken)), &sites))
+        };
+        assert!(text.contains("allocated at a.py:1"), "{text}");
+        let kept = sites().remove(&block).map(|s| (s.file, s.line));
+        assert_eq!(kept, Some(("b.py".to_string(), 2)));
+    }
 }
