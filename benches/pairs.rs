@@ -25,7 +25,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use allocbox::{Handler, HandlerBuilder, Runtime};
+use allocbox::{Handler, HandlerBuilder, MemHandler, Runtime};
 use wasmtime::component::{HasSelf, Linker, ResourceTable};
 use wasmtime::{Config, Engine, Store};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
@@ -274,7 +274,25 @@ fn handler(links: &[(&allocbox_artifacts::Guest, &[(&str, &str)])], magazines: b
     builder.build().unwrap()
 }
 
-fn pair(h: &Handler, size: usize) {
+/// The same chain as [`handler`], per call, one chain per thread up to one per core
+/// (its policies are shardable).
+fn sharded(links: &[(&allocbox_artifacts::Guest, &[(&str, &str)])]) -> Box<dyn MemHandler> {
+    let runtime = Runtime::shared();
+    let mut builder = HandlerBuilder::new(runtime);
+    for (guest, config) in links {
+        builder = builder.link_with(&runtime.load_file(guest.path()).unwrap(), config);
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let h = builder.build_sharded(cores).unwrap();
+    assert_eq!(
+        h.shard_count(),
+        cores,
+        "the policies say they are shardable"
+    );
+    Box::new(h)
+}
+
+fn pair(h: &dyn MemHandler, size: usize) {
     let p = h.malloc(black_box(size)).unwrap();
     h.free(black_box(p), size).unwrap();
 }
@@ -357,23 +375,35 @@ fn main() {
     let floor_with_memory = median_ns(rounds, iters, || raw_pair(&mut real_store, &real));
 
     use allocbox_artifacts::{SIZE_CLASSES, SYSTEM};
-    let cases: Vec<(&str, Handler)> = vec![
-        ("allocbox system, per op", handler(&[(&SYSTEM, &[])], false)),
+    let boxed = |h: Handler| Box::new(h) as Box<dyn MemHandler>;
+    let cases: Vec<(&str, Box<dyn MemHandler>)> = vec![
+        (
+            "allocbox system, per op",
+            boxed(handler(&[(&SYSTEM, &[])], false)),
+        ),
+        (
+            "allocbox system, per op, per thread",
+            sharded(&[(&SYSTEM, &[])]),
+        ),
         (
             "allocbox system, magazines",
-            handler(&[(&SYSTEM, &[])], true),
+            boxed(handler(&[(&SYSTEM, &[])], true)),
         ),
         (
             "allocbox size-classes, per op",
-            handler(&[(&SIZE_CLASSES, &[])], false),
+            boxed(handler(&[(&SIZE_CLASSES, &[])], false)),
+        ),
+        (
+            "allocbox size-classes, per op, per thread",
+            sharded(&[(&SIZE_CLASSES, &[])]),
         ),
         (
             "allocbox size-classes, magazines",
-            handler(&[(&SIZE_CLASSES, &[])], true),
+            boxed(handler(&[(&SIZE_CLASSES, &[])], true)),
         ),
         (
             "allocbox size-classes > system, per op",
-            handler(&[(&SIZE_CLASSES, &[]), (&SYSTEM, &[])], false),
+            boxed(handler(&[(&SIZE_CLASSES, &[]), (&SYSTEM, &[])], false)),
         ),
     ];
 
@@ -394,7 +424,7 @@ fn main() {
     row("floor: raw wasmtime system (2 calls+2 imports)", floor);
     row("floor, upstream allocating with glibc", floor_with_memory);
     for (name, h) in &cases {
-        row(name, median_ns(rounds, iters, || pair(h, SIZE)));
+        row(name, median_ns(rounds, iters, || pair(&**h, SIZE)));
     }
     let (_, system_per_op) = cases
         .iter()
@@ -404,7 +434,7 @@ fn main() {
         rounds,
         iters,
         || raw_pair(&mut real_store, &real),
-        || pair(system_per_op, SIZE),
+        || pair(&**system_per_op, SIZE),
     );
     println!(
         "host work: system per op less the glibc-upstream floor, rounds in turn: {host_work:.1} ns"
@@ -429,7 +459,7 @@ fn main() {
     };
     thread_row("glibc malloc+free", &|| glibc_pair(SIZE));
     for (name, h) in &cases {
-        thread_row(name, &|| pair(h, SIZE));
+        thread_row(name, &|| pair(&**h, SIZE));
     }
 
     println!("\nns per malloc({MID_SIZE})+free pair, same run");
@@ -438,6 +468,6 @@ fn main() {
     let mid_row = |name: &str, ns: f64| println!("{name:<42} {ns:>9.1} {:>9.1}", ns / glibc_mid);
     mid_row("glibc malloc+free", glibc_mid);
     for (name, h) in &cases {
-        mid_row(name, median_ns(rounds, iters, || pair(h, MID_SIZE)));
+        mid_row(name, median_ns(rounds, iters, || pair(&**h, MID_SIZE)));
     }
 }

@@ -10,6 +10,7 @@ mod fallback;
 mod give_back;
 mod inspect;
 mod observed;
+mod sharded;
 
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -27,6 +28,7 @@ use allocbox_ledger::cache::{
 pub use builder::HandlerBuilder;
 use chain::{Books, Chain, Via, flush_magazines, refill, settle, shelve};
 pub use device::{Deferral, DeviceHandler, PendingFrees};
+pub use sharded::ShardedHandler;
 
 /// A NEP 49 data-memory handler whose placement decisions are made by a chain of
 /// sandboxed policies. `Send + Sync`: many threads may call it at once. A malloc served
@@ -40,6 +42,8 @@ pub struct Handler {
     names: Vec<Arc<str>>,
     fallback: Option<Arc<Handler>>,
     diagnoses: bool,
+    /// Every policy of the chain says its state is per instance (0.2.0 `sharding`).
+    shardable: bool,
     /// When the top policy observes (0.2.0 `observer`): what was served without asking
     /// it, and its lease.
     observed: Option<Arc<Observations>>,
@@ -99,6 +103,13 @@ impl Handler {
     /// guard page ([`crate::mapped::guard_page_at`]).
     pub fn diagnoses(&self) -> bool {
         self.diagnoses
+    }
+
+    /// Does every policy of the chain say its state is per instance (0.2.0
+    /// `sharding`)? Then [`HandlerBuilder::build_sharded`] may start one chain per
+    /// thread.
+    pub fn shardable(&self) -> bool {
+        self.shardable
     }
 
     /// The names of the policies in the chain, top first.

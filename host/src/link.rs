@@ -90,6 +90,9 @@ pub struct PolicyInfo {
     pub batch: bool,
     /// It reports its client's misuse (0.2.0): allocation sites are worth recording.
     pub diagnoses: bool,
+    /// Its state is per instance (0.2.0 `sharding`): the host may give each thread an
+    /// instance of its own.
+    pub shardable: bool,
 }
 
 impl PolicyInfo {

@@ -433,10 +433,13 @@ impl Runtime {
             LoadError::Start(Box::new(classify(store, limits, Call::Init, e)))
         };
         let instantiated = match &policy.pre {
-            Pre::V1(pre) => pre.instantiate(&mut store).map(Exports::V1),
-            Pre::V2(pre) => pre.instantiate(&mut store).map(Exports::V2),
+            Pre::V1(pre) => pre.instantiate(&mut store).map(|b| (Exports::V1(b), None)),
+            Pre::V2(pre) => pre.instance_pre().instantiate(&mut store).and_then(|i| {
+                let b = bindings_v2::Policy::new(&mut store, &i)?;
+                Ok((Exports::V2(b), Some(i)))
+            }),
         };
-        let bindings = match instantiated {
+        let (bindings, instance) = match instantiated {
             Ok(b) => b,
             Err(e) if e.is::<PoolConcurrencyLimitError>() => {
                 return Err(LoadError::PoolFull { detail: detail(&e) });
@@ -470,10 +473,36 @@ impl Runtime {
             }
             Err(e) => return Err(start_err(&mut store, e)),
         };
-        let info = check_info(info)?;
+        let mut info = check_info(info)?;
+        if let Some(instance) = instance
+            && policy.meta.exports.iter().any(|e| e == SHARDING_EXPORT)
+        {
+            info.shardable =
+                ask_shardable(&mut store, &instance).map_err(|e| start_err(&mut store, e))?;
+        }
         store.data_mut().sandbox.name = info.name.clone();
         Ok(Link::new(store, bindings, info, limits.clone()))
     }
+}
+
+/// The optional 0.2.0 export by which a policy says its state is per instance.
+const SHARDING_EXPORT: &str = "allocbox:policy/sharding@0.2.0";
+
+/// The policy's answer to `sharding.shardable`, asked once after `init` under the
+/// deadline armed for its start.
+fn ask_shardable(
+    store: &mut Store<LinkState>,
+    instance: &wasmtime::component::Instance,
+) -> wasmtime::Result<bool> {
+    let interface = instance
+        .get_export_index(&mut *store, None, SHARDING_EXPORT)
+        .ok_or_else(|| wasmtime::format_err!("`{SHARDING_EXPORT}` is not an instance"))?;
+    let function = instance
+        .get_export_index(&mut *store, Some(&interface), "shardable")
+        .ok_or_else(|| wasmtime::format_err!("`{SHARDING_EXPORT}` has no `shardable`"))?;
+    let shardable = instance.get_typed_func::<(), (bool,)>(&mut *store, &function)?;
+    let (answer,) = shardable.call(&mut *store, ())?;
+    Ok(answer)
 }
 
 /// Refuse a component that imports anything but `world_imports` (interfaces of this

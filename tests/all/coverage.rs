@@ -44,6 +44,8 @@ const CHAOS_ARMS: &[(&str, &str)] = &[
     ("export observer#observes", "fn observes("),
     ("export observer#observe", "fn observe_survivors("),
     ("export observer#renew", "fn renew("),
+    // The SDK answers `shardable` from the policy's `info`, as its seed says.
+    ("export sharding#shardable", ".shardable("),
 ];
 
 const CHAOS_SOURCE: &str = include_str!("../../guest-handlers/fixtures/chaos/src/lib.rs");

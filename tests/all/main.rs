@@ -24,6 +24,7 @@ mod observe;
 mod pool;
 mod report;
 mod report_page;
+mod shards;
 mod threads;
 mod trace;
 mod wasi;

@@ -80,7 +80,8 @@ impl World {
     pub(super) fn wit(self) -> (&'static str, &'static str) {
         match self {
             World::PolicyV1 => (allocbox::POLICY_WIT, "policy"),
-            World::PolicyV2 => (allocbox::POLICY_WIT_2, "policy"),
+            // The world with every 0.2.0 function, the optional `sharding` included.
+            World::PolicyV2 => (allocbox::POLICY_WIT_2, "sharding-policy"),
             World::Hook => (allocbox::POLICY_WIT, "hook"),
         }
     }

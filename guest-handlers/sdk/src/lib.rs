@@ -86,7 +86,7 @@ pub use config::{Config, Limits};
 pub mod bindings {
     wit_bindgen::generate!({
         path: "wit",
-        world: "policy",
+        world: "sharding-policy",
         pub_export_macro: true,
     });
 }
@@ -115,6 +115,10 @@ pub struct Info {
     /// [`diagnostics`]: the embedder records where each block was allocated, at a cost
     /// on every allocation. Default false.
     pub diagnoses: bool,
+    /// The policy's state is its instance's alone (no count that must see every
+    /// thread's blocks): the host may start one instance per thread, each with its own
+    /// upstream and a share of the limits (`sharding` in `wit/policy.wit`). Default false.
+    pub shardable: bool,
 }
 
 impl Info {
@@ -129,7 +133,14 @@ impl Info {
             name: None,
             version: Info::VERSION,
             diagnoses: false,
+            shardable: false,
         }
+    }
+
+    /// Say that the policy's state is per instance (true), so that the host may give
+    /// each thread an instance of its own.
+    pub const fn shardable(self, shardable: bool) -> Info {
+        Info { shardable, ..self }
     }
 
     /// Say that the policy reports its client's misuse (true), so that the embedder
@@ -352,7 +363,7 @@ macro_rules! export_policy {
 pub mod __private {
     use std::marker::PhantomData;
 
-    use crate::bindings::exports::allocbox::policy::{allocator, lifecycle, observer};
+    use crate::bindings::exports::allocbox::policy::{allocator, lifecycle, observer, sharding};
     use crate::{Config, Policy};
 
     /// Holds the one instance, from `init` on.
@@ -460,6 +471,12 @@ pub mod __private {
 
         fn report() -> Vec<(String, u64)> {
             policy::<I, _>(|p| p.report())
+        }
+    }
+
+    impl<I: Instance> sharding::Guest for Export<I> {
+        fn shardable() -> bool {
+            policy::<I, _>(|p| p.info().shardable)
         }
     }
 

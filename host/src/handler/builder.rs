@@ -14,12 +14,12 @@ use crate::system::{Adversary, SystemMemory};
 use allocbox_ledger::cache::Caches;
 
 /// Builds a [`Handler`] from policies, top of the chain first.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct HandlerBuilder {
     runtime: Runtime,
     links: Vec<(Policy, Vec<(String, String)>)>,
-    limits: Limits,
-    host_memory_limit: u64,
+    pub(super) limits: Limits,
+    pub(super) host_memory_limit: u64,
     quarantine: u64,
     magazines: bool,
     checked: bool,
@@ -187,12 +187,14 @@ impl HandlerBuilder {
         names.reverse();
         let info = head.info.clone();
         let mut diagnoses = head.info.diagnoses;
+        let mut shardable = head.info.shardable;
         let mut below = match head.upstream() {
             Upstream::Policy(next) => Some(&**next),
             Upstream::System(_) => None,
         };
         while let Some(link) = below {
             diagnoses |= link.info.diagnoses;
+            shardable &= link.info.shardable;
             below = match link.upstream() {
                 Upstream::Policy(next) => Some(&**next),
                 Upstream::System(_) => None,
@@ -218,6 +220,7 @@ impl HandlerBuilder {
             names,
             fallback: self.fallback,
             diagnoses,
+            shardable,
             observed,
             clock: self.runtime.clock().clone(),
             call_ticks: CallTicks::of(self.limits.call_time),

@@ -92,7 +92,8 @@ fn wasi_stub() -> &'static [u8] {
 /// canonical-ABI names (`allocbox:policy/allocator@0.1.0#malloc`, ...).
 ///
 /// A module that names an interface of contract 0.2.0 (imports or exports
-/// `allocbox:policy/...@0.2.0`) is written to the 0.2.0 policy world; any other to 0.1.0.
+/// `allocbox:policy/...@0.2.0`) is written to the 0.2.0 policy world, or to its
+/// `sharding-policy` world when it exports `sharding`; any other to 0.1.0.
 ///
 /// It may also import `wasi_snapshot_preview1` (language runtimes such as Go's do even
 /// when they never print): those imports are served by allocbox's own stub adapter,
@@ -105,6 +106,11 @@ fn componentize(mut module: Vec<u8>, world: &str) -> Result<Vec<u8>, LoadError> 
     let wit = match world == "policy" && names_contract_0_2_0(&module) {
         true => POLICY_WIT_2,
         false => POLICY_WIT,
+    };
+    // A 0.2.0 module that exports `sharding` is written to the world that has it.
+    let world = match wit == POLICY_WIT_2 && exports_sharding(&module) {
+        true => "sharding-policy",
+        false => world,
     };
     let pkg = resolve.push_str("policy.wit", wit).map_err(err)?;
     let world = resolve.select_world(&[pkg], Some(world)).map_err(err)?;
@@ -124,6 +130,23 @@ fn componentize(mut module: Vec<u8>, world: &str) -> Result<Vec<u8>, LoadError> 
         .validate(true)
         .encode()
         .map_err(err)
+}
+
+/// Does the core module export a function of 0.2.0's optional `sharding` interface?
+fn exports_sharding(module: &[u8]) -> bool {
+    for payload in wasmparser::Parser::new(0).parse_all(module) {
+        match payload {
+            Ok(wasmparser::Payload::ExportSection(section)) => {
+                return section
+                    .into_iter()
+                    .flatten()
+                    .any(|e| e.name.starts_with("allocbox:policy/sharding@0.2.0#"));
+            }
+            Ok(_) => {}
+            Err(_) => return false,
+        }
+    }
+    false
 }
 
 /// Does the core module import or export a function of a contract 0.2.0 interface?

@@ -206,5 +206,6 @@ pub(super) fn check_info(info: Said) -> Result<PolicyInfo, LoadError> {
         alignment: info.alignment,
         batch: info.batch,
         diagnoses: info.diagnoses,
+        shardable: false,
     })
 }

@@ -114,7 +114,10 @@ impl Policy for Aligned {
         // outside the lent range, so neither the client nor the host writes it while the
         // block waits there, and the size check runs when the block comes back (a free,
         // or a flush through `free_many`).
-        Info::new().alignment(self.alignment).batch(true)
+        Info::new()
+            .alignment(self.alignment)
+            .batch(true)
+            .shardable(true)
     }
 
     fn malloc(&self, size: u64) -> u64 {

@@ -20,7 +20,7 @@
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 
-use allocbox_policy::{Config, Policy, bytes, export_policy, upstream};
+use allocbox_policy::{Config, Info, Policy, bytes, export_policy, upstream};
 
 const SMALL_STEP: u64 = 16;
 const SMALL_MAX: u64 = 1024;
@@ -221,6 +221,12 @@ fn parse_chunk_size(value: &str) -> Result<u64, String> {
 }
 
 impl Policy for ArenaPolicy {
+    /// Its state (its free lists, its held memory) is this instance's alone: one per
+    /// thread serves the same as one for all.
+    fn info(&self) -> Info {
+        Info::new().shardable(true)
+    }
+
     fn init(config: &mut Config) -> Result<Self, String> {
         let chunk = config
             .get_with("chunk-size", parse_chunk_size)?

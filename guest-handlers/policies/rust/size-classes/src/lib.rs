@@ -17,7 +17,7 @@
 
 use std::cell::RefCell;
 
-use allocbox_policy::{Config, Policy, bytes, export_policy, upstream};
+use allocbox_policy::{Config, Info, Policy, bytes, export_policy, upstream};
 
 /// Sizes `1..NBUCKETS` are cached, as in NumPy.
 const NBUCKETS: u64 = 1024;
@@ -115,6 +115,12 @@ fn count_up_to(max: usize) -> impl FnOnce(&str) -> Result<usize, String> {
 }
 
 impl Policy for SizeClasses {
+    /// Its state (its free lists, its held memory) is this instance's alone: one per
+    /// thread serves the same as one for all.
+    fn info(&self) -> Info {
+        Info::new().shardable(true)
+    }
+
     fn init(config: &mut Config) -> Result<Self, String> {
         let depth = config
             .get_with("bucket-depth", count_up_to(MAX_DEPTH))?

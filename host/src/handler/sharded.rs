@@ -1,0 +1,485 @@
+//! One chain per thread, for policies whose state is per instance (0.2.0 `sharding`):
+//! threads that each have their own instance never wait for one another's calls.
+//!
+//! Each shard is a whole [`Handler`] (its chain, its ledger, its own upstream), started
+//! the first time a thread is given it, up to a fixed number; from then on threads
+//! share them in turn. The limits are the handler's in all: each shard gets an even
+//! share of the overhead budget, of the host memory and of the linear memory.
+//!
+//! A block always goes back to the shard that lent it. A table of every block lent
+//! (its shard and size, in stripes so that threads rarely meet) says which; a free from
+//! a thread of another shard is queued for that shard and given back at its next call,
+//! when a thread that uses the handler ends, when the queue grows past
+//! [`QUEUED_AT_MOST`] (by the thread that fills it), or before anything reads the
+//! shards' state (statistics, trim, the leak check). The queued block is the client's no more: its entry leaves the table
+//! at once, so a second free of it is refused as a free of a block not lent.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+
+use parking_lot::Mutex;
+
+use super::{Handler, HandlerBuilder};
+use crate::error::{ClientError, Error, LoadError};
+use crate::memhandler::{MemHandler, Stats};
+
+/// Frees queued for one shard before the thread that queues the next one gives them
+/// back itself: a shard whose threads have stopped calling holds at most this many.
+const QUEUED_AT_MOST: usize = 256;
+
+/// Stripes of the table of lent blocks: enough that 16 threads rarely take the same.
+const STRIPES: usize = 64;
+
+/// A handler whose policies may run as one instance per thread: see the module doc.
+/// Built by [`HandlerBuilder::build_sharded`].
+pub struct ShardedHandler {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    /// Shard 0 is started with the handler; the others when a thread is first given
+    /// them. A shard that could not start stays empty and its threads use shard 0.
+    shards: Box<[OnceLock<Option<Handler>>]>,
+    /// Starts the shards after the first: the same chain and configuration, each with
+    /// its share of the limits.
+    builder: HandlerBuilder,
+    /// The next shard to give a thread, round robin.
+    next_seat: AtomicUsize,
+    /// Which shard lent each block the client holds, and its size.
+    lent: Box<[Mutex<LentStripe>]>,
+    /// Frees of each shard's blocks from other shards' threads, `(address, size said)`.
+    queued: Box<[Queue]>,
+}
+
+/// One stripe of the table of lent blocks: address to `(shard, size)`.
+type LentStripe = HashMap<u64, (usize, u64), foldhash::fast::FixedState>;
+
+#[derive(Default)]
+struct Queue {
+    frees: Mutex<Vec<(u64, Option<u64>)>>,
+    /// Something is queued: read on every call, so the lock is taken only then.
+    pending: AtomicBool,
+}
+
+impl std::fmt::Debug for ShardedHandler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedHandler")
+            .field("policies", &self.shard(0).policy_names())
+            .field("shards", &self.started().count())
+            .finish_non_exhaustive()
+    }
+}
+
+impl HandlerBuilder {
+    /// A handler that starts one chain per thread that calls it, up to `most` chains
+    /// (then threads share them), when every policy of the chain says its state is per
+    /// instance (0.2.0 `sharding`); one chain otherwise. Every shard keeps no
+    /// magazines: each request is its own instance's call. The limits are the
+    /// handler's in all, shared evenly by the `most` chains.
+    pub fn build_sharded(self, most: usize) -> Result<ShardedHandler, LoadError> {
+        let most = most.max(1);
+        let share = |total: u64| (total / most as u64).max(1);
+        let mut limits = self.limits.clone();
+        limits.overhead = share(limits.overhead);
+        limits.memory = share(limits.memory);
+        let host_memory_limit = share(self.host_memory_limit);
+        let builder = self
+            .limits(limits)
+            .host_memory_limit(host_memory_limit)
+            .magazines(false);
+        let first = builder.clone().build()?;
+        let count = if first.shardable() { most } else { 1 };
+        let shards: Box<[OnceLock<Option<Handler>>]> =
+            (0..count).map(|_| OnceLock::new()).collect();
+        let _ = shards[0].set(Some(first));
+        Ok(ShardedHandler {
+            shared: Arc::new(Shared {
+                shards,
+                builder,
+                next_seat: AtomicUsize::new(0),
+                lent: (0..STRIPES).map(|_| Mutex::default()).collect(),
+                queued: (0..count).map(|_| Queue::default()).collect(),
+            }),
+        })
+    }
+}
+
+impl ShardedHandler {
+    /// The shards the handler may start: 1 when a policy of the chain is not
+    /// shardable.
+    pub fn shard_count(&self) -> usize {
+        self.shared.shards.len()
+    }
+
+    /// The handlers of the shards started so far, shard 0 first.
+    pub fn started(&self) -> impl Iterator<Item = &Handler> {
+        self.shared.started()
+    }
+
+    /// The handler's name: its chain's, as [`Handler::name`].
+    pub fn name(&self) -> &str {
+        self.shard(0).name()
+    }
+
+    fn shard(&self, index: usize) -> &Handler {
+        self.shared.shard(index)
+    }
+
+    /// A block of at least `size` bytes from the calling thread's shard.
+    pub fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
+        self.lend(size as u64, |h| h.malloc(size))
+    }
+
+    /// A zero-filled block from the calling thread's shard.
+    pub fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error> {
+        let size = (nelem as u64).saturating_mul(elsize as u64);
+        self.lend(size, |h| h.calloc(nelem, elsize))
+    }
+
+    fn lend(
+        &self,
+        size: u64,
+        ask: impl FnOnce(&Handler) -> Result<Option<NonNull<u8>>, Error>,
+    ) -> Result<Option<NonNull<u8>>, Error> {
+        let index = self.shared.seat();
+        self.shared.give_back_queued(index);
+        let block = ask(self.shard(index))?;
+        if let Some(block) = block {
+            self.shared.lent_by(block, index, size.max(1));
+        }
+        Ok(block)
+    }
+
+    /// Resize a block, by the shard that lent it; `None` acts as `malloc`.
+    pub fn realloc(
+        &self,
+        ptr: Option<NonNull<u8>>,
+        new_size: usize,
+    ) -> Result<Option<NonNull<u8>>, Error> {
+        let Some(ptr) = ptr else {
+            return self.malloc(new_size);
+        };
+        let Some((index, size)) = self.shared.take_lent(ptr) else {
+            if self.queued(ptr) {
+                let addr = ptr.as_ptr() as u64;
+                return Err(ClientError::UnknownRealloc { addr }.into());
+            }
+            // Not lent by any shard: shard 0 names the client's mistake.
+            return self.shard(0).realloc(Some(ptr), new_size);
+        };
+        match self.shard(index).realloc(Some(ptr), new_size) {
+            Ok(Some(moved)) => {
+                self.shared.lent_by(moved, index, (new_size as u64).max(1));
+                Ok(Some(moved))
+            }
+            // The old block is still live and unchanged.
+            other => {
+                self.shared.lent_by(ptr, index, size);
+                other
+            }
+        }
+    }
+
+    /// Give back a block, to the shard that lent it: at once from a thread of that
+    /// shard, else queued for it. A wrong size is corrected by that shard, as
+    /// [`Handler::free`] does.
+    pub fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error> {
+        match ptr {
+            Some(ptr) => self.give_back(ptr, Some(size as u64)).map(drop),
+            None => Ok(()),
+        }
+    }
+
+    /// Give back a block whose client does not say its size; returns the size it was
+    /// lent with.
+    pub fn free_unsized(&self, ptr: NonNull<u8>) -> Result<usize, Error> {
+        self.give_back(ptr, None).map(|size| size as usize)
+    }
+
+    fn give_back(&self, ptr: NonNull<u8>, said: Option<u64>) -> Result<u64, Error> {
+        let Some((owner, size)) = self.shared.take_lent(ptr) else {
+            if self.queued(ptr) {
+                let addr = ptr.as_ptr() as u64;
+                return Err(ClientError::DoubleFree { addr }.into());
+            }
+            // Not lent by any shard: shard 0 names the client's mistake.
+            return match said {
+                Some(said) => self.shard(0).free(Some(ptr), said as usize).map(|()| said),
+                None => self.shard(0).free_unsized(ptr).map(|size| size as u64),
+            };
+        };
+        let mine = self.shared.seat();
+        if owner != mine {
+            self.shared.queue(owner, ptr.as_ptr() as u64, said);
+            return Ok(size);
+        }
+        self.shared.give_back_queued(mine);
+        let shard = self.shard(owner);
+        match said {
+            Some(said) => shard.free(Some(ptr), said as usize).map(|()| size),
+            None => shard.free_unsized(ptr).map(|size| size as u64),
+        }
+    }
+
+    /// Is `ptr` a block the client gave back that waits to go back to its shard (or is
+    /// going back now)? Its shard still has it lent; the table of the client's blocks
+    /// does not.
+    #[cold]
+    fn queued(&self, ptr: NonNull<u8>) -> bool {
+        self.started().any(|shard| shard.block_size(ptr).is_some())
+    }
+
+    /// Every shard's counters, summed, after every queued free was given back. The
+    /// peak is the sum of each shard's: at most that many bytes were live at once.
+    pub fn stats(&self) -> Result<Stats, Error> {
+        self.shared.give_back_all_queued();
+        let mut total = Stats::default();
+        for shard in self.started() {
+            total.add(&shard.stats()?);
+        }
+        Ok(total)
+    }
+
+    /// Trim every shard, after every queued free was given back.
+    pub fn trim(&self) -> Result<(), Error> {
+        self.shared.give_back_all_queued();
+        self.started().try_for_each(Handler::trim)
+    }
+
+    /// [`Handler::leak_check`] of every shard, after every queued free was given back.
+    pub fn leak_check(&self) -> Result<(), Error> {
+        self.shared.give_back_all_queued();
+        self.started().try_for_each(Handler::leak_check)
+    }
+
+    /// The blocks the client holds, `(address, size)`, by address, every shard's.
+    pub fn live_blocks(&self) -> Result<Vec<(usize, usize)>, Error> {
+        self.shared.give_back_all_queued();
+        let mut blocks = Vec::new();
+        for shard in self.started() {
+            blocks.extend(shard.live_blocks()?);
+        }
+        blocks.sort_unstable();
+        Ok(blocks)
+    }
+
+    /// The first failure that stopped a shard's chain.
+    pub fn failure(&self) -> Option<Arc<Error>> {
+        self.started().find_map(Handler::failure)
+    }
+}
+
+impl Shared {
+    fn started(&self) -> impl Iterator<Item = &Handler> {
+        self.shards.iter().filter_map(|s| s.get()?.as_ref())
+    }
+
+    fn shard(&self, index: usize) -> &Handler {
+        match self.shards[index].get() {
+            Some(Some(shard)) => shard,
+            _ => self.shards[0]
+                .get()
+                .and_then(Option::as_ref)
+                .expect("shard 0 starts with the handler"),
+        }
+    }
+
+    /// The calling thread's shard, started if it is the first to be given it.
+    #[inline]
+    fn seat(self: &Arc<Self>) -> usize {
+        match self.shards.len() {
+            1 => 0,
+            _ => exit::seat(self).unwrap_or_else(|| self.first_seat()),
+        }
+    }
+
+    #[cold]
+    fn first_seat(self: &Arc<Self>) -> usize {
+        let index = self.next_seat.fetch_add(1, Ordering::Relaxed) % self.shards.len();
+        // A shard that cannot start (the instance pool is full, its share of the
+        // limits too small for `init`) leaves its threads on shard 0.
+        let started = self.shards[index].get_or_init(|| self.builder.clone().build().ok());
+        let index = if started.is_some() { index } else { 0 };
+        exit::remember(self, index);
+        index
+    }
+
+    fn stripe(&self, addr: u64) -> &Mutex<HashMap<u64, (usize, u64), foldhash::fast::FixedState>> {
+        let hash = foldhash::fast::FixedState::with_seed(0).hash_one(addr);
+        &self.lent[hash as usize % STRIPES]
+    }
+
+    fn lent_by(&self, block: NonNull<u8>, shard: usize, size: u64) {
+        let addr = block.as_ptr() as u64;
+        self.stripe(addr).lock().insert(addr, (shard, size));
+    }
+
+    fn take_lent(&self, block: NonNull<u8>) -> Option<(usize, u64)> {
+        let addr = block.as_ptr() as u64;
+        self.stripe(addr).lock().remove(&addr)
+    }
+
+    /// Queue a free for shard `owner`; past [`QUEUED_AT_MOST`], give them back now.
+    fn queue(&self, owner: usize, addr: u64, said: Option<u64>) {
+        let queue = &self.queued[owner];
+        let full = {
+            let mut frees = queue.frees.lock();
+            frees.push((addr, said));
+            queue.pending.store(true, Ordering::Release);
+            frees.len() >= QUEUED_AT_MOST
+        };
+        if full {
+            self.give_back_queued(owner);
+        }
+    }
+
+    /// Give shard `index` the frees queued for it.
+    #[inline]
+    fn give_back_queued(&self, index: usize) {
+        if self.queued[index].pending.load(Ordering::Acquire) {
+            self.give_back_queued_now(index);
+        }
+    }
+
+    #[cold]
+    fn give_back_queued_now(&self, index: usize) {
+        let queue = &self.queued[index];
+        let frees = {
+            let mut frees = queue.frees.lock();
+            queue.pending.store(false, Ordering::Release);
+            std::mem::take(&mut *frees)
+        };
+        let shard = self.shard(index);
+        for (addr, said) in frees {
+            let block = NonNull::new(addr as usize as *mut u8).expect("a lent block");
+            // The client's part was checked when it was queued (the block was lent, by
+            // this shard); a failure of the policy's stops this shard's chain, and the
+            // shard's `failure` names it.
+            let _ = match said {
+                Some(said) => shard.free(Some(block), said as usize),
+                None => shard.free_unsized(block).map(drop),
+            };
+        }
+    }
+
+    fn give_back_all_queued(&self) {
+        (0..self.queued.len()).for_each(|index| self.give_back_queued(index));
+    }
+}
+
+impl Stats {
+    /// Add another handler's counters: counts and live totals add; so do the peaks,
+    /// an upper bound of the peak of both together.
+    fn add(&mut self, other: &Stats) {
+        self.mallocs += other.mallocs;
+        self.callocs += other.callocs;
+        self.reallocs += other.reallocs;
+        self.frees += other.frees;
+        self.failed += other.failed;
+        self.live_blocks += other.live_blocks;
+        self.live_bytes += other.live_bytes;
+        self.peak_bytes += other.peak_bytes;
+        self.total_bytes += other.total_bytes;
+        self.size_corrections += other.size_corrections;
+        self.magazine_hits += other.magazine_hits;
+        self.budget_refusals += other.budget_refusals;
+        self.cached_blocks += other.cached_blocks;
+    }
+}
+
+impl MemHandler for ShardedHandler {
+    fn name(&self) -> &str {
+        ShardedHandler::name(self)
+    }
+    fn version(&self) -> u8 {
+        self.shard(0).info().version
+    }
+    fn alignment(&self) -> u64 {
+        self.shard(0).info().alignment
+    }
+    fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
+        ShardedHandler::malloc(self, size)
+    }
+    fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error> {
+        ShardedHandler::calloc(self, nelem, elsize)
+    }
+    fn realloc(
+        &self,
+        ptr: Option<NonNull<u8>>,
+        new_size: usize,
+    ) -> Result<Option<NonNull<u8>>, Error> {
+        ShardedHandler::realloc(self, ptr, new_size)
+    }
+    fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error> {
+        ShardedHandler::free(self, ptr, size)
+    }
+    fn free_unsized(&self, ptr: NonNull<u8>) -> Result<usize, Error> {
+        ShardedHandler::free_unsized(self, ptr)
+    }
+    fn stats(&self) -> Result<Stats, Error> {
+        ShardedHandler::stats(self)
+    }
+    fn usable(&self) -> Result<(), Error> {
+        self.started().try_for_each(MemHandler::usable)
+    }
+}
+
+/// The shard each thread was given, one per handler, and giving that shard its queued
+/// frees when the thread ends.
+mod exit {
+    use super::*;
+
+    /// The shards the calling thread was given, one per handler.
+    #[derive(Default)]
+    struct Seated(RefCell<Vec<(Weak<Shared>, usize)>>);
+
+    impl Drop for Seated {
+        fn drop(&mut self) {
+            // Every shard's queue, not only this thread's shard's: the frees this
+            // thread queued for others are given back before it is gone, whether or
+            // not their threads call again.
+            for (shared, _) in self.0.take() {
+                if let Some(shared) = shared.upgrade() {
+                    shared.give_back_all_queued();
+                }
+            }
+        }
+    }
+
+    std::thread_local! {
+        static SEATED: Seated = Seated::default();
+    }
+
+    /// The shard of `shared` the calling thread was given, if any yet.
+    #[inline]
+    pub(super) fn seat(shared: &Arc<Shared>) -> Option<usize> {
+        SEATED
+            .try_with(|seated| {
+                let seated = seated.0.borrow();
+                let mine = Arc::as_ptr(shared);
+                seated
+                    .iter()
+                    .find(|(s, _)| std::ptr::eq(s.as_ptr(), mine))
+                    .map(|&(_, index)| index)
+            })
+            .ok()
+            .flatten()
+    }
+
+    /// The calling thread has shard `index` of `shared` from now on; give every shard
+    /// its queued frees when the thread ends.
+    pub(super) fn remember(shared: &Arc<Shared>, index: usize) {
+        // A thread already ending is not remembered: it calls `first_seat` again if it
+        // calls at all, and what it queues waits for the shard's next call or a read
+        // of the statistics. Nothing is lost.
+        let _ = SEATED.try_with(|seated| {
+            let mut seated = seated.0.borrow_mut();
+            seated.retain(|(s, _)| s.strong_count() > 0);
+            seated.push((Arc::downgrade(shared), index));
+        });
+    }
+}

@@ -1,0 +1,254 @@
+//! Instances per thread (0.2.0 `sharding`): each thread's requests go to a chain of its
+//! own, and every block goes back to the chain that lent it, whichever thread frees it.
+
+use std::ptr::NonNull;
+use std::sync::{Barrier, mpsc};
+
+use allocbox::{ClientError, Error, HandlerBuilder, Runtime, ShardedHandler};
+use allocbox_artifacts::Guest;
+
+use super::support::*;
+
+fn sharded(guest: &Guest, most: usize) -> ShardedHandler {
+    HandlerBuilder::new(Runtime::shared())
+        .link(&load(guest))
+        .build_sharded(most)
+        .unwrap_or_else(|e| panic!("starting {}: {e}", guest.name))
+}
+
+fn ptr(addr: usize) -> NonNull<u8> {
+    NonNull::new(addr as *mut u8).unwrap()
+}
+
+/// Each started shard's `(mallocs, frees, live blocks)`, read from the shard itself:
+/// nothing queued for it is given back by reading.
+fn per_shard(h: &ShardedHandler) -> Vec<(u64, u64, u64)> {
+    h.started()
+        .map(|shard| {
+            let s = shard.stats().unwrap();
+            (s.mallocs, s.frees, s.live_blocks)
+        })
+        .collect()
+}
+
+#[test]
+fn the_shipped_rust_policies_say_they_are_shardable() {
+    use allocbox_artifacts::{ALIGNED, ARENA, SIZE_CLASSES, SYSTEM};
+    for guest in [SYSTEM, SIZE_CLASSES, ARENA, ALIGNED] {
+        assert!(handler(&guest, &[]).shardable(), "{}", guest.name);
+    }
+    assert!(
+        !handler(&allocbox_artifacts::QUOTA, &[]).shardable(),
+        "a policy that does not say so is one instance"
+    );
+}
+
+#[test]
+fn a_chain_with_a_policy_that_is_not_shardable_is_one_instance() {
+    let h = HandlerBuilder::new(Runtime::shared())
+        .link(&load(&allocbox_artifacts::SYSTEM))
+        .link(&load(&allocbox_artifacts::QUOTA))
+        .build_sharded(4)
+        .unwrap();
+    assert_eq!(h.shard_count(), 1);
+    let blocks: Vec<usize> = std::thread::scope(|s| {
+        (0..3)
+            .map(|_| s.spawn(|| h.malloc(64).unwrap().unwrap().as_ptr() as usize))
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .collect()
+    });
+    assert_eq!(h.started().count(), 1, "every thread shares the one chain");
+    for addr in blocks {
+        h.free(Some(ptr(addr)), 64).unwrap();
+    }
+    h.leak_check().unwrap();
+}
+
+#[test]
+fn threads_get_chains_of_their_own_up_to_the_most_then_share_them() {
+    let h = sharded(&allocbox_artifacts::SIZE_CLASSES, 3);
+    assert_eq!(h.shard_count(), 3);
+    let all_there = Barrier::new(5);
+    std::thread::scope(|s| {
+        for _ in 0..5 {
+            s.spawn(|| {
+                let p = h.malloc(48).unwrap();
+                all_there.wait();
+                h.free(p, 48).unwrap();
+            });
+        }
+    });
+    assert_eq!(h.started().count(), 3);
+    for (index, (mallocs, frees, live)) in per_shard(&h).into_iter().enumerate() {
+        assert!(mallocs >= 1, "shard {index} served a thread");
+        assert_eq!((frees, live), (mallocs, 0), "shard {index}");
+    }
+    h.leak_check().unwrap();
+}
+
+/// The case: one thread allocates, another frees, 100,000 blocks; every block
+/// goes back to the chain that made it, none at the freeing thread's, and nothing is
+/// left queued once both threads have ended, with no one reading the statistics.
+#[test]
+fn a_hundred_thousand_blocks_freed_on_another_thread_all_go_back_to_their_maker() {
+    const BLOCKS: usize = 100_000;
+    let h = sharded(&allocbox_artifacts::SYSTEM, 2);
+    let (send, receive) = mpsc::sync_channel::<Vec<usize>>(16);
+    let h_ref = &h;
+    std::thread::scope(|s| {
+        let maker = s.spawn(move || {
+            let h = h_ref;
+            for _ in 0..BLOCKS / 1000 {
+                let batch = (0..1000)
+                    .map(|i| {
+                        let size = 16 + i % 200;
+                        let p = h.malloc(size).unwrap().unwrap();
+                        p.as_ptr() as usize
+                    })
+                    .collect();
+                send.send(batch).unwrap();
+            }
+            // The maker ends first: what is freed after this waits in its queue.
+        });
+        let freer = s.spawn(move || {
+            let h = h_ref;
+            // The freeing thread has a chain of its own before the first free.
+            let own = h.malloc(8).unwrap();
+            h.free(own, 8).unwrap();
+            for batch in receive {
+                for (i, addr) in batch.into_iter().enumerate() {
+                    h.free(Some(ptr(addr)), 16 + i % 200).unwrap();
+                }
+            }
+        });
+        // Joined, not left to the scope's end: a join waits for the thread's exit,
+        // where what it queued is given back; the scope waits only for its closure.
+        maker.join().unwrap();
+        freer.join().unwrap();
+    });
+    let shards = per_shard(&h);
+    let maker = shards
+        .iter()
+        .position(|&(mallocs, ..)| mallocs == BLOCKS as u64)
+        .expect("one shard made every block");
+    assert_eq!(
+        shards[maker],
+        (BLOCKS as u64, BLOCKS as u64, 0),
+        "every block back at its maker, nothing left queued"
+    );
+    assert_eq!(shards[1 - maker], (1, 1, 0), "none at the freeing thread's");
+    for shard in h.started() {
+        shard.audit().unwrap();
+    }
+    h.leak_check().unwrap();
+}
+
+#[test]
+fn a_free_from_another_thread_waits_for_the_maker_s_next_call() {
+    let h = sharded(&allocbox_artifacts::SYSTEM, 2);
+    let (to_freer, freer_gets) = mpsc::channel::<usize>();
+    let (to_maker, maker_gets) = mpsc::channel::<()>();
+    let (maker_done, freer_waits) = mpsc::channel::<()>();
+    let h_ref = &h;
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let h = h_ref;
+            let p = h.malloc(100).unwrap().unwrap();
+            to_freer.send(p.as_ptr() as usize).unwrap();
+            maker_gets.recv().unwrap();
+            // The maker's shard is the one still lending a block: the other's thread
+            // freed its own at once.
+            let shards = per_shard(h);
+            let maker = shards.iter().position(|&(.., live)| live == 1).unwrap();
+            assert_eq!(shards[maker], (1, 0, 1), "queued, not yet given back");
+            // The maker's next call gives it back first.
+            let q = h.malloc(100).unwrap();
+            assert_eq!(per_shard(h)[maker], (2, 1, 1));
+            h.free(q, 100).unwrap();
+            assert_eq!(h.live_blocks().unwrap(), [], "the client holds nothing");
+            maker_done.send(()).unwrap();
+        });
+        s.spawn(move || {
+            let h = h_ref;
+            let own = h.malloc(8).unwrap();
+            h.free(own, 8).unwrap();
+            let addr = freer_gets.recv().unwrap();
+            h.free(Some(ptr(addr)), 100).unwrap();
+            // The same block again, while its free waits in the queue.
+            let err = h.free(Some(ptr(addr)), 100).unwrap_err();
+            assert!(
+                matches!(err, Error::Client(ClientError::DoubleFree { .. })),
+                "{err}"
+            );
+            to_maker.send(()).unwrap();
+            // Alive until the maker has looked: a thread's end gives back every queue.
+            freer_waits.recv().unwrap();
+        });
+    });
+    let stats = h.stats().unwrap();
+    assert_eq!((stats.mallocs, stats.frees, stats.live_blocks), (3, 3, 0));
+    h.leak_check().unwrap();
+}
+
+#[test]
+fn a_wrong_size_from_another_thread_is_corrected_by_the_maker() {
+    let h = sharded(&allocbox_artifacts::SIZE_CLASSES, 2);
+    let addr = std::thread::scope(|s| {
+        s.spawn(|| h.malloc(40).unwrap().unwrap().as_ptr() as usize)
+            .join()
+            .unwrap()
+    });
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let own = h.malloc(8).unwrap();
+            h.free(own, 8).unwrap();
+            assert_eq!(
+                h.free_unsized(ptr(addr)).unwrap(),
+                40,
+                "the size it was lent with"
+            );
+        });
+    });
+    let addr = std::thread::scope(|s| {
+        s.spawn(|| h.malloc(40).unwrap().unwrap().as_ptr() as usize)
+            .join()
+            .unwrap()
+    });
+    h.free(Some(ptr(addr)), 24).unwrap();
+    let stats = h.stats().unwrap();
+    assert_eq!(stats.size_corrections, 1);
+    assert_eq!(stats.live_blocks, 0);
+    h.leak_check().unwrap();
+}
+
+#[test]
+fn realloc_on_another_thread_stays_with_the_block_s_maker() {
+    let h = sharded(&allocbox_artifacts::SIZE_CLASSES, 2);
+    let addr = std::thread::scope(|s| {
+        s.spawn(|| {
+            let p = h.malloc(64).unwrap().unwrap();
+            fill(p, 64, 0x5a);
+            p.as_ptr() as usize
+        })
+        .join()
+        .unwrap()
+    });
+    let moved = std::thread::scope(|s| {
+        s.spawn(|| {
+            let own = h.malloc(8).unwrap();
+            h.free(own, 8).unwrap();
+            let q = h.realloc(Some(ptr(addr)), 4096).unwrap().unwrap();
+            assert!(holds(q, 64, 0x5a), "the old bytes kept");
+            q.as_ptr() as usize
+        })
+        .join()
+        .unwrap()
+    });
+    let shards = per_shard(&h);
+    assert_eq!(shards[0].2, 1, "the maker lends the resized block");
+    assert_eq!(shards[1].2, 0);
+    h.free(Some(ptr(moved)), 4096).unwrap();
+    h.leak_check().unwrap();
+}
