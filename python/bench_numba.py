@@ -15,8 +15,8 @@ does anything), and "process-wide" the last policy again, placing every array
 under `allocbox.numba.use` (process-wide: no question to NumPy per array; what
 `allocbox run` does). A second table runs a `prange` loop making arrays on every one of
 Numba's workers at once, at 2 threads and at 16 (`NUMBA_NUM_THREADS`, 16 unless set),
-under Numba's own allocator, `system` asked on every call (`magazines=False`), and
-`system` with magazines. Build the extension with `maturin develop --release` first: a
+under Numba's own allocator, `system` asked on every call (`magazines=False`), the
+same with an instance per thread (`per_thread=True`), and `system` with magazines. Build the extension with `maturin develop --release` first: a
 debug build measures unoptimised host code.
 """
 
@@ -122,9 +122,11 @@ def main():
         cells = [f"{t * 1e3:8.1f}ms {t / base:5.2f}x" for t in results]
         print(f"{label:<34}" + "".join(f"{c:>17}" for c in cells))
     per_call = allocbox.load(GUESTS / "policy_system.wasm", magazines=False)
+    per_thread = allocbox.load(GUESTS / "policy_system.wasm", per_thread=True)
     magazines = allocbox.load(GUESTS / "policy_system.wasm")
     parallel = [
         ("system, per call", lambda: allocbox.numba.use(per_call)),
+        ("system, per thread", lambda: allocbox.numba.use(per_thread)),
         ("system, magazines", lambda: allocbox.numba.use(magazines)),
     ]
     make_and_drop_in_parallel(10, 8)  # compiled again, through the route
@@ -136,7 +138,12 @@ def main():
         results = [base, *medians(work, parallel)]
         cells = [f"{t * 1e3:8.1f}ms {t / base:6.2f}x" for t in results]
         print(f"{label:<34}" + "".join(f"{c:>19}" for c in cells))
-    for name, policy in [("system, per call", per_call), ("system, magazines", magazines)]:
+    print(f"system, per thread: {per_thread.instances} instances of `system` started")
+    for name, policy in [
+        ("system, per call", per_call),
+        ("system, per call, per thread", per_thread),
+        ("system, magazines", magazines),
+    ]:
         policy.raise_if_failed()
         stats = policy.stats()
         if stats["live_blocks"] != 0 or stats["mallocs"] == 0:

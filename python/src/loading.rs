@@ -156,9 +156,12 @@ pub(crate) fn chain_builder(
 /// before it names itself (a shipped policy's name); by default its path, or `<bytes>`.
 /// `gpu` is a stand-in GPU for the `pinned` kind (by default the CUDA driver's).
 /// `magazines=False` asks the top policy on every call even when it declares `batch`
-/// (per-thread magazines are the default for such a policy).
+/// (per-thread magazines are the default for such a policy). `per_thread=True` starts
+/// one chain per thread that calls it, up to one per core, when every policy of the
+/// chain says its state is per instance (contract 0.2.0 `sharding`; one chain
+/// otherwise): each asked on every call, the limits shared evenly between them.
 #[pyfunction]
-#[pyo3(signature = (*chain, record = None, record_sites = false, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None, grant = None, names = None, gpu = None, magazines = true))]
+#[pyo3(signature = (*chain, record = None, record_sites = false, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None, grant = None, names = None, gpu = None, magazines = true, per_thread = false))]
 #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
 pub(crate) fn load_chain(
     chain: Vec<Bound<'_, PyAny>>,
@@ -174,6 +177,7 @@ pub(crate) fn load_chain(
     names: Option<Vec<Option<String>>>,
     gpu: Option<PyRef<'_, crate::cuda::StandInGpu>>,
     magazines: bool,
+    per_thread: bool,
 ) -> PyResult<Policy> {
     let bounds = Bounds {
         call_time,
@@ -186,6 +190,9 @@ pub(crate) fn load_chain(
         gpu: gpu.map(|g| g.gpu()),
     };
     let builder = chain_builder(chain, bounds, names)?.magazines(magazines);
+    if per_thread {
+        return per_thread_policy(builder, record, record_sites);
+    }
     let handler = Arc::new(
         builder
             .build()
@@ -207,6 +214,41 @@ pub(crate) fn load_chain(
     }
     Ok(Policy {
         handler: Some(handler),
+        sharded: None,
+        bridge: Arc::new(bridge),
+        recorder,
+        capsule: Mutex::new(None),
+    })
+}
+
+/// A policy of one chain per thread (`per_thread=True`): its bridge asks the chains
+/// through [`allocbox::ShardedHandler`], recorded as any handler is.
+fn per_thread_policy(
+    builder: HandlerBuilder,
+    record: Option<PathBuf>,
+    record_sites: bool,
+) -> PyResult<Policy> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let sharded = Arc::new(
+        builder
+            .build_sharded(cores)
+            .map_err(|e| LoadError::new_err(e.to_string()))?,
+    );
+    let recorder = match record {
+        Some(path) => Some(recorder_to(&path, sharded.clone(), record_sites)?),
+        None => None,
+    };
+    let shared: Arc<dyn MemHandler> = match &recorder {
+        Some(recorder) => recorder.clone(),
+        None => sharded.clone(),
+    };
+    let mut bridge = Bridge::new(shared, None);
+    if let Some(recorder) = &recorder {
+        bridge = bridge.recording(recorder.clone());
+    }
+    Ok(Policy {
+        handler: None,
+        sharded: Some(sharded),
         bridge: Arc::new(bridge),
         recorder,
         capsule: Mutex::new(None),

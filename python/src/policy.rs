@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 
 use allocbox::nep49::MemHandler;
 
-use allocbox::Handler;
 use allocbox::trace::{RecordOptions, Recorder, SiteOf};
+use allocbox::{Handler, ShardedHandler};
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -23,7 +23,10 @@ use crate::numpy_api::{CAPSULE_NAME, make_capsule, numpy_name, numpy_set_handler
 /// A policy chain ready to be NumPy's handler.
 #[pyclass(frozen, module = "allocbox")]
 pub(crate) struct Policy {
+    /// The chain, for a policy of one chain (`None` for NumPy's own default).
     pub(crate) handler: Option<Arc<Handler>>,
+    /// The chains, for a policy of one chain per thread (`per_thread=True`).
+    pub(crate) sharded: Option<Arc<ShardedHandler>>,
     pub(crate) bridge: Arc<Bridge>,
     pub(crate) recorder: Option<Arc<Recorder>>,
     pub(crate) capsule: Mutex<Option<Py<PyAny>>>,
@@ -154,16 +157,24 @@ impl Policy {
 
     /// The live blocks, `(address, size)`, by address.
     fn snapshot(&self) -> PyResult<Vec<(usize, usize)>> {
-        match &self.handler {
-            Some(h) => h.live_blocks().map_err(|e| to_py(&e)),
-            None => Ok(Vec::new()),
+        match (&self.handler, &self.sharded) {
+            (Some(h), _) => h.live_blocks().map_err(|e| to_py(&e)),
+            (_, Some(s)) => s.live_blocks().map_err(|e| to_py(&e)),
+            (None, None) => Ok(Vec::new()),
         }
+    }
+
+    /// The chains started so far: with `per_thread=True`, one per thread that called
+    /// the policy, up to one per core; otherwise 1.
+    #[getter]
+    fn instances(&self) -> usize {
+        self.sharded.as_ref().map_or(1, |s| s.started().count())
     }
 
     /// Why the chain was stopped, or `None`.
     #[getter]
     fn failure(&self) -> Option<String> {
-        self.handler.as_ref()?.failure().map(|e| e.to_string())
+        self.stopped_by().map(|e| e.to_string())
     }
 
     /// Raise the first failure seen inside NumPy's calls (where only NULL could be
@@ -172,9 +183,7 @@ impl Policy {
         if let Some(message) = self.bridge.panicked.get() {
             return Err(AllocboxError::new_err(message.clone()));
         }
-        if let Some(h) = &self.handler
-            && let Some(e) = h.failure()
-        {
+        if let Some(e) = self.stopped_by() {
             return Err(to_py(&e));
         }
         let failures = self
@@ -225,6 +234,17 @@ impl Policy {
         format!("<allocbox.Policy {:?}>", self.name())
     }
 }
+impl Policy {
+    /// What stopped the chain (the first chain to stop, with `per_thread=True`).
+    fn stopped_by(&self) -> Option<Arc<allocbox::Error>> {
+        match (&self.handler, &self.sharded) {
+            (Some(h), _) => h.failure(),
+            (_, Some(s)) => s.failure(),
+            (None, None) => None,
+        }
+    }
+}
+
 /// A policy's counters as a dict that keeps its order.
 /// The client's counts of `stats` in `d`, by the names `Policy.stats()` documents.
 pub(crate) fn set_counts(d: &Bound<'_, PyDict>, s: &allocbox::Stats) -> PyResult<()> {
@@ -272,6 +292,7 @@ pub(crate) fn native_default(record: Option<PathBuf>, record_sites: bool) -> PyR
     };
     Ok(Policy {
         handler: None,
+        sharded: None,
         bridge: Arc::new(Bridge::new(shared, None)),
         recorder,
         capsule: Mutex::new(None),

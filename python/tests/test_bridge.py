@@ -394,6 +394,46 @@ def test_a_policy_asked_on_every_call_serves_eight_threads_and_counts_every_arra
     assert stats["live_blocks"] == 0, stats
 
 
+def test_a_per_thread_policy_takes_back_arrays_freed_on_other_threads():
+    """`per_thread=True`: each thread's arrays come from a chain of its own, and an
+    array dropped on another thread goes back to the chain that made it."""
+    per_thread = allocbox.load("size-classes", per_thread=True)
+    made = []
+    errors = []
+
+    def make():
+        allocbox.set_handler(per_thread)
+        made.extend(np.full(16 + i % 64, float(i)) for i in range(2000))
+
+    def drop():
+        try:
+            while made:
+                a = made.pop()
+                assert a[0] == a[-1]
+        except Exception as e:  # noqa: BLE001 - any failure fails the test below
+            errors.append(e)
+
+    maker = threading.Thread(target=make)
+    maker.start()
+    maker.join()
+    dropper = threading.Thread(target=drop)
+    dropper.start()
+    dropper.join()
+    assert errors == []
+    per_thread.raise_if_failed()
+    stats = per_thread.stats()
+    assert stats["mallocs"] >= 2000, stats
+    assert stats["live_blocks"] == 0, stats
+    assert per_thread.snapshot() == []
+    # The maker's chain and the dropper's: size-classes says it is shardable.
+    assert per_thread.instances == min(2, len(os.sched_getaffinity(0))), per_thread.instances
+
+
+def test_per_thread_is_a_bound_of_load():
+    with pytest.raises(TypeError, match="per_thread"):
+        allocbox.load("system", per_threads=True)
+
+
 def _sum_of_squares_and_handler(n):
     a = np.arange(float(n)) ** 2
     return float(a.sum()), allocbox.handler_name(a)
