@@ -300,6 +300,44 @@ fn several_client_threads_share_one_handler_under_check() {
 }
 
 #[test]
+fn a_shardable_policy_is_checked_with_an_instance_per_thread_and_frees_from_other_threads() {
+    let policy = load(&allocbox_artifacts::SIZE_CLASSES);
+    let opts = CheckOptions {
+        threads: 3,
+        cases: 24,
+        ..options()
+    };
+    let report = check::check(Runtime::shared(), &policy, &[], &opts).unwrap();
+    assert!(report.passed(), "{:?}", report.failure);
+    assert!(
+        report.cross_thread_frees > 0,
+        "a third of the cases pass blocks on: {report:?}"
+    );
+    // A policy that does not say so is never run per thread.
+    let quota = load(&allocbox_artifacts::QUOTA);
+    let report = check::check(Runtime::shared(), &quota, &[], &opts).unwrap();
+    assert_eq!(report.cross_thread_frees, 0);
+}
+
+#[test]
+fn a_per_thread_script_passes_blocks_to_the_next_thread_and_replays() {
+    let text = "per-thread\nt0 b0 = malloc 24\nt1 b0 = malloc 4000\nt0 pass b0\nt1 pass b0\nt1 b1 = calloc 3 8\nt0 b1 = malloc 16\nt0 pass b1\n";
+    let script = Script::parse(text).unwrap();
+    assert_eq!(script.path, CallPath::PerThread);
+    assert_eq!(script.threads[0][1], check::Op::Pass { block: 0 });
+    assert_eq!(Script::parse(&script.to_string()).unwrap(), script);
+    let err = Script::parse("b0 = malloc 8\npass b0\nfree b0\n").unwrap_err();
+    assert!(
+        err.contains("line 3") && err.contains("freed on line 2"),
+        "{err}"
+    );
+    let policy = load(&allocbox_artifacts::SIZE_CLASSES);
+    let finding =
+        check::replay(Runtime::shared(), &policy, &[], &script, &options().limits).unwrap();
+    assert!(finding.is_none(), "{finding:?}");
+}
+
+#[test]
 fn a_failure_found_with_several_threads_replays_on_one_handler_in_the_recorded_order() {
     let policy = load(&allocbox_artifacts::BROKEN);
     let config = [("fault", "double-free")];

@@ -4,17 +4,59 @@
 use std::ptr::NonNull;
 
 use allocbox::gpu::Placement;
-use allocbox::{Adversary, Error, Handler, Rule, WasmHook};
+use allocbox::{Adversary, Error, Rule, WasmHook};
 use allocbox_ledger::fasthash::FastMap;
 
 use super::model::Live;
 use super::pattern::PERIOD;
 use super::script::{BlockId, Op};
+use super::target::Checked;
 use super::verdict::Finding;
+
+/// Blocks passed to each client thread (`pass bN`), waiting for it to take them:
+/// `(address, size, phase)` of each, the pattern it was filled with.
+pub(super) struct Mailboxes {
+    boxes: Vec<std::sync::Mutex<Vec<(usize, usize, usize)>>>,
+    /// Passed blocks taken and freed, by a thread other than their maker's.
+    freed: std::sync::atomic::AtomicU64,
+}
+
+impl Mailboxes {
+    pub(super) fn new(threads: usize) -> Self {
+        Mailboxes {
+            boxes: (0..threads.max(1)).map(|_| Default::default()).collect(),
+            freed: Default::default(),
+        }
+    }
+
+    /// Passed blocks freed so far.
+    pub(super) fn freed(&self) -> u64 {
+        self.freed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn put(&self, thread: usize, block: &Live) {
+        let mailbox = &self.boxes[thread % self.boxes.len()];
+        let mut held = mailbox.lock().unwrap_or_else(|p| p.into_inner());
+        held.push((block.ptr.as_ptr() as usize, block.size, block.phase));
+    }
+
+    fn take(&self, thread: usize) -> Vec<(usize, usize, usize)> {
+        let mailbox = &self.boxes[thread % self.boxes.len()];
+        std::mem::take(&mut *mailbox.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// How many threads the boxes are for.
+    pub(super) fn len(&self) -> usize {
+        self.boxes.len()
+    }
+}
 
 /// Runs one client's operations against a handler and checks every answer.
 pub(super) struct Client<'h> {
-    pub(super) handler: &'h Handler,
+    pub(super) handler: &'h dyn Checked,
+    /// Where `pass` sends a block, and where this thread takes passed ones from.
+    mailboxes: &'h Mailboxes,
+    thread: usize,
     /// The checker's upstream under the handler, which `oom` operations instruct.
     adversary: &'h Adversary,
     /// Told about every block lent, resized and freed ([`crate::CheckOptions::hook`]).
@@ -34,13 +76,15 @@ unsafe impl Send for Client<'_> {}
 
 impl<'h> Client<'h> {
     pub(super) fn new(
-        handler: &'h Handler,
+        handler: &'h dyn Checked,
         adversary: &'h Adversary,
         hook: Option<&'h WasmHook>,
-        thread: usize,
+        (thread, mailboxes): (usize, &'h Mailboxes),
     ) -> Self {
         Client {
             handler,
+            mailboxes,
+            thread,
             adversary,
             hook,
             live: Vec::new(),
@@ -120,6 +164,7 @@ impl<'h> Client<'h> {
             // or copies it.
             return Ok(());
         }
+        self.take_passed()?;
         self.adversary.begin_operation();
         let err = |e: Error| Finding::from_error(&e);
         match *op {
@@ -191,6 +236,14 @@ impl<'h> Client<'h> {
                 self.ran.push(*op);
                 self.free_slot(slot)?;
             }
+            Op::Pass { block } => {
+                let Some(slot) = self.slot(block) else {
+                    return Ok(());
+                };
+                self.ran.push(*op);
+                let block = self.forget(slot);
+                self.mailboxes.put(self.thread + 1, &block);
+            }
             Op::OomAfter { .. } | Op::OomEvery { .. } | Op::OomAbove { .. } => {
                 self.ran.push(*op);
                 match *op {
@@ -228,6 +281,12 @@ impl<'h> Client<'h> {
                 }),
             );
         }
+        let block = self.forget(slot);
+        self.give_back(&block)
+    }
+
+    /// Take the block at `slot` out of this thread's live blocks.
+    fn forget(&mut self, slot: usize) -> Live {
         // The last block moves into the freed place. A name points at one block only (a
         // name made again points at the newer block), so each is updated only where it
         // pointed at the place that changed.
@@ -241,6 +300,11 @@ impl<'h> Client<'h> {
         {
             self.named.insert(moved.block, slot);
         }
+        block
+    }
+
+    /// Free a block that is no longer live here, checked intact already.
+    fn give_back(&mut self, block: &Live) -> Result<(), Finding> {
         self.adversary.begin_operation();
         self.handler
             .free(Some(block.ptr), block.size)
@@ -268,8 +332,32 @@ impl<'h> Client<'h> {
         Ok(())
     }
 
-    /// Free every live block, newest first.
+    /// Check and free the blocks other threads passed to this one: frees from a thread
+    /// that did not make them.
+    pub(super) fn take_passed(&mut self) -> Result<(), Finding> {
+        for (addr, size, phase) in self.mailboxes.take(self.thread) {
+            let block = Live {
+                block: 0,
+                ptr: NonNull::new(addr as *mut u8).expect("a passed block is lent"),
+                size,
+                phase,
+            };
+            if let Some(at) = block.first_changed(size) {
+                return Err(
+                    self.lost("free", &block, at, |offset| Rule::LiveBlockChanged {
+                        offset,
+                    }),
+                );
+            }
+            self.give_back(&block)?;
+            (self.mailboxes.freed).fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Free every live block, newest first, and every block passed to this thread.
     pub(super) fn free_all(&mut self) -> Result<(), Finding> {
+        self.take_passed()?;
         while let Some(last) = self.live.len().checked_sub(1) {
             self.free_slot(last)?;
         }

@@ -36,6 +36,7 @@ mod script;
 mod seeds;
 mod shrink;
 mod strategy;
+mod target;
 mod verdict;
 
 use runner::Subject;
@@ -105,7 +106,10 @@ pub fn check(
         hook: options.hook.as_deref(),
         tally: Tally::default(),
     };
-    let name = subject.start(CallPath::Magazines)?.0.name().to_string();
+    let (name, shardable) = match subject.start(CallPath::Magazines, 1)?.0 {
+        runner::Started::Host(h) => (h.name().to_string(), h.shardable()),
+        started => (started.name().to_string(), false),
+    };
 
     let cases = AtomicU64::new(0);
     let ops = AtomicU64::new(0);
@@ -129,6 +133,9 @@ pub fn check(
             threads: options.threads.max(1),
             max_ops,
             long,
+            // Several client threads on a policy that says its state is per instance:
+            // a third of the cases give each thread an instance and pass blocks on.
+            per_thread: shardable && options.threads > 1,
             // A long-lived instance's failure replays thousands of operations per
             // trial: past this, the smallest script found so far is reported.
             shrink_time: options.shrink_time,
@@ -223,6 +230,7 @@ pub fn check(
         elapsed: start.elapsed(),
         budget_refusals: subject.tally.budget.into_inner(),
         injected_refusals: subject.tally.injected.into_inner(),
+        cross_thread_frees: subject.tally.passed.into_inner(),
         counters: subject
             .tally
             .counters
@@ -266,7 +274,7 @@ pub fn replay(
         };
         return Ok(subject.run(&case, None).ok().and_then(|judged| judged.1));
     }
-    let (handler, adversary) = subject.start(script.path)?;
+    let (handler, adversary) = subject.start(script.path, script.threads.len())?;
     // Operations reach the handler in the recorded order; a script without one runs its
     // threads one after the other.
     let sections: Vec<usize>;
@@ -281,7 +289,7 @@ pub fn replay(
             &sections
         }
     };
-    Ok(runner::run_in_order(&handler, &adversary, script, order))
+    Ok(runner::run_in_order(&*handler, &adversary, script, order))
 }
 
 /// The finding of a shrunk script, once it has been replayed as `allocbox replay` runs
@@ -362,6 +370,7 @@ mod tests {
             threads,
             max_ops: 128,
             long: false,
+            per_thread: false,
             shrink_time: None,
         };
         match runner.run(&strategy, |case| {

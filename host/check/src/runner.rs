@@ -7,25 +7,29 @@ use std::time::Instant;
 
 use allocbox::gpu::{Gpu, StandIn};
 use allocbox::{Adversary, DeviceHandler, Handler, HandlerBuilder, Limits, LoadError};
-use allocbox::{Policy, Runtime, WasmHook};
+use allocbox::{Policy, Runtime, ShardedHandler, WasmHook};
 
-use super::client::Client;
+use super::client::{Client, Mailboxes};
 use super::script::{CallPath, Op, Script};
 use super::strategy::Case;
+use super::target::Checked;
 use super::verdict::{Finding, Tally};
 
-/// A handler of host memory, or of the checker's stand-in GPU.
+/// A handler of host memory, of the checker's stand-in GPU, or of an instance per
+/// client thread.
 pub(super) enum Started {
     Host(Handler),
     Device(DeviceHandler),
+    PerThread(ShardedHandler),
 }
 
 impl std::ops::Deref for Started {
-    type Target = Handler;
-    fn deref(&self) -> &Handler {
+    type Target = dyn Checked + 'static;
+    fn deref(&self) -> &(dyn Checked + 'static) {
         match self {
             Started::Host(h) => h,
             Started::Device(d) => d.handler(),
+            Started::PerThread(s) => s,
         }
     }
 }
@@ -57,7 +61,12 @@ impl Subject<'_> {
     /// A policy granted `device` is checked as a device handler of the checker's own
     /// stand-in GPU, whose memory the checker (playing the GPU's kernels) can fill and
     /// read.
-    pub(super) fn start(&self, path: CallPath) -> Result<(Started, Arc<Adversary>), LoadError> {
+    /// With [`CallPath::PerThread`], one instance per client thread of `threads`.
+    pub(super) fn start(
+        &self,
+        path: CallPath,
+        threads: usize,
+    ) -> Result<(Started, Arc<Adversary>), LoadError> {
         let adversary = Adversary::new(self.upstream_seed);
         let mut limits = self.limits.clone();
         let device = limits.grants.memory.device;
@@ -70,16 +79,17 @@ impl Subject<'_> {
             .checked(true)
             .magazines(path == CallPath::Magazines)
             .adversary(Arc::clone(&adversary));
-        let started = match device {
-            true => Started::Device(builder.build_device(0)?),
-            false => Started::Host(builder.build()?),
+        let started = match (device, path) {
+            (true, _) => Started::Device(builder.build_device(0)?),
+            (false, CallPath::PerThread) => Started::PerThread(builder.build_sharded(threads)?),
+            (false, _) => Started::Host(builder.build()?),
         };
         Ok((started, adversary))
     }
 
     /// Count what was refused on purpose in a case that ran on `handler`, and what the
     /// policy counted.
-    fn tally(&self, handler: &Handler, adversary: &Adversary) {
+    fn tally(&self, handler: &dyn Checked, adversary: &Adversary) {
         // A handler the checker's own threads called is reachable; were it not, the leak
         // check has said so already.
         if let Ok(stats) = handler.stats() {
@@ -114,7 +124,7 @@ impl Subject<'_> {
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(Script::default());
         }
-        let (handler, adversary) = match self.start(case.path) {
+        let (handler, adversary) = match self.start(case.path, threads.len()) {
             Ok(started) => started,
             Err(e) => {
                 let finding = Finding {
@@ -129,12 +139,14 @@ impl Subject<'_> {
         // Each operation takes a ticket as it starts, so the order the handler saw them
         // in can be written down and replayed.
         let clock = AtomicU64::new(0);
+        let mailboxes = Mailboxes::new(threads.len());
+        let handler = &*handler;
         let results: Vec<Ran> = if threads.len() == 1 {
             vec![run_client(
-                &handler,
+                handler,
                 &adversary,
                 self.hook,
-                (0, &threads[0]),
+                (0, &threads[0], &mailboxes),
                 &clock,
                 deadline,
             )]
@@ -144,10 +156,11 @@ impl Subject<'_> {
                     .iter()
                     .enumerate()
                     .map(|(t, ops)| {
-                        let (handler, adversary, clock) = (&handler, &*adversary, &clock);
+                        let (adversary, clock, mailboxes) = (&*adversary, &clock, &mailboxes);
                         let hook = self.hook;
                         s.spawn(move || {
-                            run_client(handler, adversary, hook, (t, ops), clock, deadline)
+                            let thread = (t, &ops[..], mailboxes);
+                            run_client(handler, adversary, hook, thread, clock, deadline)
                         })
                     })
                     .collect();
@@ -178,9 +191,12 @@ impl Subject<'_> {
             return Err(script);
         }
         if finding.is_none() {
-            finding = leak_check(&handler);
+            finding = free_passed(handler, &adversary, &mailboxes).or_else(|| leak_check(handler));
         }
-        self.tally(&handler, &adversary);
+        self.tally
+            .passed
+            .fetch_add(mailboxes.freed(), Ordering::Relaxed);
+        self.tally(handler, &adversary);
         Ok((script, finding.map(|f| f.after_refusals(&adversary))))
     }
 }
@@ -188,11 +204,25 @@ impl Subject<'_> {
 /// The way `handler` asks its policy: through magazines only when it keeps them (a
 /// policy that neither batches nor observes is asked on every call whatever the
 /// script said).
-pub(super) fn path_taken(handler: &Handler) -> CallPath {
-    match handler.keeps_magazines() {
-        true => CallPath::Magazines,
-        false => CallPath::PerCall,
+pub(super) fn path_taken(started: &Started) -> CallPath {
+    match started {
+        Started::PerThread(_) => CallPath::PerThread,
+        _ if started.keeps_magazines() => CallPath::Magazines,
+        _ => CallPath::PerCall,
     }
+}
+
+/// Free what was passed to a thread after its last turn (its `free_all` had run):
+/// from the checker's own thread, another thread than the maker's again.
+fn free_passed(
+    handler: &dyn Checked,
+    adversary: &Adversary,
+    mailboxes: &Mailboxes,
+) -> Option<Finding> {
+    (0..mailboxes.len()).find_map(|thread| {
+        let mut client = Client::new(handler, adversary, None, (thread, mailboxes));
+        client.free_all().err()
+    })
 }
 
 /// What one client thread ran: the operations that reached the handler, the ticket
@@ -206,14 +236,14 @@ pub(super) struct Ran {
 }
 
 pub(super) fn run_client(
-    handler: &Handler,
+    handler: &dyn Checked,
     adversary: &Adversary,
     hook: Option<&WasmHook>,
-    (thread, ops): (usize, &[Op]),
+    (thread, ops, mailboxes): (usize, &[Op], &Mailboxes),
     clock: &AtomicU64,
     deadline: Option<Instant>,
 ) -> Ran {
-    let mut client = Client::new(handler, adversary, hook, thread);
+    let mut client = Client::new(handler, adversary, hook, (thread, mailboxes));
     let mut tickets = Vec::new();
     let mut finding = None;
     for op in ops {
@@ -253,7 +283,7 @@ pub(super) fn run_client(
 /// `order` (the thread of each operation in turn), so the handler sees exactly the
 /// recorded sequence; then each thread frees what it holds, in thread order.
 pub(super) fn run_in_order(
-    handler: &Handler,
+    handler: &dyn Checked,
     adversary: &Adversary,
     script: &Script,
     order: &[usize],
@@ -264,6 +294,7 @@ pub(super) fn run_in_order(
     let moved = Condvar::new();
     let found: Mutex<Option<Finding>> = Mutex::new(None);
     let threads = script.threads.len();
+    let mailboxes = Mailboxes::new(threads);
     // After the recorded operations, one more turn per thread to free what it holds.
     let turns: Vec<usize> = order.iter().copied().chain(0..threads).collect();
     let steps_of = |me: usize| turns.iter().enumerate().filter(move |&(_, &t)| t == me);
@@ -271,6 +302,7 @@ pub(super) fn run_in_order(
         let mut clients = Vec::new();
         for (me, ops) in script.threads.iter().enumerate() {
             let (turn, moved, found, turns) = (&turn, &moved, &found, &turns);
+            let mailboxes = &mailboxes;
             let steps: Vec<usize> = steps_of(me).map(|(step, _)| step).collect();
             clients.push(s.spawn(move || {
                 // A thread that panics stops the others rather than leave them waiting
@@ -285,7 +317,7 @@ pub(super) fn run_in_order(
                     }
                 }
                 let _stop = StopOnPanic(turn, moved);
-                let mut client = Client::new(handler, adversary, None, me);
+                let mut client = Client::new(handler, adversary, None, (me, mailboxes));
                 let mut ops = ops.iter();
                 for step in steps {
                     let mut now = turn.lock().unwrap_or_else(|p| p.into_inner());
@@ -324,11 +356,12 @@ pub(super) fn run_in_order(
     });
     let finding = found.into_inner().unwrap_or_else(|p| p.into_inner());
     finding
+        .or_else(|| free_passed(handler, adversary, &mailboxes))
         .or_else(|| leak_check(handler))
         .map(|f| f.after_refusals(adversary))
 }
 
-pub(super) fn leak_check(handler: &Handler) -> Option<Finding> {
+pub(super) fn leak_check(handler: &dyn Checked) -> Option<Finding> {
     // A failure that no call returned is a finding too: a client thread that ended gave
     // its cache back to the policy, which failed there.
     if let Some(failure) = handler.failure() {

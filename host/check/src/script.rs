@@ -1,6 +1,7 @@
 //! The text form of a check case: client operations and scripts of them, one thread
 //! per section, that `allocbox replay` reads back. Besides the client's calls a script
-//! says which way the host asked the policy (`magazines` or `per-call`) and what the
+//! says which way the host asked the policy (`magazines`, `per-call` or `per-thread`)
+//! and what the
 //! checker's upstream does: its seed, and where it runs out of memory (`oom` lines).
 
 use std::fmt;
@@ -12,11 +13,15 @@ A script has one line each (`#` starts a comment):
   upstream seed N         the seed the checker's upstream places blocks by (first; 0 if absent)
   magazines | per-call    how the host asked a policy that batches: small requests served
                           from its per-thread magazines (the default), or every call asked
+  per-thread              every call asked, of an instance per client thread (a policy
+                          that says its state is per instance)
   bN = malloc SIZE        make the block named bN
   bN = calloc NELEM ELSIZE
   bN = realloc - SIZE     realloc from no block (`-` is no pointer): makes bN
   realloc bN SIZE         resize bN, which keeps its name
   free bN                 free bN with its size
+  pass bN                 hand bN to the next client thread, which frees it (the last
+                          thread's go to the first)
   trim                    ask every policy of the chain to give back what it caches
   oom next                the upstream refuses the next request a policy makes
   oom after N             in the next operation that makes more than N upstream requests,
@@ -52,6 +57,9 @@ pub enum Op {
     Realloc { block: BlockId, size: u64 },
     /// `free bN`
     Free { block: BlockId },
+    /// `pass bN`: hand the block to the next client thread, which checks and frees it
+    /// before its next operation: a free from a thread that did not make the block.
+    Pass { block: BlockId },
     /// `trim`: ask every policy of the chain to give back what it caches; a policy must
     /// stay correct across it at any point of its life, not only once everything is
     /// freed.
@@ -81,6 +89,7 @@ impl fmt::Display for Op {
             Op::ReallocNew { block, size } => write!(f, "b{block} = realloc - {size}"),
             Op::Realloc { block, size } => write!(f, "realloc b{block} {size}"),
             Op::Free { block } => write!(f, "free b{block}"),
+            Op::Pass { block } => write!(f, "pass b{block}"),
             Op::Trim => write!(f, "trim"),
             Op::OomAfter { requests: 0 } => write!(f, "oom next"),
             Op::OomAfter { requests } => write!(f, "oom after {requests}"),
@@ -121,6 +130,7 @@ impl std::str::FromStr for Op {
                 size: num(size)?,
             }),
             ["free", b] => Ok(Op::Free { block: name(b)? }),
+            ["pass", b] => Ok(Op::Pass { block: name(b)? }),
             ["trim"] => Ok(Op::Trim),
             ["oom", "next"] => Ok(Op::OomAfter { requests: 0 }),
             ["oom", "after", n] => Ok(Op::OomAfter { requests: num(n)? }),
@@ -154,7 +164,8 @@ impl Op {
             | Op::Calloc { block, .. }
             | Op::ReallocNew { block, .. }
             | Op::Realloc { block, .. }
-            | Op::Free { block } => Some(block),
+            | Op::Free { block }
+            | Op::Pass { block } => Some(block),
             Op::Trim | Op::OomAfter { .. } | Op::OomEvery { .. } | Op::OomAbove { .. } => None,
         }
     }
@@ -186,6 +197,10 @@ pub enum CallPath {
     /// batching off asks it, so its own `malloc`, `calloc`, `realloc` and `free` of
     /// small blocks run. A policy that does not batch is always asked this way.
     PerCall,
+    /// `per-thread`: every request asked, of an instance of its own per client thread
+    /// ([`allocbox::HandlerBuilder::build_sharded`]), for a policy that says its state
+    /// is per instance; blocks passed between threads go back to their maker.
+    PerThread,
 }
 
 impl CallPath {
@@ -193,6 +208,7 @@ impl CallPath {
         match self {
             CallPath::Magazines => "magazines",
             CallPath::PerCall => "per-call",
+            CallPath::PerThread => "per-thread",
         }
     }
 }
@@ -209,8 +225,8 @@ pub struct Script {
     /// The seed of the checker's upstream ([`allocbox::Adversary`]), which places every
     /// block: written `upstream seed N`, first; a script without the line ran with 0.
     pub upstream_seed: u64,
-    /// Written `magazines` or `per-call`, before the operations; a script without the
-    /// line ran through the magazines.
+    /// Written `magazines`, `per-call` or `per-thread`, before the operations; a script
+    /// without the line ran through the magazines.
     pub path: CallPath,
 }
 
@@ -261,7 +277,7 @@ impl Script {
                     .map_err(|e| at(format!("`{seed}`: {e}")))?;
                 continue;
             }
-            if let Some(path) = [CallPath::Magazines, CallPath::PerCall]
+            if let Some(path) = [CallPath::Magazines, CallPath::PerCall, CallPath::PerThread]
                 .into_iter()
                 .find(|path| line == path.word())
             {
@@ -361,7 +377,7 @@ fn check_blocks(ops: &[(usize, usize, Op)]) -> Result<(), String> {
             }
             Some(_) => {}
         }
-        if matches!(op, Op::Free { .. }) {
+        if matches!(op, Op::Free { .. } | Op::Pass { .. }) {
             blocks.insert((thread, block), (false, line));
         }
     }

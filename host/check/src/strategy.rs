@@ -261,6 +261,10 @@ pub(super) struct Scripts {
     /// Long-lived instances: every sequence is the general mix, holding at most
     /// [`LONG_LIVE_BLOCKS`] blocks at once. Otherwise a [`Shape`] is drawn per sequence.
     pub(super) long: bool,
+    /// The policy says its state is per instance and the case has several threads:
+    /// some cases then run [`CallPath::PerThread`], each thread passing every other
+    /// block it would free to the next thread.
+    pub(super) per_thread: bool,
     /// How long shrinking a failure may take ([`ShrinkBudget`]).
     pub(super) shrink_time: Option<Duration>,
 }
@@ -288,9 +292,12 @@ impl Strategy for Scripts {
     /// sizes.
     fn new_tree(&self, runner: &mut TestRunner) -> proptest::strategy::NewTree<Self> {
         let rng = runner.rng();
-        let path = match rng.random_bool(0.5) {
-            true => CallPath::Magazines,
-            false => CallPath::PerCall,
+        // A policy that cannot run per thread draws as it always did, so its seeds
+        // name the same cases.
+        let path = match (self.per_thread, rng.random_bool(0.5)) {
+            (true, _) if rng.random_range(0..3u32) == 0 => CallPath::PerThread,
+            (_, true) => CallPath::Magazines,
+            (_, false) => CallPath::PerCall,
         };
         let threads = (0..self.threads)
             .map(|_| {
@@ -311,7 +318,11 @@ impl Strategy for Scripts {
                     _ => draw_op(rng, drawing, shape),
                 };
                 let ops = (0..len).map(|_| draw(&mut drawing));
-                standing.into_iter().chain(ops).collect()
+                let ops: Vec<Op> = standing.into_iter().chain(ops).collect();
+                match path {
+                    CallPath::PerThread => passing_every_other_free(ops),
+                    _ => ops,
+                }
             })
             .collect();
         Ok(ScriptTree::new(
@@ -320,4 +331,15 @@ impl Strategy for Scripts {
             ShrinkBudget::new(self.shrink_time),
         ))
     }
+}
+
+/// `ops` with every other `free` a `pass` to the next thread, which frees the block.
+fn passing_every_other_free(mut ops: Vec<Op>) -> Vec<Op> {
+    let frees = ops.iter_mut().filter(|op| matches!(op, Op::Free { .. }));
+    for op in frees.step_by(2) {
+        if let Op::Free { block } = *op {
+            *op = Op::Pass { block };
+        }
+    }
+    ops
 }

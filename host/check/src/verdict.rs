@@ -167,6 +167,10 @@ pub struct CheckReport {
     /// Upstream requests the checker refused on purpose (`oom` operations), over every
     /// case, to run the policy's out-of-memory paths.
     pub injected_refusals: u64,
+    /// Blocks freed by a client thread other than the one that made them (`pass`, in
+    /// the cases that give each thread an instance of a policy that says its state is
+    /// per instance), over every case.
+    pub cross_thread_frees: u64,
     /// The policy's own counters (`lifecycle.report`, 0.2.0) at the end of each case,
     /// over the cases (summed; a `peak-` counter its largest), in the policy's order;
     /// none for a 0.1.0 policy.
@@ -218,6 +222,8 @@ pub(super) struct Tally {
     pub(super) budget: AtomicU64,
     /// By `oom` operations.
     pub(super) injected: AtomicU64,
+    /// Blocks passed to another client thread and freed there.
+    pub(super) passed: AtomicU64,
     /// The policy's `lifecycle.report` at the end of each case, by name, in the order
     /// the policy first named them.
     pub(super) counters: std::sync::Mutex<Vec<(String, u64)>>,

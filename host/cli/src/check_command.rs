@@ -114,6 +114,13 @@ fn text_report(
     if let Some(refused) = refused_on_purpose(report) {
         totals += &format!("; {refused}");
     }
+    if report.cross_thread_frees > 0 {
+        totals += &format!(
+            "; {} blocks freed by a client thread other than their maker's, each thread \
+             with an instance of its own",
+            report.cross_thread_frees
+        );
+    }
     // A shipped policy named by its name is not named twice.
     let named = if label == report.policy {
         label.to_string()
@@ -135,6 +142,7 @@ fn text_report(
     let path = match script.path {
         check::CallPath::Magazines => "through the host's magazines",
         check::CallPath::PerCall => "the policy asked on every call",
+        check::CallPath::PerThread => "an instance of the policy per client thread",
     };
     out += &format!("  shrunk to {} operations, {path}", script.len());
     if report.shrink_stopped_early {
@@ -242,6 +250,7 @@ fn json_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> serde
         "operations_per_second": report.ops_per_second(),
         "budget_refusals": report.budget_refusals,
         "injected_refusals": report.injected_refusals,
+        "cross_thread_frees": report.cross_thread_frees,
         "ungranted": report
             .ungranted
             .iter()

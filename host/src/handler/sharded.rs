@@ -267,6 +267,16 @@ impl ShardedHandler {
         Ok(blocks)
     }
 
+    /// Counters of every policy of every started chain: each chain's links, top first,
+    /// chain after chain (see [`Handler::link_stats`]).
+    pub fn link_stats(&self) -> Result<Vec<crate::link::LinkStats>, Error> {
+        let mut all = Vec::new();
+        for shard in self.started() {
+            all.extend(shard.link_stats()?);
+        }
+        Ok(all)
+    }
+
     /// The first failure that stopped a shard's chain.
     pub fn failure(&self) -> Option<Arc<Error>> {
         self.started().find_map(Handler::failure)
