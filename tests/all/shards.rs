@@ -252,3 +252,27 @@ fn realloc_on_another_thread_stays_with_the_block_s_maker() {
     h.free(Some(ptr(moved)), 4096).unwrap();
     h.leak_check().unwrap();
 }
+
+#[test]
+fn a_thread_that_only_frees_starts_no_instance_and_its_frees_wait_for_the_maker() {
+    let h = sharded(&allocbox_artifacts::SYSTEM, 4);
+    let addr = std::thread::scope(|s| {
+        s.spawn(|| h.malloc(72).unwrap().unwrap().as_ptr() as usize)
+            .join()
+            .unwrap()
+    });
+    std::thread::scope(|s| {
+        s.spawn(|| assert_eq!(h.free_unsized(ptr(addr)).unwrap(), 72))
+            .join()
+            .unwrap()
+    });
+    assert_eq!(h.started().count(), 1, "only the maker's instance started");
+    assert_eq!(per_shard(&h), [(1, 0, 1)], "queued for the maker");
+    let stats = h.stats().unwrap();
+    assert_eq!(
+        (stats.frees, stats.live_blocks),
+        (1, 0),
+        "given back before reading"
+    );
+    h.leak_check().unwrap();
+}

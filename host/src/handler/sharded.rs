@@ -8,7 +8,8 @@
 //!
 //! A block always goes back to the shard that lent it. A table of every block lent
 //! (its shard and size, in stripes so that threads rarely meet) says which; a free from
-//! a thread of another shard is queued for that shard and given back at its next call,
+//! a thread of another shard (or of none: a thread that only frees is given none) is
+//! queued for that shard and given back at its next call,
 //! when a thread that uses the handler ends, when the queue grows past
 //! [`QUEUED_AT_MOST`] (by the thread that fills it), or before anything reads the
 //! shards' state (statistics, trim, the leak check). The queued block is the client's no more: its entry leaves the table
@@ -212,12 +213,13 @@ impl ShardedHandler {
                 None => self.shard(0).free_unsized(ptr).map(|size| size as u64),
             };
         };
-        let mine = self.shared.seat();
-        if owner != mine {
+        // A thread that has no instance (it only frees: a collector's thread) is
+        // given none for this: its frees are queued as every other thread's are.
+        if self.shared.existing_seat() != Some(owner) {
             self.shared.queue(owner, ptr.as_ptr() as u64, said);
             return Ok(size);
         }
-        self.shared.give_back_queued(mine);
+        self.shared.give_back_queued(owner);
         let shard = self.shard(owner);
         match said {
             Some(said) => shard.free(Some(ptr), said as usize).map(|()| size),
@@ -304,6 +306,15 @@ impl Shared {
         match self.shards.len() {
             1 => 0,
             _ => exit::seat(self).unwrap_or_else(|| self.first_seat()),
+        }
+    }
+
+    /// The calling thread's shard, if it was given one.
+    #[inline]
+    fn existing_seat(self: &Arc<Self>) -> Option<usize> {
+        match self.shards.len() {
+            1 => Some(0),
+            _ => exit::seat(self),
         }
     }
 
