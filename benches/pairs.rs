@@ -5,7 +5,8 @@
 //! `-- --threads 1,4,16` for the thread counts of the throughput table, 1 and 2 by
 //! default, each cell `16: 475.5 (14.11x)`: pairs per µs, and the ratio to 1 thread;
 //! the counts take turns round by round, and the ratio is the median of each round's
-//! against one thread's round beside it).
+//! against one thread's round beside it). The `per thread` rows are the same policy per
+//! op with an instance per thread (`HandlerBuilder::build_sharded`, one per core).
 //!
 //! Instructions rather than time, on this noisy machine: `-- --profile` runs only
 //! 100,000 `system` per-op pairs and as many glibc-upstream floor pairs, each loop in a

@@ -16,8 +16,9 @@ under `allocbox.numba.use` (process-wide: no question to NumPy per array; what
 `allocbox run` does). A second table runs a `prange` loop making arrays on every one of
 Numba's workers at once, at 2 threads and at 16 (`NUMBA_NUM_THREADS`, 16 unless set),
 under Numba's own allocator, `system` asked on every call (`magazines=False`), the
-same with an instance per thread (`per_thread=True`), and `system` with magazines. Build the extension with `maturin develop --release` first: a
-debug build measures unoptimised host code.
+same with an instance per thread (`per_thread=True`), and `system` with magazines.
+Build the extension with `maturin develop --release` first: a debug build measures
+unoptimised host code.
 """
 
 import argparse

@@ -132,7 +132,12 @@ def load(source, config=None, *, record=None, record_sites=False, **limits):
     `load("guard", {"sample": "1"}, grant=["guarded"])`. `magazines=False` asks the
     policy on every call even when it declares `batch` (by default the host then keeps
     per-thread magazines of blocks it placed); many threads still share it at the
-    throughput of one, served in turn by whichever thread is inside it."""
+    throughput of one, served in turn by whichever thread is inside it.
+    `per_thread=True` gives each thread that calls it an instance of its own (up to one
+    per core, then threads share them; `Policy.instances` counts them) when every
+    policy of the chain says its state is per instance (`system`, `size-classes`,
+    `arena`, `aligned`), each asked on every call and the bounds shared evenly between
+    them; an array freed on another thread goes back to the instance that made it."""
     item = (source, {str(k): str(v) for k, v in config.items()}) if config else source
     return load_chain(item, record=record, record_sites=record_sites, **limits)
 

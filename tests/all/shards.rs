@@ -276,3 +276,21 @@ fn a_thread_that_only_frees_starts_no_instance_and_its_frees_wait_for_the_maker(
     );
     h.leak_check().unwrap();
 }
+
+#[test]
+fn the_limits_are_the_handler_s_in_all_each_instance_an_even_share() {
+    let h = HandlerBuilder::new(Runtime::shared())
+        .link(&load(&allocbox_artifacts::SYSTEM))
+        .host_memory_limit(1 << 20)
+        .build_sharded(4)
+        .unwrap();
+    assert_eq!(
+        h.malloc(512 << 10).unwrap(),
+        None,
+        "a quarter of 1 MiB cannot hold 512 KiB"
+    );
+    let p = h.malloc(200 << 10).unwrap();
+    assert!(p.is_some(), "within the share");
+    h.free(p, 200 << 10).unwrap();
+    h.leak_check().unwrap();
+}
