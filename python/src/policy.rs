@@ -80,10 +80,7 @@ impl Policy {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.bridge.handler.stats().map_err(|e| to_py(&e))?;
         let d = PyDict::new(py);
-        let links = match &self.handler {
-            Some(h) => h.link_stats().map_err(|e| to_py(&e))?,
-            None => Vec::new(),
-        };
+        let links = self.links()?;
         d.set_item(
             "client_misuse",
             links.iter().map(|l| l.client_misuse).sum::<u64>(),
@@ -112,12 +109,10 @@ impl Policy {
     /// - `client_misuse`: misuse of arrays it reported; `recent_misuse`: the latest
     ///   reports, as sentences;
     /// - `counters`: its own counters, `{name: value}` (contract 0.2.0).
+    ///
+    /// With `per_thread=True`, every instance's chain in turn, in the order they started.
     fn link_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let Some(h) = &self.handler else {
-            return Ok(Vec::new());
-        };
-        h.link_stats()
-            .map_err(|e| to_py(&e))?
+        self.links()?
             .into_iter()
             .map(|l| {
                 let d = PyDict::new(py);
@@ -235,6 +230,16 @@ impl Policy {
     }
 }
 impl Policy {
+    /// Every policy's counters, top first; with `per_thread=True` every chain's in turn.
+    fn links(&self) -> PyResult<Vec<allocbox::LinkStats>> {
+        let links = match (&self.handler, &self.sharded) {
+            (Some(h), _) => h.link_stats(),
+            (_, Some(s)) => s.link_stats(),
+            (None, None) => Ok(Vec::new()),
+        };
+        links.map_err(|e| to_py(&e))
+    }
+
     /// What stopped the chain (the first chain to stop, with `per_thread=True`).
     fn stopped_by(&self) -> Option<Arc<allocbox::Error>> {
         match (&self.handler, &self.sharded) {

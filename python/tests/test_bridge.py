@@ -406,7 +406,11 @@ def test_a_per_thread_policy_takes_back_arrays_freed_on_other_threads():
         made.extend(np.full(16 + i % 64, float(i)) for i in range(2000))
 
     def drop():
+        allocbox.set_handler(per_thread)
         try:
+            # An array of its own first, so that this thread has an instance too: a
+            # thread that only frees is given none.
+            assert np.ones(4).sum() == 4.0
             while made:
                 a = made.pop()
                 assert a[0] == a[-1]
@@ -426,7 +430,11 @@ def test_a_per_thread_policy_takes_back_arrays_freed_on_other_threads():
     assert stats["live_blocks"] == 0, stats
     assert per_thread.snapshot() == []
     # The maker's chain and the dropper's: size-classes says it is shardable.
-    assert per_thread.instances == min(2, len(os.sched_getaffinity(0))), per_thread.instances
+    instances = min(2, len(os.sched_getaffinity(0)))
+    assert per_thread.instances == instances, per_thread.instances
+    links = per_thread.link_stats()
+    assert [link["name"] for link in links] == ["size-classes"] * instances
+    assert sum(link["mallocs"] for link in links) >= 2000
 
 
 def test_per_thread_is_a_bound_of_load():

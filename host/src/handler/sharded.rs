@@ -6,8 +6,10 @@
 //! share them in turn. The limits are the handler's in all: each shard gets an even
 //! share of the overhead budget, of the host memory and of the linear memory.
 //!
-//! A block always goes back to the shard that lent it. A table of every block lent
-//! (its shard and size, in stripes so that threads rarely meet) says which; a free from
+//! A block always goes back to the shard that lent it. Each shard keeps a table of the
+//! blocks it lent the client (address to size), on a cache line of its own, so that a
+//! thread that frees its own blocks touches nothing another thread writes; a free
+//! looks in the calling thread's shard's table first, then in the others. A free from
 //! a thread of another shard (or of none: a thread that only frees is given none) is
 //! queued for that shard and given back at its next call,
 //! when a thread that uses the handler ends, when the queue grows past
@@ -17,7 +19,6 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::hash::BuildHasher;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
@@ -31,9 +32,6 @@ use crate::memhandler::{MemHandler, Stats};
 /// Frees queued for one shard before the thread that queues the next one gives them
 /// back itself: a shard whose threads have stopped calling holds at most this many.
 const QUEUED_AT_MOST: usize = 256;
-
-/// Stripes of the table of lent blocks: enough that 16 threads rarely take the same.
-const STRIPES: usize = 64;
 
 /// A handler whose policies may run as one instance per thread: see the module doc.
 /// Built by [`HandlerBuilder::build_sharded`].
@@ -50,20 +48,30 @@ struct Shared {
     builder: HandlerBuilder,
     /// The next shard to give a thread, round robin.
     next_seat: AtomicUsize,
-    /// Which shard lent each block the client holds, and its size.
-    lent: Box<[Mutex<LentStripe>]>,
+    /// The blocks each shard lent the client, and their sizes.
+    lent: Box<[Padded<Mutex<Lent>>]>,
     /// Frees of each shard's blocks from other shards' threads, `(address, size said)`.
-    queued: Box<[Queue]>,
+    queued: Box<[Padded<Queue>]>,
 }
 
-/// One stripe of the table of lent blocks: address to `(shard, size)`.
-type LentStripe = HashMap<u64, (usize, u64), foldhash::fast::FixedState>;
+/// The blocks one shard lent the client: address to size.
+type Lent = HashMap<u64, u64, foldhash::fast::FixedState>;
+
+/// A value on cache lines of its own: one shard's table is written by its thread alone,
+/// and a neighbour's writes must not take the line from it (128: two lines, as the
+/// adjacent-line prefetcher of x86 fetches them in pairs).
+#[derive(Default)]
+#[repr(align(128))]
+struct Padded<T>(T);
 
 #[derive(Default)]
 struct Queue {
     frees: Mutex<Vec<(u64, Option<u64>)>>,
     /// Something is queued: read on every call, so the lock is taken only then.
     pending: AtomicBool,
+    /// Held while frees taken from the queue are given back, so that a read of the
+    /// shards waits for frees another thread (one ending, say) is giving back.
+    giving_back: Mutex<()>,
 }
 
 impl std::fmt::Debug for ShardedHandler {
@@ -102,8 +110,8 @@ impl HandlerBuilder {
                 shards,
                 builder,
                 next_seat: AtomicUsize::new(0),
-                lent: (0..STRIPES).map(|_| Mutex::default()).collect(),
-                queued: (0..count).map(|_| Queue::default()).collect(),
+                lent: (0..count).map(|_| Padded::default()).collect(),
+                queued: (0..count).map(|_| Padded::default()).collect(),
             }),
         })
     }
@@ -329,24 +337,30 @@ impl Shared {
         index
     }
 
-    fn stripe(&self, addr: u64) -> &Mutex<HashMap<u64, (usize, u64), foldhash::fast::FixedState>> {
-        let hash = foldhash::fast::FixedState::with_seed(0).hash_one(addr);
-        &self.lent[hash as usize % STRIPES]
-    }
-
     fn lent_by(&self, block: NonNull<u8>, shard: usize, size: u64) {
-        let addr = block.as_ptr() as u64;
-        self.stripe(addr).lock().insert(addr, (shard, size));
+        self.lent[shard]
+            .0
+            .lock()
+            .insert(block.as_ptr() as u64, size);
     }
 
-    fn take_lent(&self, block: NonNull<u8>) -> Option<(usize, u64)> {
+    /// Take `block` out of the table of the shard that lent it: the calling thread's
+    /// shard first (its own blocks, the common case), then every other.
+    fn take_lent(self: &Arc<Self>, block: NonNull<u8>) -> Option<(usize, u64)> {
         let addr = block.as_ptr() as u64;
-        self.stripe(addr).lock().remove(&addr)
+        let first = self.existing_seat().unwrap_or(0);
+        let order = std::iter::once(first).chain((0..self.lent.len()).filter(|&s| s != first));
+        for shard in order {
+            if let Some(size) = self.lent[shard].0.lock().remove(&addr) {
+                return Some((shard, size));
+            }
+        }
+        None
     }
 
     /// Queue a free for shard `owner`; past [`QUEUED_AT_MOST`], give them back now.
     fn queue(&self, owner: usize, addr: u64, said: Option<u64>) {
-        let queue = &self.queued[owner];
+        let queue = &self.queued[owner].0;
         let full = {
             let mut frees = queue.frees.lock();
             frees.push((addr, said));
@@ -361,14 +375,15 @@ impl Shared {
     /// Give shard `index` the frees queued for it.
     #[inline]
     fn give_back_queued(&self, index: usize) {
-        if self.queued[index].pending.load(Ordering::Acquire) {
+        if self.queued[index].0.pending.load(Ordering::Acquire) {
             self.give_back_queued_now(index);
         }
     }
 
     #[cold]
     fn give_back_queued_now(&self, index: usize) {
-        let queue = &self.queued[index];
+        let queue = &self.queued[index].0;
+        let _giving_back = queue.giving_back.lock();
         let frees = {
             let mut frees = queue.frees.lock();
             queue.pending.store(false, Ordering::Release);
@@ -387,8 +402,10 @@ impl Shared {
         }
     }
 
+    /// Give every shard its queued frees, and wait for those other threads are giving
+    /// back: what is read next counts every free the client made.
     fn give_back_all_queued(&self) {
-        (0..self.queued.len()).for_each(|index| self.give_back_queued(index));
+        (0..self.queued.len()).for_each(|index| self.give_back_queued_now(index));
     }
 }
 
