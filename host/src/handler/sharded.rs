@@ -7,15 +7,15 @@
 //! share of the overhead budget, of the host memory and of the linear memory.
 //!
 //! A block always goes back to the shard that lent it. Each shard keeps a table of the
-//! blocks it lent the client (address to size), on a cache line of its own, so that a
+//! blocks it lent the client (address to size), on cache lines of its own, so that a
 //! thread that frees its own blocks touches nothing another thread writes; a free
 //! looks in the calling thread's shard's table first, then in the others. A free from
 //! a thread of another shard (or of none: a thread that only frees is given none) is
-//! queued for that shard and given back at its next call,
-//! when a thread that uses the handler ends, when the queue grows past
-//! [`QUEUED_AT_MOST`] (by the thread that fills it), or before anything reads the
-//! shards' state (statistics, trim, the leak check). The queued block is the client's no more: its entry leaves the table
-//! at once, so a second free of it is refused as a free of a block not lent.
+//! queued for that shard and given back at its next call, when a thread that uses the
+//! handler ends, when the queue grows past [`QUEUED_AT_MOST`] (by the thread that fills
+//! it), or before anything reads the shards' state (statistics, trim, the leak check).
+//! The queued block is the client's no more: its entry leaves the table at once, so a
+//! second free of it is refused as a double free (its shard still has it lent).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
