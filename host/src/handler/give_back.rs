@@ -30,7 +30,7 @@ impl Handler {
     /// A client's free of `ptr`, said to have `said` bytes (`None`: said no size);
     /// returns the size the ledger had for it.
     #[inline]
-    fn give_back(&self, ptr: NonNull<u8>, said: Option<u64>) -> Result<u64, Error> {
+    pub(super) fn give_back(&self, ptr: NonNull<u8>, said: Option<u64>) -> Result<u64, Error> {
         // A block this thread's cache lent goes back into its magazine when there is
         // room; otherwise it takes the chain's path, still on the books.
         let mut mine = self.thread_cache();

@@ -172,7 +172,10 @@ impl ShardedHandler {
         let Some(ptr) = ptr else {
             return self.malloc(new_size);
         };
-        let Some((index, size)) = self.shared.take_lent(ptr) else {
+        let Some((index, size)) = self
+            .shared
+            .take_lent(ptr, self.shared.existing_seat().unwrap_or(0))
+        else {
             if self.queued(ptr) {
                 let addr = ptr.as_ptr() as u64;
                 return Err(ClientError::UnknownRealloc { addr }.into());
@@ -210,29 +213,23 @@ impl ShardedHandler {
     }
 
     fn give_back(&self, ptr: NonNull<u8>, said: Option<u64>) -> Result<u64, Error> {
-        let Some((owner, size)) = self.shared.take_lent(ptr) else {
+        // A thread that has no instance (it only frees: a collector's thread) is
+        // given none for this: its frees are queued as every other thread's are.
+        let mine = self.shared.existing_seat();
+        let Some((owner, size)) = self.shared.take_lent(ptr, mine.unwrap_or(0)) else {
             if self.queued(ptr) {
                 let addr = ptr.as_ptr() as u64;
                 return Err(ClientError::DoubleFree { addr }.into());
             }
             // Not lent by any shard: shard 0 names the client's mistake.
-            return match said {
-                Some(said) => self.shard(0).free(Some(ptr), said as usize).map(|()| said),
-                None => self.shard(0).free_unsized(ptr).map(|size| size as u64),
-            };
+            return self.shard(0).give_back(ptr, said);
         };
-        // A thread that has no instance (it only frees: a collector's thread) is
-        // given none for this: its frees are queued as every other thread's are.
-        if self.shared.existing_seat() != Some(owner) {
+        if mine != Some(owner) {
             self.shared.queue(owner, ptr.as_ptr() as u64, said);
             return Ok(size);
         }
         self.shared.give_back_queued(owner);
-        let shard = self.shard(owner);
-        match said {
-            Some(said) => shard.free(Some(ptr), said as usize).map(|()| size),
-            None => shard.free_unsized(ptr).map(|size| size as u64),
-        }
+        self.shard(owner).give_back(ptr, said).map(|_| size)
     }
 
     /// Is `ptr` a block the client gave back that waits to go back to its shard (or is
@@ -344,11 +341,10 @@ impl Shared {
             .insert(block.as_ptr() as u64, size);
     }
 
-    /// Take `block` out of the table of the shard that lent it: the calling thread's
-    /// shard first (its own blocks, the common case), then every other.
-    fn take_lent(self: &Arc<Self>, block: NonNull<u8>) -> Option<(usize, u64)> {
+    /// Take `block` out of the table of the shard that lent it: shard `first` (the
+    /// calling thread's: its own blocks, the common case), then every other.
+    fn take_lent(&self, block: NonNull<u8>, first: usize) -> Option<(usize, u64)> {
         let addr = block.as_ptr() as u64;
-        let first = self.existing_seat().unwrap_or(0);
         let order = std::iter::once(first).chain((0..self.lent.len()).filter(|&s| s != first));
         for shard in order {
             if let Some(size) = self.lent[shard].0.lock().remove(&addr) {
@@ -395,10 +391,7 @@ impl Shared {
             // The client's part was checked when it was queued (the block was lent, by
             // this shard); a failure of the policy's stops this shard's chain, and the
             // shard's `failure` names it.
-            let _ = match said {
-                Some(said) => shard.free(Some(block), said as usize),
-                None => shard.free_unsized(block).map(drop),
-            };
+            let _ = shard.give_back(block, said);
         }
     }
 
