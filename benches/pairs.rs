@@ -5,7 +5,8 @@
 //! `-- --threads 1,4,16` for the thread counts of the throughput table, 1 and 2 by
 //! default, each cell `16: 475.5 (14.11x)`: pairs per µs, and the ratio to 1 thread;
 //! the counts take turns round by round, and the ratio is the median of each round's
-//! against one thread's round beside it). The `per thread` rows are the same policy per
+//! against one thread's round beside it; `-- --only TEXT` for the throughput rows of
+//! the cases whose name holds TEXT alone, as `--only "system, per op"`). The `per thread` rows are the same policy per
 //! op with an instance per thread (`HandlerBuilder::build_sharded`, one per core).
 //!
 //! Instructions rather than time, on this noisy machine: `-- --profile` runs only
@@ -329,6 +330,19 @@ fn profiled_floor(store: &mut Store<RawHost>, raw: &raw::Policy) {
     }
 }
 
+/// The text of `--only TEXT`: only the throughput rows whose case names hold it.
+fn only() -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    let at = args.iter().position(|a| a == "--only")?;
+    match args.get(at + 1) {
+        Some(text) => Some(text.clone()),
+        None => {
+            eprintln!("--only: give the text a case's name holds, as --only \"system, per op\"");
+            std::process::exit(2);
+        }
+    }
+}
+
 /// The thread counts of `--threads LIST` (`1,4,16`); 1 and 2 by default.
 fn thread_counts() -> Vec<usize> {
     let args: Vec<String> = std::env::args().collect();
@@ -361,19 +375,8 @@ fn main() {
     }
     let quick = std::env::args().any(|a| a == "--quick");
     let threads = thread_counts();
+    let only = only();
     let (rounds, iters) = if quick { (5, 20_000) } else { (15, 200_000) };
-
-    let glibc = median_ns(rounds, iters, || glibc_pair(SIZE));
-
-    let (mut store, raw) = raw_system(false);
-    let empty_call = median_ns(rounds, iters, || {
-        raw.allocbox_policy_lifecycle()
-            .call_trim(&mut store)
-            .unwrap();
-    });
-    let floor = median_ns(rounds, iters, || raw_pair(&mut store, &raw));
-    let (mut real_store, real) = raw_system(true);
-    let floor_with_memory = median_ns(rounds, iters, || raw_pair(&mut real_store, &real));
 
     use allocbox_artifacts::{SIZE_CLASSES, SYSTEM};
     let boxed = |h: Handler| Box::new(h) as Box<dyn MemHandler>;
@@ -408,38 +411,53 @@ fn main() {
         ),
     ];
 
-    println!("ns per malloc({SIZE})+free pair, median of {rounds} rounds x {iters} pairs");
-    println!(
-        "{:<42} {:>9} {:>9} {:>9}",
-        "case", "ns/pair", "x glibc", "x floor"
-    );
-    let row = |name: &str, ns: f64| {
+    // The latency tables are left out of a run for some throughput rows.
+    if only.is_none() {
+        let glibc = median_ns(rounds, iters, || glibc_pair(SIZE));
+
+        let (mut store, raw) = raw_system(false);
+        let empty_call = median_ns(rounds, iters, || {
+            raw.allocbox_policy_lifecycle()
+                .call_trim(&mut store)
+                .unwrap();
+        });
+        let floor = median_ns(rounds, iters, || raw_pair(&mut store, &raw));
+        let (mut real_store, real) = raw_system(true);
+        let floor_with_memory = median_ns(rounds, iters, || raw_pair(&mut real_store, &real));
+
+        println!("ns per malloc({SIZE})+free pair, median of {rounds} rounds x {iters} pairs");
         println!(
-            "{name:<42} {ns:>9.1} {:>9.1} {:>9.2}",
-            ns / glibc,
-            ns / floor
+            "{:<42} {:>9} {:>9} {:>9}",
+            "case", "ns/pair", "x glibc", "x floor"
         );
-    };
-    row("glibc malloc+free", glibc);
-    row("empty component call (one)", empty_call);
-    row("floor: raw wasmtime system (2 calls+2 imports)", floor);
-    row("floor, upstream allocating with glibc", floor_with_memory);
-    for (name, h) in &cases {
-        row(name, median_ns(rounds, iters, || pair(&**h, SIZE)));
+        let row = |name: &str, ns: f64| {
+            println!(
+                "{name:<42} {ns:>9.1} {:>9.1} {:>9.2}",
+                ns / glibc,
+                ns / floor
+            );
+        };
+        row("glibc malloc+free", glibc);
+        row("empty component call (one)", empty_call);
+        row("floor: raw wasmtime system (2 calls+2 imports)", floor);
+        row("floor, upstream allocating with glibc", floor_with_memory);
+        for (name, h) in &cases {
+            row(name, median_ns(rounds, iters, || pair(&**h, SIZE)));
+        }
+        let (_, system_per_op) = cases
+            .iter()
+            .find(|(name, _)| *name == "allocbox system, per op")
+            .expect("the cases include system per op");
+        let host_work = median_difference_ns(
+            rounds,
+            iters,
+            || raw_pair(&mut real_store, &real),
+            || pair(&**system_per_op, SIZE),
+        );
+        println!(
+            "host work: system per op less the glibc-upstream floor, rounds in turn: {host_work:.1} ns"
+        );
     }
-    let (_, system_per_op) = cases
-        .iter()
-        .find(|(name, _)| *name == "allocbox system, per op")
-        .expect("the cases include system per op");
-    let host_work = median_difference_ns(
-        rounds,
-        iters,
-        || raw_pair(&mut real_store, &real),
-        || pair(&**system_per_op, SIZE),
-    );
-    println!(
-        "host work: system per op less the glibc-upstream floor, rounds in turn: {host_work:.1} ns"
-    );
 
     // Threads: the same handler shared by each count of threads, against 1 thread, in
     // pairs per microsecond (throughput, not latency).
@@ -458,17 +476,23 @@ fn main() {
             .collect();
         println!("{name:<42} {}", cells.join("  "));
     };
-    thread_row("glibc malloc+free", &|| glibc_pair(SIZE));
-    for (name, h) in &cases {
+    let wanted = |name: &str| only.as_deref().is_none_or(|text| name.contains(text));
+    if wanted("glibc malloc+free") {
+        thread_row("glibc malloc+free", &|| glibc_pair(SIZE));
+    }
+    for (name, h) in cases.iter().filter(|(name, _)| wanted(name)) {
         thread_row(name, &|| pair(&**h, SIZE));
     }
 
-    println!("\nns per malloc({MID_SIZE})+free pair, same run");
-    let glibc_mid = median_ns(rounds, iters, || glibc_pair(MID_SIZE));
-    println!("{:<42} {:>9} {:>9}", "case", "ns/pair", "x glibc");
-    let mid_row = |name: &str, ns: f64| println!("{name:<42} {ns:>9.1} {:>9.1}", ns / glibc_mid);
-    mid_row("glibc malloc+free", glibc_mid);
-    for (name, h) in &cases {
-        mid_row(name, median_ns(rounds, iters, || pair(&**h, MID_SIZE)));
+    if only.is_none() {
+        println!("\nns per malloc({MID_SIZE})+free pair, same run");
+        let glibc_mid = median_ns(rounds, iters, || glibc_pair(MID_SIZE));
+        println!("{:<42} {:>9} {:>9}", "case", "ns/pair", "x glibc");
+        let mid_row =
+            |name: &str, ns: f64| println!("{name:<42} {ns:>9.1} {:>9.1}", ns / glibc_mid);
+        mid_row("glibc malloc+free", glibc_mid);
+        for (name, h) in &cases {
+            mid_row(name, median_ns(rounds, iters, || pair(&**h, MID_SIZE)));
+        }
     }
 }
