@@ -19,10 +19,12 @@
 // given back by `trim`; so after the client has freed everything, `trim` returns every
 // byte this policy holds upstream.
 //
-// The module is a core module written to the canonical ABI of the `allocbox:policy`
-// world (wit/policy.wit): no libc, no WASI, it imports nothing but the world's functions.
-// allocbox makes it a component when it loads it. The host calls it on one thread, so
-// plain globals are the state.
+// The module is a core module written to the canonical ABI of contract 0.2.0's
+// `sharding-policy` world (wit/0.2.0/policy.wit): no libc, no WASI, it imports nothing
+// but the world's functions. allocbox makes it a component when it loads it. The host
+// calls an instance on one thread at a time, so plain globals are the state; they are
+// this instance's alone, so the policy says it is shardable and the host may start one
+// instance per thread.
 //
 // Configuration (`init`), every key optional:
 //   bins=16,48,256,...   explicit bin sizes: ascending multiples of 16, at most 32 of them
@@ -42,10 +44,11 @@
 // Each WIT function is one core function. `u64` is i64, `u8`/`u32`/`bool` and pointers
 // are i32 (wasm32). A `list<u64>` argument is (pointer, length); a `list<u64>` result of
 // an import is written by the host to a return area whose pointer the caller passes last.
+// A record argument is flattened into its fields, in order (`init`'s `limits`).
 
 #define UPSTREAM(name) \
-    __attribute__((import_module("allocbox:policy/allocator@0.1.0"), import_name(name)))
-#define BYTES(name) __attribute__((import_module("allocbox:policy/bytes@0.1.0"), import_name(name)))
+    __attribute__((import_module("allocbox:policy/allocator@0.2.0"), import_name(name)))
+#define BYTES(name) __attribute__((import_module("allocbox:policy/bytes@0.2.0"), import_name(name)))
 #define EXPORT(name) __attribute__((export_name(name)))
 
 // A canonical-ABI `list<u64>`: pointer and length, 8 bytes in all.
@@ -189,6 +192,9 @@ struct slot {
 static struct slot *slots;
 static uint32_t nslots, slots_cap;
 
+// What `lifecycle.report` answers: chunks got from upstream, and the most held at once.
+static uint64_t chunks_taken, peak_chunks;
+
 static size_t chunk_desc_bytes(const struct bin *b) {
     return sizeof(struct chunk) + (size_t)b->words * sizeof(uint64_t);
 }
@@ -286,6 +292,8 @@ static struct chunk *chunk_new(struct bin *b) {
     }
     list_push_front(b, c);
     b->nempty++;
+    chunks_taken++;
+    if (nslots > peak_chunks) peak_chunks = nslots;
     return c;
 }
 
@@ -337,13 +345,13 @@ static void bin_free(struct bin *b, uint64_t ptr) {
 // ---------------------------------------------------------------------------------------
 // The allocator interface.
 
-EXPORT("allocbox:policy/allocator@0.1.0#malloc")
+EXPORT("allocbox:policy/allocator@0.2.0#malloc")
 uint64_t binning_malloc(uint64_t size) {
     if (size > max_bin) return up_malloc(size);
     return bin_alloc(bin_for(size));
 }
 
-EXPORT("allocbox:policy/allocator@0.1.0#calloc")
+EXPORT("allocbox:policy/allocator@0.2.0#calloc")
 uint64_t binning_calloc(uint64_t nelem, uint64_t elsize) {
     // An overflowing product is out of memory. Checked with 32-bit halves: clang turns
     // `nelem > UINT64_MAX / elsize` into a 128-bit multiply, which would need compiler-rt.
@@ -360,14 +368,14 @@ uint64_t binning_calloc(uint64_t nelem, uint64_t elsize) {
     return ptr;
 }
 
-EXPORT("allocbox:policy/allocator@0.1.0#free")
+EXPORT("allocbox:policy/allocator@0.2.0#free")
 void binning_free(uint64_t ptr, uint64_t size) {
     if (!ptr) return;
     if (size > max_bin) up_free(ptr, size);
     else bin_free(bin_for(size), ptr);
 }
 
-EXPORT("allocbox:policy/allocator@0.1.0#realloc")
+EXPORT("allocbox:policy/allocator@0.2.0#realloc")
 uint64_t binning_realloc(uint64_t ptr, uint64_t old_size, uint64_t new_size) {
     if (!ptr) return binning_malloc(new_size);
     bool old_binned = old_size <= max_bin, new_binned = new_size <= max_bin;
@@ -390,16 +398,16 @@ static uint32_t many_cap;
 static uint64_t many_none[1]; // the list when there is no room for one
 
 #define MAX_MANY 65536 // "fewer" is allowed; keeps count * 8 far from overflow
-// Most blocks in one upstream `malloc-many`/`free-many`. The host stops a policy that
-// passes its batch bound (`--batch-limit`, default 4096), which a policy cannot read;
-// 64 stays under any sensible setting and still saves most of the calls.
-#define UPSTREAM_BATCH 64
+// Most blocks in one upstream `malloc-many`/`free-many`: 64 saves most of the calls, and
+// `init` lowers it to the host's batch bound (`--batch-limit`) when that is smaller,
+// since passing the bound stops the policy.
+static uint32_t upstream_batch = 64;
 
-EXPORT("allocbox:policy/allocator@0.1.0#malloc-many")
+EXPORT("allocbox:policy/allocator@0.2.0#malloc-many")
 struct list *binning_malloc_many(uint64_t size, uint32_t count) {
     if (count > MAX_MANY) count = MAX_MANY;
     if (size > max_bin) {
-        up_malloc_many(size, count < UPSTREAM_BATCH ? count : UPSTREAM_BATCH, &many);
+        up_malloc_many(size, count < upstream_batch ? count : upstream_batch, &many);
         many_cap = many.len;
         return &many;
     }
@@ -419,17 +427,17 @@ struct list *binning_malloc_many(uint64_t size, uint32_t count) {
 }
 
 // Called by the host once it has read the `malloc-many` answer.
-EXPORT("cabi_post_allocbox:policy/allocator@0.1.0#malloc-many")
+EXPORT("cabi_post_allocbox:policy/allocator@0.2.0#malloc-many")
 void binning_malloc_many_post(struct list *ret) {
     release_arg(ret->ptr, (size_t)many_cap * 8);
     *ret = (struct list){0};
 }
 
-EXPORT("allocbox:policy/allocator@0.1.0#free-many")
+EXPORT("allocbox:policy/allocator@0.2.0#free-many")
 void binning_free_many(uint64_t *ptrs, uint32_t len, uint64_t size) {
     if (size > max_bin) {
-        for (uint32_t done = 0; done < len; done += UPSTREAM_BATCH)
-            up_free_many(ptrs + done, len - done < UPSTREAM_BATCH ? len - done : UPSTREAM_BATCH, size);
+        for (uint32_t done = 0; done < len; done += upstream_batch)
+            up_free_many(ptrs + done, len - done < upstream_batch ? len - done : upstream_batch, size);
     } else {
         struct bin *b = bin_for(size);
         for (uint32_t i = 0; i < len; i++)
@@ -443,8 +451,8 @@ void binning_free_many(uint64_t *ptrs, uint32_t len, uint64_t size) {
 // The lifecycle interface.
 
 // Gives back every chunk whose blocks are all free, in `free-many`s of up to
-// UPSTREAM_BATCH chunks.
-EXPORT("allocbox:policy/lifecycle@0.1.0#trim")
+// upstream_batch chunks.
+EXPORT("allocbox:policy/lifecycle@0.2.0#trim")
 void binning_trim(void) {
     struct chunk *dead = NULL; // released chunks, linked through `next`
     for (uint32_t i = 0; i < nbins; i++) {
@@ -472,8 +480,8 @@ void binning_trim(void) {
             c = next;
         }
         if (bases) {
-            for (uint32_t done = 0; done < n; done += UPSTREAM_BATCH)
-                up_free_many(bases + done, n - done < UPSTREAM_BATCH ? n - done : UPSTREAM_BATCH,
+            for (uint32_t done = 0; done < n; done += upstream_batch)
+                up_free_many(bases + done, n - done < upstream_batch ? n - done : upstream_batch,
                              b->chunk_bytes);
             heap_release(bases, (size_t)b->nempty * 8);
         }
@@ -492,7 +500,8 @@ void binning_trim(void) {
 }
 
 // `init`'s answer, `result<info, string>` laid out by the canonical ABI: the tag, then
-// the payload at offset 8 (info holds a u64, so it is 8-aligned).
+// the payload at offset 8 (info holds a u64, so it is 8-aligned). 0.2.0's `diagnoses`
+// follows `batch` in the same 8-byte slot, so the answer stays 40 bytes.
 static struct {
     uint8_t is_err;
     _Alignas(8) const char *text; // info.name, or the error message
@@ -500,11 +509,14 @@ static struct {
     uint8_t version;
     _Alignas(8) uint64_t alignment;
     bool batch;
+    bool diagnoses;
 } init_answer;
 _Static_assert(offsetof(__typeof__(init_answer), text) == 8, "result payload at 8");
 _Static_assert(offsetof(__typeof__(init_answer), version) == 16, "info.version at 16");
 _Static_assert(offsetof(__typeof__(init_answer), alignment) == 24, "info.alignment at 24");
 _Static_assert(offsetof(__typeof__(init_answer), batch) == 32, "info.batch at 32");
+_Static_assert(offsetof(__typeof__(init_answer), diagnoses) == 33, "info.diagnoses at 33");
+_Static_assert(sizeof init_answer == 40, "result<info, string> is 40 bytes");
 
 struct str {
     const char *ptr;
@@ -732,10 +744,19 @@ static bool configure(const struct kv *config, uint32_t len) {
     return true;
 }
 
-EXPORT("allocbox:policy/lifecycle@0.1.0#init")
-void *binning_init(struct kv *config, uint32_t len) {
+// `limits` is a record, so the canonical ABI passes its fields one by one after the
+// configuration list: `batch` (u32), `memory` and `overhead` (u64).
+EXPORT("allocbox:policy/lifecycle@0.2.0#init")
+void *binning_init(struct kv *config, uint32_t len, uint32_t batch_limit, uint64_t memory_limit,
+                   uint64_t overhead_limit) {
+    // Past `memory_limit` this module's `memory.grow` answers -1, which `heap_alloc`
+    // already takes as out of memory; the overhead budget is the host's to enforce.
+    (void)memory_limit;
+    (void)overhead_limit;
     bool ok = max_bin == 0 && configure(config, len);
     if (ok) {
+        // Never 0: the loops that split a batch would not advance.
+        if (batch_limit < upstream_batch) upstream_batch = batch_limit ? batch_limit : 1;
         static const char name[] = "binning";
         init_answer.is_err = 0;
         init_answer.text = name;
@@ -746,6 +767,8 @@ void *binning_init(struct kv *config, uint32_t len) {
         // Blocks are interchangeable within a size, so the host may fetch them ahead
         // with `malloc-many` and return them later with `free-many`.
         init_answer.batch = true;
+        // It checks nothing of how the client uses its blocks.
+        init_answer.diagnoses = false;
     } else {
         if (msg_len == 0) say("binning: `init` called twice");
         init_answer.is_err = 1;
@@ -760,3 +783,81 @@ void *binning_init(struct kv *config, uint32_t len) {
     release_arg(config, (size_t)len * sizeof *config);
     return &init_answer;
 }
+
+// `report`'s answer, `list<tuple<string, u64>>`: a return area of (pointer, length), the
+// list's elements 16 bytes each (the string's pointer and length, then the u64 at 8).
+struct counter {
+    const char *name;
+    uint32_t name_len;
+    uint64_t value;
+};
+_Static_assert(sizeof(struct counter) == 16 && _Alignof(struct counter) == 8, "tuple<string, u64>");
+static struct counter counters[2];
+static struct {
+    struct counter *ptr;
+    uint32_t len;
+} report_answer;
+
+#define COUNTER(lit, v) ((struct counter){lit, sizeof(lit) - 1, (v)})
+
+EXPORT("allocbox:policy/lifecycle@0.2.0#report")
+void *binning_report(void) {
+    counters[0] = COUNTER("chunks-taken", chunks_taken);
+    // `peak-` tells a tool that combines reports to keep the largest, not the sum.
+    counters[1] = COUNTER("peak-chunks", peak_chunks);
+    report_answer.ptr = counters;
+    report_answer.len = 2;
+    return &report_answer;
+}
+
+// ---------------------------------------------------------------------------------------
+// The observer interface: this policy is asked on every call and observes nothing.
+
+// `observes`' answer, `option<observing>`: the tag at 0, the record at 8 (its
+// `option<u64>` lease makes it 8-aligned), 32 bytes in all. Tag 0 is none.
+static _Alignas(8) uint8_t observes_answer[32];
+
+EXPORT("allocbox:policy/observer@0.2.0#observes")
+void *binning_observes(void) {
+    observes_answer[0] = 0;
+    return observes_answer;
+}
+
+// Never called while `observes` answers none, but every export of the world must exist.
+// Its `observation` variant arrives flattened: the case, then each case's fields joined
+// slot by slot (an i32 slot that another case fills with a u64 becomes an i64):
+//   events    (ops, addrs, sizes): three lists of bytes, (pointer, length) each, in 1..6
+//   totals    four u64 sums in 1..4, `lent-by-bits` (a list of u64) in 5..6
+//   survivors events in 1..6, `places` (bytes) in 7..8, `count` in 9, four u64 in 10..13
+// The lists were placed with `cabi_realloc` and are ours: released, so that a host that
+// did call it would leak nothing here.
+EXPORT("allocbox:policy/observer@0.2.0#observe")
+void binning_observe(uint32_t which, uint64_t s1, uint64_t s2, uint64_t s3, uint64_t s4,
+                     uint32_t s5, uint32_t s6, uint32_t s7, uint32_t s8, uint32_t s9,
+                     uint64_t s10, uint64_t s11, uint64_t s12, uint64_t s13) {
+    (void)s9, (void)s10, (void)s11, (void)s12, (void)s13;
+    if (which == 1) {
+        release_arg((const void *)(uintptr_t)s5, (size_t)s6 * 8);
+        return;
+    }
+    // events, or the events of survivors: byte lists in slots 1..6.
+    release_arg((const void *)(uintptr_t)s1, (size_t)s2);
+    release_arg((const void *)(uintptr_t)s3, (size_t)s4);
+    release_arg((const void *)(uintptr_t)s5, s6);
+    if (which == 2) release_arg((const void *)(uintptr_t)s7, s8);
+}
+
+// Never called: the host asks `renew` only of a policy that granted a lease.
+EXPORT("allocbox:policy/observer@0.2.0#renew")
+uint64_t binning_renew(uint64_t size) {
+    (void)size;
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------
+// The sharding interface.
+
+// Every chunk, bin and index lives in this instance's own memory and counts nothing
+// another instance lends, so the host may start one instance per thread.
+EXPORT("allocbox:policy/sharding@0.2.0#shardable")
+uint32_t binning_shardable(void) { return 1; }
