@@ -1,5 +1,7 @@
 //! `buddy`: a binary buddy allocator, written in Zig as a core module to the canonical ABI
-//! of the `allocbox:policy/policy` world (allocbox makes it a component when it loads it).
+//! of contract 0.2.0's `allocbox:policy/sharding-policy` world (wit/0.2.0/policy.wit;
+//! allocbox makes it a component when it loads it). Its state is this instance's alone,
+//! so it says it is shardable: the host may start one instance per thread.
 //!
 //! - Arenas of `arena-size` bytes (a power of two, default 1 MiB) come from upstream. Each
 //!   is one block of the top order; a request is rounded up to a power of two no smaller
@@ -44,15 +46,15 @@ const gpa = std.heap.wasm_allocator;
 // A `u64` is an `i64` and a `u8` an `i32` in the core signature, as the ABI wants.
 
 const upstream = struct {
-    extern "allocbox:policy/allocator@0.1.0" fn malloc(size: u64) u64;
-    extern "allocbox:policy/allocator@0.1.0" fn calloc(nelem: u64, elsize: u64) u64;
-    extern "allocbox:policy/allocator@0.1.0" fn realloc(ptr: u64, old_size: u64, new_size: u64) u64;
-    extern "allocbox:policy/allocator@0.1.0" fn free(ptr: u64, size: u64) void;
+    extern "allocbox:policy/allocator@0.2.0" fn malloc(size: u64) u64;
+    extern "allocbox:policy/allocator@0.2.0" fn calloc(nelem: u64, elsize: u64) u64;
+    extern "allocbox:policy/allocator@0.2.0" fn realloc(ptr: u64, old_size: u64, new_size: u64) u64;
+    extern "allocbox:policy/allocator@0.2.0" fn free(ptr: u64, size: u64) void;
 };
 
 const bytes = struct {
-    extern "allocbox:policy/bytes@0.1.0" fn fill(at: u64, len: u64, byte: u8) void;
-    extern "allocbox:policy/bytes@0.1.0" fn copy(dst: u64, src: u64, len: u64) void;
+    extern "allocbox:policy/bytes@0.2.0" fn fill(at: u64, len: u64, byte: u8) void;
+    extern "allocbox:policy/bytes@0.2.0" fn copy(dst: u64, src: u64, len: u64) void;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -101,7 +103,8 @@ fn computeLayout() void {
 }
 
 // ---------------------------------------------------------------------------------------
-// State. The host calls a policy on one thread at a time, so plain globals are enough.
+// State. The host calls an instance on one thread at a time, so plain globals are enough,
+// and no other instance sees them (which is what makes the policy shardable).
 
 const Arena = struct {
     /// The upstream block's address; 0 marks a slot whose arena was given back.
@@ -124,6 +127,10 @@ var total_free: [max_orders]u32 = @splat(0);
 /// Arenas sorted by base address, to find the arena of a freed address by bisection.
 const Entry = struct { base: u64, slot: u32 };
 var by_address: std.ArrayList(Entry) = .empty;
+
+/// What `lifecycle.report` answers: arenas got from upstream, and the most held at once.
+var arenas_taken: u64 = 0;
+var peak_arenas: u64 = 0;
 
 inline fn bit(i: u32) u64 {
     return @as(u64, 1) << @as(u6, @truncate(i));
@@ -232,6 +239,8 @@ fn newArena() bool {
     }
     by_address.insertAssumeCapacity(lowerBound(base), .{ .base = base, .slot = slot });
     markFree(&arenas.items[slot], slot, top, 0);
+    arenas_taken += 1;
+    peak_arenas = @max(peak_arenas, by_address.items.len);
     return true;
 }
 
@@ -440,7 +449,8 @@ const Pair = extern struct { key: [*]u8, key_len: u32, value: [*]u8, value_len: 
 
 /// `result<info, string>`: the tag at 0, the payload at 8 (info holds a u64, so the
 /// payload is 8-aligned). For `ok`, info = {name at 8, version at 16, alignment at 24,
-/// batch at 32}; for `err`, the string at 8.
+/// batch at 32, diagnoses at 33}; for `err`, the string at 8. 0.2.0's `diagnoses` shares
+/// `batch`'s 8-byte slot, so the answer is 40 bytes as in 0.1.0.
 const InitAnswer = extern struct {
     tag: u8,
     str: u32 align(8),
@@ -448,12 +458,15 @@ const InitAnswer = extern struct {
     version: u8,
     alignment: u64,
     batch: u8,
+    diagnoses: u8,
 };
 comptime {
     std.debug.assert(@offsetOf(InitAnswer, "str") == 8);
     std.debug.assert(@offsetOf(InitAnswer, "version") == 16);
     std.debug.assert(@offsetOf(InitAnswer, "alignment") == 24);
     std.debug.assert(@offsetOf(InitAnswer, "batch") == 32);
+    std.debug.assert(@offsetOf(InitAnswer, "diagnoses") == 33);
+    std.debug.assert(@sizeOf(InitAnswer) == 40);
 }
 var init_answer: InitAnswer = undefined;
 const name = "buddy";
@@ -560,7 +573,12 @@ fn configure(pairs: []const Pair) bool {
     return true;
 }
 
-fn init(list: [*]Pair, len: u32) callconv(.c) u32 {
+/// `limits` is a record, so the canonical ABI passes its fields one by one after the
+/// configuration list. None needs acting on here: this policy never calls `malloc-many`
+/// or `free-many` upstream, a `memory.grow` past `memory` fails the allocation that asked
+/// (and `gpa` answers out of memory), and the host enforces the overhead budget.
+fn init(list: [*]Pair, len: u32, batch_limit: u32, memory_limit: u64, overhead_limit: u64) callconv(.c) u32 {
+    _ = .{ batch_limit, memory_limit, overhead_limit };
     const pairs = list[0..len];
     const ok = configure(pairs);
     if (ok) {
@@ -573,6 +591,8 @@ fn init(list: [*]Pair, len: u32) callconv(.c) u32 {
             // Blocks are independent and every free carries its size, so the host may
             // fetch ahead with malloc-many and return frees late with free-many.
             .batch = 1,
+            // It checks nothing of how the client uses its blocks.
+            .diagnoses = 0,
         };
     } else {
         init_answer = .{
@@ -582,6 +602,7 @@ fn init(list: [*]Pair, len: u32) callconv(.c) u32 {
             .version = 0,
             .alignment = 0,
             .batch = 0,
+            .diagnoses = 0,
         };
     }
     // The strings and the list were allocated here by cabi_realloc: free them.
@@ -599,9 +620,79 @@ fn trim() callconv(.c) void {
     }
 }
 
+/// One element of `list<tuple<string, u64>>`: the name's (pointer, length), the u64 at 8.
+const Counter = extern struct { name: u32, name_len: u32, value: u64 };
 comptime {
-    const allocator = "allocbox:policy/allocator@0.1.0#";
-    const lifecycle = "allocbox:policy/lifecycle@0.1.0#";
+    std.debug.assert(@sizeOf(Counter) == 16 and @alignOf(Counter) == 8);
+}
+var counters: [2]Counter = undefined;
+/// `report`'s answer: the list's (pointer, length).
+var report_answer: [2]u32 align(8) = .{ 8, 0 };
+
+fn counter(comptime counter_name: []const u8, value: u64) Counter {
+    return .{ .name = @intCast(@intFromPtr(counter_name.ptr)), .name_len = counter_name.len, .value = value };
+}
+
+fn report() callconv(.c) u32 {
+    // `peak-` tells a tool that combines reports to keep the largest, not the sum.
+    counters = .{ counter("arenas-taken", arenas_taken), counter("peak-arenas", peak_arenas) };
+    report_answer = .{ @intCast(@intFromPtr(&counters)), counters.len };
+    return @intCast(@intFromPtr(&report_answer));
+}
+
+// ---------------------------------------------------------------------------------------
+// Observer: this policy is asked on every call and observes nothing.
+
+/// `observes`' answer, `option<observing>`: the tag at 0 (0 = none), the record at 8 (its
+/// `option<u64>` lease makes it 8-aligned), 32 bytes in all.
+var observes_answer: [32]u8 align(8) = @splat(0);
+
+fn observes() callconv(.c) u32 {
+    observes_answer[0] = 0;
+    return @intCast(@intFromPtr(&observes_answer));
+}
+
+/// Never called while `observes` answers none, but every export of the world must exist.
+/// The `observation` variant arrives flattened: the case, then each case's fields joined
+/// slot by slot (an i32 slot that another case fills with a u64 becomes an i64):
+///   events     three lists of bytes, (pointer, length) each, in slots 1..6
+///   totals     four u64 sums in 1..4, `lent-by-bits` (a list of u64) in 5..6
+///   survivors  events in 1..6, `places` (bytes) in 7..8, `count` in 9, four u64 in 10..13
+/// The lists were placed with `cabi_realloc` and are ours: freed, so that nothing leaks
+/// should a host call it.
+fn observe(case: u32, s1: u64, s2: u64, s3: u64, s4: u64, s5: u32, s6: u32, s7: u32, s8: u32, s9: u32, s10: u64, s11: u64, s12: u64, s13: u64) callconv(.c) void {
+    _ = .{ s9, s10, s11, s12, s13 };
+    if (case == 1) return freeList(s5, s6, 8);
+    freeList(@truncate(s1), @truncate(s2), 1);
+    freeList(@truncate(s3), @truncate(s4), 1);
+    freeList(s5, s6, 1);
+    if (case == 2) freeList(s7, s8, 1);
+}
+
+/// Frees a list argument of `len` elements of `size` bytes (aligned to their size). An
+/// empty one holds nothing, and its address is not made a pointer: `@ptrFromInt` traps
+/// on 0.
+fn freeList(at: u32, len: u32, size: usize) void {
+    if (len == 0) return;
+    freeArg(@ptrFromInt(at), @as(usize, len) * size, size);
+}
+
+/// Never called without a lease, and this policy grants none.
+fn renew(size: u64) callconv(.c) u64 {
+    _ = size;
+    return 0;
+}
+
+/// Every arena and bitmap lives in this instance's own memory and counts nothing another
+/// instance lends, so the host may start one instance per thread.
+fn shardable() callconv(.c) u32 {
+    return 1;
+}
+
+comptime {
+    const allocator = "allocbox:policy/allocator@0.2.0#";
+    const lifecycle = "allocbox:policy/lifecycle@0.2.0#";
+    const observer = "allocbox:policy/observer@0.2.0#";
     @export(&malloc, .{ .name = allocator ++ "malloc" });
     @export(&calloc, .{ .name = allocator ++ "calloc" });
     @export(&realloc, .{ .name = allocator ++ "realloc" });
@@ -610,5 +701,10 @@ comptime {
     @export(&freeMany, .{ .name = allocator ++ "free-many" });
     @export(&init, .{ .name = lifecycle ++ "init" });
     @export(&trim, .{ .name = lifecycle ++ "trim" });
+    @export(&report, .{ .name = lifecycle ++ "report" });
+    @export(&observes, .{ .name = observer ++ "observes" });
+    @export(&observe, .{ .name = observer ++ "observe" });
+    @export(&renew, .{ .name = observer ++ "renew" });
+    @export(&shardable, .{ .name = "allocbox:policy/sharding@0.2.0#shardable" });
     @export(&cabiRealloc, .{ .name = "cabi_realloc" });
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds the `buddy` policy into OUT: a core module written to the canonical ABI of the
-# `allocbox:policy/policy` world (allocbox makes it a component when it loads it).
+# Builds the `buddy` policy into OUT: a core module written to the canonical ABI of
+# contract 0.2.0's `allocbox:policy/sharding-policy` world (allocbox makes it a component
+# when it loads it).
 #
 #   guest-handlers/policies/zig/buddy/build.sh OUT.wasm
 #
@@ -23,7 +24,8 @@ trap 'rm -rf "$TMP"' EXIT
 
 # wasm32-freestanding: no WASI, so the module imports only the world's functions.
 # -fno-entry -rdynamic: a library-like module whose `export`ed functions are its exports.
-# -fsingle-threaded: the host calls a policy on one thread; no atomics, no shared memory.
+# -fsingle-threaded: the host calls an instance on one thread at a time (one per thread
+# when it shards it); no atomics, no shared memory.
 # ReleaseSafe: bounds and overflow checks stay in and trap (see README: a trap is a
 # caught failure; a silent bookkeeping error could lend overlapping blocks).
 # -fstrip: no debug sections, smaller and path-independent output.
