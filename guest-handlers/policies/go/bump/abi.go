@@ -1,7 +1,8 @@
-// The canonical-ABI plumbing of the `allocbox:policy/policy` world, by hand: Go's
-// //go:wasmimport and //go:wasmexport directives give the exact core names, and the few
-// values that are not plain integers (the config list, `init`'s result, the lists of
-// `malloc-many` and `free-many`) are laid out in this module's memory here.
+// The canonical-ABI plumbing of contract 0.2.0's `allocbox:policy/sharding-policy`
+// world (wit/0.2.0/policy.wit), by hand: Go's //go:wasmimport and //go:wasmexport
+// directives give the exact core names, and the few values that are not plain integers
+// (the config list, `init`'s result, the lists of `malloc-many`, `free-many`, `report`
+// and `observe`, `observes`' option) are laid out in this module's memory here.
 
 package main
 
@@ -9,39 +10,39 @@ import "unsafe"
 
 // The upstream: the next policy in the chain, or the host's memory.
 
-//go:wasmimport allocbox:policy/allocator@0.1.0 malloc
+//go:wasmimport allocbox:policy/allocator@0.2.0 malloc
 func upMalloc(size uint64) uint64
 
-//go:wasmimport allocbox:policy/allocator@0.1.0 calloc
+//go:wasmimport allocbox:policy/allocator@0.2.0 calloc
 func upCalloc(nelem, elsize uint64) uint64
 
-//go:wasmimport allocbox:policy/allocator@0.1.0 realloc
+//go:wasmimport allocbox:policy/allocator@0.2.0 realloc
 func upRealloc(ptr, oldSize, newSize uint64) uint64
 
-//go:wasmimport allocbox:policy/allocator@0.1.0 free
+//go:wasmimport allocbox:policy/allocator@0.2.0 free
 func upFree(ptr, size uint64)
 
 // Checked access to bytes of blocks this policy holds and has not lent out. `fill`'s
 // byte is a u8, which the canonical ABI passes as an i32.
 
-//go:wasmimport allocbox:policy/bytes@0.1.0 fill
+//go:wasmimport allocbox:policy/bytes@0.2.0 fill
 func bytesFill(at, n uint64, b uint32)
 
-//go:wasmimport allocbox:policy/bytes@0.1.0 copy
+//go:wasmimport allocbox:policy/bytes@0.2.0 copy
 func bytesCopy(dst, src, n uint64)
 
 // The exports. Each is a thin wrapper: the policy itself is in bump.go.
 
-//go:wasmexport allocbox:policy/allocator@0.1.0#malloc
+//go:wasmexport allocbox:policy/allocator@0.2.0#malloc
 func exportMalloc(size uint64) uint64 { return malloc(size) }
 
-//go:wasmexport allocbox:policy/allocator@0.1.0#calloc
+//go:wasmexport allocbox:policy/allocator@0.2.0#calloc
 func exportCalloc(nelem, elsize uint64) uint64 { return calloc(nelem, elsize) }
 
-//go:wasmexport allocbox:policy/allocator@0.1.0#realloc
+//go:wasmexport allocbox:policy/allocator@0.2.0#realloc
 func exportRealloc(ptr, oldSize, newSize uint64) uint64 { return realloc(ptr, oldSize, newSize) }
 
-//go:wasmexport allocbox:policy/allocator@0.1.0#free
+//go:wasmexport allocbox:policy/allocator@0.2.0#free
 func exportFree(ptr, size uint64) { free(ptr, size) }
 
 // ret is the return area of the calls whose result does not fit in one value; 8-aligned
@@ -57,7 +58,7 @@ const maxMany = 1024
 
 // `list<u64>` is returned as (pointer, length) in the return area.
 //
-//go:wasmexport allocbox:policy/allocator@0.1.0#malloc-many
+//go:wasmexport allocbox:policy/allocator@0.2.0#malloc-many
 func exportMallocMany(size uint64, count uint32) uint32 {
 	manyOut = mallocMany(size, min(count, maxMany), manyOut[:0])
 	var at uint32
@@ -71,7 +72,7 @@ func exportMallocMany(size uint64, count uint32) uint32 {
 
 // The host wrote the list with cabi_realloc; it is ours until the call returns.
 //
-//go:wasmexport allocbox:policy/allocator@0.1.0#free-many
+//go:wasmexport allocbox:policy/allocator@0.2.0#free-many
 func exportFreeMany(list, n uint32, size uint64) {
 	ptrs := unsafe.Slice((*uint64)(pointer(list)), n)
 	for _, p := range ptrs {
@@ -81,12 +82,17 @@ func exportFreeMany(list, n uint32, size uint64) {
 }
 
 // `list<tuple<string, string>>` arrives as (pointer, length), 16 bytes an element: key
-// (pointer, length), value (pointer, length). `result<info, string>`: the case byte at
-// 0, the payload from 8: info is name (pointer, length) at 8, version at 16, alignment
-// at 24, batch at 32; an error is its string at 8.
+// (pointer, length), value (pointer, length). The `limits` record follows, flattened into
+// its fields: batch (u32), memory and overhead (u64). `result<info, string>`: the case
+// byte at 0, the payload from 8: info is name (pointer, length) at 8, version at 16,
+// alignment at 24, batch at 32, diagnoses at 33; an error is its string at 8.
 //
-//go:wasmexport allocbox:policy/lifecycle@0.1.0#init
-func exportInit(list, n uint32) uint32 {
+// The limits need nothing here: the policy never calls `malloc-many` or `free-many`
+// upstream, Go's runtime (not this code) grows the memory, and the host enforces the
+// overhead budget.
+//
+//go:wasmexport allocbox:policy/lifecycle@0.2.0#init
+func exportInit(list, n, batchLimit uint32, memoryLimit, overheadLimit uint64) uint32 {
 	pairs := make([][2]string, n)
 	for i := range pairs {
 		at := list + 16*uint32(i)
@@ -103,6 +109,7 @@ func exportInit(list, n uint32) uint32 {
 		put8(16, 1) // the handler contract version
 		ret[3] = 16 // alignment: every block starts at a multiple of 16
 		put8(32, b2u(batch))
+		put8(33, 0) // diagnoses: it checks nothing of how the client uses its blocks
 	}
 	put32(8, addr(unsafe.Pointer(unsafe.StringData(answer))))
 	put32(12, uint32(len(answer)))
@@ -112,8 +119,65 @@ func exportInit(list, n uint32) uint32 {
 // answer keeps init's string alive until the host has read it.
 var answer string
 
-//go:wasmexport allocbox:policy/lifecycle@0.1.0#trim
+//go:wasmexport allocbox:policy/lifecycle@0.2.0#trim
 func exportTrim() { trim() }
+
+// counter is one element of `list<tuple<string, u64>>`: the name's (pointer, length),
+// then the value at 8.
+type counter struct {
+	name, nameLen uint32
+	value         uint64
+}
+
+var counters [2]counter
+
+// `report` answers its list as (pointer, length) in the return area. The names are
+// string constants, which stay where they are for the module's life.
+//
+//go:wasmexport allocbox:policy/lifecycle@0.2.0#report
+func exportReport() uint32 {
+	named := func(name string, value uint64) counter {
+		return counter{addr(unsafe.Pointer(unsafe.StringData(name))), uint32(len(name)), value}
+	}
+	// `peak-` tells a tool that combines reports to keep the largest, not the sum.
+	counters = [2]counter{named("chunks-taken", chunksTaken), named("peak-chunks", peakChunks)}
+	put32(0, addr(unsafe.Pointer(&counters)))
+	put32(4, uint32(len(counters)))
+	return addr(unsafe.Pointer(&ret))
+}
+
+// `option<observing>` is returned in the return area: the case byte at 0 (0: none), the
+// record from 8 (its `option<u64>` lease makes it 8-aligned), 32 bytes in all. None:
+// this policy is asked on every call.
+//
+//go:wasmexport allocbox:policy/observer@0.2.0#observes
+func exportObserves() uint32 {
+	ret = [5]uint64{}
+	return addr(unsafe.Pointer(&ret))
+}
+
+// Never called while `observes` answers none, but every export of the world must exist.
+// The `observation` variant arrives flattened: the case, then each case's fields joined
+// slot by slot (an i32 slot that another case fills with a u64 becomes an i64): events
+// are three byte lists in slots 1..6; totals four u64 in 1..4 and a list in 5..6;
+// survivors the events in 1..6, a list in 7..8, a count in 9 and four u64 in 10..13.
+// Whatever lists it got live in the argument arena, rewound here.
+//
+//go:wasmexport allocbox:policy/observer@0.2.0#observe
+func exportObserve(which uint32, s1, s2, s3, s4 uint64, s5, s6, s7, s8, s9 uint32, s10, s11, s12, s13 uint64) {
+	args.reset()
+}
+
+// Never called without a lease, and this policy grants none.
+//
+//go:wasmexport allocbox:policy/observer@0.2.0#renew
+func exportRenew(size uint64) uint64 { return 0 }
+
+// Every chunk lives in this instance's Go heap and counts nothing another instance
+// lends, so the host may start one instance per thread: 1 is true.
+//
+//go:wasmexport allocbox:policy/sharding@0.2.0#shardable
+func exportShardable() uint32 { return 1 }
 
 // cabi_realloc gives the host memory for the arguments it passes in (the config strings
 // and list, `free-many`'s list). They live in a Go byte slice kept reachable by args

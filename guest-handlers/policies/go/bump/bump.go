@@ -14,9 +14,11 @@
 // and to move the bytes of a block that `realloc` cannot resize in place: all its
 // bookkeeping lives in Go's own heap, in this module's linear memory.
 //
-// The host calls a policy on one thread, so the state below is plain globals. The file
-// is split by concern: abi.go holds the canonical-ABI plumbing (imports, exports,
-// argument and result memory); this file the policy; config.go the `init` settings.
+// The host calls an instance on one thread at a time, so the state below is plain
+// globals; they are this instance's alone, so the policy says it is shardable (the host
+// may start one instance per thread). The file is split by concern: abi.go holds the
+// canonical-ABI plumbing (imports, exports, argument and result memory); this file the
+// policy; config.go the `init` settings.
 package main
 
 // chunk is one block taken from the upstream, cut into blocks from its start.
@@ -41,6 +43,9 @@ var (
 	current *chunk
 	// empty chunks, not current, kept for reuse (most recently emptied last)
 	idle []*chunk
+
+	// what `report` answers: chunks taken from the upstream, and the most held at once
+	chunksTaken, peakChunks uint64
 )
 
 // round16 is size rounded up to the alignment; callers keep size far below 2^64.
@@ -92,6 +97,8 @@ func newChunk() *chunk {
 		i--
 	}
 	chunks[i] = c
+	chunksTaken++
+	peakChunks = max(peakChunks, uint64(len(chunks)))
 	return c
 }
 
