@@ -20,7 +20,7 @@ cd "$HERE"
 # does not provide; -Oz: smallest code.
 node node_modules/assemblyscript/bin/asc.js assembly/slab.ts -o "$TMP/slab.wasm" \
   -Oz --runtime stub --use abort= --noAssert
-# Exports get their canonical-ABI names (`allocbox:policy/allocator@0.1.0#malloc` ...).
+# Exports get their canonical-ABI names (`allocbox:policy/allocator@0.2.0#malloc` ...).
 node rename.mjs "$TMP/slab.wasm" "$TMP/out.wasm"
 stamp_language "$TMP/out.wasm" AssemblyScript
 deliver "$TMP/out.wasm" "$OUT"

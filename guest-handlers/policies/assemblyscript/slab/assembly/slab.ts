@@ -6,11 +6,13 @@
 // memory, so a small malloc or free is answered without a single call to the host;
 // `calloc` costs one `bytes.fill`, and a move in `realloc` one `bytes.copy`.
 //
-// This file is a core module written to the canonical ABI of the `allocbox:policy`
-// world (wit/policy.wit). AssemblyScript can only export identifiers, so the exports
-// here are named `malloc`, `malloc_many`, `init` ... and `rename.mjs` renames them to
-// `allocbox:policy/allocator@0.1.0#malloc` ... after compiling; the host turns the
-// module into a component when it loads it.
+// This file is a core module written to the canonical ABI of contract 0.2.0's
+// `sharding-policy` world (wit/0.2.0/policy.wit). AssemblyScript can only export
+// identifiers, so the exports here are named `malloc`, `malloc_many`, `init` ... and
+// `rename.mjs` renames them to `allocbox:policy/allocator@0.2.0#malloc` ... after
+// compiling; the host turns the module into a component when it loads it. The host
+// calls an instance on one thread at a time, and everything below is this instance's
+// alone, so the policy says it is shardable: the host may start one per thread.
 //
 // The rules the host enforces, and how this policy keeps them:
 // - Every block it returns lies inside an upstream block it holds: an object lies inside
@@ -39,23 +41,23 @@
 // ---------------------------------------------------------------------------------------
 // Imports: the upstream allocator and checked byte access (canonical-ABI names).
 
-@external("allocbox:policy/allocator@0.1.0", "malloc")
+@external("allocbox:policy/allocator@0.2.0", "malloc")
 declare function upMalloc(size: u64): u64;
-@external("allocbox:policy/allocator@0.1.0", "calloc")
+@external("allocbox:policy/allocator@0.2.0", "calloc")
 declare function upCalloc(nelem: u64, elsize: u64): u64;
-@external("allocbox:policy/allocator@0.1.0", "realloc")
+@external("allocbox:policy/allocator@0.2.0", "realloc")
 declare function upRealloc(ptr: u64, oldSize: u64, newSize: u64): u64;
-@external("allocbox:policy/allocator@0.1.0", "free")
+@external("allocbox:policy/allocator@0.2.0", "free")
 declare function upFree(ptr: u64, size: u64): void;
 // A returned list is written as (ptr, len) at `ret`; the host allocates its elements
 // with our `cabi_realloc`, i.e. in the scratch area.
-@external("allocbox:policy/allocator@0.1.0", "malloc-many")
+@external("allocbox:policy/allocator@0.2.0", "malloc-many")
 declare function upMallocMany(size: u64, count: u32, ret: usize): void;
-@external("allocbox:policy/allocator@0.1.0", "free-many")
+@external("allocbox:policy/allocator@0.2.0", "free-many")
 declare function upFreeMany(list: usize, len: u32, size: u64): void;
-@external("allocbox:policy/bytes@0.1.0", "fill")
+@external("allocbox:policy/bytes@0.2.0", "fill")
 declare function bytesFill(at: u64, len: u64, byte: u8): void;
-@external("allocbox:policy/bytes@0.1.0", "copy")
+@external("allocbox:policy/bytes@0.2.0", "copy")
 declare function bytesCopy(dst: u64, src: u64, len: u64): void;
 
 // ---------------------------------------------------------------------------------------
@@ -74,6 +76,9 @@ const MAX_OBJECTS: u64 = 65536;
 const MAX_KEEP_EMPTY: u64 = 1 << 20;
 // Most blocks one `malloc-many` returns ("fewer" is allowed; the host asks for 16).
 const MAX_BATCH: u32 = 256;
+/// Most blocks one upstream `malloc-many` or `free-many` may carry: the host's batch
+/// bound, told at `init` (passing it stops the policy).
+let upstreamBatch: u32 = 4096;
 
 /// Largest request served from a slab; the size of every object.
 let objSize: u64 = 64; // DEFAULT_OBJECT_SIZE
@@ -113,6 +118,9 @@ let recBase: usize = 0;
 let partialHead: i32 = -1; // NONE
 /// Slabs held with no live object.
 let emptyCount: u64 = 0;
+/// What `lifecycle.report` answers: slabs taken from upstream, and the most held at once.
+let slabsTaken: u64 = 0;
+let peakSlabs: u64 = 0;
 
 // @ts-ignore: decorator
 @inline function heapStart(): usize {
@@ -257,6 +265,8 @@ function newSlab(): i32 {
   if ((nObj & 63) != 0) store<u64>(words + (<usize>full << 3), (<u64>1 << (nObj & 63)) - 1);
   pushPartial(slot);
   emptyCount++;
+  slabsTaken++;
+  if (<u64>count > peakSlabs) peakSlabs = count;
   return slot;
 }
 
@@ -345,7 +355,7 @@ function freeObject(ptr: u64): bool {
 }
 
 // ---------------------------------------------------------------------------------------
-// allocbox:policy/allocator@0.1.0
+// allocbox:policy/allocator@0.2.0
 
 export function malloc(size: u64): u64 {
   resetScratch();
@@ -400,7 +410,7 @@ export function malloc_many(size: u64, wanted: u32): usize {
   if (!small(size)) {
     // One upstream call; its list lands in the scratch area, and its (ptr, len) is
     // exactly our answer's layout.
-    upMallocMany(size, wanted, manyRet);
+    upMallocMany(size, min(wanted, upstreamBatch), manyRet);
     return manyRet;
   }
   let n = min(wanted, MAX_BATCH);
@@ -419,7 +429,9 @@ export function malloc_many(size: u64, wanted: u32): usize {
 
 export function free_many(list: usize, len: u32, size: u64): void {
   if (!small(size)) {
-    upFreeMany(list, len, size);
+    for (let done: u32 = 0; done < len; done += upstreamBatch) {
+      upFreeMany(list + (<usize>done << 3), min(len - done, upstreamBatch), size);
+    }
   } else {
     for (let i: u32 = 0; i < len; i++) {
       let ptr = load<u64>(list + (<usize>i << 3));
@@ -430,10 +442,12 @@ export function free_many(list: usize, len: u32, size: u64): void {
 }
 
 // ---------------------------------------------------------------------------------------
-// allocbox:policy/lifecycle@0.1.0
+// allocbox:policy/lifecycle@0.2.0
 
 /// The `init` answer, result<info, string>: tag u8 at 0; ok: name (ptr, len) at 8,
-/// version u8 at 16, alignment u64 at 24, batch bool at 32; err: message (ptr, len) at 8.
+/// version u8 at 16, alignment u64 at 24, batch bool at 32, diagnoses bool at 33 (0.2.0
+/// put it in batch's 8-byte slot, so the answer is 40 bytes as in 0.1.0); err: message
+/// (ptr, len) at 8.
 const initRet = memory.data(40, 8);
 /// Where error messages are written (UTF-8).
 const MSG_CAP: usize = 512;
@@ -543,7 +557,11 @@ function setting(val: usize, valLen: usize, key: string, min: u64, max: u64, uni
 const NAME = "slab";
 const nameBuf = memory.data(8, 8);
 
-export function init(config: usize, len: u32): usize {
+/// `limits` is a record, so the canonical ABI passes its fields one by one after the
+/// configuration list: batch (u32), memory and overhead (u64). A `memory.grow` past
+/// `memory` answers -1, which `ensureMemory` already takes as out of memory, and the
+/// host enforces the overhead budget.
+export function init(config: usize, len: u32, batchLimit: u32, memoryLimit: u64, overheadLimit: u64): usize {
   msgLen = 0;
   let obj = DEFAULT_OBJECT_SIZE;
   let slab = DEFAULT_SLAB_SIZE;
@@ -595,6 +613,8 @@ export function init(config: usize, len: u32): usize {
   objSize = obj;
   slabSize = slab;
   keepEmpty = keep;
+  // Never 0: the loop in `free_many` that splits a batch would not advance.
+  upstreamBatch = max(batchLimit, 1);
   nObj = <u32>(slab / obj);
   nWords = (nObj + 63) >> 6;
   recSize = REC_BITMAP + (<usize>nWords << 3);
@@ -609,6 +629,8 @@ export function init(config: usize, len: u32): usize {
   // The host may fetch objects ahead and give them back later: order does not matter
   // to a bitmap, and trim still sees every slab whose objects all came back.
   store<u8>(initRet, 1, 32);
+  // diagnoses: it checks nothing of how the client uses its objects.
+  store<u8>(initRet, 0, 33);
   resetScratch();
   return initRet;
 }
@@ -622,4 +644,72 @@ export function trim(): void {
     s--;
   }
   emptyCount = 0;
+}
+
+/// `report`'s answer, list<tuple<string, u64>>: (ptr, len) here, the elements (16 bytes
+/// each: the name's ptr and len, the value at 8) in `counters`, their names in `names`.
+const reportRet = memory.data(8, 8);
+const counters = memory.data(32, 8);
+const names = memory.data(32, 8);
+
+/// Writes counter `i`: its ASCII name, as UTF-8 at names + 16 * i, and its value.
+function counter(i: usize, name: string, value: u64): void {
+  let at = names + (i << 4);
+  for (let k = 0; k < name.length; k++) store<u8>(at + k, <u8>name.charCodeAt(k));
+  let c = counters + (i << 4);
+  store<u32>(c, <u32>at);
+  store<u32>(c, <u32>name.length, 4);
+  store<u64>(c, value, 8);
+}
+
+export function report(): usize {
+  resetScratch();
+  counter(0, "slabs-taken", slabsTaken);
+  // `peak-` tells a tool that combines reports to keep the largest, not the sum.
+  counter(1, "peak-slabs", peakSlabs);
+  store<u32>(reportRet, <u32>counters);
+  store<u32>(reportRet, 2, 4);
+  return reportRet;
+}
+
+// ---------------------------------------------------------------------------------------
+// allocbox:policy/observer@0.2.0: this policy is asked on every call and observes nothing.
+
+/// `observes`' answer, option<observing>: tag u8 at 0 (0 = none), the record at 8 (its
+/// option<u64> lease makes it 8-aligned), 32 bytes in all.
+const observesRet = memory.data(32, 8);
+
+export function observes(): usize {
+  resetScratch();
+  store<u8>(observesRet, 0);
+  return observesRet;
+}
+
+/// Never called while `observes` answers none, but every export of the world must exist.
+/// The `observation` variant arrives flattened: the case, then each case's fields joined
+/// slot by slot (an i32 slot that another case fills with a u64 becomes an i64): events
+/// are three byte lists in slots 1..6; totals four u64 in 1..4 and a list in 5..6;
+/// survivors the events in 1..6, a list in 7..8, a count in 9 and four u64 in 10..13.
+/// Its lists were placed in the scratch area, emptied here.
+export function observe(
+  which: u32, s1: u64, s2: u64, s3: u64, s4: u64, s5: u32, s6: u32, s7: u32, s8: u32,
+  s9: u32, s10: u64, s11: u64, s12: u64, s13: u64,
+): void {
+  resetScratch();
+}
+
+/// Never called without a lease, and this policy grants none.
+export function renew(size: u64): u64 {
+  resetScratch();
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------
+// allocbox:policy/sharding@0.2.0
+
+/// Every slab and table lives in this instance's own memory and counts nothing another
+/// instance lends, so the host may start one instance per thread.
+export function shardable(): bool {
+  resetScratch();
+  return true;
 }
