@@ -32,15 +32,97 @@ fn per_shard(h: &ShardedHandler) -> Vec<(u64, u64, u64)> {
 }
 
 #[test]
-fn the_shipped_rust_policies_say_they_are_shardable() {
-    use allocbox_artifacts::{ALIGNED, ARENA, SIZE_CLASSES, SYSTEM};
-    for guest in [SYSTEM, SIZE_CLASSES, ARENA, ALIGNED] {
-        assert!(handler(&guest, &[]).shardable(), "{}", guest.name);
+fn shipped_policies_in_every_language_that_keep_per_instance_state_say_they_are_shardable() {
+    use allocbox_artifacts::{ALIGNED, ARENA, BINNING, BUDDY, BUMP, SIZE_CLASSES, SLAB, SYSTEM};
+    // Rust components say so through the SDK; the C, Zig, Go and AssemblyScript core
+    // modules by exporting `sharding@0.2.0#shardable` themselves.
+    for guest in [
+        SYSTEM,
+        SIZE_CLASSES,
+        ARENA,
+        ALIGNED,
+        BINNING,
+        BUDDY,
+        BUMP,
+        SLAB,
+    ] {
+        assert!(
+            handler(&guest, &[]).shardable(),
+            "{} ({})",
+            guest.name,
+            guest.language
+        );
     }
     assert!(
         !handler(&allocbox_artifacts::QUOTA, &[]).shardable(),
         "a policy that does not say so is one instance"
     );
+}
+
+/// The core modules of other languages under a chain per thread: each thread's blocks,
+/// small ones from the policy's own bins, arenas, chunks or slabs and large ones passed
+/// upstream, are freed by the other thread, and each goes back to the instance that lent
+/// it, its bytes untouched until then.
+#[test]
+fn core_module_policies_run_a_chain_per_thread_and_take_back_blocks_freed_on_the_other() {
+    use allocbox_artifacts::{BINNING, BUDDY, BUMP, SLAB};
+    const SIZES: [usize; 7] = [16, 48, 64, 200, 4096, 300 << 10, 2 << 20];
+    const BLOCKS: usize = 3 * SIZES.len();
+    for guest in [BINNING, BUDDY, BUMP, SLAB] {
+        let h = sharded(&guest, 2);
+        assert_eq!(h.shard_count(), 2, "{}", guest.name);
+        let (to_b, b_gets) = mpsc::channel::<Vec<usize>>();
+        let (to_a, a_gets) = mpsc::channel::<Vec<usize>>();
+        let h_ref = &h;
+        let name = guest.name;
+        // Each thread fills its own blocks with `mine` and finds `theirs` in the other's.
+        let thread = |mine: u8,
+                      theirs: u8,
+                      send: mpsc::Sender<Vec<usize>>,
+                      receive: mpsc::Receiver<Vec<usize>>| {
+            move || {
+                let h = h_ref;
+                let made = (0..BLOCKS)
+                    .map(|i| {
+                        let size = SIZES[i % SIZES.len()];
+                        let p = h.malloc(size).unwrap().unwrap();
+                        fill(p, size, mine);
+                        p.as_ptr() as usize
+                    })
+                    .collect();
+                send.send(made).unwrap();
+                for (i, addr) in receive.recv().unwrap().into_iter().enumerate() {
+                    let size = SIZES[i % SIZES.len()];
+                    assert!(holds(ptr(addr), size, theirs), "{name}: the maker's bytes");
+                    h.free(Some(ptr(addr)), size).unwrap();
+                }
+            }
+        };
+        std::thread::scope(|s| {
+            let a = s.spawn(thread(0x5a, 0xa5, to_b, a_gets));
+            let b = s.spawn(thread(0xa5, 0x5a, to_a, b_gets));
+            a.join().unwrap();
+            b.join().unwrap();
+        });
+        assert_eq!(h.started().count(), 2, "{name}: a chain per thread");
+        assert_eq!(h.live_blocks().unwrap(), [], "{name}");
+        for (index, shard) in per_shard(&h).into_iter().enumerate() {
+            let made = BLOCKS as u64;
+            assert_eq!(
+                shard,
+                (made, made, 0),
+                "{name}: shard {index} took back its own"
+            );
+        }
+        for shard in h.started() {
+            shard.audit().unwrap();
+            // Each instance's counters are its own: each took memory from its own upstream.
+            let counters = &shard.link_stats().unwrap()[0].counters;
+            let (taken, n) = &counters[0];
+            assert!(taken.ends_with("-taken") && *n >= 1, "{name}: {counters:?}");
+        }
+        h.leak_check().unwrap();
+    }
 }
 
 #[test]
