@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use allocbox::{Error, Handler, HandlerBuilder, Limits, Runtime};
+use allocbox::{Error, Handler, HandlerBuilder, Limits, MemHandler, Runtime, ShardedHandler};
 use allocbox_ledger::cache::{Books, Caches, Locked, Unreachable};
 
 /// Far past anything a child does (milliseconds) or waits for (a call limit): a child
@@ -23,10 +23,14 @@ const HANG: Duration = Duration::from_secs(60);
 type Test = (&'static str, fn() -> Result<(), String>);
 
 fn main() {
-    let tests: [Test; 9] = [
+    let tests: [Test; 10] = [
         (
             "every_child_of_200_forks_amid_churning_threads_finishes_with_every_handler",
             every_child_of_200_forks_amid_churning_threads_finishes_with_every_handler,
+        ),
+        (
+            "every_child_of_100_forks_amid_threads_freeing_one_another_s_blocks_finishes_with_a_handler_per_thread",
+            every_child_of_100_forks_amid_threads_freeing_one_another_s_blocks_finishes_with_a_handler_per_thread,
         ),
         (
             "a_policy_that_loops_in_a_forked_child_is_stopped_at_its_time_limit",
@@ -181,7 +185,7 @@ fn holds(p: NonNull<u8>, len: usize, byte: u8) -> bool {
 
 /// Threads that allocate, fill, check and free through `handlers` until `stop`, handing
 /// every fifth block to the next thread to free.
-fn churn(handlers: &[&Handler], stop: &AtomicBool, threads: usize) -> Result<(), String> {
+fn churn(handlers: &[&dyn MemHandler], stop: &AtomicBool, threads: usize) -> Result<(), String> {
     let handed: Vec<Mutex<Vec<(usize, usize, usize)>>> =
         (0..threads).map(|_| Mutex::new(Vec::new())).collect();
     std::thread::scope(|s| {
@@ -284,9 +288,10 @@ fn every_child_of_200_forks_amid_churning_threads_finishes_with_every_handler() 
     let magazines = system(true);
     let observed = observing();
     let handlers = [&per_call, &magazines, &observed];
+    let churned: [&dyn MemHandler; 3] = [&per_call, &magazines, &observed];
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
-        let churning = s.spawn(|| churn(&handlers, &stop, 3));
+        let churning = s.spawn(|| churn(&churned, &stop, 3));
         let forked = (0..200).try_for_each(|round| {
             // Blocks this thread filled before the fork, one per handler, freed by the
             // child (and here).
@@ -318,6 +323,56 @@ fn every_child_of_200_forks_amid_churning_threads_finishes_with_every_handler() 
         h.leak_check().map_err(|e| e.to_string())?;
     }
     Ok(())
+}
+
+/// A handler per thread whose threads free one another's blocks (queued for the
+/// maker's shard, given back by whichever thread comes next), forked 100 times by
+/// this thread: the fork waits for the handler's own locks as for its shards', and
+/// every child uses the handler on every path (a block the parent filled, its own
+/// shard, the queued frees, statistics, trim) and finishes.
+fn every_child_of_100_forks_amid_threads_freeing_one_another_s_blocks_finishes_with_a_handler_per_thread()
+-> Result<(), String> {
+    let policy = Runtime::shared()
+        .load_file(allocbox_artifacts::SIZE_CLASSES.path())
+        .map_err(|e| e.to_string())?;
+    let h: ShardedHandler = HandlerBuilder::new(Runtime::shared())
+        .link(&policy)
+        .build_sharded(4)
+        .map_err(|e| e.to_string())?;
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let churning = s.spawn(|| churn(&[&h], &stop, 3));
+        let forked = (0..100).try_for_each(|round| {
+            let size = 100;
+            let p = h.malloc(size).map_err(|e| e.to_string())?.unwrap();
+            fill(p, size, round as u8);
+            in_child(|| {
+                if !holds(p, size, round as u8) {
+                    return Err("a block the parent filled lost its bytes".into());
+                }
+                for size in [16, 48, 1000, 4096, 70_000] {
+                    let q = h.malloc(size).map_err(|e| e.to_string())?.unwrap();
+                    fill(q, size, 0xC5);
+                    if !holds(q, size, 0xC5) {
+                        return Err(format!("a block of {size} bytes lost its bytes"));
+                    }
+                    h.free(Some(q), size).map_err(|e| e.to_string())?;
+                }
+                h.free(Some(p), size).map_err(|e| e.to_string())?;
+                h.stats().map_err(|e| e.to_string())?;
+                h.trim().map_err(|e| e.to_string())
+            })
+            .map_err(|e| format!("fork {round}: {e}"))?;
+            h.free(Some(p), size).map_err(|e| e.to_string())
+        });
+        stop.store(true, Ordering::Relaxed);
+        let churned = churning.join().expect("the churning threads panicked");
+        forked.and(churned)
+    })?;
+    match h.live_blocks().map_err(|e| e.to_string())?.as_slice() {
+        [] => h.leak_check().map_err(|e| e.to_string()),
+        left => Err(format!("{} blocks left lent", left.len())),
+    }
 }
 
 fn a_policy_that_loops_in_a_forked_child_is_stopped_at_its_time_limit() -> Result<(), String> {

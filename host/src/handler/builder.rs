@@ -28,6 +28,12 @@ pub struct HandlerBuilder {
 }
 
 impl HandlerBuilder {
+    /// How long a fork waits for calls in other threads to end: they end within the
+    /// call limit, and the time past it that the host needs to stop them.
+    pub(super) fn fork_patience(&self) -> std::time::Duration {
+        self.limits.call_time + std::time::Duration::from_secs(1)
+    }
+
     /// An empty chain on `runtime`.
     pub fn new(runtime: &Runtime) -> Self {
         HandlerBuilder {
@@ -136,6 +142,7 @@ impl HandlerBuilder {
         let Some(((top, top_config), below)) = self.links.split_first() else {
             return Err(LoadError::EmptyChain);
         };
+        let fork_patience = self.fork_patience();
         let mut host_memory = SystemMemory::new(self.host_memory_limit, self.quarantine);
         if self.checked {
             host_memory.fill_fresh_with(crate::system::FRESH_MEMORY);
@@ -200,9 +207,6 @@ impl HandlerBuilder {
                 Upstream::System(_) => None,
             };
         }
-        // A fork waits for calls in other threads to end: they end within the call
-        // limit, and the time past it that the host needs to stop them.
-        let fork_patience = self.limits.call_time + std::time::Duration::from_secs(1);
         Ok(Handler {
             caches: Caches::new(
                 Chain {

@@ -16,14 +16,17 @@
 //! it), or before anything reads the shards' state (statistics, trim, the leak check).
 //! The queued block is the client's no more: its entry leaves the table at once, so a
 //! second free of it is refused as a double free (its shard still has it lent).
+//!
+//! The handler takes part in a fork before its shards do: see [`forking`].
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::Duration;
 
-use parking_lot::Mutex;
+use allocbox_ledger::cache::Unreachable;
+use allocbox_ledger::platform::fork;
 
 use super::{Handler, HandlerBuilder};
 use crate::error::{ClientError, Error, LoadError};
@@ -52,6 +55,17 @@ struct Shared {
     lent: Box<[Padded<Mutex<Lent>>]>,
     /// Frees of each shard's blocks from other shards' threads, `(address, size said)`.
     queued: Box<[Padded<Queue>]>,
+    /// Threads inside the start of each shard (or waiting for it): a forked child
+    /// whose parent was starting a shard never waits for that start ([`fork`]).
+    starting: Box<[AtomicUsize]>,
+    /// Set in a forked child for each shard whose start its parent was in: the
+    /// child's threads given that shard use shard 0.
+    start_forked_away: Box<[AtomicBool]>,
+    /// Set in a forked child when the fork came while another thread held one of the
+    /// locks above: the child never takes them, and every call is refused.
+    forked_mid_call: AtomicBool,
+    /// How long a fork waits for other threads to let the locks go.
+    fork_patience: Duration,
 }
 
 /// The blocks one shard lent the client: address to size.
@@ -64,9 +78,12 @@ type Lent = HashMap<u64, u64, foldhash::fast::FixedState>;
 #[repr(align(128))]
 struct Padded<T>(T);
 
+/// Frees queued for one shard: `(address, size said)`.
+type QueuedFrees = Vec<(u64, Option<u64>)>;
+
 #[derive(Default)]
 struct Queue {
-    frees: Mutex<Vec<(u64, Option<u64>)>>,
+    frees: Mutex<QueuedFrees>,
     /// Something is queued: read on every call, so the lock is taken only then.
     pending: AtomicBool,
     /// Held while frees taken from the queue are given back, so that a read of the
@@ -105,15 +122,20 @@ impl HandlerBuilder {
         let shards: Box<[OnceLock<Option<Handler>>]> =
             (0..count).map(|_| OnceLock::new()).collect();
         let _ = shards[0].set(Some(first));
-        Ok(ShardedHandler {
-            shared: Arc::new(Shared {
-                shards,
-                builder,
-                next_seat: AtomicUsize::new(0),
-                lent: (0..count).map(|_| Padded::default()).collect(),
-                queued: (0..count).map(|_| Padded::default()).collect(),
-            }),
-        })
+        let fork_patience = builder.fork_patience();
+        let shared = Arc::new(Shared {
+            shards,
+            builder,
+            next_seat: AtomicUsize::new(0),
+            lent: (0..count).map(|_| Padded::default()).collect(),
+            queued: (0..count).map(|_| Padded::default()).collect(),
+            starting: (0..count).map(|_| AtomicUsize::new(0)).collect(),
+            start_forked_away: (0..count).map(|_| AtomicBool::new(false)).collect(),
+            forked_mid_call: AtomicBool::new(false),
+            fork_patience,
+        });
+        fork::register_outer(Arc::downgrade(&shared) as std::sync::Weak<dyn fork::Forkable>);
+        Ok(ShardedHandler { shared })
     }
 }
 
@@ -154,6 +176,7 @@ impl ShardedHandler {
         size: u64,
         ask: impl FnOnce(&Handler) -> Result<Option<NonNull<u8>>, Error>,
     ) -> Result<Option<NonNull<u8>>, Error> {
+        self.reachable()?;
         let index = self.shared.seat();
         self.shared.give_back_queued(index);
         let block = ask(self.shard(index))?;
@@ -172,6 +195,7 @@ impl ShardedHandler {
         let Some(ptr) = ptr else {
             return self.malloc(new_size);
         };
+        self.reachable()?;
         let Some((index, size)) = self
             .shared
             .take_lent(ptr, self.shared.existing_seat().unwrap_or(0))
@@ -213,6 +237,7 @@ impl ShardedHandler {
     }
 
     fn give_back(&self, ptr: NonNull<u8>, said: Option<u64>) -> Result<u64, Error> {
+        self.reachable()?;
         // A thread that has no instance (it only frees: a collector's thread) is
         // given none for this: its frees are queued as every other thread's are.
         let mine = self.shared.existing_seat();
@@ -243,6 +268,7 @@ impl ShardedHandler {
     /// Every shard's counters, summed, after every queued free was given back. The
     /// peak is the sum of each shard's: at most that many bytes were live at once.
     pub fn stats(&self) -> Result<Stats, Error> {
+        self.reachable()?;
         self.shared.give_back_all_queued();
         let mut total = Stats::default();
         for shard in self.started() {
@@ -253,18 +279,21 @@ impl ShardedHandler {
 
     /// Trim every shard, after every queued free was given back.
     pub fn trim(&self) -> Result<(), Error> {
+        self.reachable()?;
         self.shared.give_back_all_queued();
         self.started().try_for_each(Handler::trim)
     }
 
     /// [`Handler::leak_check`] of every shard, after every queued free was given back.
     pub fn leak_check(&self) -> Result<(), Error> {
+        self.reachable()?;
         self.shared.give_back_all_queued();
         self.started().try_for_each(Handler::leak_check)
     }
 
     /// The blocks the client holds, `(address, size)`, by address, every shard's.
     pub fn live_blocks(&self) -> Result<Vec<(usize, usize)>, Error> {
+        self.reachable()?;
         self.shared.give_back_all_queued();
         let mut blocks = Vec::new();
         for shard in self.started() {
@@ -287,6 +316,18 @@ impl ShardedHandler {
     /// The first failure that stopped a shard's chain.
     pub fn failure(&self) -> Option<Arc<Error>> {
         self.started().find_map(Handler::failure)
+    }
+
+    /// Refuse every call in a forked child whose parent had another thread holding
+    /// the handler's own locks: the child has no such thread to let them go.
+    fn reachable(&self) -> Result<(), Error> {
+        match self.shared.forked_mid_call.load(Ordering::Relaxed) {
+            false => Ok(()),
+            true => Err(Error::Unreachable {
+                handler: self.shard(0).name.clone(),
+                reason: Unreachable::ForkedMidCall,
+            }),
+        }
     }
 }
 
@@ -327,18 +368,29 @@ impl Shared {
     fn first_seat(self: &Arc<Self>) -> usize {
         let index = self.next_seat.fetch_add(1, Ordering::Relaxed) % self.shards.len();
         // A shard that cannot start (the instance pool is full, its share of the
-        // limits too small for `init`) leaves its threads on shard 0.
-        let started = self.shards[index].get_or_init(|| self.builder.clone().build().ok());
-        let index = if started.is_some() { index } else { 0 };
+        // limits too small for `init`, its start left half-done by a fork) leaves its
+        // threads on shard 0.
+        let index = match self.start(index) {
+            true => index,
+            false => 0,
+        };
         exit::remember(self, index);
         index
     }
 
+    /// Start shard `index` unless it is started; whether it runs.
+    fn start(&self, index: usize) -> bool {
+        if self.start_forked_away[index].load(Ordering::Relaxed) {
+            return false;
+        }
+        self.starting[index].fetch_add(1, Ordering::AcqRel);
+        let started = self.shards[index].get_or_init(|| self.builder.clone().build().ok());
+        self.starting[index].fetch_sub(1, Ordering::AcqRel);
+        started.is_some()
+    }
+
     fn lent_by(&self, block: NonNull<u8>, shard: usize, size: u64) {
-        self.lent[shard]
-            .0
-            .lock()
-            .insert(block.as_ptr() as u64, size);
+        locked(&self.lent[shard].0).insert(block.as_ptr() as u64, size);
     }
 
     /// Take `block` out of the table of the shard that lent it: shard `first` (the
@@ -347,7 +399,7 @@ impl Shared {
         let addr = block.as_ptr() as u64;
         let order = std::iter::once(first).chain((0..self.lent.len()).filter(|&s| s != first));
         for shard in order {
-            if let Some(size) = self.lent[shard].0.lock().remove(&addr) {
+            if let Some(size) = locked(&self.lent[shard].0).remove(&addr) {
                 return Some((shard, size));
             }
         }
@@ -358,7 +410,7 @@ impl Shared {
     fn queue(&self, owner: usize, addr: u64, said: Option<u64>) {
         let queue = &self.queued[owner].0;
         let full = {
-            let mut frees = queue.frees.lock();
+            let mut frees = locked(&queue.frees);
             frees.push((addr, said));
             queue.pending.store(true, Ordering::Release);
             frees.len() >= QUEUED_AT_MOST
@@ -379,9 +431,9 @@ impl Shared {
     #[cold]
     fn give_back_queued_now(&self, index: usize) {
         let queue = &self.queued[index].0;
-        let _giving_back = queue.giving_back.lock();
+        let _giving_back = locked(&queue.giving_back);
         let frees = {
-            let mut frees = queue.frees.lock();
+            let mut frees = locked(&queue.frees);
             queue.pending.store(false, Ordering::Release);
             std::mem::take(&mut *frees)
         };
@@ -396,10 +448,23 @@ impl Shared {
     }
 
     /// Give every shard its queued frees, and wait for those other threads are giving
-    /// back: what is read next counts every free the client made.
+    /// back: what is read next counts every free the client made. Nothing in a forked
+    /// child whose parent's threads held the locks.
     fn give_back_all_queued(&self) {
+        if self.forked_mid_call.load(Ordering::Relaxed) {
+            return;
+        }
         (0..self.queued.len()).for_each(|index| self.give_back_queued_now(index));
     }
+}
+
+/// A lock of the handler's own. Standard mutexes rather than parking_lot's: a forked
+/// child lets go of the locks the fork took, and a standard unlock is one futex word,
+/// where parking_lot's may visit its process-wide table of parked threads, whose locks
+/// a thread that is not in the child may hold. Poisoning is ignored: each is held for
+/// one insert, remove, push or take, which leaves its table or queue whole.
+fn locked<T>(lock: &Mutex<T>) -> MutexGuard<'_, T> {
+    lock.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Stats {
@@ -459,58 +524,5 @@ impl MemHandler for ShardedHandler {
     }
 }
 
-/// The shard each thread was given, one per handler, and giving that shard its queued
-/// frees when the thread ends.
-mod exit {
-    use super::*;
-
-    /// The shards the calling thread was given, one per handler.
-    #[derive(Default)]
-    struct Seated(RefCell<Vec<(Weak<Shared>, usize)>>);
-
-    impl Drop for Seated {
-        fn drop(&mut self) {
-            // Every shard's queue, not only this thread's shard's: the frees this
-            // thread queued for others are given back before it is gone, whether or
-            // not their threads call again.
-            for (shared, _) in self.0.take() {
-                if let Some(shared) = shared.upgrade() {
-                    shared.give_back_all_queued();
-                }
-            }
-        }
-    }
-
-    std::thread_local! {
-        static SEATED: Seated = Seated::default();
-    }
-
-    /// The shard of `shared` the calling thread was given, if any yet.
-    #[inline]
-    pub(super) fn seat(shared: &Arc<Shared>) -> Option<usize> {
-        SEATED
-            .try_with(|seated| {
-                let seated = seated.0.borrow();
-                let mine = Arc::as_ptr(shared);
-                seated
-                    .iter()
-                    .find(|(s, _)| std::ptr::eq(s.as_ptr(), mine))
-                    .map(|&(_, index)| index)
-            })
-            .ok()
-            .flatten()
-    }
-
-    /// The calling thread has shard `index` of `shared` from now on; give every shard
-    /// its queued frees when the thread ends.
-    pub(super) fn remember(shared: &Arc<Shared>, index: usize) {
-        // A thread already ending is not remembered: it calls `first_seat` again if it
-        // calls at all, and what it queues waits for the shard's next call or a read
-        // of the statistics. Nothing is lost.
-        let _ = SEATED.try_with(|seated| {
-            let mut seated = seated.0.borrow_mut();
-            seated.retain(|(s, _)| s.strong_count() > 0);
-            seated.push((Arc::downgrade(shared), index));
-        });
-    }
-}
+mod exit;
+mod forking;

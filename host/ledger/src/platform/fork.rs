@@ -25,8 +25,8 @@ pub trait AfterFork {
     fn after_fork(self: Box<Self>, in_child: bool);
 }
 
-/// Everything that takes part in forks (every live handler's caches, ...), in the
-/// order it was registered.
+/// Everything that takes part in forks (every live handler's caches, ...): prepared in
+/// this order before a fork, let go in the reverse order after it.
 static FORKABLE: Mutex<Vec<Weak<dyn Forkable>>> = Mutex::new(Vec::new());
 
 /// How many forks separate this process from the first: 0 in it, 1 in its child, ...
@@ -69,10 +69,26 @@ pub fn count_forks() {
 
 /// Take part in every fork from now on, while `forkable` lives.
 pub fn register(forkable: Weak<dyn Forkable>) {
+    enrol(forkable, |all, forkable| all.push(forkable));
+}
+
+/// Take part in every fork from now on, while `forkable` lives, ahead of everything
+/// registered so far or later with [`register`]: for what holds its own locks while it
+/// calls into handlers (a handler per thread giving a shard its queued frees), whose
+/// locks the fork must take while those handlers still let threads in, and let go
+/// after they do.
+pub fn register_outer(forkable: Weak<dyn Forkable>) {
+    enrol(forkable, |all, forkable| all.insert(0, forkable));
+}
+
+fn enrol(
+    forkable: Weak<dyn Forkable>,
+    place: impl FnOnce(&mut Vec<Weak<dyn Forkable>>, Weak<dyn Forkable>),
+) {
     count_forks();
     let mut all = FORKABLE.lock().unwrap_or_else(PoisonError::into_inner);
     all.retain(|f| f.strong_count() > 0);
-    all.push(forkable);
+    place(&mut all, forkable);
 }
 
 extern "C" fn prepare() {
