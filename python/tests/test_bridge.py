@@ -447,7 +447,9 @@ def _sum_of_squares_and_handler(n):
     return float(a.sum()), allocbox.handler_name(a)
 
 
-def test_a_fork_pool_computes_with_a_shipped_policy_while_the_parent_uses_it(size_classes):
+@pytest.mark.parametrize("per_thread", [False, True], ids=["one instance", "per thread"])
+def test_a_fork_pool_computes_with_a_shipped_policy_while_the_parent_uses_it(per_thread):
+    size_classes = allocbox.load("size-classes", per_thread=per_thread)
     stop = threading.Event()
 
     def churn():
