@@ -137,7 +137,9 @@ def load(source, config=None, *, record=None, record_sites=False, **limits):
     per core, then threads share them; `Policy.instances` counts them) when every
     policy of the chain says its state is per instance (`system`, `size-classes`,
     `arena`, `aligned`), each asked on every call and the bounds shared evenly between
-    them; an array freed on another thread goes back to the instance that made it."""
+    them; an array freed on another thread goes back to the instance that made it. A
+    chain with a policy that does not say so, or that diagnoses its client (`guard`),
+    is loaded as without `per_thread`: one instance, `Policy.instances` 1."""
     item = (source, {str(k): str(v) for k, v in config.items()}) if config else source
     return load_chain(item, record=record, record_sites=record_sites, **limits)
 

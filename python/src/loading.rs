@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use allocbox::nep49::MemHandler;
-use allocbox::{CompileBound, CompileBounds, HandlerBuilder, Limits, Runtime};
+use allocbox::{CompileBound, CompileBounds, Handler, HandlerBuilder, Limits, Runtime};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -158,8 +158,9 @@ pub(crate) fn chain_builder(
 /// `magazines=False` asks the top policy on every call even when it declares `batch`
 /// (per-thread magazines are the default for such a policy). `per_thread=True` starts
 /// one chain per thread that calls it, up to one per core, when every policy of the
-/// chain says its state is per instance (contract 0.2.0 `sharding`; one chain
-/// otherwise): each asked on every call, the limits shared evenly between them.
+/// chain says its state is per instance (contract 0.2.0 `sharding`): each asked on
+/// every call, the limits shared evenly between them. A chain with a policy that does
+/// not say so, or that diagnoses its client, is loaded as without `per_thread`.
 #[pyfunction]
 #[pyo3(signature = (*chain, record = None, record_sites = false, call_time = None, memory = None, batch = None, overhead = None, host_memory_limit = None, compile_bounds = None, grant = None, names = None, gpu = None, magazines = true, per_thread = false))]
 #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
@@ -190,14 +191,26 @@ pub(crate) fn load_chain(
         gpu: gpu.map(|g| g.gpu()),
     };
     let builder = chain_builder(chain, bounds, names)?.magazines(magazines);
-    if per_thread {
+    let handler = builder
+        .clone()
+        .build()
+        .map_err(|e| LoadError::new_err(e.to_string()))?;
+    // A chain that diagnoses its client is one chain: the bridge keeps where each
+    // array was allocated beside that chain's ledger.
+    if per_thread && handler.shardable() && !handler.diagnoses() {
+        drop(handler);
         return per_thread_policy(builder, record, record_sites);
     }
-    let handler = Arc::new(
-        builder
-            .build()
-            .map_err(|e| LoadError::new_err(e.to_string()))?,
-    );
+    one_chain_policy(Arc::new(handler), record, record_sites)
+}
+
+/// A policy of one chain, the bridge asking it directly (and recording, and
+/// diagnosing, when asked or when the chain diagnoses its client).
+fn one_chain_policy(
+    handler: Arc<Handler>,
+    record: Option<PathBuf>,
+    record_sites: bool,
+) -> PyResult<Policy> {
     let (shared, direct, recorder): (Arc<dyn MemHandler>, _, _) = match record {
         None => (handler.clone(), Some(handler.clone()), None),
         Some(path) => {

@@ -50,17 +50,23 @@ def test_a_write_one_byte_past_a_guarded_array_stops_the_process_naming_size_off
     assert f"{script}:{line}" in result.stderr, result.stderr
 
 
-def test_a_canary_overrun_is_a_warning_at_free_naming_size_offset_and_line_and_the_program_goes_on(tmp_path):
+# `per_thread=True` changes nothing for `guard`, which diagnoses its client (and does
+# not say it is shardable): one instance, its reports as ever.
+@pytest.mark.parametrize("per_thread", [False, True], ids=["plain", "per_thread asked"])
+def test_a_canary_overrun_is_a_warning_at_free_naming_size_offset_and_line_and_the_program_goes_on(
+    tmp_path, per_thread
+):
     result, script = run_script(
         tmp_path,
-        """
+        f"""
         import ctypes
         import warnings
         import numpy as np
         import allocbox
 
         warnings.simplefilter("always", allocbox.ClientMisuseWarning)
-        policy = allocbox.load("guard", {"sample": "1000000"})
+        policy = allocbox.load("guard", {{"sample": "1000000"}}, per_thread={per_thread})
+        assert policy.instances == 1
         allocbox.set_handler(policy)
         first = np.ones(16, np.uint8)  # sampled: the first allocation
         a = np.ones(1000, np.uint8)  # the array
