@@ -256,6 +256,10 @@ const SDK_FILES: &[(&str, &str)] = &[
         "src/diagnostics.rs",
         include_str!("../../../guest-handlers/sdk/src/diagnostics.rs"),
     ),
+    (
+        "src/info.rs",
+        include_str!("../../../guest-handlers/sdk/src/info.rs"),
+    ),
     ("wit/policy.wit", allocbox::POLICY_WIT_2),
 ];
 

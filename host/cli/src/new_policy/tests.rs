@@ -217,3 +217,19 @@ fn the_rust_readme_names_the_checker_as_the_main_readme_does() {
     let main = include_str!("../../../../README.md");
     assert!(main.contains("allocbox_check::assert_contract("));
 }
+
+/// A file added to the SDK's sources is vendored into every new Rust project: the
+/// project builds only with all of them.
+#[test]
+fn a_new_rust_project_vendors_every_source_file_of_the_sdk() {
+    let sources = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../guest-handlers/sdk/src");
+    let vendored: Vec<&str> = SDK_FILES.iter().map(|(path, _)| *path).collect();
+    for entry in std::fs::read_dir(&sources).unwrap() {
+        let name = entry.unwrap().file_name().into_string().unwrap();
+        let path = format!("src/{name}");
+        assert!(
+            vendored.contains(&path.as_str()),
+            "{path} is not in SDK_FILES"
+        );
+    }
+}
