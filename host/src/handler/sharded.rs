@@ -323,10 +323,7 @@ impl ShardedHandler {
     fn reachable(&self) -> Result<(), Error> {
         match self.shared.forked_mid_call.load(Ordering::Relaxed) {
             false => Ok(()),
-            true => Err(Error::Unreachable {
-                handler: self.shard(0).name.clone(),
-                reason: Unreachable::ForkedMidCall,
-            }),
+            true => Err(self.shard(0).unreachable(Unreachable::ForkedMidCall)),
         }
     }
 }

@@ -132,16 +132,7 @@ struct ForkHeld {
 impl fork::Forkable for ForkPart {
     fn before_fork(self: Arc<Self>) -> Box<dyn fork::AfterFork> {
         let give_up = std::time::Instant::now() + FORK_PATIENCE;
-        let lock = loop {
-            match self.shared.sink.try_lock() {
-                Ok(guard) => break Some(guard),
-                Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
-                Err(std::sync::TryLockError::WouldBlock) if std::time::Instant::now() < give_up => {
-                    std::thread::yield_now();
-                }
-                Err(std::sync::TryLockError::WouldBlock) => break None,
-            }
-        };
+        let lock = fork::lock_before(&self.shared.sink, give_up);
         // SAFETY: the guard borrows the mutex inside `self.shared`, an `Arc` that the
         // `ForkHeld` made here keeps alive; its `lock` field is dropped before its
         // `part` (declaration order), so the guard never outlives the mutex.

@@ -9,7 +9,8 @@
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, Once, PoisonError, Weak};
+use std::sync::{Mutex, MutexGuard, Once, PoisonError, TryLockError, Weak};
+use std::time::{Duration, Instant};
 
 /// What takes part in a fork: a handler's caches, a recording's lock.
 pub trait Forkable: Send + Sync {
@@ -89,6 +90,19 @@ fn enrol(
     let mut all = FORKABLE.lock().unwrap_or_else(PoisonError::into_inner);
     all.retain(|f| f.strong_count() > 0);
     place(&mut all, forkable);
+}
+
+/// `lock`, for a [`Forkable::before_fork`]: taken when its holder lets it go, or `None`
+/// if it still holds it at `give_up` (a thread the child will not have, then).
+pub fn lock_before<T>(lock: &Mutex<T>, give_up: Instant) -> Option<MutexGuard<'_, T>> {
+    loop {
+        match lock.try_lock() {
+            Ok(guard) => return Some(guard),
+            Err(TryLockError::Poisoned(poisoned)) => return Some(poisoned.into_inner()),
+            Err(TryLockError::WouldBlock) if Instant::now() >= give_up => return None,
+            Err(TryLockError::WouldBlock) => std::thread::sleep(Duration::from_micros(50)),
+        }
+    }
 }
 
 extern "C" fn prepare() {

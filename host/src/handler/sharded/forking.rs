@@ -16,10 +16,10 @@
 //!   than wait on it for ever.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
-use allocbox_ledger::platform::fork::{AfterFork, Forkable};
+use allocbox_ledger::platform::fork::{self, AfterFork, Forkable};
 
 use super::{Lent, QueuedFrees, Shared};
 
@@ -89,22 +89,9 @@ fn within<'a, T: 'a>(
     locks: impl Iterator<Item = &'a Mutex<T>>,
     give_up: Instant,
 ) -> Vec<MutexGuard<'a, T>> {
-    let mut held = Vec::new();
-    for lock in locks {
-        let guard = loop {
-            match lock.try_lock() {
-                Ok(guard) => break Some(guard),
-                Err(TryLockError::Poisoned(poisoned)) => break Some(poisoned.into_inner()),
-                Err(TryLockError::WouldBlock) if Instant::now() >= give_up => break None,
-                Err(TryLockError::WouldBlock) => std::thread::sleep(Duration::from_micros(50)),
-            }
-        };
-        match guard {
-            Some(guard) => held.push(guard),
-            None => break,
-        }
-    }
-    held
+    locks
+        .map_while(|lock| fork::lock_before(lock, give_up))
+        .collect()
 }
 
 /// The guards with their borrow widened to `'static`.
