@@ -13,6 +13,7 @@ mod memhandler;
 mod native;
 pub mod nep49;
 mod observe;
+pub mod output;
 mod runtime;
 pub mod shares;
 mod system;

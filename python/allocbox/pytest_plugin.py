@@ -25,6 +25,7 @@ import os
 import pytest
 
 import allocbox
+from allocbox import _allocbox
 
 _policy = None
 _stopped_by = None
@@ -86,24 +87,13 @@ def pytest_configure(config):
 
 def _trace_path(record):
     """The trace's path, absolute (tests may change directory), or a usage error
-    naming what is wrong with it."""
+    naming what is wrong with it (judged as the recording will judge it, before any
+    test runs)."""
     path = os.path.abspath(record)
-    if os.path.isdir(path):
-        raise pytest.UsageError(f"--allocbox-record {record}: that is a folder; name a file to write the trace to")
-    if not os.path.isdir(os.path.dirname(path)):
-        raise pytest.UsageError(
-            f"--allocbox-record {record}: its folder does not exist; name a file in a folder that does"
-        )
     try:
-        # Written as the recording will write it (which empties it too), so that a file
-        # that takes no bytes is refused now, not after the tests.
-        with open(path, "wb") as trace:
-            trace.write(b"#\n")
-            trace.flush()
-    except OSError as error:
-        raise pytest.UsageError(
-            f"--allocbox-record {record}: the trace could not be written ({error.strerror}); name a file that can be"
-        ) from None
+        _allocbox.check_output(path)
+    except allocbox.AllocboxError as error:
+        raise pytest.UsageError(f"--allocbox-record {record}: {error}") from None
     return path
 
 

@@ -132,9 +132,7 @@ def load(chain, grant, recording):
     if sites and record is None:
         raise UsageError("--sites says what to record beside each event: add --record FILE")
     if record is not None:
-        folder = os.path.dirname(os.path.abspath(record))
-        if not os.path.isdir(folder):
-            raise UsageError(f"the trace {record!r} cannot be written: its folder {folder!r} does not exist")
+        _check_output("--record", record)
     try:
         if not chain:
             if grant:
@@ -150,6 +148,19 @@ def load(chain, grant, recording):
         raise UsageError(f"--grant {','.join(grant)}: {e}") from None
 
 
+def _check_output(option, path):
+    """Refuse a file the program's run cannot end by writing (a folder, a device, a link,
+    a read-only file, a folder that does not exist), before the program starts, as the
+    writer itself would."""
+    import allocbox
+    from allocbox import _allocbox
+
+    try:
+        _allocbox.check_output(os.path.abspath(path))
+    except allocbox.AllocboxError as e:
+        raise UsageError(f"{option} {path}: {e}") from None
+
+
 def check_report(report, recording):
     """Refuse a report that cannot be written, before the program starts; returns the
     trace to record for it (a temporary one without `--record`)."""
@@ -158,9 +169,7 @@ def check_report(report, recording):
         if compare:
             raise UsageError("--compare says what a report compares: add --report PAGE.html")
         return recording
-    folder = os.path.dirname(os.path.abspath(page))
-    if not os.path.isdir(folder):
-        raise UsageError(f"the report {page!r} cannot be written: its folder {folder!r} does not exist")
+    _check_output("--report", page)
     import allocbox
 
     shipped = {"default", "builtin", *allocbox.policies()}

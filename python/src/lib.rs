@@ -51,6 +51,16 @@ fn child_trace_path(trace: std::path::PathBuf, pid: u32) -> std::path::PathBuf {
     allocbox::trace::child_path(&trace, pid)
 }
 
+/// Raise `AllocboxError` if `path` cannot be a recording's output (a folder, a device, a
+/// link, a read-only file, a folder that does not exist): what `load(..., record=PATH)`
+/// would say, said before any work starts, creating nothing.
+#[pyfunction]
+fn check_output(path: std::path::PathBuf) -> PyResult<()> {
+    allocbox::output::check(&path, &[])
+        .map(drop)
+        .map_err(|error| AllocboxError::new_err(error.to_string()))
+}
+
 // The wheel is built for the stable ABI (abi3, CPython 3.11 and later), which
 // free-threaded CPython cannot load. A build from source for one is untested there
 // (event hooks call into Python from inside NumPy's allocation callbacks), so the
@@ -67,6 +77,7 @@ fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(native_default, m)?)?;
     m.add_function(wrap_pyfunction!(run_command, m)?)?;
     m.add_function(wrap_pyfunction!(child_trace_path, m)?)?;
+    m.add_function(wrap_pyfunction!(check_output, m)?)?;
     m.add_function(wrap_pyfunction!(numba_route::numba_route, m)?)?;
     m.add_function(wrap_pyfunction!(numba_blocks::numba_threads_use, m)?)?;
     m.add_function(wrap_pyfunction!(numba_blocks::numba_threads_done, m)?)?;

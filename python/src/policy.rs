@@ -318,12 +318,8 @@ pub(crate) fn recorder_to(
         time: true,
         sites: sites.then(|| -> SiteOf { Box::new(crate::sites::program_site) }),
     };
-    let recorder = Recorder::create(path, handler, options).map_err(|e| {
-        AllocboxError::new_err(format!(
-            "the trace `{}` cannot be written: {e}",
-            path.display()
-        ))
-    })?;
+    let recorder = Recorder::create(path, handler, options)
+        .map_err(|error| AllocboxError::new_err(error.to_string()))?;
     Ok(Arc::new(recorder))
 }
 

@@ -110,11 +110,11 @@ def test_a_stopped_policy_ends_the_run_with_its_cause_first(tmp_path):
 @pytest.mark.parametrize(
     "policy, record, says",
     [
-        (None, ".", "that is a folder"),
-        ("size-classes", ".", "that is a folder"),
-        (None, "no/such/folder/t.trace", "its folder does not exist"),
-        (None, "/dev/full", "could not be written"),
-        ("size-classes", "/dev/full", "could not be written"),
+        (None, ".", "it is a folder"),
+        ("size-classes", ".", "it is a folder"),
+        (None, "no/such/folder/t.trace", "/no/such/folder` does not exist"),
+        (None, "/dev/full", "it is a character device, not a regular file"),
+        ("size-classes", "/dev/full", "it is a character device, not a regular file"),
     ],
 )
 def test_a_trace_that_cannot_be_written_is_one_usage_line_before_the_session(tmp_path, policy, record, says):

@@ -2,6 +2,7 @@
 on, a summary of what the policy saw at the end, and input that cannot be used refused
 in one sentence before the program starts; and the pytest plugin's recording."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -477,3 +478,26 @@ def test_a_peak_made_inside_a_library_call_is_the_program_s_line_via_the_library
     program = tmp_path / "program.py"
     assert f"{program}:5 → {packages}/distances.py:3" in first_row, first_row
     assert "&lt;module&gt; → cdist" in first_row, first_row
+
+
+@pytest.mark.parametrize("option", ["--record", "--report"])
+def test_an_output_that_is_a_link_a_fifo_or_read_only_is_refused_before_the_program_runs(tmp_path, option):
+    # Issue 64: every file allocbox writes is judged by the one writer, before any work.
+    (tmp_path / "victim").write_text("precious")
+    (tmp_path / "link").symlink_to(tmp_path / "victim")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "kept").write_text("kept")
+    (tmp_path / "kept").chmod(0o444)
+    for target, says in [
+        ("link", "it is a symbolic link"),
+        ("fifo", "it is a FIFO"),
+        ("kept", "it is read-only"),
+        ("no/such/t", "does not exist"),
+    ]:
+        done = allocbox_run(tmp_path, option, target, "program.py", program="print('ran')\n")
+        assert done.returncode == 2, done.stderr
+        assert "ran" not in done.stdout, "the program never started"
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"{option} {target}: cannot write" in lines[0] and says in lines[0], done.stderr
+    assert (tmp_path / "victim").read_text() == "precious"
+    assert (tmp_path / "kept").read_text() == "kept"

@@ -21,6 +21,7 @@ mod load;
 mod nep49;
 mod new_policy;
 mod observe;
+mod outputs;
 mod pool;
 mod report;
 mod report_page;

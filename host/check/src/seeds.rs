@@ -59,7 +59,7 @@ impl FailurePersistence for SeedFile {
         if let Some(dir) = self.path.parent() {
             let _ = std::fs::create_dir_all(dir);
         }
-        let _ = std::fs::write(&self.path, seeds.join("\n") + "\n");
+        let _ = allocbox::output::write_whole(&self.path, (seeds.join("\n") + "\n").as_bytes());
     }
 
     fn box_clone(&self) -> Box<dyn FailurePersistence> {

@@ -206,7 +206,7 @@ fn write(file: &Path, text: &str) -> Result<()> {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("creating {}", parent.display()))?;
     }
-    std::fs::write(file, text).with_context(|| format!("writing {}", file.display()))?;
+    allocbox::output::write_whole(file, text.as_bytes())?;
     // The build and setup scripts run as `./build.sh`.
     #[cfg(unix)]
     if file.extension().is_some_and(|e| e == "sh") {

@@ -19,6 +19,7 @@ use super::binary::{self, Call, ChunkEncoder};
 use super::watched::{Watched, Watcher};
 use super::{EventOp, Site};
 use crate::nep49::SharedHandler;
+use crate::output::{Output, OutputError, OutputFault};
 
 /// A handler that writes every call it forwards to `handler` as a trace.
 pub type Recorder = Watched<SharedHandler, TraceWriter>;
@@ -174,22 +175,27 @@ impl Recorder {
         Recorder::with_options(inner, out, RecordOptions::default())
     }
 
-    /// Record the calls made to `inner` into the file at `path`, created (or emptied)
-    /// here.
+    /// Record the calls made to `inner` into the file at `path`, put in place of
+    /// what was there here ([`crate::output`]: never through a link, never over a
+    /// folder, a device or a read-only file).
     pub fn create(
         path: &std::path::Path,
         inner: SharedHandler,
         options: RecordOptions,
-    ) -> std::io::Result<Recorder> {
+    ) -> Result<Recorder, OutputError> {
         let mut recorder = Recorder::with_options(inner, trace_file(path)?, options);
         recorder.watcher.path = Some(path.to_owned());
         // A file that takes no bytes (a full disk) is refused now, not at the end.
         let mut sink = recorder.watcher.sink();
+        let failed = |error| OutputError {
+            path: path.to_owned(),
+            fault: OutputFault::Io(error),
+        };
         if let Some(error) = sink.error.take() {
-            return Err(error);
+            return Err(failed(error));
         }
         if let Some(out) = &mut sink.out {
-            out.flush()?;
+            out.flush().map_err(failed)?;
         }
         drop(sink);
         Ok(recorder)
@@ -257,11 +263,11 @@ impl Recorder {
     }
 }
 
-/// The file a recording writes at `path`.
-fn trace_file(path: &std::path::Path) -> std::io::Result<Box<dyn Write + Send>> {
-    Ok(Box::new(std::io::BufWriter::new(std::fs::File::create(
-        path,
-    )?)))
+/// The file a recording writes at `path`, in place at once (a program killed part way
+/// leaves its trace up to there).
+fn trace_file(path: &std::path::Path) -> Result<Box<dyn Write + Send>, OutputError> {
+    let file = Output::create(path, &[])?.stream()?;
+    Ok(Box::new(std::io::BufWriter::new(file)))
 }
 
 /// The file a forked child with process id `pid` records into beside its parent's
@@ -326,7 +332,7 @@ impl TraceWriter {
                 sink.error = out.write_all(&binary::header(self.shared.flags)).err();
                 sink.out = Some(out);
             }
-            Err(error) => sink.error = Some(error),
+            Err(error) => sink.error = Some(std::io::Error::other(error.to_string())),
         }
     }
 
