@@ -8,6 +8,7 @@
 
 mod binary;
 pub mod by_site;
+mod kept;
 mod record;
 mod replay;
 mod text;
@@ -15,6 +16,7 @@ pub mod timeline;
 mod watched;
 
 pub use binary::{MAGIC as BINARY_MAGIC, MAX_CHUNK_BYTES, write_binary};
+pub use kept::{MAX_MARK_TEXT_BYTES, MAX_MARKS, MAX_NAME_BYTES, MAX_SITE_NAME_BYTES, MAX_SITES};
 pub use record::{RecordOptions, Recorder, SiteOf, TraceWriter, child_path};
 pub(crate) use replay::Held;
 pub use replay::{ReplayReport, leak_after_replay, replay_trace, replay_trace_counted};
@@ -140,9 +142,15 @@ pub struct Trace {
     pub sites: Vec<u32>,
     /// The sites the trace names, by number.
     pub site_table: std::collections::HashMap<u32, Site>,
-    /// The gzip stream ended before its end (a recording whose process was killed, as
-    /// `multiprocessing` ends its idle workers): read up to its last whole line.
+    /// The stream ended before its end (a recording whose process was killed, as
+    /// `multiprocessing` ends its idle workers): read up to its last whole event.
     pub cut_short: bool,
+    /// Marks past [`MAX_MARKS`] (or their text's bound), counted and not kept: one mark
+    /// where the first of them was says how many.
+    pub marks_left_out: u64,
+    /// Sites past [`MAX_SITES`] (or their names' bound), counted and not kept: their
+    /// events have no line.
+    pub sites_left_out: u64,
 }
 
 /// The longest line a trace may have, its end of line aside: an event is a few dozen

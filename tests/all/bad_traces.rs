@@ -193,7 +193,8 @@ fn trace_convert_refuses_its_input_as_output_and_leaves_an_output_whole_on_a_bad
     assert_eq!(code, 2, "{out}");
     assert_eq!(
         out.trim(),
-        "allocbox: t.trace is both the trace to convert and the output: name another output file"
+        "allocbox: cannot write `./t.trace`: it is `t.trace`, which this command reads; name \
+         another file"
     );
     assert_eq!(
         std::fs::read_to_string(dir.join("t.trace")).unwrap(),
@@ -212,4 +213,180 @@ fn trace_convert_refuses_its_input_as_output_and_leaves_an_output_whole_on_a_bad
     assert_eq!(code, 2, "{out}");
     assert_eq!(out.trim().lines().count(), 1, "{out}");
     assert!(out.contains("missing.trace"), "{out}");
+}
+
+/// A binary trace made by hand: its items, framed into chunks of thread 1 as a recorder
+/// frames them, then compressed behind the header.
+struct BinaryBomb {
+    stream: Vec<u8>,
+    chunk: Vec<u8>,
+}
+
+fn put(bytes: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        bytes.push(value as u8 | 0x80);
+        value >>= 7;
+    }
+    bytes.push(value as u8);
+}
+
+fn put_str(bytes: &mut Vec<u8>, text: &[u8]) {
+    put(bytes, text.len() as u64);
+    bytes.extend_from_slice(text);
+}
+
+impl BinaryBomb {
+    fn new() -> BinaryBomb {
+        BinaryBomb {
+            stream: Vec::new(),
+            chunk: Vec::new(),
+        }
+    }
+
+    fn item(&mut self, item: &[u8]) {
+        if self.chunk.len() + item.len() > 64 << 10 {
+            self.flush();
+        }
+        self.chunk.extend_from_slice(item);
+    }
+
+    fn flush(&mut self) {
+        put(&mut self.stream, 1);
+        put(&mut self.stream, self.chunk.len() as u64);
+        self.stream.append(&mut self.chunk);
+    }
+
+    /// The file: the header (sites on every allocation), the chunks, the end.
+    fn finish(mut self) -> Vec<u8> {
+        self.flush();
+        self.stream.extend([0, 0]);
+        let mut file = allocbox::trace::BINARY_MAGIC.to_vec();
+        file.extend([1, 2]);
+        file.extend(zstd_compress(&self.stream));
+        file
+    }
+}
+
+/// A site record of thread 1: its number, a line, a function and a file.
+fn site_item(local: u64, function: &[u8], file: &[u8]) -> Vec<u8> {
+    let mut item = vec![4];
+    put(&mut item, local);
+    put(&mut item, 7);
+    put_str(&mut item, function);
+    put_str(&mut item, file);
+    item.push(0);
+    item
+}
+
+/// A malloc of thread 1 at the next sequence number and a new address, made at `site`.
+fn malloc_item(site: u64) -> Vec<u8> {
+    let mut item = vec![0, 1, 0x80, 0x01, 64];
+    put(&mut item, site);
+    item
+}
+
+/// The shapes of trace that cost the most to hold for the fewest bytes of file.
+#[derive(Debug, Clone, Copy)]
+enum Bomb {
+    /// Millions of empty marks.
+    Marks,
+    /// One site defined again and again under the same number.
+    Redefinitions,
+    /// Millions of sites, each under a number of its own.
+    Sites,
+}
+
+const BOMB_COUNT: u64 = 2_000_000;
+
+fn binary_bomb(shape: Bomb) -> Vec<u8> {
+    let mut bomb = BinaryBomb::new();
+    bomb.item(&site_item(1, b"f", b"a.py"));
+    bomb.item(&malloc_item(1));
+    for local in 1..=BOMB_COUNT {
+        match shape {
+            Bomb::Marks => bomb.item(&[5, 1, 0]),
+            Bomb::Redefinitions => bomb.item(&site_item(1, b"f", b"a.py")),
+            Bomb::Sites => bomb.item(&site_item(local + 1, b"f", b"a.py")),
+        }
+    }
+    bomb.item(&malloc_item(1));
+    bomb.finish()
+}
+
+fn text_bomb(shape: Bomb) -> Vec<u8> {
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(b"#@site 1 7 f a.py\nm 1 64 1 s=1\n").unwrap();
+    for number in 1..=BOMB_COUNT {
+        match shape {
+            Bomb::Marks => gz.write_all(b"#\n").unwrap(),
+            Bomb::Redefinitions => gz.write_all(b"#@site 1 7 f a.py\n").unwrap(),
+            Bomb::Sites => writeln!(gz, "#@site {} 7 f a.py", number + 1).unwrap(),
+        }
+    }
+    gz.write_all(b"m 2 64 1 s=1\n").unwrap();
+    gz.finish().unwrap()
+}
+
+/// Issue 64: a 2.5 KB binary trace of 10^7 empty marks cost +830 MiB to read, 3.4 KB of
+/// 5 x 10^6 redefinitions of one site +917 MiB (their gzip text forms +306 MiB). Each
+/// shape, in either form, reads within one bound: marks past theirs counted and summed
+/// by one mark, a site defined again in its own place, sites past theirs counted.
+#[test]
+fn every_bomb_shape_in_either_form_is_read_within_a_memory_bound() {
+    let dir = tempdir("bombs");
+    for shape in [Bomb::Marks, Bomb::Redefinitions, Bomb::Sites] {
+        for (form, bytes) in [("binary", binary_bomb(shape)), ("text", text_bomb(shape))] {
+            let name = format!("{shape:?}-{form}.trace");
+            std::fs::write(dir.join(&name), bytes).unwrap();
+            let (code, out, peak) =
+                allocbox_cli_peak_rss(&["replay-trace", &name, "-p", "default"], &dir);
+            assert_eq!(code, 0, "{name}: {out}");
+            assert!(peak < 128 << 10, "{name}: reading it held {peak} KiB");
+            match shape {
+                Bomb::Marks => assert!(
+                    out.contains(&format!(
+                        "has {} marks past the 100000",
+                        BOMB_COUNT - 100_000
+                    )),
+                    "{name}: {out}"
+                ),
+                Bomb::Redefinitions => assert!(!out.contains("past the"), "{name}: {out}"),
+                Bomb::Sites => assert!(
+                    out.contains(&format!(
+                        "names {} sites past the 262144",
+                        BOMB_COUNT + 1 - 262_144
+                    )),
+                    "{name}: {out}"
+                ),
+            }
+        }
+    }
+}
+
+/// Issue 64: 500 sites with 64 KiB names of control characters made a 27.5 MB page. A
+/// name is cut to the recorder's 16 KiB when read and a table shows its first
+/// characters, whatever its escapes.
+#[test]
+fn a_page_of_sites_with_the_longest_names_is_of_bounded_size() {
+    let dir = tempdir("long-names");
+    let mut bomb = BinaryBomb::new();
+    let name = vec![1u8; 60 << 10];
+    for local in 1..=500 {
+        bomb.item(&site_item(local, &name, &name));
+        bomb.item(&malloc_item(local));
+    }
+    std::fs::write(dir.join("names.trace"), bomb.finish()).unwrap();
+    let trace = allocbox::trace::read_trace_marked(dir.join("names.trace")).unwrap();
+    let site = &trace.site_table[&1];
+    assert_eq!(
+        site.file.len(),
+        allocbox::trace::MAX_NAME_BYTES * "\\u{1}".len()
+    );
+    let (code, out) = allocbox_cli(
+        &["report", "names.trace", "-p", "default", "-o", "page.html"],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    let page = std::fs::metadata(dir.join("page.html")).unwrap().len();
+    assert!(page < 1 << 20, "a page of {page} bytes");
 }

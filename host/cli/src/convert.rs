@@ -2,10 +2,11 @@
 //! recordings write, the text form people read and write by hand).
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use allocbox::trace::{read_trace_marked, write_binary, write_text};
-use anyhow::{Context, Result, bail};
+use allocbox::output::Output;
+use allocbox::trace::{write_binary, write_text};
+use anyhow::{Context, Result};
 
 use crate::Outcome;
 
@@ -24,39 +25,20 @@ pub(crate) fn run_trace_convert(input: &Path, output: &Path, to: Option<Form>) -
         None if is_binary(input)? => Form::Text,
         None => Form::Binary,
     };
-    if same_file(input, output) {
-        bail!(
-            "{} is both the trace to convert and the output: name another output file",
-            input.display()
-        );
+    // Judged before the trace is read: a target that cannot be written costs no reading.
+    let mut out = Output::create(output, &[input])?;
+    let trace = crate::trace_command::read_trace(input)?;
+    let file = std::io::BufWriter::new(out.file());
+    match to {
+        Form::Binary => write_binary(&trace, file),
+        Form::Text if output.extension().is_some_and(|e| e == "gz") => {
+            let mut gz = flate2::write::GzEncoder::new(file, flate2::Compression::default());
+            write_text(&trace, &mut gz).and_then(|()| gz.finish()?.flush())
+        }
+        Form::Text => write_text(&trace, file),
     }
-    let trace = read_trace_marked(input).with_context(|| format!("{}", input.display()))?;
-    if trace.cut_short {
-        eprintln!(
-            "allocbox: {} ends early (its process was killed?): converted up to its last whole event",
-            input.display()
-        );
-    }
-    // Written beside the output and renamed over it once whole: an existing file is
-    // never left half-written.
-    let partial = partial_name(output);
-    let written = (|| -> std::io::Result<()> {
-        let file = std::io::BufWriter::new(std::fs::File::create(&partial)?);
-        match to {
-            Form::Binary => write_binary(&trace, file),
-            Form::Text if output.extension().is_some_and(|e| e == "gz") => {
-                let mut gz = flate2::write::GzEncoder::new(file, flate2::Compression::default());
-                write_text(&trace, &mut gz)?;
-                gz.finish()?.flush()
-            }
-            Form::Text => write_text(&trace, file),
-        }?;
-        std::fs::rename(&partial, output)
-    })();
-    if let Err(error) = written {
-        let _ = std::fs::remove_file(&partial);
-        return Err(error).with_context(|| format!("cannot write {}", output.display()));
-    }
+    .with_context(|| format!("cannot write `{}`", output.display()))?;
+    out.commit()?;
     crate::print_report(&format!(
         "{} ({} events) -> {} ({})\n",
         input.display(),
@@ -81,18 +63,4 @@ fn is_binary(path: &Path) -> Result<bool> {
         })
         .with_context(|| format!("cannot read the trace {}", path.display()))?;
     Ok(start == allocbox::trace::BINARY_MAGIC)
-}
-
-fn same_file(a: &Path, b: &Path) -> bool {
-    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => false,
-    }
-}
-
-/// `output` with `.partial` after its name.
-fn partial_name(output: &Path) -> PathBuf {
-    let mut name = output.file_name().unwrap_or_default().to_owned();
-    name.push(".partial");
-    output.with_file_name(name)
 }

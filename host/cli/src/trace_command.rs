@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use crate::report;
+use allocbox::output::Output;
 use allocbox::trace::Watched;
 use allocbox::trace::by_site::by_site;
 use allocbox::trace::leak_after_replay;
@@ -84,18 +85,38 @@ fn observed<R>(
 }
 
 /// A trace file's events and marks, under a spinner (a large trace takes seconds to
-/// read).
-fn read_trace(trace: &Path) -> Result<allocbox::trace::Trace> {
+/// read), with a line on standard error for each thing of it that was not kept whole.
+pub(crate) fn read_trace(trace: &Path) -> Result<allocbox::trace::Trace> {
     let read = progress::spinning(&format!("reading {}", trace.display()), || {
         allocbox::trace::read_trace_marked(trace)
     })
     .with_context(|| trace.display().to_string())?;
     if read.cut_short {
         eprintln!(
-            "allocbox: {} ends before its gzip stream does (its process was killed before \
-             it finished recording?): read up to its last whole event, the {}th",
+            "allocbox: {} ends early (its process was killed before it finished \
+             recording?): read up to its last whole event, the {}th",
             trace.display(),
             read.events.len()
+        );
+    }
+    if read.marks_left_out > 0 {
+        eprintln!(
+            "allocbox: {} has {} marks past the {} (or {} MiB of text) a trace keeps: \
+             they are counted, not kept, and one mark where they start says how many",
+            trace.display(),
+            read.marks_left_out,
+            allocbox::trace::MAX_MARKS,
+            allocbox::trace::MAX_MARK_TEXT_BYTES >> 20,
+        );
+    }
+    if read.sites_left_out > 0 {
+        eprintln!(
+            "allocbox: {} names {} sites past the {} (or {} MiB of names) a trace keeps: \
+             their blocks are shown with no line",
+            trace.display(),
+            read.sites_left_out,
+            allocbox::trace::MAX_SITES,
+            allocbox::trace::MAX_SITE_NAME_BYTES >> 20,
         );
     }
     Ok(read)
@@ -233,7 +254,8 @@ pub(crate) struct ReportArgs {
 pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
     // Before the replays, which take seconds to minutes: a page that cannot be written
     // is said at once.
-    let page_file = PageFile::create(&args.output)?;
+    let reads: Vec<&Path> = args.traces.iter().map(PathBuf::as_path).collect();
+    let mut page_file = Output::create(&args.output, &reads)?;
     // So is a trace that is not there, whichever of several.
     for trace in &args.traces {
         std::fs::metadata(trace).with_context(|| trace.display().to_string())?;
@@ -260,7 +282,9 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         }
         parts.push((name, reported.part));
     }
-    page_file.write(&report::render_parts(&parts))?;
+    std::io::Write::write_all(page_file.file(), report::render_parts(&parts).as_bytes())
+        .with_context(|| format!("cannot write the page `{}`", args.output.display()))?;
+    page_file.commit()?;
     if args.json {
         print_report(&format!("{}\n", serde_json::Value::Array(json)));
     }
@@ -347,68 +371,4 @@ fn report_trace(args: &ReportArgs, trace: &Path) -> Result<TraceReport> {
         hook_reports,
         hook_failed,
     })
-}
-
-/// The report's page, written whole or not at all: a file beside the page, created
-/// before any work (so a folder that does not exist or cannot be written is said before
-/// the replays), renamed over the page once it holds all of it, and removed if the
-/// report stops before that, leaving an older page as it was.
-struct PageFile {
-    page: PathBuf,
-    partial: PathBuf,
-    file: Option<std::fs::File>,
-}
-
-impl PageFile {
-    fn create(page: &Path) -> Result<PageFile> {
-        let name = page.file_name().map(|n| n.to_string_lossy().into_owned());
-        let Some(name) = name else {
-            bail!(
-                "`{}` is not a file name for the page: give `-o` a file, like report.html",
-                page.display()
-            );
-        };
-        let folder = match page.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        if !folder.is_dir() {
-            bail!(
-                "cannot write the page `{}`: the folder `{}` does not exist; create it, or give `-o` a path in a folder that does",
-                page.display(),
-                folder.display()
-            );
-        }
-        let partial = folder.join(format!(".{name}.partial"));
-        let file = std::fs::File::create(&partial).with_context(|| {
-            format!(
-                "cannot write the page `{}` in `{}`",
-                page.display(),
-                folder.display()
-            )
-        })?;
-        Ok(PageFile {
-            page: page.to_path_buf(),
-            partial,
-            file: Some(file),
-        })
-    }
-
-    fn write(mut self, text: &str) -> Result<()> {
-        use std::io::Write;
-        let mut file = self.file.take().expect("written once");
-        file.write_all(text.as_bytes())
-            .and_then(|()| file.sync_all())
-            .and_then(|()| std::fs::rename(&self.partial, &self.page))
-            .with_context(|| format!("cannot write the page `{}`", self.page.display()))
-    }
-}
-
-impl Drop for PageFile {
-    fn drop(&mut self) {
-        // Not renamed: the report stopped, or writing failed. What is left is no page.
-        if self.partial.exists() {
-            let _ = std::fs::remove_file(&self.partial);
-        }
-    }
 }

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::io::{self, Write};
 use std::sync::Arc;
 
-use super::{EventOp, MAX_MARK_BYTES, Site, Trace};
+use super::{EventOp, MAX_MARK_BYTES, MAX_NAME_BYTES, Site, Trace};
 
 mod read;
 pub(crate) use read::{is_binary, read_binary};
@@ -31,9 +31,6 @@ pub(crate) const SITES: u8 = 2;
 pub const MAX_CHUNK_BYTES: usize = 1 << 20;
 /// Where a writer ends a chunk and hands it to be compressed.
 pub(crate) const CHUNK_BYTES: usize = 64 << 10;
-/// The most of a file's or function's name kept in a site: what a reader accepts of a
-/// name in a text trace's line.
-const MAX_NAME_BYTES: usize = 16 << 10;
 
 /// Tags of the items of a chunk, after the four operations (`EventOp as u8`).
 const SITE: u8 = 4;

@@ -4,6 +4,7 @@
 use std::collections::HashSet;
 use std::io::{self, BufRead, Read, Write};
 
+use super::kept::Keeper;
 use super::{Event, EventOp, MAX_LINE_BYTES, MAX_MARK_BYTES, Mark, Site, Trace, TraceError};
 
 /// The first line of a trace written in the text form.
@@ -70,6 +71,8 @@ pub(super) fn parse_lines(
     cut_short: &std::cell::Cell<bool>,
 ) -> Result<Trace, TraceError> {
     let mut trace = Trace::default();
+    let mut keeper = Keeper::default();
+    let mut first_left_out = None;
     let mut raw = Vec::new();
     let mut n = 0u32;
     loop {
@@ -78,13 +81,12 @@ pub(super) fn parse_lines(
             .take(MAX_LINE_BYTES as u64 + 1)
             .read_until(b'\n', &mut raw)?
             == 0
+            || cut_short.get() && !raw.ends_with(b"\n")
         {
+            keeper.finish(&mut trace, first_left_out);
             return Ok(trace);
         }
         n = n.saturating_add(1);
-        if cut_short.get() && !raw.ends_with(b"\n") {
-            return Ok(trace);
-        }
         let content = raw.strip_suffix(b"\n").unwrap_or(&raw);
         if content.len() > MAX_LINE_BYTES {
             return Err(TraceError::Syntax {
@@ -103,34 +105,48 @@ pub(super) fn parse_lines(
         };
         let text = text.trim();
         if let Some(record) = text.strip_prefix("#@site ") {
-            let (number, site) = parse_site(record).ok_or_else(|| TraceError::Syntax {
-                line: n,
-                message: "a site is `#@site NUMBER LINE FUNCTION FILE`".into(),
-            })?;
-            trace.site_table.insert(number, site);
+            let (number, line, function, file) =
+                parse_site(record).ok_or_else(|| TraceError::Syntax {
+                    line: n,
+                    message: "a site is `#@site NUMBER LINE FUNCTION FILE`".into(),
+                })?;
+            let kept = trace.site_table.len();
+            let replaces = trace.site_table.contains_key(&number);
+            match keeper.site(kept, replaces, line, &function, &file) {
+                Some(site) => trace.site_table.insert(number, site),
+                None => trace.site_table.remove(&number),
+            };
             continue;
         }
         if let Some(record) = text.strip_prefix("#@via ") {
-            let (number, via) = parse_site(record).ok_or_else(|| TraceError::Syntax {
-                line: n,
-                message: "a library line is `#@via NUMBER LINE FUNCTION FILE`".into(),
-            })?;
-            let site = trace
-                .site_table
-                .get_mut(&number)
-                .ok_or_else(|| TraceError::Syntax {
+            let (number, line, function, file) =
+                parse_site(record).ok_or_else(|| TraceError::Syntax {
+                    line: n,
+                    message: "a library line is `#@via NUMBER LINE FUNCTION FILE`".into(),
+                })?;
+            let Some(site) = trace.site_table.get_mut(&number) else {
+                if keeper.sites_left_out() > 0 {
+                    continue;
+                }
+                return Err(TraceError::Syntax {
                     line: n,
                     message: format!("`#@via {number}` comes before site {number}'s `#@site`"),
-                })?;
-            site.via = Some(std::sync::Arc::new(via));
+                });
+            };
+            site.via = keeper
+                .site(0, true, line, &function, &file)
+                .map(std::sync::Arc::new);
             continue;
         }
         if let Some(comment) = text.strip_prefix('#') {
             if !trace.events.is_empty() {
-                trace.marks.push(Mark {
-                    at: trace.events.len() as u64,
-                    text: crate::untrusted::escape_at_most(comment.trim(), MAX_MARK_BYTES),
-                });
+                let text = crate::untrusted::escape_at_most(comment.trim(), MAX_MARK_BYTES);
+                let at = trace.events.len() as u64;
+                if keeper.keep_mark(trace.marks.len(), &text) {
+                    trace.marks.push(Mark { at, text });
+                } else {
+                    first_left_out.get_or_insert(at);
+                }
             }
             continue;
         }
@@ -215,22 +231,14 @@ pub(super) fn parse_lines(
 }
 
 /// `NUMBER LINE FUNCTION FILE`, each name as [`site_name`] writes it (the file last:
-/// one written before names were escaped may hold spaces), escaped: a trace is input.
-fn parse_site(record: &str) -> Option<(u32, Site)> {
+/// one written before names were escaped may hold spaces), decoded.
+fn parse_site(record: &str) -> Option<(u32, u32, String, String)> {
     let mut words = record.splitn(4, ' ');
     let number = words.next()?.parse().ok()?;
     let line = words.next()?.parse().ok()?;
-    let function = crate::untrusted::escape(&site_name_read(words.next()?)).into();
-    let file = crate::untrusted::escape(&site_name_read(words.next()?.trim())).into();
-    Some((
-        number,
-        Site {
-            file,
-            line,
-            function,
-            via: None,
-        },
-    ))
+    let function = site_name_read(words.next()?);
+    let file = site_name_read(words.next()?.trim());
+    Some((number, line, function, file))
 }
 
 /// A file's or function's name as one word of a `#@site` record: `%`, white space and
@@ -328,9 +336,13 @@ mod tests {
             "<string>",
             "é ü",
         ] {
-            let record = format!("7 12 {} {}", site_name(name), site_name(name));
-            let (number, site) = parse_site(&record).unwrap_or_else(|| panic!("{record:?}"));
-            assert_eq!(number, 7);
+            let record = format!(
+                "#@site 7 12 {} {}\nm 1 8 1 s=7\n",
+                site_name(name),
+                site_name(name)
+            );
+            let trace = parsed(record.as_bytes()).unwrap_or_else(|e| panic!("{record:?}: {e}"));
+            let site = &trace.site_table[&7];
             assert_eq!(&*site.file, crate::untrusted::escape(name), "{record:?}");
             assert_eq!(
                 &*site.function,
@@ -342,8 +354,8 @@ mod tests {
 
     #[test]
     fn a_site_written_before_names_were_escaped_still_reads_with_spaces_in_its_file() {
-        let (_, site) = parse_site("3 4 main /home/me/my project/run.py").unwrap();
-        assert_eq!(&*site.file, "/home/me/my project/run.py");
+        let (_, _, _, file) = parse_site("3 4 main /home/me/my project/run.py").unwrap();
+        assert_eq!(file, "/home/me/my project/run.py");
     }
 
     proptest! {

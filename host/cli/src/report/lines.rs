@@ -14,11 +14,32 @@ use super::{bytes, escape_html};
 /// Rows shown in each table; the rest are summed in a last row.
 const ROWS: usize = 20;
 
+/// The most characters of a line's place or function a row shows: a trace may name a
+/// file in 16 KiB (and its escapes more), and a page stays readable and its size bounded
+/// whatever its sites' names.
+const SHOWN_CHARS: usize = 240;
+
 fn place(sites: &HashMap<u32, Site>, number: u32) -> (String, String) {
     match sites.get(&number) {
-        Some(site) => (site.place(), site.functions()),
+        Some(site) => (shown(site.place()), shown(site.functions())),
         None => ("(no line recorded)".into(), String::new()),
     }
+}
+
+/// `text`, cut to [`SHOWN_CHARS`] with `…` where it was cut.
+fn shown(text: String) -> String {
+    match text.char_indices().nth(SHOWN_CHARS) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text,
+    }
+}
+
+#[test]
+fn a_long_name_is_shown_cut() {
+    assert_eq!(shown("a.py:3".into()), "a.py:3");
+    let long = shown("é".repeat(5000));
+    assert_eq!(long.chars().count(), SHOWN_CHARS + 1);
+    assert!(long.ends_with('…'));
 }
 
 /// When the blocks of a row were made, on the page's x axis.

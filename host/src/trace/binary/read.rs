@@ -6,9 +6,11 @@ use std::io::{self, BufRead, Read};
 use std::sync::Arc;
 
 use super::{MAGIC, MARK, MAX_CHUNK_BYTES, SITE, SITES, TIMES, VERSION, unzigzag};
+use crate::trace::kept::{Keeper, left_out_mark};
 use crate::trace::{
     Event, EventOp, MAX_LINE_BYTES, MAX_MARK_BYTES, Mark, Site, Trace, TraceError, UNKNOWN_ID,
 };
+use crate::untrusted::escape_at_most;
 
 /// Whether `input` starts as a binary trace does.
 pub(crate) fn is_binary(input: &mut impl BufRead) -> io::Result<bool> {
@@ -64,6 +66,8 @@ pub(crate) fn read_binary(mut input: impl Read) -> Result<Trace, TraceError> {
     let mut items = Vec::new();
     let mut site_table = HashMap::new();
     let mut site_numbers: HashMap<(u32, u32), u32> = HashMap::new();
+    let mut keeper = Keeper::default();
+    let (mut marks_kept, mut first_left_out) = (0, None::<u64>);
     let mut held = 0u32;
     let mut cut_short = false;
     let mut chunk = Vec::new();
@@ -79,6 +83,12 @@ pub(crate) fn read_binary(mut input: impl Read) -> Result<Trace, TraceError> {
             break;
         };
         if thread == 0 && length == 0 {
+            if !matches!(stream.fill_buf().map(<[u8]>::is_empty), Ok(true)) {
+                return Err(format_error(
+                    "the file goes on past the end of its trace (binary traces joined with \
+                     `cat`?): a binary trace is one recording; give each file on its own",
+                ));
+            }
             break;
         }
         let thread = u32::try_from(thread)
@@ -145,10 +155,19 @@ pub(crate) fn read_binary(mut input: impl Read) -> Result<Trace, TraceError> {
                             let local = chunk.varint().map_err(bad)?;
                             match local {
                                 0 => 0,
-                                local => *u32::try_from(local)
+                                local => match u32::try_from(local)
                                     .ok()
                                     .and_then(|local| site_numbers.get(&(thread, local)))
-                                    .ok_or_else(|| bad(format!("thread {thread} names site {local} before saying where it is")))?,
+                                {
+                                    Some(&number) => number,
+                                    // One of the sites past the bound, not kept.
+                                    None if keeper.sites_left_out() > 0 => 0,
+                                    None => {
+                                        return Err(bad(format!(
+                                            "thread {thread} names site {local} before saying where it is"
+                                        )));
+                                    }
+                                },
                             }
                         }
                         false => 0,
@@ -172,30 +191,54 @@ pub(crate) fn read_binary(mut input: impl Read) -> Result<Trace, TraceError> {
                     let local = chunk.varint().map_err(bad)?;
                     let local = u32::try_from(local)
                         .map_err(|_| bad(format!("site {local} is past any site's number")))?;
-                    let mut site = chunk.place().map_err(bad)?;
+                    // Named again under its number (a damaged or hostile trace; a
+                    // recorder never does): it replaces itself.
+                    let known = site_numbers.get(&(thread, local)).copied();
+                    let kept = site_table.len();
+                    let mut site = chunk
+                        .place(&mut keeper, kept, known.is_some())
+                        .map_err(bad)?;
                     match chunk.byte().map_err(bad)? {
                         0 => {}
-                        1 => site.via = Some(Arc::new(chunk.place().map_err(bad)?)),
+                        1 => {
+                            let via = chunk.place(&mut keeper, 0, true).map_err(bad)?;
+                            if let Some(site) = &mut site {
+                                site.via = via.map(Arc::new);
+                            }
+                        }
                         other => {
                             return Err(bad(format!(
                                 "a site's library line is marked {other}, not 0 or 1"
                             )));
                         }
                     }
-                    let number = site_table.len() as u32 + 1;
-                    site_table.insert(number, site);
-                    site_numbers.insert((thread, local), number);
+                    match (site, known) {
+                        (Some(site), Some(number)) => {
+                            site_table.insert(number, site);
+                        }
+                        (Some(site), None) => {
+                            let number = kept as u32 + 1;
+                            site_table.insert(number, site);
+                            site_numbers.insert((thread, local), number);
+                        }
+                        (None, Some(number)) => {
+                            site_table.remove(&number);
+                        }
+                        (None, None) => {}
+                    }
                 }
                 MARK => {
                     let seq = at(chunk.varint().map_err(bad)?);
-                    let text = chunk.string().map_err(bad)?;
-                    items.push(Item {
-                        seq,
-                        what: What::Mark(crate::untrusted::escape_at_most(
-                            text.trim(),
-                            MAX_MARK_BYTES,
-                        )),
-                    });
+                    let text = escape_at_most(chunk.string().map_err(bad)?.trim(), MAX_MARK_BYTES);
+                    if keeper.keep_mark(marks_kept, &text) {
+                        marks_kept += 1;
+                        items.push(Item {
+                            seq,
+                            what: What::Mark(text),
+                        });
+                    } else {
+                        first_left_out = Some(first_left_out.map_or(seq, |first| first.min(seq)));
+                    }
                 }
                 other => {
                     return Err(bad(format!(
@@ -205,7 +248,15 @@ pub(crate) fn read_binary(mut input: impl Read) -> Result<Trace, TraceError> {
             }
         }
     }
+    // The marks left out are summed by one where the first of them was.
+    if let Some(seq) = first_left_out {
+        items.push(Item {
+            seq,
+            what: What::Mark(left_out_mark(0, keeper.marks_left_out()).text),
+        });
+    }
     // Chunks come in the order threads handed them over; each thread's are in order.
+    // A stable sort keeps the sum after the marks kept at its number.
     items.sort_by_key(|item| item.seq);
     let mut trace = Trace {
         site_table,
@@ -213,6 +264,7 @@ pub(crate) fn read_binary(mut input: impl Read) -> Result<Trace, TraceError> {
         ..Trace::default()
     };
     replay_order(items, flags, held, &mut trace);
+    keeper.finish(&mut trace, None);
     Ok(trace)
 }
 
@@ -316,14 +368,27 @@ fn read_varint(stream: &mut impl BufRead, cut_short: &mut bool) -> Result<Option
                 return Ok(None);
             }
         }
-        value |= u64::from(byte[0] & 0x7f).checked_shl(shift).unwrap_or(0);
-        if byte[0] & 0x80 == 0 {
-            return Ok(Some(value));
+        match varint_step(&mut value, shift, byte[0]) {
+            Ok(true) => return Ok(Some(value)),
+            Ok(false) => {}
+            Err(message) => {
+                return Err(format_error(&format!("{message} (is this file damaged?)")));
+            }
         }
     }
     Err(format_error(
         "a number of the stream runs past ten bytes (is this file damaged?)",
     ))
+}
+
+/// One byte of a varint into `value`, at `shift`: whether it was the last. The tenth
+/// byte holds the 64th bit alone; one with more is a number no `u64` holds.
+pub(super) fn varint_step(value: &mut u64, shift: u32, byte: u8) -> Result<bool, &'static str> {
+    if shift == 63 && byte & 0x7e != 0 {
+        return Err("a number runs past 64 bits");
+    }
+    *value |= u64::from(byte & 0x7f) << shift;
+    Ok(byte & 0x80 == 0)
 }
 
 /// Reading one chunk's items.
@@ -332,7 +397,7 @@ struct Cursor<'a> {
     at: usize,
 }
 
-impl Cursor<'_> {
+impl<'a> Cursor<'a> {
     fn done(&self) -> bool {
         self.at >= self.bytes.len()
     }
@@ -349,16 +414,14 @@ impl Cursor<'_> {
     fn varint(&mut self) -> Result<u64, String> {
         let mut value = 0u64;
         for shift in (0..70).step_by(7) {
-            let byte = self.byte()?;
-            value |= u64::from(byte & 0x7f).checked_shl(shift).unwrap_or(0);
-            if byte & 0x80 == 0 {
+            if varint_step(&mut value, shift, self.byte()?)? {
                 return Ok(value);
             }
         }
         Err("a number runs past ten bytes".into())
     }
 
-    fn string(&mut self) -> Result<&str, String> {
+    fn string(&mut self) -> Result<&'a str, String> {
         let length = self.varint()?;
         if length > MAX_LINE_BYTES as u64 {
             return Err(format!(
@@ -374,17 +437,18 @@ impl Cursor<'_> {
         std::str::from_utf8(bytes).map_err(|_| "a name is not UTF-8 text".into())
     }
 
-    /// A site's line, function and file, escaped: a trace is input.
-    fn place(&mut self) -> Result<Site, String> {
+    /// A site's line, function and file, as `keeper` keeps them beside `kept` sites
+    /// (`replaces`: in place of one): `None` when it is past their bounds.
+    fn place(
+        &mut self,
+        keeper: &mut Keeper,
+        kept: usize,
+        replaces: bool,
+    ) -> Result<Option<Site>, String> {
         let line =
             u32::try_from(self.varint()?).map_err(|_| "a site's line is past any line's number")?;
-        let function = crate::untrusted::escape(self.string()?).into();
-        let file = crate::untrusted::escape(self.string()?).into();
-        Ok(Site {
-            file,
-            line,
-            function,
-            via: None,
-        })
+        let function = self.string()?;
+        let file = self.string()?;
+        Ok(keeper.site(kept, replaces, line, function, file))
     }
 }

@@ -310,3 +310,120 @@ fn a_site_s_long_names_are_cut_to_the_bound_a_reader_takes() {
     assert_eq!(file.len(), MAX_NAME_BYTES);
     assert!(long.starts_with(&**file));
 }
+
+/// Issue 64: a tenth varint byte with more than the 64th bit was read as another
+/// number. In the stream's framing and in a chunk alike it is refused.
+#[test]
+fn a_number_past_64_bits_is_refused_in_the_framing_and_in_a_chunk() {
+    let past = [0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02];
+    let mut bytes = header(0).to_vec();
+    bytes.extend(zstd::bulk::compress(&past, 1).unwrap());
+    let error = read_binary(&bytes[..]).unwrap_err().to_string();
+    assert_eq!(error, "a number runs past 64 bits (is this file damaged?)");
+    let mut item = vec![0u8];
+    item.extend(past);
+    let mut body = Vec::new();
+    put(&mut body, 1);
+    put(&mut body, item.len() as u64);
+    body.extend(&item);
+    let mut bytes = header(0).to_vec();
+    bytes.extend(zstd::bulk::compress(&body, 1).unwrap());
+    let error = read_binary(&bytes[..]).unwrap_err().to_string();
+    assert_eq!(
+        error,
+        "chunk 1 of the binary trace: a number runs past 64 bits"
+    );
+    // The largest number there is still reads.
+    let mut value = 0;
+    for (at, byte) in [0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01]
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(
+            read::varint_step(&mut value, 7 * at as u32, byte),
+            Ok(at == 9)
+        );
+    }
+    assert_eq!(value, u64::MAX);
+}
+
+/// Issue 64: `cat a.bin b.bin` read as `a.bin` alone, silently.
+#[test]
+fn two_binary_traces_joined_are_refused_in_one_line() {
+    let mut trace = Trace::default();
+    trace.events.push(Event {
+        op: EventOp::Malloc,
+        id: 1,
+        size: 8,
+        thread: 1,
+        line: 0,
+    });
+    let one = binary(&trace);
+    let mut joined = one.clone();
+    joined.extend(&one);
+    let error = read_binary(&joined[..]).unwrap_err().to_string();
+    assert_eq!(
+        error,
+        "the file goes on past the end of its trace (binary traces joined with `cat`?): a \
+         binary trace is one recording; give each file on its own"
+    );
+    assert_eq!(read_binary(&one[..]).unwrap().events.len(), 1);
+}
+
+/// A site named again under its number (a recorder never does) takes its own place:
+/// one entry, the last definition, whatever the count.
+#[test]
+fn a_site_defined_again_under_its_number_replaces_itself() {
+    let mut chunk = Vec::new();
+    for line in 1..=1000u64 {
+        chunk.push(SITE);
+        put(&mut chunk, 1);
+        put(&mut chunk, line);
+        for name in ["f", "a.py"] {
+            put(&mut chunk, name.len() as u64);
+            chunk.extend(name.as_bytes());
+        }
+        chunk.push(0);
+    }
+    chunk.extend([0, 1, 2, 8, 1]);
+    let mut body = Vec::new();
+    put(&mut body, 1);
+    put(&mut body, chunk.len() as u64);
+    body.extend(&chunk);
+    body.extend([0, 0]);
+    let mut bytes = header(SITES).to_vec();
+    bytes.extend(zstd::bulk::compress(&body, 1).unwrap());
+    let trace = read_binary(&bytes[..]).unwrap();
+    assert_eq!(trace.site_table.len(), 1);
+    assert_eq!(trace.site_table[&trace.sites[0]].line, 1000);
+}
+
+/// `docs/traces.md`'s example, byte for byte as the page shows it, reads as the text
+/// form the page shows beside it: the format's description and the reader agree.
+#[test]
+fn the_documented_example_reads_as_the_documented_text() {
+    let page = include_str!("../../../../docs/traces.md");
+    let block = |language: &str| -> &str {
+        let start = page
+            .find(&format!("```{language}\n"))
+            .unwrap_or_else(|| panic!("docs/traces.md has a ```{language} block"));
+        let rest = &page[start + language.len() + 4..];
+        &rest[..rest.find("```").unwrap()]
+    };
+    let hex_of = |line: &str| -> Vec<u8> {
+        line.split('#')
+            .next()
+            .unwrap()
+            .split_whitespace()
+            .map(|pair| u8::from_str_radix(pair, 16).unwrap())
+            .collect()
+    };
+    let mut lines = block("hex").lines();
+    let mut file = hex_of(lines.next().unwrap());
+    let stream: Vec<u8> = lines.flat_map(hex_of).collect();
+    file.extend(zstd::bulk::compress(&stream, 1).unwrap());
+    let trace = read_binary(&file[..]).unwrap();
+    let mut text = Vec::new();
+    crate::trace::write_text(&trace, &mut text).unwrap();
+    assert_eq!(String::from_utf8(text).unwrap(), block("text"));
+}
