@@ -319,6 +319,36 @@ fn a_shardable_policy_is_checked_with_an_instance_per_thread_and_frees_from_othe
     assert_eq!(report.cross_thread_frees, 0);
 }
 
+/// Issue 64: `check size-classes --threads 128` called the shipped policy broken for
+/// the checker's own split of its guest memory. The threads share as many instances as
+/// the budget starts, and the report says so.
+#[test]
+fn many_client_threads_share_the_instances_the_budget_allows_and_the_policy_holds() {
+    let policy = load(&allocbox_artifacts::SIZE_CLASSES);
+    let opts = CheckOptions {
+        threads: 128,
+        cases: 6,
+        max_ops: 512,
+        ..options()
+    };
+    let report = check::check(Runtime::shared(), &policy, &[], &opts).unwrap();
+    assert!(report.passed(), "{:?}", report.failure);
+    let shared = report
+        .instances_shared
+        .expect("fewer instances than threads");
+    assert!((1..128).contains(&shared), "{shared}");
+    let opts = CheckOptions {
+        threads: 3,
+        cases: 24,
+        ..options()
+    };
+    let report = check::check(Runtime::shared(), &policy, &[], &opts).unwrap();
+    assert_eq!(
+        report.instances_shared, None,
+        "three instances fit the budget"
+    );
+}
+
 #[test]
 fn a_per_thread_script_passes_blocks_to_the_next_thread_and_replays() {
     let text = "per-thread\nt0 b0 = malloc 24\nt1 b0 = malloc 4000\nt0 pass b0\nt1 pass b0\nt1 b1 = calloc 3 8\nt0 b1 = malloc 16\nt0 pass b1\n";

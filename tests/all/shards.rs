@@ -376,3 +376,31 @@ fn the_limits_are_the_handler_s_in_all_each_instance_an_even_share() {
     h.free(p, 200 << 10).unwrap();
     h.leak_check().unwrap();
 }
+
+/// Issue 64: `check size-classes --threads 128` called the shipped policy broken, "past
+/// its memory budget of 524288 bytes in `init`": its guest memory split 128 ways left an
+/// instance too little to start in. Fewer instances start, each with a share it starts
+/// in, and every thread is served.
+#[test]
+fn a_guest_memory_share_too_small_to_start_in_starts_fewer_instances_not_a_failure() {
+    let h = sharded(&allocbox_artifacts::SIZE_CLASSES, 256);
+    let count = h.shard_count();
+    assert!((1..256).contains(&count), "{count} instances");
+    let blocks: Vec<_> = std::thread::scope(|s| {
+        (0..8)
+            .map(|_| s.spawn(|| h.malloc(64).unwrap().unwrap().as_ptr() as usize))
+            .collect::<Vec<_>>()
+            .into_iter()
+            .map(|t| t.join().unwrap())
+            .collect()
+    });
+    for block in blocks {
+        h.free(Some(ptr(block)), 64).unwrap();
+    }
+    h.leak_check().unwrap();
+    // A share that does fit is not cut: two instances of the default budget start.
+    assert_eq!(
+        sharded(&allocbox_artifacts::SIZE_CLASSES, 2).shard_count(),
+        2
+    );
+}

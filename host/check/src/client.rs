@@ -2,6 +2,7 @@
 //! answer against the model of its live blocks and reports the first broken rule.
 
 use std::ptr::NonNull;
+use std::time::Instant;
 
 use allocbox::gpu::Placement;
 use allocbox::{Adversary, Error, Rule, WasmHook};
@@ -357,10 +358,59 @@ impl<'h> Client<'h> {
 
     /// Free every live block, newest first, and every block passed to this thread.
     pub(super) fn free_all(&mut self) -> Result<(), Finding> {
+        self.free_all_by(None).map(drop)
+    }
+
+    /// [`Self::free_all`], starting no free past `deadline`: whether every block was
+    /// freed. A case's frees at its end are calls of the policy like any other, and
+    /// with many threads on a slow policy they take longer than the case's operations.
+    pub(super) fn free_all_by(&mut self, deadline: Option<Instant>) -> Result<bool, Finding> {
         self.take_passed()?;
         while let Some(last) = self.live.len().checked_sub(1) {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(false);
+            }
             self.free_slot(last)?;
         }
-        Ok(())
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use allocbox::{HandlerBuilder, Runtime};
+
+    use super::*;
+
+    /// Issue 64: `--threads 64 --time 2` over a slow policy ran 71 s, each thread's
+    /// closing frees unbounded by the deadline. Past it no free starts; the blocks are
+    /// the dropped handler's to release, calling no policy.
+    #[test]
+    fn no_closing_free_starts_past_the_deadline() {
+        let policy = Runtime::shared()
+            .load(allocbox::DEFAULT_POLICY_WAT.as_bytes())
+            .unwrap();
+        let adversary = Arc::new(Adversary::new(1));
+        let handler = HandlerBuilder::new(Runtime::shared())
+            .link(&policy)
+            .checked(true)
+            .adversary(Arc::clone(&adversary))
+            .build()
+            .unwrap();
+        let mailboxes = Mailboxes::new(1);
+        let mut client = Client::new(&handler, &adversary, None, (0, &mailboxes));
+        for block in 0..3 {
+            client.run(&Op::Malloc { block, size: 64 }).unwrap();
+        }
+        assert!(matches!(
+            client.free_all_by(Some(Instant::now())),
+            Ok(false)
+        ));
+        assert_eq!(client.live.len(), 3, "no free started");
+        assert!(matches!(client.free_all_by(None), Ok(true)));
+        assert!(client.live.is_empty());
+        handler.leak_check().unwrap();
     }
 }

@@ -231,6 +231,10 @@ pub fn check(
         budget_refusals: subject.tally.budget.into_inner(),
         injected_refusals: subject.tally.injected.into_inner(),
         cross_thread_frees: subject.tally.passed.into_inner(),
+        cases_waited: subject.tally.waited.load(Ordering::Relaxed),
+        instances_shared: (subject.tally.fewest_instances.into_inner())
+            .unwrap_or_else(|p| p.into_inner())
+            .filter(|&fewest| fewest < options.threads),
         counters: subject
             .tally
             .counters

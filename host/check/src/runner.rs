@@ -136,6 +136,9 @@ impl Subject<'_> {
         };
         // Before anything runs: a policy that fails is no longer served from magazines.
         let path = path_taken(&handler);
+        if let Started::PerThread(sharded) = &handler {
+            self.tally.instances(sharded.shard_count());
+        }
         // Each operation takes a ticket as it starts, so the order the handler saw them
         // in can be written down and replayed.
         let clock = AtomicU64::new(0);
@@ -178,6 +181,9 @@ impl Subject<'_> {
         let mut finding = None;
         let mut turns = Vec::new();
         let unfinished = results.iter().any(|ran| ran.unfinished);
+        if results.iter().any(|ran| ran.waited) {
+            self.tally.waited.fetch_add(1, Ordering::Relaxed);
+        }
         for (thread, ran) in results.into_iter().enumerate() {
             turns.extend(ran.tickets.iter().map(|&ticket| (ticket, thread)));
             script.threads.push(ran.ops);
@@ -231,9 +237,16 @@ pub(super) struct Ran {
     ops: Vec<Op>,
     tickets: Vec<u64>,
     finding: Option<Finding>,
-    /// Stopped at the deadline: nothing was freed, and there is nothing to judge.
+    /// Stopped at the deadline, before or while freeing its blocks, or by a call that
+    /// waited past its limit: nothing to judge.
     unfinished: bool,
+    /// A call waited past its limit behind other client threads' calls.
+    waited: bool,
 }
+
+/// [`allocbox::Error::kind`] of a call that waited for other threads' calls past its
+/// limit: no policy's fault.
+const WAITED: &str = "waited";
 
 pub(super) fn run_client(
     handler: &dyn Checked,
@@ -253,6 +266,7 @@ pub(super) fn run_client(
                 tickets,
                 finding: None,
                 unfinished: true,
+                waited: false,
             };
         }
         let ticket = clock.fetch_add(1, Ordering::Relaxed);
@@ -266,16 +280,35 @@ pub(super) fn run_client(
             break;
         }
     }
+    let mut unfinished = false;
     if finding.is_none() {
-        finding = client.free_all().err();
+        match client.free_all_by(deadline) {
+            Ok(all) => unfinished = !all,
+            Err(found) => finding = Some(found),
+        }
+    }
+    // A call that waited past its limit behind the other client threads' calls never
+    // reached the policy: the checker asked too much at once, and the case is not judged.
+    let waited = finding.as_ref().is_some_and(|f| f.rule == WAITED);
+    if waited {
+        return Ran {
+            ops: client.ran,
+            tickets,
+            finding: None,
+            unfinished: true,
+            waited,
+        };
     }
     // After a failure the rest are released host-side, so nothing leaks here either.
-    let _ = client.free_all();
+    if finding.is_some() {
+        let _ = client.free_all();
+    }
     Ran {
         ops: client.ran,
         tickets,
         finding,
-        unfinished: false,
+        unfinished,
+        waited,
     }
 }
 

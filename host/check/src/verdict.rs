@@ -171,6 +171,14 @@ pub struct CheckReport {
     /// the cases that give each thread an instance of a policy that says its state is
     /// per instance), over every case.
     pub cross_thread_frees: u64,
+    /// In the `per-thread` cases, the instances started when fewer than the client
+    /// threads (which then share them): the guest memory budget split further would
+    /// leave an instance too little to start in. `None` when each thread had its own.
+    pub instances_shared: Option<usize>,
+    /// Cases left unjudged because a call waited past its time limit behind the other
+    /// client threads' calls of one instance (too many `--threads` for the policy's
+    /// speed and the call limit): no policy's fault.
+    pub cases_waited: u64,
     /// The policy's own counters (`lifecycle.report`, 0.2.0) at the end of each case,
     /// over the cases (summed; a `peak-` counter its largest), in the policy's order;
     /// none for a 0.1.0 policy.
@@ -231,9 +239,20 @@ pub(super) struct Tally {
     pub(super) counters_left_out: AtomicU64,
     /// Regions a policy of the chain asked for of a kind not granted, by kind.
     pub(super) ungranted: std::sync::Mutex<Vec<(KindGrant, u64)>>,
+    /// Cases not judged because a call waited past its limit behind other client
+    /// threads' calls.
+    pub(super) waited: AtomicU64,
+    /// The fewest instances a `per-thread` case started: fewer than its threads when
+    /// the guest memory budget split further leaves an instance too little to start in.
+    pub(super) fewest_instances: std::sync::Mutex<Option<usize>>,
 }
 
 impl Tally {
+    pub(super) fn instances(&self, started: usize) {
+        let mut fewest = (self.fewest_instances.lock()).unwrap_or_else(|p| p.into_inner());
+        *fewest = Some(fewest.map_or(started, |f| f.min(started)));
+    }
+
     pub(super) fn add_ungranted(&self, refused: &[(KindGrant, u64)]) {
         let mut all = self.ungranted.lock().unwrap_or_else(|p| p.into_inner());
         for &(kind, n) in refused {

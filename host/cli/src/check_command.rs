@@ -46,6 +46,15 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
             bar.finish();
         }
         let report = report?;
+        if report.failure.is_none() && report.cases == 0 && report.cases_waited > 0 {
+            bail!(
+                "no case of `{label}` could be judged: a call waited past its time limit \
+                 behind the other {} client threads' calls (in {} of the cases run; no \
+                 policy's fault); give fewer --threads, or a higher --call-time-ms",
+                args.options.threads.saturating_sub(1),
+                report.cases_waited
+            );
+        }
         if report.failure.is_none() && report.cases == 0 {
             bail!(
                 "no case of `{label}` ran to its end in the time given ({} operations in \
@@ -92,9 +101,8 @@ fn save_script(options: &CheckOptions, report: &CheckReport, script: &Script) ->
         "# allocbox replay script for `{}`\n# {finding}\n{script}",
         report.policy
     );
-    std::fs::create_dir_all(dir)
-        .and_then(|()| std::fs::write(&file, text))
-        .ok()?;
+    std::fs::create_dir_all(dir).ok()?;
+    allocbox::output::write_whole(&file, text.as_bytes()).ok()?;
     Some(file)
 }
 
@@ -114,12 +122,30 @@ fn text_report(
     if let Some(refused) = refused_on_purpose(report) {
         totals += &format!("; {refused}");
     }
-    if report.cross_thread_frees > 0 {
+    if report.cases_waited > 0 {
         totals += &format!(
-            "; {} blocks freed by a client thread other than their maker's, each thread \
-             with an instance of its own",
-            report.cross_thread_frees
+            "; {} cases not judged: a call waited past its time limit behind the other \
+             client threads' calls (no policy's fault; fewer --threads or a higher \
+             --call-time-ms judges them)",
+            report.cases_waited
         );
+    }
+    match (report.cross_thread_frees, report.instances_shared) {
+        (0, _) => {}
+        (frees, None) => {
+            totals += &format!(
+                "; {frees} blocks freed by a client thread other than their maker's, each \
+                 thread with an instance of its own"
+            )
+        }
+        (frees, Some(instances)) => {
+            totals += &format!(
+                "; {frees} blocks freed by a client thread other than their maker's, the \
+                 threads sharing {instances} instances (the guest memory budget split \
+                 further would leave an instance too little to start in; raise \
+                 --guest-memory for one each)"
+            )
+        }
     }
     // A shipped policy named by its name is not named twice.
     let named = if label == report.policy {
@@ -251,6 +277,8 @@ fn json_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> serde
         "budget_refusals": report.budget_refusals,
         "injected_refusals": report.injected_refusals,
         "cross_thread_frees": report.cross_thread_frees,
+        "instances_shared": report.instances_shared,
+        "cases_waited": report.cases_waited,
         "ungranted": report
             .ungranted
             .iter()

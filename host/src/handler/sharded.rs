@@ -105,9 +105,25 @@ impl HandlerBuilder {
     /// (then threads share them), when every policy of the chain says its state is per
     /// instance (0.2.0 `sharding`); one chain otherwise. Every shard keeps no
     /// magazines: each request is its own instance's call. The limits are the
-    /// handler's in all, shared evenly by the `most` chains.
+    /// handler's in all, shared evenly by the `most` chains; where a share of the
+    /// guest memory is too small for the chain to start in, fewer chains are started,
+    /// each with a larger share (down to one with all of it): [`Self::shard_count`]
+    /// says how many.
     pub fn build_sharded(self, most: usize) -> Result<ShardedHandler, LoadError> {
-        let most = most.max(1);
+        let mut most = most.max(1);
+        loop {
+            match self.clone().build_shards(most) {
+                Err(LoadError::Start(error))
+                    if most > 1 && matches!(*error, Error::MemoryLimit { .. }) =>
+                {
+                    most /= 2;
+                }
+                built => return built,
+            }
+        }
+    }
+
+    fn build_shards(self, most: usize) -> Result<ShardedHandler, LoadError> {
         let share = |total: u64| (total / most as u64).max(1);
         let mut limits = self.limits.clone();
         limits.overhead = share(limits.overhead);
