@@ -10,14 +10,17 @@
 //! policy, seeing every call, would have refused it.
 //!
 //! Lock order: the chain's lock, then this one; a thread holding this one never waits
-//! for the chain. The lock is taken outside the thread caches' protocol, so a fork does
-//! not wait for it: a forked child releases a lock a thread of its parent held
-//! ([`Observations::lock`]).
+//! for the chain. The lock is taken outside the thread caches' protocol, so it takes
+//! part in forks of its own ([`fork::Forkable`]): taken before the fork (a thread holds
+//! it for a few instructions), let go after it on both sides, so a child never finds it
+//! held by a thread it does not have. It is the standard library's lock: letting it go
+//! in a child visits no table another thread may have held mid-change, as
+//! parking_lot's unlock of a lock with waiters does (a child forked then hung there).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
 
 use allocbox_ledger::platform::fork;
-use parking_lot::{Mutex, MutexGuard};
 
 use allocbox_ledger::fasthash::FastMap;
 
@@ -134,13 +137,14 @@ pub(crate) struct Observations {
     batch: usize,
     detail: Detail,
     state: Mutex<State>,
-    /// The fork generation ([`fork::generation`]) the lock is known good in, or
-    /// [`SETTLING`] while a forked child releases it.
-    good_in: AtomicU64,
+    /// In a child forked while a thread of its parent kept `state` past the fork's
+    /// patience (stopped, say): that lock is the gone thread's forever, and the child
+    /// goes on with a state of its own, its lease spent, so its next request asks the
+    /// policy. What the gone thread was telling is lost.
+    orphaned: OnceLock<Mutex<State>>,
+    /// How long a fork waits for a thread to let `state` go.
+    fork_patience: Duration,
 }
-
-/// [`Observations::good_in`] while one thread of a forked child settles the lock.
-const SETTLING: u64 = u64::MAX;
 
 #[derive(Debug)]
 struct State {
@@ -158,8 +162,15 @@ fn signed(size: u64) -> i128 {
 }
 
 impl Observations {
-    pub(crate) fn new(batch: u32, lease: Option<u64>, detail: Detail) -> Self {
-        Observations {
+    /// Observations whose forks ([`Self::take_part_in_forks`]) wait at most
+    /// `fork_patience` for a thread to let their lock go.
+    pub(crate) fn new(
+        batch: u32,
+        lease: Option<u64>,
+        detail: Detail,
+        fork_patience: Duration,
+    ) -> Arc<Self> {
+        Arc::new(Observations {
             batch: batch.max(1) as usize,
             detail,
             state: Mutex::new(State {
@@ -167,52 +178,28 @@ impl Observations {
                 events: Vec::new(),
                 undelivered: 0,
             }),
-            good_in: AtomicU64::new(fork::generation()),
-        }
+            orphaned: OnceLock::new(),
+            fork_patience,
+        })
     }
 
-    /// The state, locked. In a forked child, first release the lock if a thread of the
-    /// parent held it as the process forked: that thread does not exist here, and its
-    /// guard will never be dropped. (What it was doing is lost: a reservation it made
-    /// stays taken from the lease, which errs towards refusing.)
+    /// Take part in every fork from now on: registered after the handler's caches, so
+    /// that a fork takes the books' lock first, as every thread does.
+    pub(crate) fn take_part_in_forks(self: &Arc<Self>) {
+        fork::register(Arc::downgrade(self) as std::sync::Weak<dyn fork::Forkable>);
+    }
+
+    /// The lock of the state in use: the first one, or the one a forked child took up.
+    #[inline]
+    fn mutex(&self) -> &Mutex<State> {
+        self.orphaned.get().unwrap_or(&self.state)
+    }
+
+    /// The state, locked (a thread that panicked while holding it left it whole: each
+    /// change is one statement).
     #[inline]
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.lock_in(fork::generation())
-    }
-
-    fn lock_in(&self, generation: u64) -> MutexGuard<'_, State> {
-        if self.good_in.load(Ordering::Acquire) != generation {
-            self.settle_after_fork(generation);
-        }
-        self.state.lock()
-    }
-
-    #[cold]
-    fn settle_after_fork(&self, generation: u64) {
-        loop {
-            let seen = self.good_in.load(Ordering::Acquire);
-            if seen == generation {
-                return;
-            }
-            let won = seen != SETTLING
-                && self
-                    .good_in
-                    .compare_exchange(seen, SETTLING, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok();
-            if won {
-                if self.state.try_lock().is_none() {
-                    // SAFETY: this process forked since the lock was last known good, so
-                    // its threads are the forking one and those started since; each
-                    // checks the generation before it locks and waits while another
-                    // settles. No thread here holds the lock: its holder was a thread of
-                    // the parent, and its guard is gone with it.
-                    unsafe { self.state.force_unlock() };
-                }
-                self.good_in.store(generation, Ordering::Release);
-                return;
-            }
-            std::hint::spin_loop();
-        }
+        self.mutex().lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     pub(crate) fn batch(&self) -> usize {
@@ -311,13 +298,54 @@ impl Observations {
     }
 }
 
+/// What [`Observations`] holds across a fork: the lock of its state, when a thread let
+/// it go within the patience. The guard is declared first, so it is dropped before the
+/// `Arc` that owns its lock.
+struct ForkHeld {
+    lock: Option<MutexGuard<'static, State>>,
+    obs: Arc<Observations>,
+}
+
+impl fork::Forkable for Observations {
+    fn before_fork(self: Arc<Self>) -> Box<dyn fork::AfterFork> {
+        let give_up = Instant::now() + self.fork_patience;
+        let lock = fork::lock_before(self.mutex(), give_up);
+        // SAFETY: the guard borrows a mutex inside `*self` (the state's, or the
+        // `OnceLock`'s, which is never emptied once set), an `Arc` that the `ForkHeld`
+        // made here keeps alive; its `lock` field is dropped before its `obs`
+        // (declaration order), so the guard never outlives the mutex.
+        let lock = lock.map(|guard| unsafe {
+            std::mem::transmute::<MutexGuard<'_, State>, MutexGuard<'static, State>>(guard)
+        });
+        Box::new(ForkHeld { lock, obs: self })
+    }
+}
+
+impl fork::AfterFork for ForkHeld {
+    fn after_fork(self: Box<Self>, in_child: bool) {
+        if in_child && self.lock.is_none() {
+            // The child's only thread is this one: no call can see the state between
+            // the old lock and the new.
+            let _ = self.obs.orphaned.set(Mutex::new(State {
+                lease: Some(0),
+                events: Vec::new(),
+                undelivered: 0,
+            }));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn observations(batch: u32, lease: Option<u64>) -> Arc<Observations> {
+        Observations::new(batch, lease, Detail::Events, Duration::from_millis(100))
+    }
+
     #[test]
     fn a_lease_is_taken_by_lending_and_given_back_by_frees() {
-        let obs = Observations::new(8, Some(100), Detail::Events);
+        let obs = observations(8, Some(100));
         assert!(obs.reserve(60));
         assert!(!obs.reserve(60), "40 left");
         assert!(!obs.lent(Op::Malloc, 0x1000, 60));
@@ -329,9 +357,9 @@ mod tests {
 
     #[test]
     fn a_renewal_counts_what_the_policy_has_not_seen() {
-        let obs = Observations::new(8, Some(0), Detail::Events);
+        let obs = observations(8, Some(0));
         // Another thread reserved 30 bytes it has not finished serving.
-        obs.state.lock().lease = Some(30);
+        obs.lock().lease = Some(30);
         assert!(obs.reserve(30));
         // The policy, not knowing of them, says 100 bytes are left under its quota.
         obs.renewed(100);
@@ -342,20 +370,50 @@ mod tests {
         assert!(obs.reserve(20));
     }
 
+    /// A fork whose patience ran out while another thread kept the lock: the child
+    /// goes on with a state of its own (the lease spent, so the policy is asked), and
+    /// never waits for the lock of the thread it does not have.
     #[test]
-    fn a_forked_child_releases_a_lock_a_thread_of_its_parent_held() {
-        let obs = Observations::new(8, Some(100), Detail::Events);
-        // As if another thread were inside `reserve` when the process forked.
-        std::mem::forget(obs.state.lock());
-        let next = fork::generation() + 1;
-        assert!(obs.lock_in(next).lease == Some(100));
-        // Known good from then on: a lock held now is a live thread's, and waited for.
-        assert_eq!(obs.good_in.load(Ordering::Relaxed), next);
+    fn a_child_forked_while_a_thread_kept_the_lock_past_the_patience_goes_on_without_it() {
+        use fork::Forkable;
+        let obs = observations(8, Some(100));
+        // As if another thread were stopped inside `reserve` when the process forked.
+        std::mem::forget(obs.lock());
+        let held = Arc::clone(&obs).before_fork();
+        held.after_fork(true);
+        assert_eq!(obs.lock().lease, Some(0));
+        assert!(!obs.reserve(1), "the policy is asked first");
+        obs.renewed(100);
+        assert!(obs.reserve(1));
+    }
+
+    /// The lock held by another thread at the moment of the fork is waited for, taken
+    /// across the fork and let go on both sides.
+    #[test]
+    fn a_fork_waits_for_the_thread_holding_the_lock_and_lets_it_go_after() {
+        use fork::Forkable;
+        let obs = observations(8, Some(100));
+        let (locked, release) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let guard = obs.lock();
+                locked.wait();
+                release.wait();
+                drop(guard);
+            });
+            locked.wait();
+            s.spawn(|| release.wait());
+            let held = Arc::clone(&obs).before_fork();
+            assert!(obs.mutex().try_lock().is_err(), "held across the fork");
+            held.after_fork(true);
+        });
+        assert!(obs.orphaned.get().is_none());
+        assert!(obs.reserve(100));
     }
 
     #[test]
     fn a_full_batch_asks_for_delivery() {
-        let obs = Observations::new(2, None, Detail::Events);
+        let obs = observations(2, None);
         assert!(obs.reserve(u64::MAX));
         assert!(!obs.lent(Op::Malloc, 1, 8));
         assert!(obs.lent(Op::Calloc, 2, 8));

@@ -184,7 +184,7 @@ impl HandlerBuilder {
         let observed = match head.observes(starting) {
             Ok(None) => None,
             Ok(Some((batch, lease, detail))) => {
-                let obs = Arc::new(Observations::new(batch, lease, detail));
+                let obs = Observations::new(batch, lease, detail, fork_patience);
                 head.observe_with(Arc::clone(&obs));
                 Some(obs)
             }
@@ -207,7 +207,7 @@ impl HandlerBuilder {
                 Upstream::System(_) => None,
             };
         }
-        Ok(Handler {
+        let handler = Handler {
             caches: Caches::new(
                 Chain {
                     head,
@@ -230,6 +230,12 @@ impl HandlerBuilder {
             call_ticks: CallTicks::of(self.limits.call_time),
             call_time: self.limits.call_time,
             placement,
-        })
+        };
+        // Prepared for a fork after the caches, whose books' lock comes first in the
+        // lock order (a thread holding the books may wait for the observations').
+        if let Some(obs) = &handler.observed {
+            obs.take_part_in_forks();
+        }
+        Ok(handler)
     }
 }
