@@ -203,6 +203,9 @@ pub struct LinkStats {
     /// Regions the policy asked for of a kind the embedder did not grant, by kind: the
     /// paths that would have used them did not run.
     pub ungranted: Vec<(KindGrant, u64)>,
+    /// Why its latest request for GPU memory (pinned or device) was refused as
+    /// unavailable, in the driver's words ("no CUDA driver was found ..."), if one was.
+    pub gpu_unavailable: Option<String>,
 }
 
 /// A started, initialised policy instance.
@@ -262,6 +265,7 @@ impl Link {
             client_misuse: state.mapped.misuse_total(),
             recent_misuse: state.mapped.recent_misuse().to_vec(),
             ungranted: state.mapped.ungranted(),
+            gpu_unavailable: state.mapped.gpu_unavailable().map(str::to_owned),
             ..self.calls.clone()
         }
     }

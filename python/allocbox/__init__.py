@@ -245,20 +245,30 @@ def use(policy, *, threads=False):
 def _name_a_stop(error, policy):
     """Add to `error` a note naming `policy` and why it was stopped, when it was and
     the error came of an allocation that failed: the MemoryError NumPy or Numba raises
-    for it (or the error Numba's parallel code makes of one) names neither."""
-    failure = getattr(policy, "failure", None)
-    if failure is None:
-        return
+    for it (or the error Numba's parallel code makes of one) names neither. A policy
+    that was not stopped but was refused the GPU memory it asked for (no CUDA driver,
+    say) is named with that reason."""
     seen, cause = set(), error
     while cause is not None and not isinstance(cause, MemoryError) and id(cause) not in seen:
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
     if cause is None or id(cause) in seen:
         return
-    note = (
-        f"allocbox: policy `{policy.name}` was stopped: {failure}; every allocation it "
-        "would have served fails from then on"
-    )
+    failure = getattr(policy, "failure", None)
+    if failure is not None:
+        note = (
+            f"allocbox: policy `{policy.name}` was stopped: {failure}; every allocation it "
+            "would have served fails from then on"
+        )
+    else:
+        try:
+            links = policy.link_stats()
+        except Exception:  # a policy whose statistics cannot be read names nothing more
+            return
+        why = next((link["gpu_unavailable"] for link in links if link.get("gpu_unavailable")), None)
+        if why is None:
+            return
+        note = f"allocbox: policy `{policy.name}` was refused the GPU memory it asked for: {why}"
     if note not in getattr(error, "__notes__", ()):
         error.add_note(note)
 

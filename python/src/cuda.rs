@@ -95,11 +95,20 @@ impl DevicePolicy {
         let handler = self.handler.clone();
         match py.detach(move || handler.malloc(size)) {
             Ok(Some(addr)) => Ok(addr),
-            Ok(None) => Err(pyo3::exceptions::PyMemoryError::new_err(format!(
-                "policy `{}` has no {size} bytes of memory of GPU {} left",
-                self.handler.name(),
-                self.handler.device()
-            ))),
+            Ok(None) => Err(pyo3::exceptions::PyMemoryError::new_err(
+                match self.handler.gpu_unavailable() {
+                    Some(why) => format!(
+                        "policy `{}` got no memory of GPU {}: {why}",
+                        self.handler.name(),
+                        self.handler.device()
+                    ),
+                    None => format!(
+                        "policy `{}` has no {size} bytes of memory of GPU {} left",
+                        self.handler.name(),
+                        self.handler.device()
+                    ),
+                },
+            )),
             Err(e) => Err(to_py(&e)),
         }
     }
@@ -169,8 +178,9 @@ impl DevicePolicy {
     }
 
     /// The client's counters, as `Policy.stats()`, with `pending_frees` and
-    /// `pending_bytes`: frees waiting for their streams; and `counters`, the top
-    /// policy's own.
+    /// `pending_bytes`: frees waiting for their streams; `gpu_unavailable`: why a
+    /// request for the GPU's memory was last refused as unavailable (no CUDA driver, no
+    /// such device), or `None`; and `counters`, the top policy's own.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.handler.stats().map_err(|e| to_py(&e))?;
         let links = self.handler.link_stats().map_err(|e| to_py(&e))?;
@@ -179,6 +189,8 @@ impl DevicePolicy {
         set_counts(&d, &s)?;
         d.set_item("pending_frees", pending.blocks)?;
         d.set_item("pending_bytes", pending.bytes)?;
+        let unavailable = links.iter().find_map(|link| link.gpu_unavailable.clone());
+        d.set_item("gpu_unavailable", unavailable)?;
         let counters = PyDict::new(py);
         if let Some(top) = links.into_iter().next() {
             for (name, value) in top.counters {

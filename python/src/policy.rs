@@ -105,7 +105,9 @@ impl Policy {
     /// - `budget_refusals`: its upstream requests refused for passing `overhead`;
     /// - `mapped_regions`, `mapped_bytes`: memory of a granted kind mapped for it;
     ///   `ungranted`: the regions it asked for of a kind not granted, `{kind: count}`
-    ///   (`grant=` at `load` gives them);
+    ///   (`grant=` at `load` gives them); `gpu_unavailable`: why its latest request
+    ///   for GPU memory (pinned or device) was refused as unavailable (no CUDA
+    ///   driver, no such device), or `None`;
     /// - `client_misuse`: misuse of arrays it reported; `recent_misuse`: the latest
     ///   reports, as sentences;
     /// - `counters`: its own counters, `{name: value}` (contract 0.2.0).
@@ -145,6 +147,7 @@ impl Policy {
                     ungranted.set_item(kind.name(), refused)?;
                 }
                 d.set_item("ungranted", ungranted)?;
+                d.set_item("gpu_unavailable", l.gpu_unavailable)?;
                 Ok(d)
             })
             .collect()

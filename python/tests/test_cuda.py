@@ -74,10 +74,29 @@ def test_device_memory_without_a_gpu_driver_is_refused_with_the_reason():
     try:
         ptr = pool.malloc(1000)
     except MemoryError as e:
+        # Issue 64: it said "has no 1000 bytes of memory of GPU 0 left" with no GPU at all.
         assert "gpu-pool" in str(e) and "GPU 0" in str(e)
+        assert "CUDA driver" in str(e) and "left" not in str(e), str(e)
         assert pool.stats()["counters"]["refused"] >= 1
+        assert "CUDA driver" in pool.stats()["gpu_unavailable"]
     else:
         pool.free(ptr, 1000)
+
+
+def test_a_numpy_array_a_pinned_policy_cannot_place_without_a_driver_names_the_policy_and_why():
+    # Issue 64: NumPy's bare "MemoryError: Unable to allocate 781. KiB" named neither.
+    policy = allocbox.load("gpu-pool", {"memory": "pinned"}, grant=["pinned"])
+    try:
+        with allocbox.use(policy):
+            a = np.ones(100_000)
+    except MemoryError as error:
+        notes = getattr(error, "__notes__", [])
+        assert any(
+            "policy `gpu-pool` was refused the GPU memory it asked for" in note and "CUDA driver" in note
+            for note in notes
+        ), notes
+    else:  # a machine with a driver serves it
+        assert a.sum() == 100_000
 
 
 def test_a_device_policy_is_never_numpys_handler(pool):

@@ -120,7 +120,7 @@ def test_a_policy_that_cannot_load_fails_the_registration_naming_the_worker(clie
 
 def test_a_policy_failure_reaches_the_client_naming_worker_policy_and_rule(client, register):
     register(allocbox.dask.AllocboxPlugin(guest("broken"), {"fault": "misaligned-after-300"}))
-    rule = r"policy `broken` broke the contract in `\w+`.*: block not aligned to the declared 16 bytes"
+    rule = r"\[misaligned\] policy `broken` broke the contract in `\w+`.*: block not aligned to the declared 16 bytes"
 
     # Enough chunks that a worker's policy passes its 300th call.
     with pytest.raises(allocbox.ContractViolation, match=rf"^worker tcp://\S+: {rule}; .*MemoryError in task"):

@@ -188,6 +188,40 @@ fn a_policy_that_touches_the_bytes_of_device_memory_is_stopped_and_named() {
     assert!(probe.failure().is_some());
 }
 
+/// Issue 64: a device policy that gave a region back with the wrong size during its
+/// client's free was reported to the client, but `failure` stayed `None` and it went on
+/// serving. A violation in any call stops the policy and names it, as for host policies.
+#[test]
+fn a_device_policy_that_unmaps_wrongly_in_a_free_is_stopped_and_named() {
+    for (abuse, rule_name) in [
+        ("unmap-wrong-size", "wrong-size-free"),
+        ("unmap-twice", "unknown-free"),
+        ("unmap-unmapped", "unknown-free"),
+    ] {
+        let (stand_in, gpu) = stand_in(1, 1 << 30);
+        let probe = probe_on(
+            &gpu,
+            &[("kind", "device"), ("abuse", abuse)],
+            device_grant(),
+        );
+        let block = probe.malloc(4096).unwrap().unwrap();
+        // Freed on a stream with work queued: the policy gets the block back once that
+        // work is done, in a later call of the client's.
+        stand_in.queue(0, 7);
+        probe.free(block, Some(4096), &[7]).unwrap();
+        stand_in.finish(0, 7);
+        let err = probe.synchronize().unwrap_err();
+        assert!(err.to_string().contains("kinds-probe"), "{abuse}: {err}");
+        assert_eq!(err.kind(), rule_name, "{abuse}: {err}");
+        let failure = probe.failure().expect("the policy is stopped");
+        assert!(failure.to_string().contains("kinds-probe"), "{failure}");
+        assert!(
+            probe.malloc(4096).is_err(),
+            "{abuse}: a stopped policy serves no more"
+        );
+    }
+}
+
 #[test]
 fn host_memory_answered_for_a_gpu_client_is_a_violation() {
     let (_, gpu) = stand_in(1, 1 << 30);

@@ -292,6 +292,14 @@ impl DeviceHandler {
     }
 
     /// Why the chain was stopped, if it was.
+    /// Why the chain's latest request for memory of the GPU was refused as unavailable
+    /// (no CUDA driver, no such device), if one was: what a client that got no block
+    /// should be told rather than "no memory left".
+    pub fn gpu_unavailable(&self) -> Option<String> {
+        let links = self.handler.link_stats().ok()?;
+        links.into_iter().find_map(|link| link.gpu_unavailable)
+    }
+
     pub fn failure(&self) -> Option<std::sync::Arc<Error>> {
         self.handler.failure()
     }

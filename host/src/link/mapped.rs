@@ -59,6 +59,9 @@ pub(super) struct Mapped {
     held_back: Vec<Region>,
     /// Regions refused because their kind was not granted, by [`KindGrant::ALL`]'s order.
     ungranted: [u64; KindGrant::ALL.len()],
+    /// Why the latest request for GPU memory (pinned or device) was refused as
+    /// unavailable: no driver, no such device, a driver that will not start.
+    gpu_unavailable: Option<String>,
     misuse_total: u64,
     recent: Vec<ClientMisuse>,
     /// Reports not yet taken by [`Mapped::take_new_misuse`] (at most [`ClientMisuse::KEPT`]).
@@ -142,6 +145,10 @@ impl Mapped {
             .collect()
     }
 
+    pub(super) fn gpu_unavailable(&self) -> Option<&str> {
+        self.gpu_unavailable.as_deref()
+    }
+
     pub(super) fn recent_misuse(&self) -> &[ClientMisuse] {
         &self.recent
     }
@@ -176,6 +183,15 @@ impl LinkState {
     }
 
     /// Record a region just mapped, or why none was.
+    /// A GPU request refused as unavailable: the GPU says why (asked only then).
+    fn note_unavailable(&mut self, region: &Result<Region, os::Refusal>, device: u32) {
+        if let Err(os::Refusal::Unavailable) = region
+            && let Err(why) = self.mapped.gpu.memory(device)
+        {
+            self.mapped.gpu_unavailable = Some(why.to_string());
+        }
+    }
+
     fn mapped_or_refused(
         &mut self,
         region: Result<Region, os::Refusal>,
@@ -248,6 +264,7 @@ impl memory::Host for LinkState {
         let (grants, gpu) = (self.mapped.grants, self.mapped.gpu.clone());
         let name = self.sandbox.name.clone();
         let region = os::map_pinned(&name, size, &grants, &gpu, |cost| self.within_budget(cost));
+        self.note_unavailable(&region, 0);
         Ok(self.mapped_or_refused(region))
     }
 
@@ -260,6 +277,7 @@ impl memory::Host for LinkState {
         };
         let (grants, gpu) = (self.mapped.grants, self.mapped.gpu.clone());
         let region = os::map_device(size, device, &grants, &gpu, |cost| self.within_budget(cost));
+        self.note_unavailable(&region, device);
         Ok(self.mapped_or_refused(region))
     }
 
