@@ -158,7 +158,7 @@ def _check_output(option, path):
     try:
         _allocbox.check_output(os.path.abspath(path))
     except allocbox.AllocboxError as e:
-        raise UsageError(f"{option} {path}: {e}") from None
+        raise UsageError(f"{option}: {e}") from None
 
 
 def check_report(report, recording):

@@ -498,6 +498,7 @@ def test_an_output_that_is_a_link_a_fifo_or_read_only_is_refused_before_the_prog
         assert done.returncode == 2, done.stderr
         assert "ran" not in done.stdout, "the program never started"
         lines = done.stderr.strip().splitlines()
-        assert len(lines) == 1 and f"{option} {target}: cannot write" in lines[0] and says in lines[0], done.stderr
+        assert len(lines) == 1, done.stderr
+        assert f"{option}: cannot write `" in lines[0] and f"{target}`: " in lines[0] and says in lines[0], lines
     assert (tmp_path / "victim").read_text() == "precious"
     assert (tmp_path / "kept").read_text() == "kept"
