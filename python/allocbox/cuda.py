@@ -55,6 +55,14 @@ def load(source="gpu-pool", config=None, *, device=0, gpu=None, **limits):
 
 
 def _memory_error(policy, size):
+    """The MemoryError a GPU client gets for a request `policy` did not serve: the
+    driver's reason when the GPU's memory was refused as unavailable (no CUDA driver)."""
+    try:
+        why = policy.stats().get("gpu_unavailable")
+    except allocbox.AllocboxError:  # a stopped policy: its failure says why
+        why = None
+    if why:
+        return MemoryError(f"policy `{policy.name}` got no memory of GPU {policy.device}: {why}")
     return MemoryError(f"policy `{policy.name}` has no {size} bytes of memory of GPU {policy.device} left")
 
 

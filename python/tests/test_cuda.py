@@ -14,6 +14,7 @@ import pytest
 import allocbox
 import allocbox.cuda
 from allocbox.cuda import StandInGpu
+from conftest import guest
 
 
 @pytest.fixture
@@ -97,6 +98,19 @@ def test_a_numpy_array_a_pinned_policy_cannot_place_without_a_driver_names_the_p
         ), notes
     else:  # a machine with a driver serves it
         assert a.sum() == 100_000
+
+
+@pytest.mark.parametrize("abuse", ["unmap-wrong-size", "unmap-twice", "unmap-unmapped"])
+def test_a_device_policy_that_unmaps_wrongly_in_a_free_is_stopped_and_named(gpu, abuse):
+    # Issue 64: such a policy's client got a ContractViolation while `failure` stayed
+    # None and it went on serving.
+    probe = allocbox.cuda.load(guest("kinds-probe"), {"kind": "device", "abuse": abuse}, gpu=gpu)
+    ptr = probe.malloc(4096)
+    with pytest.raises(allocbox.ContractViolation, match=r"^\[(wrong-size|unknown)-free\] policy `kinds-probe`"):
+        probe.free(ptr, 4096)
+    assert probe.failure is not None and "kinds-probe" in probe.failure
+    with pytest.raises(allocbox.PoisonedPolicy):
+        probe.malloc(4096)
 
 
 def test_a_device_policy_is_never_numpys_handler(pool):
