@@ -299,34 +299,26 @@ impl Observations {
 }
 
 /// What [`Observations`] holds across a fork: the lock of its state, when a thread let
-/// it go within the patience. The guard is declared first, so it is dropped before the
-/// `Arc` that owns its lock.
-struct ForkHeld {
-    lock: Option<MutexGuard<'static, State>>,
-    obs: Arc<Observations>,
-}
+/// it go within the patience.
+struct ForkHeld(fork::HeldLock<Observations, State>);
 
 impl fork::Forkable for Observations {
     fn before_fork(self: Arc<Self>) -> Box<dyn fork::AfterFork> {
         let give_up = Instant::now() + self.fork_patience;
-        let lock = fork::lock_before(self.mutex(), give_up);
-        // SAFETY: the guard borrows a mutex inside `*self` (the state's, or the
-        // `OnceLock`'s, which is never emptied once set), an `Arc` that the `ForkHeld`
-        // made here keeps alive; its `lock` field is dropped before its `obs`
-        // (declaration order), so the guard never outlives the mutex.
-        let lock = lock.map(|guard| unsafe {
-            std::mem::transmute::<MutexGuard<'_, State>, MutexGuard<'static, State>>(guard)
-        });
-        Box::new(ForkHeld { lock, obs: self })
+        Box::new(ForkHeld(fork::HeldLock::take(
+            self,
+            Observations::mutex,
+            give_up,
+        )))
     }
 }
 
 impl fork::AfterFork for ForkHeld {
     fn after_fork(self: Box<Self>, in_child: bool) {
-        if in_child && self.lock.is_none() {
+        if in_child && !self.0.taken() {
             // The child's only thread is this one: no call can see the state between
             // the old lock and the new.
-            let _ = self.obs.orphaned.set(Mutex::new(State {
+            let _ = self.0.owner().orphaned.set(Mutex::new(State {
                 lease: Some(0),
                 events: Vec::new(),
                 undelivered: 0,

@@ -123,31 +123,25 @@ struct ForkPart {
 /// How long a fork waits for a thread finishing the recording.
 const FORK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// What a recording's [`ForkPart`] holds across the fork. The guard is declared first,
-/// so it is dropped before the part that owns its lock.
-struct ForkHeld {
-    lock: Option<MutexGuard<'static, Sink>>,
-    part: Arc<ForkPart>,
-}
+/// What a recording's [`ForkPart`] holds across the fork: the sink's lock, when its
+/// holder let it go within the patience.
+struct ForkHeld(fork::HeldLock<ForkPart, Sink>);
 
 impl fork::Forkable for ForkPart {
     fn before_fork(self: Arc<Self>) -> Box<dyn fork::AfterFork> {
         let give_up = std::time::Instant::now() + FORK_PATIENCE;
-        let lock = fork::lock_before(&self.shared.sink, give_up);
-        // SAFETY: the guard borrows the mutex inside `self.shared`, an `Arc` that the
-        // `ForkHeld` made here keeps alive; its `lock` field is dropped before its
-        // `part` (declaration order), so the guard never outlives the mutex.
-        let lock = lock.map(|guard| unsafe {
-            std::mem::transmute::<MutexGuard<'_, Sink>, MutexGuard<'static, Sink>>(guard)
-        });
-        Box::new(ForkHeld { lock, part: self })
+        Box::new(ForkHeld(fork::HeldLock::take(
+            self,
+            |part| &part.shared.sink,
+            give_up,
+        )))
     }
 }
 
 impl fork::AfterFork for ForkHeld {
     fn after_fork(self: Box<Self>, in_child: bool) {
-        if in_child && self.lock.is_none() {
-            self.part.abandoned.store(true, Ordering::Relaxed);
+        if in_child && !self.0.taken() {
+            self.0.owner().abandoned.store(true, Ordering::Relaxed);
         }
         // Dropped here, the lock before its part: the child's first use of the
         // recording follows the fork (a file of its own).

@@ -105,6 +105,53 @@ pub fn lock_before<T>(lock: &Mutex<T>, give_up: Instant) -> Option<MutexGuard<'_
     }
 }
 
+/// One lock of what an `Arc` owns, taken before a fork (until `give_up`, by
+/// [`lock_before`]) and held across it, for a [`Forkable::before_fork`] to hand its
+/// [`AfterFork`]: dropping it after the fork lets the lock go, in the parent to its
+/// waiting threads, in the child to nobody.
+pub struct HeldLock<O: 'static, T: 'static> {
+    // Declared first: dropped before the owner whose lock it borrows.
+    guard: Option<MutexGuard<'static, T>>,
+    owner: std::sync::Arc<O>,
+}
+
+impl<O: 'static, T: 'static> std::fmt::Debug for HeldLock<O, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HeldLock")
+            .field("taken", &self.taken())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<O: 'static, T: 'static> HeldLock<O, T> {
+    /// The lock `lock` finds in `owner`, taken when its holder lets it go, or not taken
+    /// if it is still held at `give_up`.
+    pub fn take(
+        owner: std::sync::Arc<O>,
+        lock: impl FnOnce(&O) -> &Mutex<T>,
+        give_up: Instant,
+    ) -> Self {
+        let guard = lock_before(lock(&owner), give_up);
+        // SAFETY: the guard borrows a mutex inside `*owner`, which the `owner` field
+        // keeps alive; `guard` is declared before `owner`, so it is dropped first, and
+        // it never leaves this struct.
+        let guard = guard.map(|guard| unsafe {
+            std::mem::transmute::<MutexGuard<'_, T>, MutexGuard<'static, T>>(guard)
+        });
+        HeldLock { guard, owner }
+    }
+
+    /// Whether the lock was taken: if not, a thread kept it past the patience, and in
+    /// the child it is that gone thread's forever.
+    pub fn taken(&self) -> bool {
+        self.guard.is_some()
+    }
+
+    pub fn owner(&self) -> &std::sync::Arc<O> {
+        &self.owner
+    }
+}
+
 extern "C" fn prepare() {
     // Held until after the fork, so that no handler is made meanwhile and missed.
     let all = FORKABLE.lock().unwrap_or_else(PoisonError::into_inner);
