@@ -3,31 +3,27 @@
     allocbox run [-p POLICY [-c KEY=VALUE]...]... [--grant KINDS] [--record FILE [--sites]]
                  [--report PAGE.html [--compare POLICY,...]] (SCRIPT | -m MODULE) [ARGS...]
 
-Each `-p` adds a policy to the chain, top first (a shipped policy's name, `builtin`,
-or a path); each `-c KEY=VALUE` configures the `-p` before it. The chain is NumPy's
-handler for the program and every thread it starts, and places the arrays Numba's
-compiled code makes (`allocbox.numba`). With no `-p`, the program runs under NumPy's
-default handler (allocbox's native copy of it, so that `--record` can record it).
-`--grant` lists the kinds of memory the policies may ask for (`guarded,numa`).
-`--record FILE` writes every allocation as a trace for `allocbox report`, with its
-time (gzip-compressed for a `.gz` name); `--sites` adds the line of the program's own
-code behind each allocation, for the report's tables by line. The recording ends with
-the program's last line, so what is live then is what leaked. `--report PAGE.html`
-then replays the recording (a temporary one without `--record`) through NumPy's
-default, the policy (a chain of one), and each policy `--compare` names, into one page,
-and says how each compares with NumPy's default on this program.
+The command line is the `allocbox` command's own (`allocbox run --help` says every
+option), parsed by the same grammar as every other subcommand; the program runs here,
+in this Python process. The chain is NumPy's handler for the program and every thread
+it starts, and places the arrays Numba's compiled code makes (`allocbox.numba`).
+`--report PAGE.html` replays the recording (a temporary one without `--record`)
+through NumPy's default, the policy (a chain of one), and each policy `--compare`
+names, into one page.
 
 The program's exit status is the command's; at the end a few lines on standard error
 say what the policy saw. Input that cannot be used (a script or module that is not
 there, a policy that will not load, a trace that cannot be written) is one sentence
-and exit status 2, before the program starts. Otherwise the program sees what `python
-SCRIPT` or `python -m MODULE` gives it: its own `__main__`, `sys.argv`, standard
-streams and `sys.excepthook`, the same traceback and exit status (`--` ends the options
-before a script's name). Paths given to `run` are resolved before the program starts,
-so a program that changes directory changes nothing of them. Every Python process
-the program starts (forked, spawned by `multiprocessing`, or a `subprocess` running
-this environment's Python) runs under the same policy, records into a trace of its own
-beside the program's (`TRACE.PID`) and prints no summary; `--report` reads them all.
+and exit status 2, before the program starts; an option the grammar refuses is its
+usage error, exit status 2, as for every subcommand. Otherwise the program sees what
+`python SCRIPT` or `python -m MODULE` gives it: its own `__main__`, `sys.argv`,
+standard streams and `sys.excepthook`, the same traceback and exit status (`--` ends
+the options before a script's name). Paths given to `run` are resolved before the
+program starts, so a program that changes directory changes nothing of them. Every
+Python process the program starts (forked, spawned by `multiprocessing`, or a
+`subprocess` running this environment's Python) runs under the same policy, records
+into a trace of its own beside the program's (`TRACE.PID`) and prints no summary;
+`--report` reads them all.
 """
 
 import contextlib
@@ -44,12 +40,6 @@ import _allocbox_startup
 
 from . import children
 
-USAGE = (
-    "usage: allocbox run [-p POLICY [-c KEY=VALUE]...]... [--grant KINDS] [--record FILE [--sites]] "
-    "[--report PAGE.html [--compare POLICY,...]] (SCRIPT | -m MODULE) [ARGS...]"
-)
-
-
 class UsageError(Exception):
     """Input `allocbox run` cannot use: said in one sentence, exit status 2."""
 
@@ -57,57 +47,21 @@ class UsageError(Exception):
 def parse(argv):
     """The chain `[(source, {key: value})]`, grants, `(trace path, sites)`, the report
     asked for, and the program: `("script", path)` or `("module", name)`, with its
-    arguments."""
-    chain, grant, record, sites = [], [], None, False
-    report = {"page": None, "compare": []}
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        if arg in ("-h", "--help"):
-            print(__doc__.strip())
-            raise SystemExit(0)
-        if arg == "--sites":
-            sites = True
-            continue
-        if arg in ("-p", "--policy", "-c", "--config", "--grant", "--record", "--report", "--compare", "-m"):
-            if not args:
-                raise UsageError(f"{arg} needs a value: {USAGE}")
-            value = args.pop(0)
-        else:
-            value = None
-        if arg in ("-p", "--policy"):
-            chain.append((value, {}))
-        elif arg in ("-c", "--config"):
-            key, equals, setting = value.partition("=")
-            if not equals or not key:
-                raise UsageError(f"-c {value!r} is not KEY=VALUE: write -c bucket-depth=7")
-            if not chain:
-                raise UsageError(
-                    f"-c {value} comes before any -p: each -c configures the policy named "
-                    "before it (-p size-classes -c bucket-depth=7)"
-                )
-            chain[-1][1][key] = setting
-        elif arg == "--grant":
-            grant += [kind.strip() for kind in value.split(",") if kind.strip()]
-        elif arg == "--record":
-            # Resolved now: the program may change directory before the trace is read.
-            record = os.path.abspath(value)
-        elif arg == "--report":
-            report["page"] = os.path.abspath(value)
-        elif arg == "--compare":
-            report["compare"] += [name.strip() for name in value.split(",") if name.strip()]
-        elif arg == "-m":
-            return chain, grant, (record, sites), report, ("module", value), args
-        elif arg == "--":
-            # As for any command: what follows is the program, even a name with a dash.
-            if not args:
-                raise UsageError(f"name the program to run after --: {USAGE}")
-            return chain, grant, (record, sites), report, ("script", args.pop(0)), args
-        elif arg.startswith("-") and arg != "-":
-            raise UsageError(f"{arg} is not an option of allocbox run: {USAGE}")
-        else:
-            return chain, grant, (record, sites), report, ("script", arg), args
-    raise UsageError(f"name the program to run: {USAGE}")
+    arguments. Parsed by the command line's own grammar (`allocbox --help`), which prints
+    its help or its error itself: then the command ends with that status."""
+    from ._allocbox import run_arguments
+
+    parsed = run_arguments(list(argv))
+    if isinstance(parsed, int):
+        raise SystemExit(parsed)
+    chain = [(source, dict(config)) for source, config in parsed["chain"]]
+    # Resolved now: the program may change directory before the files are written.
+    record = None if parsed["record"] is None else os.path.abspath(parsed["record"])
+    page = None if parsed["report"] is None else os.path.abspath(parsed["report"])
+    report = {"page": page, "compare": parsed["compare"]}
+    kind, target = parsed["program"]
+    program = (kind, os.fspath(target))
+    return chain, parsed["grant"], (record, parsed["sites"]), report, program, list(parsed["args"])
 
 
 def check_program(kind, target):

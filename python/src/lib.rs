@@ -43,6 +43,33 @@ fn run_command(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> u8 {
     py.detach(|| allocbox_cli::run(argv))
 }
 
+/// `allocbox run`'s arguments (what follows `run`), parsed by the command line's own
+/// grammar: a dict of the chain, grants, recording, report and program, or, when clap
+/// printed help or an error, the exit status to end with (0 for help, 2 otherwise).
+#[pyfunction]
+fn run_arguments(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> PyResult<Py<PyAny>> {
+    use pyo3::types::PyDict;
+    let run = match allocbox_cli::parse_run(argv) {
+        Ok(run) => run,
+        Err(code) => return Ok(code.into_pyobject(py)?.into_any().unbind()),
+    };
+    let d = PyDict::new(py);
+    let chain: Vec<(String, Vec<(String, String)>)> = run.chain;
+    d.set_item("chain", chain)?;
+    d.set_item("grant", run.grants)?;
+    d.set_item("record", run.record)?;
+    d.set_item("sites", run.sites)?;
+    d.set_item("report", run.report)?;
+    d.set_item("compare", run.compare)?;
+    let program = match run.program {
+        allocbox_cli::Program::Script(path) => ("script", path.into_os_string()),
+        allocbox_cli::Program::Module(name) => ("module", name),
+    };
+    d.set_item("program", program)?;
+    d.set_item("args", run.args)?;
+    Ok(d.into_any().unbind())
+}
+
 /// The trace a child process `pid` records into beside its parent's `trace`
 /// (`trace.PID`, or `trace.PID.gz` for `trace.gz`): where a forked child's recording goes,
 /// and where `allocbox run`'s other children write theirs.
@@ -78,6 +105,7 @@ fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_command, m)?)?;
     m.add_function(wrap_pyfunction!(child_trace_path, m)?)?;
     m.add_function(wrap_pyfunction!(check_output, m)?)?;
+    m.add_function(wrap_pyfunction!(run_arguments, m)?)?;
     m.add_function(wrap_pyfunction!(numba_route::numba_route, m)?)?;
     m.add_function(wrap_pyfunction!(numba_blocks::numba_threads_use, m)?)?;
     m.add_function(wrap_pyfunction!(numba_blocks::numba_threads_done, m)?)?;

@@ -9,7 +9,10 @@ mod convert;
 mod inspect;
 mod new_policy;
 mod progress;
+mod run_args;
 mod trace_command;
+
+pub use run_args::{Program, RunCommand, parse_run};
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -180,6 +183,7 @@ enum Command {
         #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
         config: Vec<(String, String)>,
     },
+    Run(run_args::RunArgs),
     /// Start a policy project in `./NAME` that builds with one command and passes `check`
     /// as it stands; its README.md says how to build, check and test it.
     New {
@@ -454,6 +458,13 @@ where
     }
     let result = match cli.command {
         Command::Inspect { policy, config } => inspect(policy, config).map(|()| Outcome::Held),
+        // The program runs in a Python process, with NumPy: the wheel's `allocbox`
+        // command runs it (its `run` parsed by `parse_run`, this same grammar).
+        Command::Run(_) => Err(anyhow::anyhow!(
+            "`allocbox run` runs a Python program, so it needs the Python package: install \
+             the wheel (python/build_wheel.sh), then run its `allocbox run` (or `python -m \
+             allocbox run`)"
+        )),
         Command::New { name, lang, path } => new_policy::create(&name, lang, path).map(|made| {
             print_report(&format!(
                 "created `{name}` in {}\nnext: {}\n",
