@@ -153,17 +153,24 @@ _BOUNDS = tuple(
 )
 
 
+def _check_bounds(limits, bounds, others):
+    """Refuse a keyword that is not one of `bounds` in a sentence naming them (and the
+    `others` the caller takes), before anything is loaded: `load`, `load_chain` and
+    `allocbox.cuda.load` alike."""
+    unknown = sorted(set(limits) - set(bounds))
+    if unknown:
+        raise TypeError(
+            f"{unknown[0]!r} is not a bound allocbox knows; the bounds are "
+            + ", ".join(bounds)
+            + f" (and {others})"
+        )
+
+
 def load_chain(*chain, record=None, record_sites=False, **limits):
     """A chain of policies, top first, as one handler. Each item is a source (as for
     `load`) or a `(source, {key: value})` pair; `record`, `record_sites` and the bounds
     as for `load`."""
-    unknown = sorted(set(limits) - set(_BOUNDS))
-    if unknown:
-        raise TypeError(
-            f"{unknown[0]!r} is not a bound allocbox knows; the bounds are "
-            + ", ".join(_BOUNDS)
-            + " (and record=, record_sites=)"
-        )
+    _check_bounds(limits, _BOUNDS, "record=, record_sites=")
     items = [
         (_source(item[0]), item[1]) if isinstance(item, tuple) else _source(item)
         for item in chain
@@ -242,6 +249,17 @@ def use(policy, *, threads=False):
         _set_handler(previous)
 
 
+def _stop_sentence(policy, during=None):
+    """How a stopped policy is said, the same by `allocbox run`, the pytest plugin and
+    the note on an allocation's `MemoryError`: its name, when it was stopped if known,
+    why, and what follows."""
+    when = f" during {during}" if during else ""
+    return (
+        f"allocbox: policy `{policy.name}` was stopped{when}: {policy.failure}; every "
+        "allocation it would have served fails from then on"
+    )
+
+
 def _name_a_stop(error, policy):
     """Add to `error` a note naming `policy` and why it was stopped, when it was and
     the error came of an allocation that failed: the MemoryError NumPy or Numba raises
@@ -256,10 +274,7 @@ def _name_a_stop(error, policy):
         return
     failure = getattr(policy, "failure", None)
     if failure is not None:
-        note = (
-            f"allocbox: policy `{policy.name}` was stopped: {failure}; every allocation it "
-            "would have served fails from then on"
-        )
+        note = _stop_sentence(policy)
     else:
         try:
             links = policy.link_stats()

@@ -25,8 +25,9 @@ streams finish when told to, for tests on such machines (`gpu=` of `load`).
 
 import contextlib
 import ctypes
+import inspect
 
-from . import _source, _shipped_name
+from . import _check_bounds, _shipped_name, _source
 from ._allocbox import DeviceBlock, DevicePolicy, StandInGpu
 from ._allocbox import load_device_chain as _load_device_chain
 from ._allocbox import torch_blocks as _torch_blocks
@@ -50,8 +51,15 @@ def load(source="gpu-pool", config=None, *, device=0, gpu=None, **limits):
     default `gpu-pool`), a path or bytes, started with `config`, granted `device` (and
     whatever `grant=` adds). Bounds as for `allocbox.load`. `gpu` is a `StandInGpu` to
     use instead of the CUDA driver."""
+    _check_bounds(limits, _DEVICE_BOUNDS, "device=, gpu=")
     item = (_source(source), {str(k): str(v) for k, v in config.items()}) if config else _source(source)
     return _load_device_chain(item, device=device, gpu=gpu, names=[_shipped_name(source)], **limits)
+
+
+# The bounds the bridge's `load_device_chain` takes, read from its own signature.
+_DEVICE_BOUNDS = tuple(
+    name for name in inspect.signature(_load_device_chain).parameters if name not in ("chain", "device", "names", "gpu")
+)
 
 
 def _memory_error(policy, size):

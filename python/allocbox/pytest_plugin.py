@@ -114,7 +114,7 @@ def pytest_report_header(config):
 
 
 def _cause():
-    return f"allocbox: policy `{_policy.name}` was stopped during {_stopped_by}: {_policy.failure}"
+    return allocbox._stop_sentence(_policy, during=_stopped_by)
 
 
 def _note_a_stop(session, during):

@@ -314,9 +314,10 @@ def summary(handler, traces):
     """What the handler saw, in a few lines, the cause of a stop first, and where the
     `traces` are."""
     lines = []
-    failure = handler.failure
-    if failure:
-        lines.append(f"allocbox: policy `{handler.name}` was stopped: {failure}")
+    if handler.failure:
+        import allocbox
+
+        lines.append(allocbox._stop_sentence(handler))
     stats = handler.stats()
     made = stats["mallocs"] + stats["callocs"]
     lines.append(

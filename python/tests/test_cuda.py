@@ -113,6 +113,13 @@ def test_a_device_policy_that_unmaps_wrongly_in_a_free_is_stopped_and_named(gpu,
         probe.malloc(4096)
 
 
+def test_a_device_policy_s_bounds_are_checked_as_load_checks_them(gpu):
+    # Issue 65: `allocbox.cuda.load` skipped `load`'s check of its keywords.
+    with pytest.raises(TypeError, match="'memry' is not a bound allocbox knows; the bounds are .*memory"):
+        allocbox.cuda.load("gpu-pool", gpu=gpu, memry=1 << 20)
+    assert allocbox.cuda.load("gpu-pool", gpu=gpu, memory=64 << 20).name == "gpu-pool"
+
+
 def test_a_device_policy_is_never_numpys_handler(pool):
     with pytest.raises(TypeError):
         allocbox.set_handler(pool)
