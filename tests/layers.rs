@@ -1,17 +1,22 @@
-//! The host's modules form layers: each uses only the modules below it, in the order
-//! ARCHITECTURE.md gives (its `Module order:` line). A `crate::` path outside comments
-//! and test modules that points at a module above its own, or a module the order does
-//! not place, fails here, so the map stays true as the code grows.
+//! Each crate's modules form layers: each uses only the modules below it, in the order
+//! its `Module order:` line gives (the host's in ARCHITECTURE.md, the others' in their
+//! `lib.rs` docs). A path to a module (`crate::NAME`, or `super::NAME` in a module of
+//! the crate root) outside comments and test modules that points at a module above its
+//! own, or one the order does not place, fails here, so the map stays true as the code
+//! grows and no two modules use each other.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-fn module_order() -> Vec<String> {
-    let architecture = include_str!("../ARCHITECTURE.md");
-    let line = architecture
+/// The modules of a `Module order: a > b > c` line in `text`, top first.
+fn module_order(text: &str, whose: &str) -> Vec<String> {
+    let line = text
         .lines()
-        .find_map(|line| line.strip_prefix("Module order: "))
-        .expect("ARCHITECTURE.md has a `Module order:` line");
+        .find_map(|line| {
+            line.trim_start_matches("//! ")
+                .strip_prefix("Module order: ")
+        })
+        .unwrap_or_else(|| panic!("{whose} has a `Module order:` line"));
     line.split(" > ")
         .map(|name| name.trim().trim_matches('`').to_string())
         .collect()
@@ -28,11 +33,12 @@ fn rust_files(dir: &Path, found: &mut Vec<PathBuf>) {
     }
 }
 
-/// Each `crate::NAME` a line of code (not a comment) names.
-fn crate_paths(line: &str) -> impl Iterator<Item = &str> {
+/// Each module `prefix` names (`crate::NAME`, `super::NAME`) in a line of code (not a
+/// comment).
+fn paths<'a>(line: &'a str, prefix: &'a str) -> impl Iterator<Item = &'a str> {
     let code = line.split("//").next().unwrap_or("");
-    code.match_indices("crate::").map(move |(at, _)| {
-        let rest = &code[at + "crate::".len()..];
+    code.match_indices(prefix).map(move |(at, _)| {
+        let rest = &code[at + prefix.len()..];
         let end = rest
             .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
             .unwrap_or(rest.len());
@@ -40,37 +46,46 @@ fn crate_paths(line: &str) -> impl Iterator<Item = &str> {
     })
 }
 
-#[test]
-fn every_crate_path_in_the_host_points_down_the_layers() {
-    let order = module_order();
+/// Each `crate::NAME` a line of code (not a comment) names.
+fn crate_paths(line: &str) -> impl Iterator<Item = &str> {
+    paths(line, "crate::")
+}
+
+/// The paths under `src` that do not point down `order`.
+fn layer_violations(src: &Path, order: &[String]) -> (Vec<String>, usize) {
     let rank: HashMap<&str, usize> = order
         .iter()
         .enumerate()
         .map(|(i, m)| (m.as_str(), i))
         .collect();
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
-    rust_files(&src, &mut files);
+    rust_files(src, &mut files);
     files.sort();
     let mut wrong = Vec::new();
     for file in &files {
-        let relative = file.strip_prefix(&src).unwrap();
-        if relative == Path::new("lib.rs") {
+        let relative = file.strip_prefix(src).unwrap();
+        if matches!(relative.to_str(), Some("lib.rs" | "main.rs")) {
             continue;
         }
         let first = relative.components().next().unwrap().as_os_str();
         let module = first.to_str().unwrap().trim_end_matches(".rs");
         let Some(&own) = rank.get(module) else {
             wrong.push(format!(
-                "{}: module `{module}` is not in ARCHITECTURE.md's `Module order:` line",
+                "{}: module `{module}` is not in its crate's `Module order:` line",
                 relative.display()
             ));
             continue;
         };
+        // In a module of the crate root, `super::` is the crate root.
+        let at_root = relative.components().count() == 1;
         let text = std::fs::read_to_string(file).unwrap();
         let code = text.split("#[cfg(test)]\nmod ").next().unwrap();
         for (n, line) in code.lines().enumerate() {
-            for used in crate_paths(line).filter(|&used| used != module) {
+            let supers = paths(line, "super::").filter(|_| at_root);
+            for used in crate_paths(line)
+                .chain(supers)
+                .filter(|&used| used != module)
+            {
                 match rank.get(used) {
                     Some(&below) if below > own => {}
                     Some(_) => wrong.push(format!(
@@ -78,14 +93,16 @@ fn every_crate_path_in_the_host_points_down_the_layers() {
                         relative.display(),
                         n + 1
                     )),
-                    None if used.starts_with(char::is_uppercase) => wrong.push(format!(
-                        "{}:{}: `crate::{used}` is the crate root's re-export, which hides \
-                         its layer: name the module that defines it",
-                        relative.display(),
-                        n + 1
-                    )),
+                    None if used.starts_with(char::is_uppercase) || used.is_empty() => {
+                        wrong.push(format!(
+                            "{}:{}: `{used}` is the crate root's item, which hides its layer: \
+                             name the module that defines it",
+                            relative.display(),
+                            n + 1
+                        ))
+                    }
                     None => wrong.push(format!(
-                        "{}:{}: `{used}` is not in ARCHITECTURE.md's `Module order:` line",
+                        "{}:{}: `{used}` is not in its crate's `Module order:` line",
                         relative.display(),
                         n + 1
                     )),
@@ -93,12 +110,47 @@ fn every_crate_path_in_the_host_points_down_the_layers() {
             }
         }
     }
+    (wrong, files.len())
+}
+
+/// A crate of the workspace: its `src` and the order its `lib.rs` docs give.
+fn check_crate(folder: &str) -> usize {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let src = root.join(folder).join("src");
+    let lib = std::fs::read_to_string(src.join("lib.rs")).unwrap();
+    let order = module_order(&lib, &format!("{folder}/src/lib.rs"));
+    let (wrong, files) = layer_violations(&src, &order);
+    assert!(
+        wrong.is_empty(),
+        "imports in {folder} that do not point down its layers:\n{}",
+        wrong.join("\n")
+    );
+    files
+}
+
+#[test]
+fn every_crate_path_in_the_host_points_down_the_layers() {
+    let order = module_order(include_str!("../ARCHITECTURE.md"), "ARCHITECTURE.md");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let (wrong, files) = layer_violations(&src, &order);
     assert!(
         wrong.is_empty(),
         "imports that do not point down the layers:\n{}",
         wrong.join("\n")
     );
-    assert!(files.len() > 30, "found only {} files", files.len());
+    assert!(files > 30, "found only {files} files");
+}
+
+/// Issue 65: `shrink` and `strategy` used each other.
+#[test]
+fn every_module_of_the_checker_points_down_its_layers() {
+    assert!(check_crate("host/check") > 8);
+}
+
+/// Issue 65: `cuda` and `loading`, `numba_route` and `numba_blocks` used each other.
+#[test]
+fn every_module_of_the_python_bridge_points_down_its_layers() {
+    assert!(check_crate("python") > 10);
 }
 
 #[test]
@@ -107,4 +159,28 @@ fn a_path_in_a_comment_is_not_an_import_and_each_path_is_named_to_its_module() {
     assert_eq!(crate_paths(line).collect::<Vec<_>>(), ["link"]);
     let line = "let x = crate::observe::observation(b, crate::wit::X);";
     assert_eq!(crate_paths(line).collect::<Vec<_>>(), ["observe", "wit"]);
+    let line = "use super::script::{Case, Op};";
+    assert_eq!(paths(line, "super::").collect::<Vec<_>>(), ["script"]);
+}
+
+#[test]
+fn a_module_using_one_above_it_or_one_the_order_does_not_place_is_named() {
+    let src = std::env::temp_dir().join(format!("allocbox-layers-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&src);
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("top.rs"), "use super::bottom::X;\n").unwrap();
+    std::fs::write(
+        src.join("bottom.rs"),
+        "use crate::top::Y;\nuse crate::gone::Z;\n",
+    )
+    .unwrap();
+    let order = ["top".to_string(), "bottom".to_string()];
+    let (wrong, _) = layer_violations(&src, &order);
+    assert_eq!(
+        wrong,
+        [
+            "bottom.rs:1: `bottom` uses `top`, which is above it",
+            "bottom.rs:2: `gone` is not in its crate's `Module order:` line",
+        ]
+    );
 }

@@ -1,6 +1,6 @@
 //! `allocbox.cuda`'s half in Rust: device handlers for GPU programs (`DevicePolicy`),
-//! the owner object CuPy's and Numba's pointers keep alive (`DeviceBlock`), a stand-in
-//! GPU for machines without one (`StandInGpu`), and the C functions PyTorch's
+//! the owner object CuPy's and Numba's pointers keep alive (`DeviceBlock`), and the C
+//! functions PyTorch's
 //! `CUDAPluggableAllocator` calls (`allocbox_torch_malloc`, `allocbox_torch_free`,
 //! `allocbox_torch_record_stream`).
 
@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 
-use allocbox::gpu::{Gpu, StandIn, Stream};
+use allocbox::gpu::Stream;
 use allocbox::{DeviceHandler, Error};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -17,56 +17,7 @@ use std::sync::Mutex;
 use crate::errors::{LoadError, to_py};
 use crate::loading::{Bounds, chain_builder};
 use crate::policy::set_counts;
-
-/// A GPU made of host memory (see `allocbox::gpu::StandIn`): its streams finish only
-/// when told to, so that stream-ordered frees can be watched.
-#[pyclass(frozen, module = "allocbox")]
-pub(crate) struct StandInGpu {
-    stand_in: Arc<StandIn>,
-    gpu: Gpu,
-}
-
-impl StandInGpu {
-    pub(crate) fn gpu(&self) -> Gpu {
-        self.gpu.clone()
-    }
-}
-
-#[pymethods]
-impl StandInGpu {
-    #[new]
-    #[pyo3(signature = (devices = 1, memory = 1 << 30))]
-    fn new(devices: u32, memory: u64) -> Self {
-        let stand_in = Arc::new(StandIn::new(devices, memory));
-        StandInGpu {
-            gpu: Gpu::stand_in(stand_in.clone()),
-            stand_in,
-        }
-    }
-
-    /// Work is queued on `stream`: frees on it wait until `finish`.
-    #[pyo3(signature = (stream, device = 0))]
-    fn queue(&self, stream: Stream, device: u32) {
-        self.stand_in.queue(device, stream);
-    }
-
-    /// Every piece of work queued on `stream` has finished.
-    #[pyo3(signature = (stream, device = 0))]
-    fn finish(&self, stream: Stream, device: u32) {
-        self.stand_in.finish(device, stream);
-    }
-
-    /// Bytes of device memory the driver has lent now.
-    #[pyo3(signature = (device = 0))]
-    fn allocated(&self, device: u32) -> u64 {
-        self.stand_in.allocated(device)
-    }
-
-    /// Host bytes registered (pinned) now.
-    fn registered(&self) -> u64 {
-        self.stand_in.registered()
-    }
-}
+use crate::stand_in_gpu::StandInGpu;
 
 /// A chain of policies serving one GPU's memory to a GPU program: blocks are device
 /// addresses, freed with the streams that may still use them.

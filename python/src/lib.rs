@@ -11,8 +11,12 @@
 //! and its statistics), `loading` (`load_chain` and its inputs), `hooks` (event hooks),
 //! `errors` (the exceptions), `diagnosis` (allocation sites and misuse warnings),
 //! `sites` (the program's line behind an allocation, for traces), `nrt_lending` (what a
-//! bridge lends to Numba's runtime through), `numba_route`
-//! (Numba's arrays through the same bridges).
+//! bridge lends to Numba's runtime through), `numba_route` (Numba's arrays through the
+//! same bridges) and `numba_blocks` (which bridge a block of Numba's goes back to),
+//! `cuda` (device handlers for GPU programs), `stand_in_gpu` (a GPU made of host
+//! memory). Each uses only those after it here (`tests/layers.rs`):
+//!
+//! Module order: `cuda` > `hooks` > `loading` > `numba_route` > `numba_blocks` > `policy` > `numpy_api` > `bridge` > `diagnosis` > `nrt_lending` > `sites` > `errors` > `stand_in_gpu`
 
 mod bridge;
 mod cuda;
@@ -26,6 +30,7 @@ mod numba_route;
 mod numpy_api;
 mod policy;
 mod sites;
+mod stand_in_gpu;
 
 use pyo3::prelude::*;
 
@@ -114,7 +119,7 @@ fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(numba_blocks::numba_route_holds, m)?)?;
     m.add_function(wrap_pyfunction!(numba_route::numba_maker, m)?)?;
     m.add_class::<EventHook>()?;
-    m.add_class::<cuda::StandInGpu>()?;
+    m.add_class::<stand_in_gpu::StandInGpu>()?;
     m.add_class::<cuda::DevicePolicy>()?;
     m.add_class::<cuda::DeviceBlock>()?;
     m.add_function(wrap_pyfunction!(cuda::load_device_chain, m)?)?;

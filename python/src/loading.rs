@@ -176,7 +176,7 @@ pub(crate) fn load_chain(
     compile_bounds: Option<Bound<'_, PyDict>>,
     grant: Option<Vec<String>>,
     names: Option<Vec<Option<String>>>,
-    gpu: Option<PyRef<'_, crate::cuda::StandInGpu>>,
+    gpu: Option<PyRef<'_, crate::stand_in_gpu::StandInGpu>>,
     magazines: bool,
     per_thread: bool,
 ) -> PyResult<Policy> {

@@ -113,7 +113,7 @@ fn bridge_of_handler(handler: &Bound<'_, PyAny>) -> Option<Arc<Bridge>> {
     match handler.cast::<Policy>() {
         Ok(policy) => Some(policy.get().bridge.clone()),
         // SAFETY: this thread is attached to Python (we have a `Bound`); the object is alive.
-        Err(_) => unsafe { crate::numba_route::bridge_in(handler.as_ptr()) }.map(|bridge| {
+        Err(_) => unsafe { crate::numpy_api::bridge_in(handler.as_ptr()) }.map(|bridge| {
             let ptr = std::ptr::from_ref(bridge);
             // SAFETY: a capsule's bridge lives in an Arc whose reference the capsule
             // holds (`make_capsule`); this adds one for the entry.

@@ -9,10 +9,8 @@
 //! block holds one reference to its bridge, as each NumPy array holds its handler's
 //! capsule, so a block outlives a policy that was changed or dropped.
 
-use std::cell::Cell;
 use std::ffi::c_void;
 use std::ptr::NonNull;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use pyo3::exceptions::PyRuntimeError;
@@ -23,10 +21,9 @@ use pyo3::sync::MutexExt;
 use crate::bridge::{Bridge, bridge_malloc};
 use crate::nrt_lending::{NrtAllocator, NrtLending, aligned_start, lock};
 use crate::numba_blocks;
-use crate::numpy_api::{CAPSULE_GENERATION, CAPSULE_NAME, PyDataMemHandler, get_handler_fn};
+use crate::numpy_api::{bridge_in, get_handler_fn};
 
 type NrtMalloc = unsafe extern "C" fn(usize, *mut c_void) -> *mut c_void;
-type BridgeMalloc = unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void;
 
 /// What `bridge` lends to Numba's runtime through; `bridge` must live in an `Arc`
 /// (every bridge of a policy or capsule does): each block takes a reference to it.
@@ -346,54 +343,6 @@ fn route_alloc(size: usize, align: u32, safe: bool) -> *mut MemInfo {
     match numba_blocks::without_python() {
         Some(bridge) => alloc_through(route, &bridge, size, align, safe),
         None => own(),
-    }
-}
-
-thread_local! {
-    /// The last handler capsule this thread looked inside: its address, its bridge
-    /// (null: not ours) and the [`CAPSULE_GENERATION`] then.
-    static LAST_CAPSULE: Cell<(usize, *const Bridge, u64)> =
-        const { Cell::new((0, std::ptr::null(), u64::MAX)) };
-}
-
-/// The bridge of a NumPy handler capsule when it is one of ours; what was found for
-/// the same capsule last time on this thread when no capsule of ours was made or
-/// destroyed since (most calls: the name comparison is most of the work).
-///
-/// # Safety
-/// `capsule` is a live object and this thread is attached to Python.
-pub(crate) unsafe fn bridge_in<'a>(capsule: *mut ffi::PyObject) -> Option<&'a Bridge> {
-    let generation = CAPSULE_GENERATION.load(Ordering::Acquire);
-    let (last, bridge, seen) = LAST_CAPSULE.get();
-    if last == capsule as usize && seen == generation {
-        // SAFETY: the same live capsule as before (none of ours came or went since, so
-        // the address was not reused by one of ours), which holds its bridge.
-        return unsafe { bridge.as_ref() };
-    }
-    // SAFETY: the caller's contract.
-    let bridge = unsafe { look_inside(capsule) };
-    LAST_CAPSULE.set((
-        capsule as usize,
-        bridge.map_or(std::ptr::null(), std::ptr::from_ref),
-        generation,
-    ));
-    bridge
-}
-
-/// # Safety
-/// As for [`bridge_in`].
-unsafe fn look_inside<'a>(capsule: *mut ffi::PyObject) -> Option<&'a Bridge> {
-    // SAFETY: the caller's contract; a capsule of another name, or another object,
-    // gives NULL (error cleared).
-    unsafe {
-        let handler = ffi::PyCapsule_GetPointer(capsule, CAPSULE_NAME.as_ptr());
-        if handler.is_null() {
-            ffi::PyErr_Clear();
-            return None;
-        }
-        let handler = &*handler.cast::<PyDataMemHandler>();
-        let ours = std::ptr::fn_addr_eq(handler.allocator.malloc, bridge_malloc as BridgeMalloc);
-        ours.then(|| &*handler.allocator.ctx.cast::<Bridge>().cast_const())
     }
 }
 

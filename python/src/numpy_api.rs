@@ -2,6 +2,7 @@
 //! `PyDataMem_SetHandler` / `PyDataMem_GetHandler` (slots 304 and 305 of the
 //! `_ARRAY_API` table), which install and read the current context's handler.
 
+use std::cell::Cell;
 use std::ffi::{CStr, c_void};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -156,5 +157,55 @@ pub(crate) fn get_handler(py: Python<'_>) -> PyResult<Py<PyAny>> {
             return Err(PyErr::fetch(py));
         }
         Ok(Bound::from_owned_ptr(py, h).unbind())
+    }
+}
+
+type BridgeMalloc = unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void;
+
+thread_local! {
+    /// The last handler capsule this thread looked inside: its address, its bridge
+    /// (null: not ours) and the [`CAPSULE_GENERATION`] then.
+    static LAST_CAPSULE: Cell<(usize, *const Bridge, u64)> =
+        const { Cell::new((0, std::ptr::null(), u64::MAX)) };
+}
+
+/// The bridge of a NumPy handler capsule when it is one of ours; what was found for
+/// the same capsule last time on this thread when no capsule of ours was made or
+/// destroyed since (most calls: the name comparison is most of the work).
+///
+/// # Safety
+/// `capsule` is a live object and this thread is attached to Python.
+pub(crate) unsafe fn bridge_in<'a>(capsule: *mut ffi::PyObject) -> Option<&'a Bridge> {
+    let generation = CAPSULE_GENERATION.load(Ordering::Acquire);
+    let (last, bridge, seen) = LAST_CAPSULE.get();
+    if last == capsule as usize && seen == generation {
+        // SAFETY: the same live capsule as before (none of ours came or went since, so
+        // the address was not reused by one of ours), which holds its bridge.
+        return unsafe { bridge.as_ref() };
+    }
+    // SAFETY: the caller's contract.
+    let bridge = unsafe { look_inside(capsule) };
+    LAST_CAPSULE.set((
+        capsule as usize,
+        bridge.map_or(std::ptr::null(), std::ptr::from_ref),
+        generation,
+    ));
+    bridge
+}
+
+/// # Safety
+/// As for [`bridge_in`].
+unsafe fn look_inside<'a>(capsule: *mut ffi::PyObject) -> Option<&'a Bridge> {
+    // SAFETY: the caller's contract; a capsule of another name, or another object,
+    // gives NULL (error cleared).
+    unsafe {
+        let handler = ffi::PyCapsule_GetPointer(capsule, CAPSULE_NAME.as_ptr());
+        if handler.is_null() {
+            ffi::PyErr_Clear();
+            return None;
+        }
+        let handler = &*handler.cast::<PyDataMemHandler>();
+        let ours = std::ptr::fn_addr_eq(handler.allocator.malloc, bridge_malloc as BridgeMalloc);
+        ours.then(|| &*handler.allocator.ctx.cast::<Bridge>().cast_const())
     }
 }

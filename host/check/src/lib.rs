@@ -8,10 +8,14 @@
 //! that is not live is skipped: every sequence is valid, and deleting an operation while
 //! shrinking never changes which block another one means.
 //!
-//! Where each part lives: `script` (the text form `allocbox replay` reads), `strategy`
-//! (drawing scripts), `shrink` (shrinking a failing one), `pattern` (the bytes every block holds), `model`
-//! (the live blocks and their bytes), `runner` (a script against a fresh handler),
-//! `verdict` (options and findings).
+//! Where each part lives: `script` (the text form `allocbox replay` reads, and a drawn
+//! case), `strategy` (drawing scripts), `shrink` (shrinking a failing one), `pattern`
+//! (the bytes every block holds), `model` (the live blocks and their bytes), `client`
+//! (one client thread's calls and checks), `runner` (a script against a fresh handler),
+//! `target` (the handlers a check drives), `verdict` (options and findings), `seeds`
+//! (failing seeds kept). Each uses only those after it here (`tests/layers.rs`):
+//!
+//! Module order: `runner` > `client` > `model` > `strategy` > `shrink` > `verdict` > `target` > `pattern` > `script` > `seeds`
 //!
 //! ```no_run
 //! // In a policy author's own `cargo test`:
@@ -40,9 +44,10 @@ mod target;
 mod verdict;
 
 use runner::Subject;
+use script::Case;
 pub use script::{CallPath, Op, SCRIPT_NOTATION, Script};
 use seeds::SeedFile;
-use strategy::{Case, Scripts};
+use strategy::Scripts;
 use verdict::Tally;
 pub use verdict::{
     COUNTERS_KEPT, CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS, MAX_SHRINK_TIME,

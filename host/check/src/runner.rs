@@ -10,8 +10,7 @@ use allocbox::{Adversary, DeviceHandler, Handler, HandlerBuilder, Limits, LoadEr
 use allocbox::{Policy, Runtime, ShardedHandler, WasmHook};
 
 use super::client::{Client, Mailboxes};
-use super::script::{CallPath, Op, Script};
-use super::strategy::Case;
+use super::script::{CallPath, Case, Op, Script};
 use super::target::Checked;
 use super::verdict::{Finding, Tally};
 

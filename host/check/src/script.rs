@@ -203,6 +203,15 @@ pub enum CallPath {
     PerThread,
 }
 
+/// One drawn case, before it runs: which way the host asks the policy, and each client
+/// thread's operations (the strategy draws it, shrinking makes it smaller, the runner
+/// runs it into a [`Script`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Case {
+    pub(super) path: CallPath,
+    pub(super) threads: Vec<Vec<Op>>,
+}
+
 impl CallPath {
     fn word(self) -> &'static str {
         match self {

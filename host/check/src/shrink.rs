@@ -4,8 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::script::{CallPath, Op};
-use super::strategy::Case;
+use super::script::{CallPath, Case, Op};
 
 /// The most trials shrinking one failure runs, and how long it may take from its first
 /// trial (`None`: no time bound). Past either, the smallest failing script found so far

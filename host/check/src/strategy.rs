@@ -7,7 +7,7 @@ use proptest::test_runner::{TestRng, TestRunner};
 
 use proptest::prelude::{RngExt, Strategy};
 
-use super::script::{BlockId, CallPath, Op};
+use super::script::{BlockId, CallPath, Case, Op};
 use super::shrink::{ScriptTree, ShrinkBudget};
 
 /// The size mix, in percent: NumPy's common small sizes dominate (72% of its mallocs
@@ -274,14 +274,6 @@ pub(super) struct Scripts {
 /// to one instance) needs calls, not blocks, and an unbounded mix piles up tens of
 /// megabytes that every operation's checks then wade through.
 pub(super) const LONG_LIVE_BLOCKS: usize = 512;
-
-/// One drawn case: which way the host asks the policy, and each client thread's
-/// operations.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Case {
-    pub(super) path: CallPath,
-    pub(super) threads: Vec<Vec<Op>>,
-}
 
 impl Strategy for Scripts {
     type Tree = ScriptTree;
