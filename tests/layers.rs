@@ -33,16 +33,52 @@ fn rust_files(dir: &Path, found: &mut Vec<PathBuf>) {
     }
 }
 
-/// Each module `prefix` names (`crate::NAME`, `super::NAME`) in a line of code (not a
-/// comment).
+/// Each module `prefix` names (`crate::NAME`, `super::NAME`, each of
+/// `crate::{A, B::C}`) in a line of code (not a comment).
 fn paths<'a>(line: &'a str, prefix: &'a str) -> impl Iterator<Item = &'a str> {
     let code = line.split("//").next().unwrap_or("");
-    code.match_indices(prefix).map(move |(at, _)| {
-        let rest = &code[at + prefix.len()..];
+    let name = |rest: &'a str| {
+        let rest = rest.trim_start();
         let end = rest
             .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
             .unwrap_or(rest.len());
         &rest[..end]
+    };
+    code.match_indices(prefix).flat_map(move |(at, _)| {
+        let rest = &code[at + prefix.len()..];
+        match rest.strip_prefix('{') {
+            // The items of a group, each by its first segment (nested groups within an
+            // item belong to that item).
+            Some(group) => {
+                let mut depth = 0;
+                let mut items = vec![group];
+                for (i, c) in group.char_indices() {
+                    match c {
+                        '{' => depth += 1,
+                        '}' if depth == 0 => {
+                            let last = items.pop().unwrap();
+                            let start = group.len() - last.len();
+                            items.push(&group[start..i]);
+                            break;
+                        }
+                        '}' => depth -= 1,
+                        ',' if depth == 0 => {
+                            let last = items.pop().unwrap();
+                            let start = group.len() - last.len();
+                            items.push(&group[start..i]);
+                            items.push(&group[i + 1..]);
+                        }
+                        _ => {}
+                    }
+                }
+                items
+                    .into_iter()
+                    .map(name)
+                    .filter(|n| !n.is_empty())
+                    .collect()
+            }
+            None => vec![name(rest)],
+        }
     })
 }
 
@@ -153,6 +189,13 @@ fn every_module_of_the_python_bridge_points_down_its_layers() {
     assert!(check_crate("python") > 10);
 }
 
+/// Issue 65: every command's module used the crate root's items (`Outcome`, `load`,
+/// the grammar) while the root used every module.
+#[test]
+fn every_module_of_the_command_line_points_down_its_layers() {
+    assert!(check_crate("host/cli") > 10);
+}
+
 #[test]
 fn a_path_in_a_comment_is_not_an_import_and_each_path_is_named_to_its_module() {
     let line = "use crate::link::{Link, bindings}; // see [`crate::handler::Handler`]";
@@ -161,6 +204,11 @@ fn a_path_in_a_comment_is_not_an_import_and_each_path_is_named_to_its_module() {
     assert_eq!(crate_paths(line).collect::<Vec<_>>(), ["observe", "wit"]);
     let line = "use super::script::{Case, Op};";
     assert_eq!(paths(line, "super::").collect::<Vec<_>>(), ["script"]);
+    let line = "use crate::{convert, named::{load, Hook}, outcome::Outcome};";
+    assert_eq!(
+        crate_paths(line).collect::<Vec<_>>(),
+        ["convert", "named", "outcome"]
+    );
 }
 
 #[test]

@@ -7,7 +7,9 @@ use allocbox::{Limits, Runtime};
 use allocbox_check::{self as check, CheckOptions, CheckReport, Script};
 use anyhow::{Result, bail};
 
-use crate::{Outcome, hook_report, load, load_hook, print_report, progress};
+use crate::named::{hook_report, load, load_hook};
+use crate::outcome::{Outcome, print_report};
+use crate::progress;
 
 pub(crate) struct CheckArgs {
     pub(crate) policies: Vec<PathBuf>,

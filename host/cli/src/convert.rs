@@ -8,7 +8,7 @@ use allocbox::output::Output;
 use allocbox::trace::{write_binary, write_text};
 use anyhow::{Context, Result};
 
-use crate::Outcome;
+use crate::outcome::{Outcome, print_report};
 
 /// The form `trace-convert` writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -39,7 +39,7 @@ pub(crate) fn run_trace_convert(input: &Path, output: &Path, to: Option<Form>) -
     }
     .with_context(|| format!("cannot write `{}`", output.display()))?;
     out.commit()?;
-    crate::print_report(&format!(
+    print_report(&format!(
         "{} ({} events) -> {} ({})\n",
         input.display(),
         trace.events.len(),

@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use allocbox::{HandlerBuilder, Runtime};
 use anyhow::Result;
 
-use crate::{load, print_report};
+use crate::named::load;
+use crate::outcome::print_report;
 
 pub(crate) fn inspect(policy: Option<PathBuf>, config: Vec<(String, String)>) -> Result<()> {
     let runtime = Runtime::shared();

@@ -14,7 +14,9 @@ use allocbox::trace::timeline::{HeldBy, chain_held, holdings_at, native_held, ti
 use allocbox::{HandlerBuilder, Limits, Runtime, WasmHook};
 use anyhow::{Context, Result, bail};
 
-use crate::{Outcome, hook_report, load, load_hook, print_report, progress};
+use crate::named::{hook_report, load, load_hook};
+use crate::outcome::{Outcome, print_report};
+use crate::progress;
 
 /// A handler named on the command line: NumPy's default natively, or a chain of policies.
 enum BuiltHandler {

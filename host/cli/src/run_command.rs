@@ -1,70 +1,15 @@
-//! `allocbox run`'s command line, in the same clap grammar as every other subcommand:
-//! the same errors, usage and `--help`. The program itself runs in Python (the wheel's
-//! `allocbox.run`), which asks for its command line parsed here ([`parse_run`]).
+//! `allocbox run`'s command line, parsed by the one grammar (`grammar.rs`) as every
+//! other subcommand's: the same errors, usage and `--help`. The program itself runs in
+//! Python (the wheel's `allocbox.run`), which asks for its command line parsed here
+//! ([`parse_run`]).
 
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-use allocbox::mapped::KindGrant;
-use clap::{Args, CommandFactory, FromArgMatches};
+use clap::{CommandFactory, FromArgMatches};
 
-use crate::arguments::{kind_grant, parse_key_value};
+use crate::grammar::{Cli, Command};
 use crate::trace_command::config_per_policy;
-
-/// Run a Python program, unmodified, under a policy chain: NumPy's handler for the
-/// program and every thread it starts, and the arrays Numba's compiled code makes.
-///
-/// Each `-p` adds a policy to the chain, top first (a shipped policy's name, `builtin`,
-/// or a path); each `-c KEY=VALUE` configures the `-p` before it. With no `-p`, the
-/// program runs under NumPy's default handler (allocbox's native copy of it, so that
-/// `--record` can record it). The program's exit status is the command's; at the end a
-/// few lines on standard error say what the policy saw. Input that cannot be used is one
-/// sentence and exit status 2, before the program starts. Otherwise the program sees
-/// what `python SCRIPT` or `python -m MODULE` gives it: its own `__main__`, `sys.argv`,
-/// standard streams, traceback and exit status (`--` ends the options before a script's
-/// name). Every Python process the program starts (forked, spawned by
-/// `multiprocessing`, or a `subprocess` running this environment's Python) runs under
-/// the same policy and records into a trace of its own beside the program's
-/// (`TRACE.PID`). Needs the Python package (the wheel's `allocbox` command, or `python
-/// -m allocbox run`).
-#[derive(Args, Debug)]
-#[command(group(clap::ArgGroup::new("program").required(true).args(["module", "script"])))]
-pub(crate) struct RunArgs {
-    /// A policy of the chain, top first (repeatable): a shipped policy's name
-    /// (`size-classes`, ...), `builtin`, or a policy file.
-    #[arg(long = "policy", short = 'p', value_name = "POLICY")]
-    policies: Vec<String>,
-    /// Configuration for the `init` of the policy named before it, as KEY=VALUE
-    /// (repeatable: `-p size-classes -c bucket-depth=7`).
-    #[arg(long = "config", short = 'c', value_name = "KEY=VALUE", value_parser = parse_key_value)]
-    config: Vec<(String, String)>,
-    /// Kinds of memory the policies may ask the host to map for them, comma-separated:
-    /// numa, huge-pages, locked, guarded, pinned, device.
-    #[arg(long = "grant", value_name = "KINDS", value_delimiter = ',', value_parser = kind_grant)]
-    grants: Vec<KindGrant>,
-    /// Write every allocation as a binary trace for `allocbox report`, with its time
-    /// (whatever the file's name: `trace-convert` writes text); the recording ends with
-    /// the program's last line, so what is live then is what leaked.
-    #[arg(long, value_name = "FILE")]
-    record: Option<PathBuf>,
-    /// With `--record`: the line of the program's own code behind each allocation, for
-    /// the report's tables by line.
-    #[arg(long)]
-    sites: bool,
-    /// Then replay the recording (a temporary one without `--record`) through NumPy's
-    /// default, the policy, and each `--compare` policy, into this HTML page.
-    #[arg(long, value_name = "PAGE.html")]
-    report: Option<PathBuf>,
-    /// With `--report`: more policies to compare on the program, comma-separated.
-    #[arg(long, value_name = "POLICY,...", value_delimiter = ',')]
-    compare: Vec<String>,
-    /// Run the module MODULE as `python -m` does; what follows it is its arguments.
-    #[arg(short = 'm', value_name = "MODULE", num_args = 1.., allow_hyphen_values = true)]
-    module: Option<Vec<OsString>>,
-    /// The script to run, and its arguments.
-    #[arg(trailing_var_arg = true, value_name = "SCRIPT [ARGS]")]
-    script: Vec<OsString>,
-}
 
 /// The program `allocbox run` runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,9 +39,9 @@ pub struct RunCommand {
 /// the exit status returned: 0 for help, 2 otherwise, as for every subcommand.
 pub fn parse_run(args: Vec<OsString>) -> Result<RunCommand, u8> {
     let argv = ["allocbox".into(), "run".into()].into_iter().chain(args);
-    let parsed = crate::Cli::command()
+    let parsed = Cli::command()
         .try_get_matches_from(argv)
-        .and_then(|matches| crate::Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
+        .and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
     let (cli, matches) = match parsed {
         Ok(parsed) => parsed,
         Err(e) => {
@@ -104,7 +49,7 @@ pub fn parse_run(args: Vec<OsString>) -> Result<RunCommand, u8> {
             return Err(u8::try_from(e.exit_code()).unwrap_or(2));
         }
     };
-    let crate::Command::Run(run) = cli.command else {
+    let Command::Run(run) = cli.command else {
         unreachable!("parsed as `run`");
     };
     let (_, sub) = matches.subcommand().expect("a subcommand is required");

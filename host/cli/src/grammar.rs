@@ -1,0 +1,298 @@
+//! The command line's one grammar (clap): every subcommand, `run` included, with the
+//! options they share.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use allocbox::mapped::KindGrant;
+use allocbox::{CompileBound, Limits};
+use clap::{Args, Parser, Subcommand};
+
+use crate::arguments::{
+    at_least_one, batch_limit, call_time_ms, check_seconds, client_threads, guest_memory,
+    kind_grant, max_ops, overhead, parse_compile_bound, parse_key_value,
+};
+use crate::{convert, new_policy};
+
+#[derive(Parser)]
+#[command(
+    name = "allocbox",
+    version,
+    about = "Sandboxed, checkable NEP 49 allocation policies"
+)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Command,
+    /// Allow a policy of this shape to be compiled, as NAME=N (repeatable): `functions`
+    /// [default: 65536], `code-bytes` [32 MiB], `function-bytes` [2 MiB], `data-bytes`
+    /// [32 MiB], `modules` [32], `text-bytes` (WAT) [16 MiB]. A policy past one is
+    /// refused before it is compiled.
+    #[arg(long = "compile-bound", global = true, value_parser = parse_compile_bound)]
+    pub(crate) compile_bounds: Vec<(CompileBound, u64)>,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum Command {
+    /// Fuzz the handler contract of policies: random malloc/calloc/realloc/free sequences
+    /// with every check on; a failure is shrunk to a short replayable script. With no
+    /// file, checks the built-in default policy.
+    Check {
+        /// Policies: shipped ones by name (`system`, `aligned`, `size-classes`, `arena`,
+        /// `builtin`), components (.wasm) or WAT sources (.wat).
+        policies: Vec<PathBuf>,
+        /// Seconds to spend on each policy, in rounds of `--cases` sequences (every
+        /// fourth round long-lived instances of thousands of operations). Default 3,
+        /// unless `--cases` is given alone.
+        #[arg(long, allow_negative_numbers = true, value_parser = check_seconds)]
+        time: Option<f64>,
+        /// Random sequences per round. Given without `--time`: run exactly this many.
+        #[arg(long, value_parser = at_least_one::<u32>)]
+        cases: Option<u32>,
+        /// Seed, for a run that repeats exactly.
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Most operations per sequence (per thread).
+        #[arg(long, default_value_t = 128, value_parser = max_ops)]
+        max_ops: usize,
+        /// Client threads calling one handler at once.
+        #[arg(long, default_value_t = 1, value_parser = client_threads)]
+        threads: usize,
+        /// One JSON report per line instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Where failing seeds and scripts are kept [default: `regressions` in the user's
+        /// cache directory, `~/.cache/allocbox/regressions`]; the report names the file.
+        #[arg(long, value_name = "DIR")]
+        regressions: Option<PathBuf>,
+        /// Configuration passed to every policy's `init`, as KEY=VALUE (repeatable).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+        #[command(flatten)]
+        hook: HookArg,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
+    /// Convert a trace between the binary form recordings write and the text form
+    /// (`op id size thread` lines) people read and write by hand.
+    TraceConvert {
+        /// The trace to convert (either form).
+        input: PathBuf,
+        /// Where to write it; replaced only once written whole. Text is gzip-compressed
+        /// when the name ends in `.gz`.
+        output: PathBuf,
+        /// The form to write [default: the other form than the input's].
+        #[arg(long, value_enum)]
+        to: Option<convert::Form>,
+    },
+    /// Replay an allocation trace (binary, or `op id size thread` lines, plain or gzip) through a
+    /// handler and report time per event, peak bytes, corrections and the first failing
+    /// event. Exit 1 if an event fails, or if a policy still holds host memory once every
+    /// block is freed and it is trimmed (a leak).
+    ReplayTrace {
+        trace: PathBuf,
+        /// The chain, top first: a shipped policy's name (`size-classes`, ...), a policy
+        /// file, `default` (NumPy's default handler, natively) or `builtin` (the built-in
+        /// default policy). Default: `default`.
+        #[arg(long = "policy", short = 'p')]
+        policies: Vec<String>,
+        /// Configuration for the `init` of the policy named before it, as KEY=VALUE
+        /// (repeatable: `-p aligned -c alignment=128 -p size-classes -c bucket-depth=7`).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+        #[command(flatten)]
+        hook: HookArg,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
+    /// Replay an allocation trace through each handler, one event after another on one
+    /// thread, and write one self-contained HTML page comparing them: live and held bytes
+    /// over time, the peak and the test it fell in (the trace's comment lines), the
+    /// phases with the most bytes and overhead, where the most each handler held went
+    /// by size class, what the trace left live, held/live, time per event, request
+    /// sizes, the first failing event. Prints a summary table (or JSON). Exit 1 if an event fails in any handler, or a
+    /// policy leaks (the page is still written).
+    Report {
+        /// The trace: `op id size thread` lines, plain or gzip. Several (a program's and
+        /// its child processes', as `allocbox run` writes them) make one page, a part
+        /// per trace, each replayed on its own.
+        #[arg(required = true)]
+        traces: Vec<PathBuf>,
+        /// A handler (repeatable, at least one): `default` (NumPy's default handler,
+        /// natively), a shipped policy's name (`size-classes`, ..., `builtin`) or a policy
+        /// file, each on its own over the host's memory.
+        #[arg(long = "policy", short = 'p', required = true)]
+        policies: Vec<String>,
+        /// Where the HTML page is written.
+        #[arg(long, short = 'o')]
+        output: PathBuf,
+        /// Print the summary as JSON (an array, one object per handler).
+        #[arg(long)]
+        json: bool,
+        /// Configuration for the `init` of the policy named before it, as KEY=VALUE
+        /// (repeatable: `-p size-classes -c bucket-depth=7 -p arena`; `default` takes
+        /// none).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+        #[command(flatten)]
+        hook: HookArg,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
+    /// Run a script (one operation a line, as `check` prints it) through a policy with
+    /// every check on.
+    #[command(after_help = allocbox_check::SCRIPT_NOTATION)]
+    Replay {
+        /// The script: as `check` printed and saved it, or written by hand.
+        script: PathBuf,
+        /// A shipped policy's name or a policy file; with none, the built-in default
+        /// policy.
+        policy: Option<PathBuf>,
+        /// Configuration passed to the policy's `init`, as KEY=VALUE (repeatable).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+        #[command(flatten)]
+        limits: LimitArgs,
+    },
+    /// Show what a policy is: name, version, alignment, world, imports, exports, size.
+    /// With no file, the built-in default policy.
+    Inspect {
+        /// A shipped policy's name, a policy component (.wasm) or WAT source (.wat).
+        policy: Option<PathBuf>,
+        /// Configuration passed to the policy's `init`, as KEY=VALUE (repeatable).
+        #[arg(long = "config", short = 'c', value_parser = parse_key_value)]
+        config: Vec<(String, String)>,
+    },
+    Run(RunArgs),
+    /// Start a policy project in `./NAME` that builds with one command and passes `check`
+    /// as it stands; its README.md says how to build, check and test it.
+    New {
+        /// The policy's name: a crate name (letters, digits, `-`, `_`; 1..=64 bytes).
+        name: String,
+        /// `rust` (a cargo project over the allocbox-policy SDK), `wat` (WebAssembly
+        /// text, nothing to build), or `c`, `zig`, `assemblyscript` (`as`), `python`, `go`,
+        /// `js` (`javascript`) (a `./build.sh` project with a `./setup.sh` that installs
+        /// its toolchain).
+        #[arg(long, value_parser = new_policy::parse_lang)]
+        lang: new_policy::Lang,
+        /// The project's directory, instead of `./NAME`; it must not exist or be empty.
+        #[arg(long)]
+        path: Option<PathBuf>,
+    },
+}
+
+/// `--hook`, the same for every command that replays events.
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct HookArg {
+    /// An event hook told about every block each policy or handler lends, resizes and
+    /// frees (one instance each; in `check`, shrinking included), its report printed
+    /// after their results: a shipped hook's name (`sizes`, `counting`) or a hook
+    /// component (.wasm, .wat).
+    #[arg(long = "hook", value_name = "HOOK")]
+    pub(crate) path: Option<PathBuf>,
+}
+
+/// The bounds on every policy instance ([`Limits`]); each defaults to the library's.
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct LimitArgs {
+    /// Longest one call into a policy may run, time in its imports included, in ms
+    /// [default: 1000; 250 for check and replay].
+    #[arg(long, value_parser = call_time_ms)]
+    call_time_ms: Option<u64>,
+    /// Most bytes of its own memory a policy may grow to, as bytes or with a unit
+    /// (`64MiB`, `1GiB`) [default: 128 MiB].
+    #[arg(long, value_parser = guest_memory)]
+    guest_memory: Option<u64>,
+    /// Most blocks one malloc-many or free-many may ask of the host [default: 4096].
+    #[arg(long, value_parser = batch_limit)]
+    batch_limit: Option<u32>,
+    /// Most bytes a policy may hold from upstream beyond what its client holds and asks
+    /// for, as bytes or with a unit; past it, upstream requests are answered
+    /// out-of-memory [default: 256 MiB].
+    #[arg(long, value_parser = overhead)]
+    overhead: Option<u64>,
+    /// Kinds of memory a policy may ask the host to map for it, comma-separated:
+    /// numa, huge-pages, locked, guarded [default: none].
+    #[arg(long = "grant", value_name = "KINDS", value_delimiter = ',', value_parser = kind_grant)]
+    grants: Vec<KindGrant>,
+}
+
+impl LimitArgs {
+    pub(crate) fn limits(&self, call_time: Duration) -> Limits {
+        let defaults = Limits::default();
+        Limits {
+            call_time: self.call_time_ms.map_or(call_time, Duration::from_millis),
+            memory: self.guest_memory.unwrap_or(defaults.memory),
+            batch: self.batch_limit.unwrap_or(defaults.batch),
+            overhead: self.overhead.unwrap_or(defaults.overhead),
+            grants: allocbox::Grants {
+                memory: self.grants.iter().fold(Default::default(), |mut all, &g| {
+                    all.grant(g);
+                    all
+                }),
+                ..defaults.grants
+            },
+            ..defaults
+        }
+    }
+}
+
+/// The call limit of checking runs: short, so a looping policy is found quickly.
+pub(crate) const CHECK_CALL_TIME: Duration = Duration::from_millis(250);
+/// How long `allocbox check` spends on a policy unless told otherwise.
+pub(crate) const DEFAULT_CHECK_TIME: Duration = Duration::from_secs(3);
+
+/// Run a Python program, unmodified, under a policy chain: NumPy's handler for the
+/// program and every thread it starts, and the arrays Numba's compiled code makes.
+///
+/// Each `-p` adds a policy to the chain, top first (a shipped policy's name, `builtin`,
+/// or a path); each `-c KEY=VALUE` configures the `-p` before it. With no `-p`, the
+/// program runs under NumPy's default handler (allocbox's native copy of it, so that
+/// `--record` can record it). The program's exit status is the command's; at the end a
+/// few lines on standard error say what the policy saw. Input that cannot be used is one
+/// sentence and exit status 2, before the program starts. Otherwise the program sees
+/// what `python SCRIPT` or `python -m MODULE` gives it: its own `__main__`, `sys.argv`,
+/// standard streams, traceback and exit status (`--` ends the options before a script's
+/// name). Every Python process the program starts (forked, spawned by
+/// `multiprocessing`, or a `subprocess` running this environment's Python) runs under
+/// the same policy and records into a trace of its own beside the program's
+/// (`TRACE.PID`). Needs the Python package (the wheel's `allocbox` command, or `python
+/// -m allocbox run`).
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("program").required(true).args(["module", "script"])))]
+pub(crate) struct RunArgs {
+    /// A policy of the chain, top first (repeatable): a shipped policy's name
+    /// (`size-classes`, ...), `builtin`, or a policy file.
+    #[arg(long = "policy", short = 'p', value_name = "POLICY")]
+    pub(crate) policies: Vec<String>,
+    /// Configuration for the `init` of the policy named before it, as KEY=VALUE
+    /// (repeatable: `-p size-classes -c bucket-depth=7`).
+    #[arg(long = "config", short = 'c', value_name = "KEY=VALUE", value_parser = parse_key_value)]
+    pub(crate) config: Vec<(String, String)>,
+    /// Kinds of memory the policies may ask the host to map for them, comma-separated:
+    /// numa, huge-pages, locked, guarded, pinned, device.
+    #[arg(long = "grant", value_name = "KINDS", value_delimiter = ',', value_parser = kind_grant)]
+    pub(crate) grants: Vec<KindGrant>,
+    /// Write every allocation as a binary trace for `allocbox report`, with its time
+    /// (whatever the file's name: `trace-convert` writes text); the recording ends with
+    /// the program's last line, so what is live then is what leaked.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) record: Option<PathBuf>,
+    /// With `--record`: the line of the program's own code behind each allocation, for
+    /// the report's tables by line.
+    #[arg(long)]
+    pub(crate) sites: bool,
+    /// Then replay the recording (a temporary one without `--record`) through NumPy's
+    /// default, the policy, and each `--compare` policy, into this HTML page.
+    #[arg(long, value_name = "PAGE.html")]
+    pub(crate) report: Option<PathBuf>,
+    /// With `--report`: more policies to compare on the program, comma-separated.
+    #[arg(long, value_name = "POLICY,...", value_delimiter = ',')]
+    pub(crate) compare: Vec<String>,
+    /// Run the module MODULE as `python -m` does; what follows it is its arguments.
+    #[arg(short = 'm', value_name = "MODULE", num_args = 1.., allow_hyphen_values = true)]
+    pub(crate) module: Option<Vec<OsString>>,
+    /// The script to run, and its arguments.
+    #[arg(trailing_var_arg = true, value_name = "SCRIPT [ARGS]")]
+    pub(crate) script: Vec<OsString>,
+}
