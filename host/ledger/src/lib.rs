@@ -7,6 +7,11 @@
 //! lock-free code can run it: loom over the claim protocol (`--cfg allocbox_loom`, see
 //! `cache/models.rs`), Miri over every structure (`cargo miri test`), and a thread
 //! sanitizer over the threaded tests.
+//!
+//! Each module uses only those after it here (`tests/layers.rs`; the caches' own files
+//! have an order of their own, in `cache/mod.rs`):
+//!
+//! Module order: `cache` > `ledger` > `platform` > `sync` > `fasthash` > `counting_alloc`
 
 // Under loom and Miri there is no fork (no `pthread_atfork`) and, under loom, no thread
 // exit: the code for them is built but never reached.

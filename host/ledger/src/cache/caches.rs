@@ -15,9 +15,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::combining::Waiting;
 use super::slot::{CacheGuard, Mine, Slot, Unreachable};
 use super::slots::Slots;
+use super::waiting::Waiting;
 use crate::ledger::CacheId;
 #[cfg(not(allocbox_loom))]
 use crate::platform::fork::{AfterFork, Forkable};

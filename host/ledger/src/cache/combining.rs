@@ -20,14 +20,16 @@
 //!   if it sleeps).
 //!   Then it lets go, and looks once more: a request pushed after its last look, whose
 //!   thread then failed to take the lock, is seen here (the look is a read-modify-write
-//!   of the stack, ordered with every push: see [`Waiting::any_after_release`]), and
+//!   of the stack, ordered with every push: see
+//!   [`Waiting::any_after_release`](super::waiting::Waiting::any_after_release)), and
 //!   served if the lock is still free.
 //! - One release serves at most [`SERVE_AT_MOST`] requests. Past that it hands the rest
 //!   to one waiting thread (`YOURS`), which takes the lock, runs its own request and
 //!   serves the others: no thread serves others for ever, and none is left waiting.
 //! - A request's work that panics is caught and its panic handed to the request's own
 //!   thread, which resumes it: the server goes on with the queue. If the server stops
-//!   anyway while it holds requests it took off the queue, [`Unserved`] hands them to
+//!   anyway while it holds requests it took off the queue,
+//!   [`Unserved`](super::waiting::Unserved) hands them to
 //!   one of their threads as above.
 //!
 //! Every request still does its own work under the lock, so whatever a request checks
@@ -39,7 +41,8 @@ use std::ptr;
 
 use super::caches::{Books, Caches, Locked};
 use super::slot::Unreachable;
-use crate::sync::{AtomicPtr, AtomicU32, Ordering, Sleeper, spin, yield_now};
+use super::waiting::{ASLEEP, QUEUED, Request, SERVED, Unserved, WAKING, YOURS, tell};
+use crate::sync::{AtomicU32, Ordering, Sleeper, spin, yield_now};
 
 /// The most requests one release of the books serves for other threads; the rest go to
 /// one of their threads to serve. Large enough that a queue of every thread's request
@@ -66,44 +69,6 @@ const SPINS: u32 = 0;
 #[cfg(allocbox_loom)]
 const YIELDS: u32 = 0;
 
-/// A request's state: waiting (awake, or asleep and to be woken), being woken (its
-/// server still uses the word: the thread waits for the answer before it leaves),
-/// answered, or handed the queue.
-const QUEUED: u32 = 0;
-const ASLEEP: u32 = 1;
-const WAKING: u32 = 2;
-const SERVED: u32 = 3;
-const YOURS: u32 = 4;
-
-/// Requests waiting for the books: a stack of [`Request`]s, each on its thread's stack,
-/// pushed by their threads and taken whole by whoever holds the books.
-#[derive(Debug)]
-pub(super) struct Waiting<C> {
-    top: AtomicPtr<Request<C>>,
-}
-
-impl<C> Default for Waiting<C> {
-    fn default() -> Self {
-        Waiting {
-            top: AtomicPtr::new(ptr::null_mut()),
-        }
-    }
-}
-
-/// The work of one request and how it reaches its thread again.
-pub(super) struct Request<C> {
-    /// The next request down the stack (older), or in a taken list the next to serve.
-    next: *mut Request<C>,
-    state: AtomicU32,
-    sleeper: Sleeper,
-    /// Runs the closure behind `work` once on the `Locked<C>` behind its second
-    /// argument, storing its outcome beside the closure. (Erased, so that the queue
-    /// needs no bound on the books.)
-    run: unsafe fn(*mut (), *mut ()),
-    work: *mut (),
-    books: std::marker::PhantomData<fn(&mut C)>,
-}
-
 /// A request's closure and, once run, its outcome (a panic included).
 struct Work<F, R> {
     f: Option<F>,
@@ -127,101 +92,6 @@ where
     };
     let f = work.f.take().expect("a request runs once");
     work.outcome = Some(catch_unwind(AssertUnwindSafe(|| f(locked))));
-}
-
-impl<C> Waiting<C> {
-    /// Push `request`, which stays where it is until it is `SERVED` or `YOURS`.
-    fn push(&self, request: *mut Request<C>) {
-        let mut top = self.top.load(Ordering::Relaxed);
-        loop {
-            // SAFETY: `request` is the caller's, not yet shared.
-            unsafe { (*request).next = top };
-            // Acquire as well: see `Waiting::any_after_release`.
-            match self
-                .top
-                .compare_exchange_weak(top, request, Ordering::AcqRel, Ordering::Relaxed)
-            {
-                Ok(_) => return,
-                Err(now) => top = now,
-            }
-        }
-    }
-
-    /// Push a list already linked, `first` to `last`, back.
-    fn push_list(&self, first: *mut Request<C>, last: *mut Request<C>) {
-        let mut top = self.top.load(Ordering::Relaxed);
-        loop {
-            // SAFETY: the list was taken off the stack under the books' lock, which the
-            // caller holds: its requests wait and nothing else reaches them.
-            unsafe { (*last).next = top };
-            match self
-                .top
-                .compare_exchange_weak(top, first, Ordering::Release, Ordering::Relaxed)
-            {
-                Ok(_) => return,
-                Err(now) => top = now,
-            }
-        }
-    }
-
-    /// Every request waiting, oldest first; null when none. Only under the books' lock.
-    fn take_all(&self) -> *mut Request<C> {
-        let mut newest_first = self.top.swap(ptr::null_mut(), Ordering::Acquire);
-        let mut oldest_first = ptr::null_mut();
-        while !newest_first.is_null() {
-            // SAFETY: a request taken off the stack waits until it is served, and only
-            // the holder of the lock reaches it.
-            unsafe {
-                let next = (*newest_first).next;
-                (*newest_first).next = oldest_first;
-                oldest_first = newest_first;
-                newest_first = next;
-            }
-        }
-        oldest_first
-    }
-
-    fn is_empty(&self) -> bool {
-        self.top.load(Ordering::Relaxed).is_null()
-    }
-
-    /// Whether requests wait, looked at by a thread that just let the books go: a
-    /// read-modify-write that writes back what it read, so that it and every push are
-    /// in one order. A push before it is seen here; a push after it reads from it (a
-    /// release, which the push acquires), so the pusher's `try_lock`, later, sees the
-    /// books let go. Either this thread serves the request or its own thread takes the
-    /// books: none sleeps with nobody to serve it.
-    fn any_after_release(&self) -> bool {
-        let mut top = self.top.load(Ordering::Relaxed);
-        loop {
-            match self
-                .top
-                .compare_exchange_weak(top, top, Ordering::AcqRel, Ordering::Relaxed)
-            {
-                Ok(_) => return !top.is_null(),
-                Err(now) => top = now,
-            }
-        }
-    }
-
-    /// How many requests wait; only under the books' lock, which keeps every one of
-    /// them where it is.
-    #[cfg(test)]
-    pub(super) fn count(&self) -> usize {
-        let mut count = 0;
-        let mut at = self.top.load(Ordering::Acquire);
-        while !at.is_null() {
-            count += 1;
-            // SAFETY: a queued request stays until the lock's holder serves it.
-            at = unsafe { (*at).next };
-        }
-        count
-    }
-
-    /// In a forked child: the threads whose requests wait do not exist there.
-    pub(super) fn forget_all(&self) {
-        self.top.store(ptr::null_mut(), Ordering::Relaxed);
-    }
 }
 
 impl<C: Books> Caches<C> {
@@ -339,77 +209,6 @@ unsafe fn serve<C: Books>(locked: &mut Locked<'_, C>, request: *mut Request<C>) 
     unsafe {
         ((*request).run)((*request).work, (locked as *mut Locked<'_, C>).cast());
         tell(request, SERVED);
-    }
-}
-
-/// Put `request` in `state` (served, or handed the queue), and wake its thread if it
-/// sleeps.
-///
-/// # Safety
-/// `request` waits, reached by the caller alone; from the last store on its thread may
-/// return, taking the request with it, so nothing of it is used after.
-unsafe fn tell<C>(request: *mut Request<C>, state: u32) {
-    // SAFETY: by the caller's contract, live until the last store: a thread that finds
-    // its request `WAKING` waits for that store.
-    unsafe {
-        let word = &(*request).state;
-        if word
-            .compare_exchange(QUEUED, state, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-        {
-            return;
-        }
-        // Asleep: only its own thread goes from `QUEUED` to `ASLEEP`, and only this
-        // one from `ASLEEP` on.
-        let waker = (*request).sleeper.waker(word);
-        word.store(WAKING, Ordering::Relaxed);
-        waker.wake();
-        word.store(state, Ordering::Release);
-    }
-}
-
-/// Requests taken off the stack and not yet served; if their server stops before it
-/// served them, they are handed to one of their threads.
-struct Unserved<'a, C> {
-    first: *mut Request<C>,
-    waiting: &'a Waiting<C>,
-}
-
-impl<C> Unserved<'_, C> {
-    /// The next request to serve, off the list.
-    fn next(&mut self) -> Option<*mut Request<C>> {
-        let request = self.first;
-        if request.is_null() {
-            return None;
-        }
-        // SAFETY: a request on this list waits, reached only by the lock's holder.
-        self.first = unsafe { (*request).next };
-        Some(request)
-    }
-
-    /// Hand the rest to the first one's thread: it serves itself and, pushed back, the
-    /// others.
-    fn hand_off(&mut self) {
-        let Some(first) = self.next() else { return };
-        let rest = std::mem::replace(&mut self.first, ptr::null_mut());
-        if !rest.is_null() {
-            let mut last = rest;
-            // SAFETY: as in `next`.
-            while let next = unsafe { (*last).next }
-                && !next.is_null()
-            {
-                last = next;
-            }
-            self.waiting.push_list(rest, last);
-        }
-        // SAFETY: `first` waits, reached by this thread alone.
-        unsafe { tell(first, YOURS) };
-    }
-}
-
-impl<C> Drop for Unserved<'_, C> {
-    fn drop(&mut self) {
-        self.hand_off();
     }
 }
 

@@ -17,6 +17,12 @@
 //! Order: a thread claims another thread's cache only while it holds the books' lock
 //! ([`Locked::claim`]), and a thread on its own fast path waits for nothing, so no two
 //! threads wait on each other.
+//!
+//! Each file here uses only those after it (`tests/layers.rs`): flat combining in front
+//! of the books, the books and their caches, the slots threads claim, one thread's
+//! cache, its magazines, what it lent and its counts, and the queue of waiting requests.
+//!
+//! Module order: `combining` > `caches` > `slots` > `slot` > `thread` > `magazine` > `lent` > `counts` > `waiting`
 
 mod caches;
 mod combining;
@@ -28,6 +34,7 @@ mod models;
 mod slot;
 mod slots;
 mod thread;
+mod waiting;
 
 pub use caches::{Books, Caches, Locked};
 pub use counts::Counts;
