@@ -17,7 +17,7 @@ import os
 import re
 import sys
 
-from _allocbox_startup import CHILD
+from _allocbox_hooks import CHILD
 
 # What a child keeps alive for its whole life: its policy.
 _inherited = []

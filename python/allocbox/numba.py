@@ -44,7 +44,7 @@ import threading
 import warnings
 from contextlib import contextmanager
 
-from _allocbox_startup import AfterImport
+from _allocbox_hooks import AfterImport
 
 from ._allocbox import numba_maker as _numba_maker
 from ._allocbox import numba_process_wide_use as _numba_process_wide_use
