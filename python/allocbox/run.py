@@ -335,13 +335,17 @@ def summary(handler, traces):
     if traces:
         shown = [_shown(trace) for trace in traces]
         if len(shown) == 1:
-            lines.append(f"allocbox: trace written to {shown[0]}; read it with `allocbox report {shown[0]}`")
+            lines.append(
+                f"allocbox: trace written to {shown[0]}; read it with "
+                f"`allocbox report {shown[0]} -p default -o report.html`"
+            )
         else:
             # Named one by one while few; a pool's many workers, by the shell's pattern.
             children = " ".join(shown[1:]) if len(shown) <= 4 else _children_pattern(shown[0])
             lines.append(
                 f"allocbox: trace written to {shown[0]}, and {len(shown) - 1} by the program's child "
-                f"processes beside it; read them with `allocbox report {shown[0]} {children}`"
+                f"processes beside it; read them with `allocbox report {shown[0]} {children} -p default "
+                "-o report.html`"
             )
     return lines
 

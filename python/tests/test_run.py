@@ -103,6 +103,20 @@ def test_run_help_is_the_command_line_s_own_and_allocbox_help_lists_run(tmp_path
     assert listed.returncode == 0 and "\n  run " in listed.stdout, listed.stdout
 
 
+def test_the_command_a_run_suggests_for_its_trace_runs_as_printed(tmp_path):
+    # Issue 61: the hint "read it with `allocbox report <trace>`" ended in exit 2
+    # (`-p` and `-o` are required).
+    done = allocbox_run(tmp_path, "--record", "t.trace", "program.py", program="import numpy as np\nnp.ones(10)\n")
+    assert done.returncode == 0, done.stderr
+    hint = [line for line in done.stderr.splitlines() if "read it with" in line]
+    assert len(hint) == 1, done.stderr
+    command = hint[0].split("`")[1].split()
+    assert command[:2] == ["allocbox", "report"], command
+    report = subprocess.run([sys.executable, "-m", "allocbox", *command[1:]], cwd=tmp_path, capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    assert (tmp_path / "report.html").exists()
+
+
 def test_with_no_policy_it_records_numpy_s_default_and_the_recording_ends_with_the_program(tmp_path):
     done = allocbox_run(
         tmp_path,

@@ -171,5 +171,5 @@ def test_the_summary_names_many_children_s_traces_by_a_pattern_that_matches_them
     )
     assert done.returncode == 0, done.stderr
     assert "and 5 by the program's child processes beside it; read them with " \
-        "`allocbox report t.trace.gz t.trace.*.gz`" in done.stderr, done.stderr
+        "`allocbox report t.trace.gz t.trace.*.gz -p default -o report.html`" in done.stderr, done.stderr
     assert len(list(tmp_path.glob("t.trace.*.gz"))) == 5
