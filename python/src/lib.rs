@@ -11,12 +11,12 @@
 //! and its statistics), `loading` (`load_chain` and its inputs), `hooks` (event hooks),
 //! `errors` (the exceptions), `diagnosis` (allocation sites and misuse warnings),
 //! `sites` (the program's line behind an allocation, for traces), `nrt_lending` (what a
-//! bridge lends to Numba's runtime through), `numba_route` (Numba's arrays through the
-//! same bridges) and `numba_blocks` (which bridge a block of Numba's goes back to),
+//! bridge lends to Numba's runtime through), `numba` (Numba's arrays through the same bridges: `route`, and `blocks`, which bridge
+//! a block of Numba's goes back to),
 //! `cuda` (device handlers for GPU programs), `stand_in_gpu` (a GPU made of host
 //! memory). Each uses only those after it here (`tests/layers.rs`):
 //!
-//! Module order: `cuda` > `hooks` > `loading` > `numba_route` > `numba_blocks` > `policy` > `numpy_api` > `bridge` > `diagnosis` > `nrt_lending` > `sites` > `errors` > `stand_in_gpu`
+//! Module order: `cuda` > `hooks` > `loading` > `numba` > `policy` > `numpy_api` > `bridge` > `diagnosis` > `nrt_lending` > `sites` > `errors` > `stand_in_gpu`
 
 mod bridge;
 mod cuda;
@@ -25,8 +25,7 @@ mod errors;
 mod hooks;
 mod loading;
 mod nrt_lending;
-mod numba_blocks;
-mod numba_route;
+mod numba;
 mod numpy_api;
 mod policy;
 mod sites;
@@ -111,20 +110,20 @@ fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(child_trace_path, m)?)?;
     m.add_function(wrap_pyfunction!(check_output, m)?)?;
     m.add_function(wrap_pyfunction!(run_arguments, m)?)?;
-    m.add_function(wrap_pyfunction!(numba_route::numba_route, m)?)?;
-    m.add_function(wrap_pyfunction!(numba_blocks::numba_threads_use, m)?)?;
-    m.add_function(wrap_pyfunction!(numba_blocks::numba_threads_done, m)?)?;
-    m.add_function(wrap_pyfunction!(numba_blocks::numba_process_wide_use, m)?)?;
-    m.add_function(wrap_pyfunction!(numba_blocks::numba_route_hold, m)?)?;
-    m.add_function(wrap_pyfunction!(numba_blocks::numba_route_holds, m)?)?;
-    m.add_function(wrap_pyfunction!(numba_route::numba_maker, m)?)?;
+    m.add_function(wrap_pyfunction!(numba::route::numba_route, m)?)?;
+    m.add_function(wrap_pyfunction!(numba::blocks::numba_threads_use, m)?)?;
+    m.add_function(wrap_pyfunction!(numba::blocks::numba_threads_done, m)?)?;
+    m.add_function(wrap_pyfunction!(numba::blocks::numba_process_wide_use, m)?)?;
+    m.add_function(wrap_pyfunction!(numba::blocks::numba_route_hold, m)?)?;
+    m.add_function(wrap_pyfunction!(numba::blocks::numba_route_holds, m)?)?;
+    m.add_function(wrap_pyfunction!(numba::route::numba_maker, m)?)?;
     m.add_class::<EventHook>()?;
     m.add_class::<stand_in_gpu::StandInGpu>()?;
-    m.add_class::<cuda::DevicePolicy>()?;
-    m.add_class::<cuda::DeviceBlock>()?;
-    m.add_function(wrap_pyfunction!(cuda::load_device_chain, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda::torch_use, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda::torch_blocks, m)?)?;
+    m.add_class::<cuda::device::DevicePolicy>()?;
+    m.add_class::<cuda::device::DeviceBlock>()?;
+    m.add_function(wrap_pyfunction!(cuda::device::load_device_chain, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::torch::torch_use, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::torch::torch_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(load_hook, m)?)?;
     m.add_function(wrap_pyfunction!(shipped_hooks, m)?)?;
     m.add_function(wrap_pyfunction!(set_event_hook, m)?)?;

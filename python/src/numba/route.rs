@@ -18,9 +18,9 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::MutexExt;
 
+use super::blocks;
 use crate::bridge::{Bridge, bridge_malloc};
 use crate::nrt_lending::{NrtAllocator, NrtLending, aligned_start, lock};
-use crate::numba_blocks;
 use crate::numpy_api::{bridge_in, get_handler_fn};
 
 type NrtMalloc = unsafe extern "C" fn(usize, *mut c_void) -> *mut c_void;
@@ -300,13 +300,13 @@ fn route_alloc(size: usize, align: u32, safe: bool) -> *mut MemInfo {
             }
         }
     };
-    if numba_blocks::nothing_held() {
+    if blocks::nothing_held() {
         return own();
     }
     // SAFETY: `PyGILState_Check` may be called from any thread.
     let with_python = unsafe { PyGILState_Check() } == 1;
     if let Some(mi) =
-        numba_blocks::with_process_wide(|bridge| alloc_through(route, bridge, size, align, safe))
+        blocks::with_process_wide(|bridge| alloc_through(route, bridge, size, align, safe))
     {
         if with_python && !mi.is_null() {
             // SAFETY: this thread is attached to Python, so tracemalloc has nothing to wait for.
@@ -340,7 +340,7 @@ fn route_alloc(size: usize, align: u32, safe: bool) -> *mut MemInfo {
         unsafe { ffi::Py_DECREF(capsule) };
         return mi;
     }
-    match numba_blocks::without_python() {
+    match blocks::without_python() {
         Some(bridge) => alloc_through(route, &bridge, size, align, safe),
         None => own(),
     }
