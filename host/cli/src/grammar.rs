@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use allocbox::mapped::KindGrant;
 use allocbox::{CompileBound, Limits};
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::arguments::{
     at_least_one, batch_limit, call_time_ms, check_seconds, client_threads, guest_memory,
@@ -295,4 +295,23 @@ pub(crate) struct RunArgs {
     /// The script to run, and its arguments.
     #[arg(trailing_var_arg = true, value_name = "SCRIPT [ARGS]")]
     pub(crate) script: Vec<OsString>,
+}
+
+/// Parse a command line (the program's name first) by the grammar: the command and
+/// its matches (which say where each option stood), or, after printing clap's help or
+/// error, the exit status to end with: 0 for help and version, 2 for a usage error.
+pub(crate) fn parse<I, T>(args: I) -> Result<(Cli, ArgMatches), u8>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let parsed = Cli::command()
+        .try_get_matches_from(args)
+        .and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
+    parsed.map_err(|e| {
+        // Help and version are printed to stdout and succeed; a usage error is printed
+        // to stderr and exits 2, as clap's own `exit` would.
+        let _ = e.print();
+        u8::try_from(e.exit_code()).unwrap_or(2)
+    })
 }

@@ -27,10 +27,9 @@ use std::time::Duration;
 
 use allocbox::{CompileBounds, Limits};
 use allocbox_check::CheckOptions;
-use clap::{CommandFactory, FromArgMatches};
 
 use check_command::{CheckArgs, run_check, run_replay};
-use grammar::{CHECK_CALL_TIME, Cli, Command, DEFAULT_CHECK_TIME};
+use grammar::{CHECK_CALL_TIME, Command, DEFAULT_CHECK_TIME};
 use inspect::inspect;
 use outcome::{Outcome, print_report};
 use trace_command::{ReportArgs, config_per_policy, run_replay_trace, run_report};
@@ -44,17 +43,9 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    let parsed = Cli::command()
-        .try_get_matches_from(args)
-        .and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
-    let (cli, matches) = match parsed {
+    let (cli, matches) = match grammar::parse(args) {
         Ok(parsed) => parsed,
-        Err(e) => {
-            // Help and version are printed to stdout and succeed; a usage error is
-            // printed to stderr and exits 2, as clap's own `exit` would.
-            let _ = e.print();
-            return u8::try_from(e.exit_code()).unwrap_or(2);
-        }
+        Err(code) => return code,
     };
     // `report` and `replay-trace` give each `-c` to the `-p` before it.
     let per_policy = |config| {

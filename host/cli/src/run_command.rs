@@ -6,9 +6,7 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-use clap::{CommandFactory, FromArgMatches};
-
-use crate::grammar::{Cli, Command};
+use crate::grammar::{self, Command};
 use crate::trace_command::config_per_policy;
 
 /// The program `allocbox run` runs.
@@ -39,16 +37,7 @@ pub struct RunCommand {
 /// the exit status returned: 0 for help, 2 otherwise, as for every subcommand.
 pub fn parse_run(args: Vec<OsString>) -> Result<RunCommand, u8> {
     let argv = ["allocbox".into(), "run".into()].into_iter().chain(args);
-    let parsed = Cli::command()
-        .try_get_matches_from(argv)
-        .and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
-    let (cli, matches) = match parsed {
-        Ok(parsed) => parsed,
-        Err(e) => {
-            let _ = e.print();
-            return Err(u8::try_from(e.exit_code()).unwrap_or(2));
-        }
-    };
+    let (cli, matches) = grammar::parse(argv)?;
     let Command::Run(run) = cli.command else {
         unreachable!("parsed as `run`");
     };
