@@ -378,7 +378,7 @@ fn main() {
     let only = only();
     let (rounds, iters) = if quick { (5, 20_000) } else { (15, 200_000) };
 
-    use allocbox_artifacts::{SIZE_CLASSES, SYSTEM};
+    use allocbox_artifacts::{QUOTA, SIZE_CLASSES, SYSTEM};
     let boxed = |h: Handler| Box::new(h) as Box<dyn MemHandler>;
     let cases: Vec<(&str, Box<dyn MemHandler>)> = vec![
         (
@@ -408,6 +408,18 @@ fn main() {
         (
             "allocbox size-classes > system, per op",
             boxed(handler(&[(&SIZE_CLASSES, &[]), (&SYSTEM, &[])], false)),
+        ),
+        // An observing policy: each pair served from the magazines, told in batches,
+        // its lease taken and given back under the observations' lock.
+        (
+            "allocbox quota observing, magazines",
+            boxed(handler(
+                &[(
+                    &QUOTA,
+                    &[("observe", "true"), ("max-bytes", "1099511627776")],
+                )],
+                true,
+            )),
         ),
     ];
 
