@@ -19,7 +19,7 @@ mod gpu;
 mod kind;
 
 pub(crate) use gpu::{map_device, map_pinned};
-pub use kind::{Guard, Kind, KindGrant, KindGrants, Numa, Pages, UnknownGrant};
+pub use kind::{Guard, Kind, KindGrant, KindGrants, Numa, Pages, UnknownGrant, kind_list};
 
 /// Why a region was not mapped; the policy sees it and goes on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]

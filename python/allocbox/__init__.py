@@ -133,7 +133,8 @@ def load(source, config=None, *, record=None, record_sites=False, **limits):
     `memory` (the guest's own memory), `batch` (blocks in one batch call), `overhead`
     (bytes the policy may hold beyond what NumPy holds), `host_memory_limit`. `grant`
     lists the kinds of memory the policy may ask the host for: "numa", "huge-pages",
-    "locked", "guarded" (none by default), e.g.
+    "locked", "guarded", "pinned" (none by default; "device" is `allocbox.cuda.load`'s),
+    e.g.
     `load("guard", {"sample": "1"}, grant=["guarded"])`. `magazines=False` asks the
     policy on every call even when it declares `batch` (by default the host then keeps
     per-thread magazines of blocks it placed); many threads still share it at the

@@ -643,3 +643,17 @@ def test_a_policy_file_past_the_file_bound_is_refused_by_its_size_before_it_is_r
     said, peak_kib = done.stdout.strip().splitlines()
     assert "huge.wasm" in said and "2147483648 bytes in its file" in said and "file-bytes" in said, said
     assert int(peak_kib) < 512 << 10, f"refusing it took {peak_kib} KiB resident"
+
+
+def test_the_docs_of_load_name_every_kind_of_memory_a_policy_may_be_granted():
+    # Issue 65: the hand-written lists of kinds went stale. The host's own error lists
+    # them all; `load` (and `allocbox.cuda.load`, for device memory) names each.
+    import allocbox.cuda
+
+    with pytest.raises(ValueError) as refused:
+        allocbox.load("system", grant=["telepathy"])
+    kinds = str(refused.value).split("use ", 1)[1].replace(" or ", ", ").split(", ")
+    assert "pinned" in kinds and "device" in kinds, kinds
+    docs = allocbox.load.__doc__ + allocbox.cuda.load.__doc__
+    for kind in kinds:
+        assert f'"{kind}"' in docs or f"`{kind}`" in docs, kind

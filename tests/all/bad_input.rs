@@ -393,3 +393,22 @@ proptest! {
         }
     }
 }
+
+/// Issue 65: the hand-written lists of memory kinds went stale (`--grant`'s help named
+/// four of six). Every subcommand that grants says every kind, from the one list.
+#[test]
+fn every_grant_option_names_every_kind_of_memory() {
+    let dir = tempdir("grant-help");
+    for command in ["check", "replay", "replay-trace", "report", "run"] {
+        let (code, out) = allocbox_cli(&[command, "--help"], &dir);
+        assert_eq!(code, 0, "{out}");
+        // Its line, and in the long help the paragraph under it.
+        let at = out
+            .find("--grant")
+            .unwrap_or_else(|| panic!("{command} --help has --grant: {out}"));
+        let grant = &out[at..at + out[at..].find("\n\n").unwrap_or(out.len() - at)];
+        for kind in allocbox::mapped::KindGrant::ALL {
+            assert!(grant.contains(kind.name()), "{command}: {grant}");
+        }
+    }
+}

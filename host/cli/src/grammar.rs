@@ -211,9 +211,7 @@ pub(crate) struct LimitArgs {
     /// out-of-memory [default: 256 MiB].
     #[arg(long, value_parser = overhead)]
     overhead: Option<u64>,
-    /// Kinds of memory a policy may ask the host to map for it, comma-separated:
-    /// numa, huge-pages, locked, guarded [default: none].
-    #[arg(long = "grant", value_name = "KINDS", value_delimiter = ',', value_parser = kind_grant)]
+    #[arg(long = "grant", value_name = "KINDS", value_delimiter = ',', value_parser = kind_grant, help = grant_help())]
     grants: Vec<KindGrant>,
 }
 
@@ -269,9 +267,7 @@ pub(crate) struct RunArgs {
     /// (repeatable: `-p size-classes -c bucket-depth=7`).
     #[arg(long = "config", short = 'c', value_name = "KEY=VALUE", value_parser = parse_key_value)]
     pub(crate) config: Vec<(String, String)>,
-    /// Kinds of memory the policies may ask the host to map for them, comma-separated:
-    /// numa, huge-pages, locked, guarded, pinned, device.
-    #[arg(long = "grant", value_name = "KINDS", value_delimiter = ',', value_parser = kind_grant)]
+    #[arg(long = "grant", value_name = "KINDS", value_delimiter = ',', value_parser = kind_grant, help = grant_help())]
     pub(crate) grants: Vec<KindGrant>,
     /// Write every allocation as a binary trace for `allocbox report`, with its time
     /// (whatever the file's name: `trace-convert` writes text); the recording ends with
@@ -295,6 +291,15 @@ pub(crate) struct RunArgs {
     /// The script to run, and its arguments.
     #[arg(trailing_var_arg = true, value_name = "SCRIPT [ARGS]")]
     pub(crate) script: Vec<OsString>,
+}
+
+/// `--grant`'s help, its kinds named from the one list of them.
+fn grant_help() -> String {
+    format!(
+        "Kinds of memory the policies may ask the host to map for them, comma-separated: {} \
+         [default: none]",
+        allocbox::mapped::kind_list()
+    )
 }
 
 /// Parse a command line (the program's name first) by the grammar: the command and

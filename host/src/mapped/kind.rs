@@ -73,6 +73,18 @@ impl KindGrant {
     }
 }
 
+/// Every kind's name, as a sentence lists them (`numa, huge-pages, ... or device`): what
+/// every list a user reads (errors, `--grant`'s help) is made of, so none goes stale when
+/// a kind is added.
+pub fn kind_list() -> String {
+    let names: Vec<&str> = KindGrant::ALL.iter().map(|g| g.name()).collect();
+    match names.split_last() {
+        Some((last, [])) => (*last).to_string(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    }
+}
+
 impl std::fmt::Display for KindGrant {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
@@ -82,7 +94,8 @@ impl std::fmt::Display for KindGrant {
 /// A grant name that is none of [`KindGrant::ALL`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "`{given}` is not a kind of memory allocbox can grant: use numa, huge-pages, locked, guarded, pinned or device"
+    "`{given}` is not a kind of memory allocbox can grant: use {}",
+    kind_list()
 )]
 pub struct UnknownGrant {
     pub given: String,
