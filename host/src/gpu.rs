@@ -7,6 +7,24 @@
 //! with the reason), and the stand-in (`gpu/stand_in.rs`): host memory that the host
 //! treats as device memory, with streams a test finishes by hand, so that the policy,
 //! the ledger and stream-ordered frees are checked on machines without a GPU.
+//!
+//! The invariants this layer keeps (ARCHITECTURE.md's map names them in short):
+//! Nothing links against CUDA: the driver is loaded when a GPU is first used, and
+//! without one every request is `unavailable` with the reason. A handler has a
+//! `Placement` (host memory, or GPU `n` for a `DeviceHandler`), and so has every
+//! stretch of memory a link holds: an upstream block is in its upstream's placement
+//! (the host's memory is host memory; a link below serves the same client), a
+//! region in its own (`map-device` regions are GPU memory, `map-pinned` host
+//! memory). An answer must lie in memory of the link's placement
+//! (`Rule::WrongMemory`), a `bytes` access in host memory (`Rule::DeviceBytes`); a
+//! clearance carries the placement it was found in, so the fast paths keep both
+//! rules. Device memory is mapped only in a device handler, whose `calloc` and
+//! `realloc` are refused (the host never zeroes or copies GPU memory) and which has
+//! no fallback. A client's free names the streams that may still use the block:
+//! `DeviceHandler` records an event on each and gives the block back to its policy
+//! only once all have completed (looked at on every call, waited for when the
+//! policy has nothing left). Device and pinned bytes come from process-wide shares
+//! (`shares.rs`: 3/4 of what a GPU had free, 1/4 of the machine's memory).
 
 mod driver;
 mod stand_in;

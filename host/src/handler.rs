@@ -1,6 +1,28 @@
 //! A handler: a chain of policy instances behind one lock, checked on every boundary,
 //! with the client's side of the contract checked here, and per-thread caches in front
 //! of it ([`cache`]) so that most small requests never take that lock.
+//!
+//! The invariants this layer keeps (ARCHITECTURE.md's map names them in short):
+//! The client is checked before anything reaches a policy. A request served by
+//! another thread (`combined.rs`) makes its own deadline when it is served and does
+//! its own ledger check; a lend that waited past its client's time limit gets
+//! `Error::Waited`, which stops nothing; a free is always served. A failure
+//! anywhere stops the whole chain once (`Chain::fail`); new requests go to the
+//! fallback or fail with `Error::Poisoned`; live blocks stay usable. A
+//! `ShardedHandler` is whole `Handler`s, one per thread up to a bound, each with an
+//! even share of the limits; each chain has a table of the blocks it lent the
+//! client, padded to cache lines of its own, looked up the calling thread's chain
+//! first (an entry leaves it before the block goes back, so a second free finds
+//! none, and a block whose free is queued or under way is a double free), and a
+//! free from another chain's thread is queued for the maker (at most 256, then
+//! given back by the thread that fills the queue), given back at the maker's next
+//! call, at any seated thread's end, and before anything reads the chains (which
+//! waits for a give-back under way on another thread). A fork takes a
+//! `ShardedHandler`'s own locks before its chains' (`fork::register_outer`: a
+//! queue's give-back lock is held while the chain is called), within the chains'
+//! patience; a child whose parent held one past it refuses every call
+//! (`Unreachable::ForkedMidCall`), and one whose parent was starting a chain never
+//! waits for that start.
 
 mod builder;
 mod chain;

@@ -16,6 +16,27 @@
 //! - [`stopping`]: a failed link's failure, recorded once, and the memory it gives back;
 //! - [`observer`]: what the host tells and asks a policy besides its allocator calls:
 //!   observation (terms, deliveries, renewals) and its counters.
+//!
+//! The invariants this layer keeps (ARCHITECTURE.md's map names them in short):
+//! Every block a policy returns is admitted by `misplaced` (one place for
+//! alignment, use-after-free, ownership, overlap) and, for a moved realloc,
+//! compared with the client's bytes; a `calloc` answer is zero before the client
+//! sees it (`make_zero`: left alone inside memory known zero in the call,
+//! `link/zeroed.rs`, else zeroed, or named in checked mode). A link's failure is
+//! recorded once, in the link (`poison`), and travels up beside the answer
+//! (`LinkState::unreported` → `Link::take_unreported`). A call of the embedder's
+//! has one deadline (`clock::Deadline`), made only where it enters (the handler's
+//! entry points, loading a policy, a thread's end, a hook's event: `clock.rs`'s
+//! test lists the files) and passed by value to every guest call it causes: every
+//! `Link` method that enters a guest takes it, refills, flushes, deliveries,
+//! renewals and reports included, and a link called from the import of the link
+//! above runs under the caller's; when a link below runs out of time, the link
+//! above is stopped with that failure, and `Chain::settle` reports the first
+//! failure. A stopped link gives its upstream memory back only once the link below
+//! is stopped too, so a give-back never calls a guest no call is waiting for: at
+//! the stop every upstream block no client block lies in, the rest once its client
+//! lets go. A request's allowance on the overhead budget ends with its answer
+//! (`end_allowance`).
 
 mod bytes;
 mod clearance;

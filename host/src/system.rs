@@ -4,6 +4,12 @@
 //! checks every give-back against the size the block was lent with, the `Layout` passed
 //! to `dealloc`/`realloc` is always the one the block was allocated with — the sized-free
 //! rule is what makes this memory-safe.
+//!
+//! The invariants this layer keeps (ARCHITECTURE.md's map names them in short):
+//! Only the bottom of a chain touches the C allocator; released memory can be
+//! quarantined and poisoned so a use after free shows. A block's layout is a
+//! function of its size alone (16-aligned; 4 KiB up to 4 MiB, on a 64-byte line),
+//! so the sized-free check proves every release uses the block's own layout.
 
 mod adversary;
 mod arena;

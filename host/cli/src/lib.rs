@@ -1,7 +1,13 @@
 //! The `allocbox` command line, as a library: the binary, the Python wheel's `allocbox`
 //! command and the integration tests all run [`run`].
 //!
-//! Each module uses only those after it here (`tests/layers.rs`):
+//! Where each part lives: `grammar` (every subcommand's clap definition), `run_command`
+//! (`run`'s arguments parsed for the Python package, which runs the program),
+//! `check_command` (`check`, `replay`), `trace_command` (`replay-trace`, `report`),
+//! `convert` (`trace-convert`), `inspect`, `new_policy` (`allocbox new`), `named`
+//! (policies and hooks named on the command line), `report` (the HTML page), `progress`,
+//! `outcome` (exit status and printing), `arguments` (the values options take). Each
+//! uses only those after it here (`tests/layers.rs`):
 //!
 //! Module order: `run_command` > `grammar` > `convert` > `inspect` > `trace_command` > `check_command` > `new_policy` > `named` > `outcome` > `progress` > `report` > `arguments`
 

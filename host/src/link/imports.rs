@@ -2,6 +2,18 @@
 //! count and length a guest passes is checked here before the host acts on it, every
 //! loop is bounded, and every byte the host takes on the guest's behalf counts against
 //! its budget.
+//!
+//! The invariants this layer keeps (ARCHITECTURE.md's map names them in short):
+//! Every loop is bounded (`Limits::batch`, read length, time checked at every
+//! import and between 16 MiB chunks of every `bytes` import, an overlapping upward
+//! copy taken from the end); every byte the host takes for a guest counts against
+//! `Limits::overhead` at what it costs the host (`Ledger::cost`); nothing is given
+//! back upstream while a block lent from it is live. A `Clearance` (a stretch of
+//! upstream memory found inside one held block and clear of every lent block, with
+//! both ledgers' generations) lets later accesses, answers and give-backs inside it
+//! skip the ledger queries only while both generations are current and nothing is
+//! held back. A fresh upstream block is a clearance, and so is a block the client
+//! just gave back (it lay inside one held block, and lent blocks are disjoint).
 
 use std::sync::Arc;
 

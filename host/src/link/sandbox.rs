@@ -1,4 +1,13 @@
 //! What every guest store holds, policy or hook, and the bounds on a guest.
+//!
+//! The invariants this layer keeps (ARCHITECTURE.md's map names them in short):
+//! The virtual, allow-listed WASI (`wasi.rs`: no real time, nothing waits, no
+//! thread started, at most 256 handles); one budget for all memories and tables
+//! (`GuestBudget`) and bounded counts of instances, memories and tables; the
+//! current call's deadline, which the epoch consults through a callback (so host
+//! work the client chose can be given back, `excuse_since`) and which is 0 until a
+//! call arms it; a rule broken inside an import becomes the trap's typed error,
+//! other failures one escaped sentence.
 
 use crate::clock::{Clock, Deadline};
 use std::sync::Arc;

@@ -23,6 +23,35 @@
 //! cache, its magazines, what it lent and its counts, and the queue of waiting requests.
 //!
 //! Module order: `combining` > `caches` > `slots` > `slot` > `thread` > `magazine` > `lent` > `counts` > `waiting`
+//!
+//! The invariants this layer keeps (ARCHITECTURE.md's map names them in short):
+//! Each block a cache holds is named in the top link's ledger (`Entry::cache`); the
+//! cache knows whether it is in a magazine or lent. Only the owner thread touches
+//! its cache without a claim (`Mine::with`, its fast path); another thread claims
+//! it only through `Locked` (the books' lock, as a type: `Locked::claim`), and the
+//! owner's `Mine` takes `&mut self`, so a thread holds one guard of its own cache
+//! at a time. The owner and a claimer pair asymmetric fences (`membarrier` on
+//! Linux: EPERM registers again, any other error after registration is fatal;
+//! SeqCst fences elsewhere, under Miri and under loom). A claimer that waits
+//! through `CLAIM_YIELDS` yields ends with `Unreachable::Stuck` instead of spinning
+//! under the lock. A thread finds its own cache by its thread pointer (the first
+//! thread to use a handler, `Slots::primary`) or through a `ThreadLocal`; a slot is
+//! reused only by a thread that took over a dead thread's pointer or id, never
+//! shared by two live threads. `malloc` and `free` try the calling thread's
+//! magazine on the full path (`Reach::FULL`); `Handler::malloc_from_magazine` /
+//! `free_to_magazine` are the commonest hits alone and call nothing
+//! (`Reach::IN_PLACE`: the primary slot, table sizes, the recent array, spare
+//! capacity, no claim), so the NumPy bridge inlines them with no stack frame and
+//! calls `malloc` / `free` for the rest. `cache/models.rs` holds the loom models of
+//! the claim protocol. Flat combining (`cache/combining.rs`, `Caches::combine`): a
+//! request that finds the books held pushes itself (on its own stack) onto a
+//! lock-free stack and waits on its state (spin, yield, then park); every release
+//! of the books (`Locked`'s drop, or a fork's) serves what waits, at most
+//! `SERVE_AT_MOST` (64) requests, then hands the rest to one waiting thread, which
+//! serves them on its own release; after letting go it looks again, so a request
+//! pushed behind its last look is seen (a `SeqCst` fence on both sides). A
+//! request's work runs under `catch_unwind`, its panic resumed on its own thread.
+//! Its loom models are `cache/combining/models.rs`.
 
 mod caches;
 mod combining;

@@ -6,6 +6,17 @@
 //!
 //! A child also lacks every other thread its parent ran, such as a runtime's clock:
 //! [`generation`] tells code that keeps such a thread to start it again.
+//!
+//! The invariants this layer keeps (ARCHITECTURE.md's map names them in short):
+//! A thread that ends gives its magazines back through a thread-local destructor
+//! (`Books::thread_ended`); the blocks it lent stay the client's, held from the
+//! books. `pthread_atfork` takes every live handler's lock and claims every cache
+//! before a fork, waiting at most the call limit plus a second: in the child, the
+//! caches of threads that are not there are given back at the first lock; if a
+//! thread stayed inside a call past that patience, the child refuses the handler
+//! (`Unreachable::ForkedMidCall`). In a child the epoch ticker starts again on the
+//! first call (`Clock::now_ticking`), and compiling uses a rayon pool of the
+//! child's own (the global pool's threads stayed in the parent).
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
