@@ -89,11 +89,6 @@ impl Output {
         self.beside.as_file_mut()
     }
 
-    /// The target's path.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Put the written file in place of the target, whole: synced, the target judged
     /// again (it may have changed while the work was done), then renamed over it.
     pub fn commit(self) -> Result<(), OutputError> {
