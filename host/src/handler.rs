@@ -32,6 +32,7 @@ mod fallback;
 mod give_back;
 mod inspect;
 mod observed;
+mod policy_handler;
 mod sharded;
 
 use std::ptr::NonNull;
@@ -50,6 +51,7 @@ use allocbox_ledger::cache::{
 pub use builder::HandlerBuilder;
 use chain::{Books, Chain, Via, flush_magazines, refill, settle, shelve};
 pub use device::{Deferral, DeviceHandler, PendingFrees};
+pub use policy_handler::PolicyHandler;
 pub use sharded::ShardedHandler;
 
 /// A NEP 49 data-memory handler whose placement decisions are made by a chain of

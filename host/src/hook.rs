@@ -12,7 +12,7 @@ use crate::error::{Call, Error, LoadError};
 use crate::link::{Limits, Sandbox};
 use crate::nep49::{Hook, HookData};
 use crate::runtime::Runtime;
-use crate::trace::{EventOp, Watcher};
+use crate::trace::{EventOp, Served, Watcher};
 
 mod bindings {
     wasmtime::component::bindgen!({ path: "../wit", world: "hook" });
@@ -171,18 +171,15 @@ impl WasmHook {
 /// replay-trace --hook`) without installing it process-wide. A failing hook is stopped
 /// (see [`WasmHook::failure`]); the allocation stands.
 impl Watcher for WasmHook {
-    fn served(
-        &self,
-        op: EventOp,
-        old: Option<NonNull<u8>>,
-        new: Option<NonNull<u8>>,
-        size: usize,
-        _before: u64,
-    ) {
+    fn served(&self, call: Served) {
         // A free carries no size for a hook, and a free of NULL is no event.
-        let size = if op == EventOp::Free { 0 } else { size };
-        if old.is_some() || new.is_some() {
-            let _ = self.on_event(old, new, size);
+        let size = if call.op == EventOp::Free {
+            0
+        } else {
+            call.size
+        };
+        if call.old.is_some() || call.new.is_some() {
+            let _ = self.on_event(call.old, call.new, size);
         }
     }
 }

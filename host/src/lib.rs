@@ -26,7 +26,9 @@ pub use allocbox_ledger::ledger::LEDGER_ENTRY_COST;
 use allocbox_ledger::{fasthash, ledger};
 pub use compile_bounds::{CompileBound, CompileBounds};
 pub use error::{Bound, Call, ClientError, Error, InvariantBroken, LoadError, Rule, Violation};
-pub use handler::{Deferral, DeviceHandler, Handler, HandlerBuilder, PendingFrees, ShardedHandler};
+pub use handler::{
+    Deferral, DeviceHandler, Handler, HandlerBuilder, PendingFrees, PolicyHandler, ShardedHandler,
+};
 pub use hook::{MAX_REPORTED_NUMBERS, WasmHook};
 pub use link::{ClientMisuse, Grants, Limits, LinkStats, PolicyInfo};
 pub use memhandler::{MemHandler, Stats};

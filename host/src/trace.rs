@@ -21,7 +21,7 @@ pub use record::{RecordOptions, Recorder, SiteOf, TraceWriter, child_path};
 pub(crate) use replay::Held;
 pub use replay::{ReplayReport, leak_after_replay, replay_trace, replay_trace_counted};
 pub use text::write_text;
-pub use watched::{Watched, Watcher};
+pub use watched::{Served, Watched, Watcher};
 
 use std::fmt;
 use std::io::{BufRead, BufReader, Read, Seek};

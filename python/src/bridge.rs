@@ -8,8 +8,8 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use allocbox::nep49::MemHandler;
-use allocbox::trace::{EventOp, Recorder, Watcher};
-use allocbox::{Error, Handler};
+use allocbox::trace::{EventOp, Recorder, Served, Watcher};
+use allocbox::{Error, Handler, PolicyHandler};
 
 use crate::diagnosis;
 use crate::nrt_lending::NrtLending;
@@ -31,9 +31,9 @@ pub(crate) struct Bridge {
     /// which releases all its memory once no array holds the capsule.
     pub(crate) panicked: OnceLock<String>,
     /// The wasm chain when one of its policies diagnoses its client
-    /// ([`Handler::diagnoses`]): every block's allocation site is recorded, and the
+    /// ([`PolicyHandler::diagnoses`]): every block's allocation site is recorded, and the
     /// misuse its policies report becomes a warning.
-    diagnosing: Option<Arc<Handler>>,
+    diagnosing: Option<Arc<dyn PolicyHandler>>,
     /// What Numba's runtime lends through (`numba_route`), made on first use: it points
     /// back to this bridge, whose address is fixed once it is in its `Arc`.
     nrt: OnceLock<NrtLending>,
@@ -73,21 +73,14 @@ impl Bridge {
 
     /// Write a call served from a magazine to the recording, if there is one.
     #[inline(always)]
-    fn record(
-        &self,
-        op: EventOp,
-        old: Option<NonNull<u8>>,
-        new: Option<NonNull<u8>>,
-        size: usize,
-        before: u64,
-    ) {
+    fn record(&self, call: Served) {
         if let Some(recording) = &self.recording {
-            self.guard((), || recording.watcher.served(op, old, new, size, before));
+            self.guard((), || recording.watcher.served(call));
         }
     }
 
     /// A bridge to `chain`, which diagnoses its client.
-    pub(crate) fn diagnosing(mut self, chain: Arc<Handler>) -> Self {
+    pub(crate) fn diagnosing(mut self, chain: Arc<dyn PolicyHandler>) -> Self {
         diagnosis::install_fault_handler();
         self.diagnosing = Some(chain);
         self
@@ -219,7 +212,7 @@ pub(crate) unsafe extern "C" fn bridge_malloc(ctx: *mut c_void, size: usize) -> 
     if let Some(h) = &b.direct
         && let Some(block) = b.guard(None, || h.malloc_from_magazine(size))
     {
-        b.record(EventOp::Malloc, None, Some(block), size, 0);
+        b.record(Served::lent(EventOp::Malloc, Some(block), size));
         b.tell_hook(std::ptr::null_mut(), block.as_ptr().cast(), size);
         return block.as_ptr().cast();
     }
@@ -282,7 +275,7 @@ pub(crate) unsafe extern "C" fn bridge_free(ctx: *mut c_void, ptr: *mut c_void, 
         && let Some(block) = block
         && b.guard(false, || h.free_to_magazine(block, size))
     {
-        b.record(EventOp::Free, Some(block), None, size, before);
+        b.record(Served::freed(Some(block), size, before));
         b.tell_hook(ptr, std::ptr::null_mut(), 0);
         return;
     }

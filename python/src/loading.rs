@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use allocbox::nep49::MemHandler;
-use allocbox::{CompileBound, CompileBounds, Handler, HandlerBuilder, Limits, Runtime};
+use allocbox::{
+    CompileBound, CompileBounds, Handler, HandlerBuilder, Limits, PolicyHandler, Runtime,
+};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -195,73 +197,45 @@ pub(crate) fn load_chain(
         .clone()
         .build()
         .map_err(|e| LoadError::new_err(e.to_string()))?;
-    // A chain that diagnoses its client is one chain: the bridge keeps where each
-    // array was allocated beside that chain's ledger.
-    if per_thread && handler.shardable() && !handler.diagnoses() {
+    if per_thread && handler.shardable() {
         drop(handler);
-        return per_thread_policy(builder, record, record_sites);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let sharded = builder
+            .build_sharded(cores)
+            .map_err(|e| LoadError::new_err(e.to_string()))?;
+        return policy_of(Arc::new(sharded), None, record, record_sites);
     }
-    one_chain_policy(Arc::new(handler), record, record_sites)
+    let handler = Arc::new(handler);
+    policy_of(handler.clone(), Some(handler), record, record_sites)
 }
 
-/// A policy of one chain, the bridge asking it directly (and recording, and
-/// diagnosing, when asked or when the chain diagnoses its client).
-fn one_chain_policy(
-    handler: Arc<Handler>,
+/// A policy over `handle` (one chain, or one per thread with `per_thread=True`), the
+/// bridge asking it directly, recording when asked, and diagnosing when a policy
+/// diagnoses its client. `direct` is `handle` when it is one chain: the bridge calls
+/// it without the trait object on its fast path.
+fn policy_of(
+    handle: Arc<dyn PolicyHandler>,
+    direct: Option<Arc<Handler>>,
     record: Option<PathBuf>,
     record_sites: bool,
 ) -> PyResult<Policy> {
-    let (shared, direct, recorder): (Arc<dyn MemHandler>, _, _) = match record {
-        None => (handler.clone(), Some(handler.clone()), None),
-        Some(path) => {
-            let rec = recorder_to(&path, handler.clone(), record_sites)?;
-            (rec.clone(), Some(handler.clone()), Some(rec))
-        }
+    let recorder = match record {
+        Some(path) => Some(recorder_to(&path, handle.clone(), record_sites)?),
+        None => None,
+    };
+    let shared: Arc<dyn MemHandler> = match &recorder {
+        Some(recorder) => recorder.clone(),
+        None => handle.clone(),
     };
     let mut bridge = Bridge::new(shared, direct);
     if let Some(recorder) = &recorder {
         bridge = bridge.recording(recorder.clone());
     }
-    if handler.diagnoses() {
-        bridge = bridge.diagnosing(handler.clone());
+    if handle.diagnoses() {
+        bridge = bridge.diagnosing(handle.clone());
     }
     Ok(Policy {
-        handler: Some(handler),
-        sharded: None,
-        bridge: Arc::new(bridge),
-        recorder,
-        capsule: Mutex::new(None),
-    })
-}
-
-/// A policy of one chain per thread (`per_thread=True`): its bridge asks the chains
-/// through [`allocbox::ShardedHandler`], recorded as any handler is.
-fn per_thread_policy(
-    builder: HandlerBuilder,
-    record: Option<PathBuf>,
-    record_sites: bool,
-) -> PyResult<Policy> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let sharded = Arc::new(
-        builder
-            .build_sharded(cores)
-            .map_err(|e| LoadError::new_err(e.to_string()))?,
-    );
-    let recorder = match record {
-        Some(path) => Some(recorder_to(&path, sharded.clone(), record_sites)?),
-        None => None,
-    };
-    let shared: Arc<dyn MemHandler> = match &recorder {
-        Some(recorder) => recorder.clone(),
-        None => sharded.clone(),
-    };
-    let mut bridge = Bridge::new(shared, None);
-    if let Some(recorder) = &recorder {
-        bridge = bridge.recording(recorder.clone());
-    }
-    Ok(Policy {
-        handler: None,
-        sharded: Some(sharded),
+        handle: Some(handle),
         bridge: Arc::new(bridge),
         recorder,
         capsule: Mutex::new(None),

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 
 use allocbox::nep49::MemHandler;
 
+use allocbox::PolicyHandler;
 use allocbox::trace::{RecordOptions, Recorder, SiteOf};
-use allocbox::{Handler, ShardedHandler};
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -23,10 +23,9 @@ use crate::numpy_api::{CAPSULE_NAME, make_capsule, numpy_name, numpy_set_handler
 /// A policy chain ready to be NumPy's handler.
 #[pyclass(frozen, module = "allocbox")]
 pub(crate) struct Policy {
-    /// The chain, for a policy of one chain (`None` for NumPy's own default).
-    pub(crate) handler: Option<Arc<Handler>>,
-    /// The chains, for a policy of one chain per thread (`per_thread=True`).
-    pub(crate) sharded: Option<Arc<ShardedHandler>>,
+    /// The chain, or one per thread with `per_thread=True` (`None` for NumPy's own
+    /// default).
+    pub(crate) handle: Option<Arc<dyn PolicyHandler>>,
     pub(crate) bridge: Arc<Bridge>,
     pub(crate) recorder: Option<Arc<Recorder>>,
     pub(crate) capsule: Mutex<Option<Py<PyAny>>>,
@@ -114,51 +113,14 @@ impl Policy {
     ///
     /// With `per_thread=True`, every instance's chain in turn, in the order they started.
     fn link_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        self.links()?
-            .into_iter()
-            .map(|l| {
-                let d = PyDict::new(py);
-                d.set_item("name", l.name)?;
-                for (k, v) in [
-                    ("mallocs", l.mallocs),
-                    ("callocs", l.callocs),
-                    ("reallocs", l.reallocs),
-                    ("frees", l.frees),
-                    ("malloc_many", l.malloc_many),
-                    ("free_many", l.free_many),
-                    ("observed", l.observed),
-                    ("renewals", l.renewals),
-                    ("live_blocks", l.live_blocks),
-                    ("live_bytes", l.live_bytes),
-                    ("peak_bytes", l.peak_bytes),
-                    ("budget_refusals", l.budget_refusals),
-                    ("mapped_regions", l.mapped_regions),
-                    ("mapped_bytes", l.mapped_bytes),
-                    ("client_misuse", l.client_misuse),
-                ] {
-                    d.set_item(k, v)?;
-                }
-                d.set_item("failure", l.failure)?;
-                let recent: Vec<String> = l.recent_misuse.iter().map(|m| m.to_string()).collect();
-                d.set_item("recent_misuse", recent)?;
-                d.set_item("counters", counters_dict(py, l.counters)?)?;
-                let ungranted = PyDict::new(py);
-                for (kind, refused) in l.ungranted {
-                    ungranted.set_item(kind.name(), refused)?;
-                }
-                d.set_item("ungranted", ungranted)?;
-                d.set_item("gpu_unavailable", l.gpu_unavailable)?;
-                Ok(d)
-            })
-            .collect()
+        link_dicts(py, self.links()?)
     }
 
     /// The live blocks, `(address, size)`, by address.
     fn snapshot(&self) -> PyResult<Vec<(usize, usize)>> {
-        match (&self.handler, &self.sharded) {
-            (Some(h), _) => h.live_blocks().map_err(|e| to_py(&e)),
-            (_, Some(s)) => s.live_blocks().map_err(|e| to_py(&e)),
-            (None, None) => Ok(Vec::new()),
+        match &self.handle {
+            Some(h) => h.live_blocks().map_err(|e| to_py(&e)),
+            None => Ok(Vec::new()),
         }
     }
 
@@ -166,7 +128,7 @@ impl Policy {
     /// the policy, up to one per core; otherwise 1.
     #[getter]
     fn instances(&self) -> usize {
-        self.sharded.as_ref().map_or(1, |s| s.started().count())
+        self.handle.as_ref().map_or(1, |h| h.instances())
     }
 
     /// Why the chain was stopped, or `None`.
@@ -235,25 +197,16 @@ impl Policy {
 impl Policy {
     /// Every policy's counters, top first; with `per_thread=True` every chain's in turn.
     fn links(&self) -> PyResult<Vec<allocbox::LinkStats>> {
-        let links = match (&self.handler, &self.sharded) {
-            (Some(h), _) => h.link_stats(),
-            (_, Some(s)) => s.link_stats(),
-            (None, None) => Ok(Vec::new()),
-        };
-        links.map_err(|e| to_py(&e))
+        let links = self.handle.as_ref().map(|h| h.link_stats());
+        links.unwrap_or(Ok(Vec::new())).map_err(|e| to_py(&e))
     }
 
     /// What stopped the chain (the first chain to stop, with `per_thread=True`).
     fn stopped_by(&self) -> Option<Arc<allocbox::Error>> {
-        match (&self.handler, &self.sharded) {
-            (Some(h), _) => h.failure(),
-            (_, Some(s)) => s.failure(),
-            (None, None) => None,
-        }
+        self.handle.as_ref().and_then(|h| h.failure())
     }
 }
 
-/// A policy's counters as a dict that keeps its order.
 /// The client's counts of `stats` in `d`, by the names `Policy.stats()` documents.
 pub(crate) fn set_counts(d: &Bound<'_, PyDict>, s: &allocbox::Stats) -> PyResult<()> {
     for (k, v) in [
@@ -276,6 +229,51 @@ pub(crate) fn set_counts(d: &Bound<'_, PyDict>, s: &allocbox::Stats) -> PyResult
     Ok(())
 }
 
+/// Each policy's counters as the dicts `Policy.link_stats()` documents, top first.
+pub(crate) fn link_dicts(
+    py: Python<'_>,
+    links: Vec<allocbox::LinkStats>,
+) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    links
+        .into_iter()
+        .map(|l| {
+            let d = PyDict::new(py);
+            d.set_item("name", l.name)?;
+            for (k, v) in [
+                ("mallocs", l.mallocs),
+                ("callocs", l.callocs),
+                ("reallocs", l.reallocs),
+                ("frees", l.frees),
+                ("malloc_many", l.malloc_many),
+                ("free_many", l.free_many),
+                ("observed", l.observed),
+                ("renewals", l.renewals),
+                ("live_blocks", l.live_blocks),
+                ("live_bytes", l.live_bytes),
+                ("peak_bytes", l.peak_bytes),
+                ("budget_refusals", l.budget_refusals),
+                ("mapped_regions", l.mapped_regions),
+                ("mapped_bytes", l.mapped_bytes),
+                ("client_misuse", l.client_misuse),
+            ] {
+                d.set_item(k, v)?;
+            }
+            d.set_item("failure", l.failure)?;
+            let recent: Vec<String> = l.recent_misuse.iter().map(|m| m.to_string()).collect();
+            d.set_item("recent_misuse", recent)?;
+            d.set_item("counters", counters_dict(py, l.counters)?)?;
+            let ungranted = PyDict::new(py);
+            for (kind, refused) in l.ungranted {
+                ungranted.set_item(kind.name(), refused)?;
+            }
+            d.set_item("ungranted", ungranted)?;
+            d.set_item("gpu_unavailable", l.gpu_unavailable)?;
+            Ok(d)
+        })
+        .collect()
+}
+
+/// A policy's counters as a dict that keeps its order.
 fn counters_dict(py: Python<'_>, counters: Vec<(String, u64)>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     for (name, value) in counters {
@@ -299,8 +297,7 @@ pub(crate) fn native_default(record: Option<PathBuf>, record_sites: bool) -> PyR
         }
     };
     Ok(Policy {
-        handler: None,
-        sharded: None,
+        handle: None,
         bridge: Arc::new(Bridge::new(shared, None)),
         recorder,
         capsule: Mutex::new(None),

@@ -270,3 +270,19 @@ def test_numbas_memory_manager_places_device_arrays_and_reports_memory(gpu, pool
         assert (stats["pending_frees"], stats["live_blocks"]) == (0, 0)
     finally:
         allocbox.cuda._numba_policy = None
+
+
+def test_a_device_policy_reports_its_policies_and_live_blocks_as_a_numpy_policy_does(gpu, pool):
+    # Issue 65: every handler answers the same questions; a device policy had no
+    # `link_stats()` or `snapshot()`.
+    ptr = pool.malloc(4096)
+    gpu.queue(stream=3)
+    pool.free(pool.malloc(100), 100, streams=[3])
+    assert [size for _, size in pool.snapshot()] == [4096, 100], "a waiting free is still live"
+    [top] = pool.link_stats()
+    assert top["name"] == "gpu-pool" and top["live_blocks"] >= 2 and top["failure"] is None
+    assert top["mapped_regions"] >= 1
+    gpu.finish(stream=3)
+    pool.free(ptr, 4096)
+    assert pool.snapshot() == []
+    pool.leak_check()

@@ -404,3 +404,55 @@ fn a_guest_memory_share_too_small_to_start_in_starts_fewer_instances_not_a_failu
         2
     );
 }
+
+/// Issue 65: a handler per thread answers the handler interface as one chain does:
+/// the size of each block the client holds (none for one whose free is queued for its
+/// chain), an audit of every chain against its table, and its chains counted.
+#[test]
+fn a_handler_per_thread_answers_the_handler_interface_as_one_chain_does() {
+    use allocbox::PolicyHandler;
+    use allocbox::gpu::Placement;
+    let h = sharded(&allocbox_artifacts::SIZE_CLASSES, 2);
+    let handle: &dyn PolicyHandler = &h;
+    let (to_main, from_thread) = mpsc::channel::<Vec<(usize, usize)>>();
+    let blocks: Vec<(usize, usize)> = [24usize, 100, 5000]
+        .iter()
+        .map(|&size| (handle.malloc(size).unwrap().unwrap().as_ptr() as usize, size))
+        .collect();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let theirs = [48usize, 700]
+                .iter()
+                .map(|&size| (handle.malloc(size).unwrap().unwrap().as_ptr() as usize, size))
+                .collect();
+            to_main.send(theirs).unwrap();
+        });
+    });
+    let theirs = from_thread.recv().unwrap();
+    assert_eq!(handle.instances(), 2, "one chain per thread that called it");
+    assert_eq!(
+        (handle.placement(), handle.keeps_magazines()),
+        (Placement::Host, false)
+    );
+    for &(addr, size) in blocks.iter().chain(&theirs) {
+        assert_eq!(handle.block_size(ptr(addr)), Some(size), "{addr:#x}");
+    }
+    handle.audit().expect("every table agrees with its chain's ledger");
+    // Freed on this thread, the other chain's blocks are queued for it.
+    for &(addr, size) in &theirs {
+        handle.free(Some(ptr(addr)), size).unwrap();
+        assert_eq!(handle.block_size(ptr(addr)), None, "queued: the client's no more");
+    }
+    handle.audit().expect("the queued frees given back first");
+    let mut live = handle.live_blocks().unwrap();
+    live.sort_unstable();
+    let mut expected = blocks.clone();
+    expected.sort_unstable();
+    assert_eq!(live, expected);
+    assert!(handle.take_client_misuse().unwrap().is_empty());
+    for (addr, size) in blocks {
+        handle.free(Some(ptr(addr)), size).unwrap();
+    }
+    handle.leak_check().unwrap();
+    assert!(handle.failure().is_none());
+}

@@ -11,8 +11,8 @@ use allocbox_ledger::fasthash::FastMap;
 use super::model::Live;
 use super::pattern::PERIOD;
 use super::script::{BlockId, Op};
-use super::target::Checked;
 use super::verdict::Finding;
+use allocbox::PolicyHandler;
 
 /// Blocks passed to each client thread (`pass bN`), waiting for it to take them:
 /// `(address, size, phase)` of each, the pattern it was filled with.
@@ -54,7 +54,7 @@ impl Mailboxes {
 
 /// Runs one client's operations against a handler and checks every answer.
 pub(super) struct Client<'h> {
-    pub(super) handler: &'h dyn Checked,
+    pub(super) handler: &'h dyn PolicyHandler,
     /// Where `pass` sends a block, and where this thread takes passed ones from.
     mailboxes: &'h Mailboxes,
     thread: usize,
@@ -77,7 +77,7 @@ unsafe impl Send for Client<'_> {}
 
 impl<'h> Client<'h> {
     pub(super) fn new(
-        handler: &'h dyn Checked,
+        handler: &'h dyn PolicyHandler,
         adversary: &'h Adversary,
         hook: Option<&'h WasmHook>,
         (thread, mailboxes): (usize, &'h Mailboxes),

@@ -40,7 +40,6 @@ mod script;
 mod seeds;
 mod shrink;
 mod strategy;
-mod target;
 mod verdict;
 
 use runner::Subject;

@@ -11,8 +11,8 @@ use allocbox::{Policy, Runtime, ShardedHandler, WasmHook};
 
 use super::client::{Client, Mailboxes};
 use super::script::{CallPath, Case, Op, Script};
-use super::target::Checked;
 use super::verdict::{Finding, Tally};
+use allocbox::PolicyHandler;
 
 /// A handler of host memory, of the checker's stand-in GPU, or of an instance per
 /// client thread.
@@ -23,11 +23,11 @@ pub(super) enum Started {
 }
 
 impl std::ops::Deref for Started {
-    type Target = dyn Checked + 'static;
-    fn deref(&self) -> &(dyn Checked + 'static) {
+    type Target = dyn PolicyHandler + 'static;
+    fn deref(&self) -> &(dyn PolicyHandler + 'static) {
         match self {
             Started::Host(h) => h,
-            Started::Device(d) => d.handler(),
+            Started::Device(d) => d,
             Started::PerThread(s) => s,
         }
     }
@@ -88,7 +88,7 @@ impl Subject<'_> {
 
     /// Count what was refused on purpose in a case that ran on `handler`, and what the
     /// policy counted.
-    fn tally(&self, handler: &dyn Checked, adversary: &Adversary) {
+    fn tally(&self, handler: &dyn PolicyHandler, adversary: &Adversary) {
         // A handler the checker's own threads called is reachable; were it not, the leak
         // check has said so already.
         if let Ok(stats) = handler.stats() {
@@ -220,7 +220,7 @@ pub(super) fn path_taken(started: &Started) -> CallPath {
 /// Free what was passed to a thread after its last turn (its `free_all` had run):
 /// from the checker's own thread, another thread than the maker's again.
 fn free_passed(
-    handler: &dyn Checked,
+    handler: &dyn PolicyHandler,
     adversary: &Adversary,
     mailboxes: &Mailboxes,
 ) -> Option<Finding> {
@@ -248,7 +248,7 @@ pub(super) struct Ran {
 const WAITED: &str = "waited";
 
 pub(super) fn run_client(
-    handler: &dyn Checked,
+    handler: &dyn PolicyHandler,
     adversary: &Adversary,
     hook: Option<&WasmHook>,
     (thread, ops, mailboxes): (usize, &[Op], &Mailboxes),
@@ -315,7 +315,7 @@ pub(super) fn run_client(
 /// `order` (the thread of each operation in turn), so the handler sees exactly the
 /// recorded sequence; then each thread frees what it holds, in thread order.
 pub(super) fn run_in_order(
-    handler: &dyn Checked,
+    handler: &dyn PolicyHandler,
     adversary: &Adversary,
     script: &Script,
     order: &[usize],
@@ -393,7 +393,7 @@ pub(super) fn run_in_order(
         .map(|f| f.after_refusals(adversary))
 }
 
-pub(super) fn leak_check(handler: &dyn Checked) -> Option<Finding> {
+pub(super) fn leak_check(handler: &dyn PolicyHandler) -> Option<Finding> {
     // A failure that no call returned is a finding too: a client thread that ended gave
     // its cache back to the policy, which failed there.
     if let Some(failure) = handler.failure() {

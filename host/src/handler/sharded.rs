@@ -281,59 +281,6 @@ impl ShardedHandler {
         self.started().any(|shard| shard.block_size(ptr).is_some())
     }
 
-    /// Every shard's counters, summed, after every queued free was given back. The
-    /// peak is the sum of each shard's: at most that many bytes were live at once.
-    pub fn stats(&self) -> Result<Stats, Error> {
-        self.reachable()?;
-        self.shared.give_back_all_queued();
-        let mut total = Stats::default();
-        for shard in self.started() {
-            total.add(&shard.stats()?);
-        }
-        Ok(total)
-    }
-
-    /// Trim every shard, after every queued free was given back.
-    pub fn trim(&self) -> Result<(), Error> {
-        self.reachable()?;
-        self.shared.give_back_all_queued();
-        self.started().try_for_each(Handler::trim)
-    }
-
-    /// [`Handler::leak_check`] of every shard, after every queued free was given back.
-    pub fn leak_check(&self) -> Result<(), Error> {
-        self.reachable()?;
-        self.shared.give_back_all_queued();
-        self.started().try_for_each(Handler::leak_check)
-    }
-
-    /// The blocks the client holds, `(address, size)`, by address, every shard's.
-    pub fn live_blocks(&self) -> Result<Vec<(usize, usize)>, Error> {
-        self.reachable()?;
-        self.shared.give_back_all_queued();
-        let mut blocks = Vec::new();
-        for shard in self.started() {
-            blocks.extend(shard.live_blocks()?);
-        }
-        blocks.sort_unstable();
-        Ok(blocks)
-    }
-
-    /// Counters of every policy of every started chain: each chain's links, top first,
-    /// chain after chain (see [`Handler::link_stats`]).
-    pub fn link_stats(&self) -> Result<Vec<crate::link::LinkStats>, Error> {
-        let mut all = Vec::new();
-        for shard in self.started() {
-            all.extend(shard.link_stats()?);
-        }
-        Ok(all)
-    }
-
-    /// The first failure that stopped a shard's chain.
-    pub fn failure(&self) -> Option<Arc<Error>> {
-        self.started().find_map(Handler::failure)
-    }
-
     /// Refuse every call in a forked child whose parent had another thread holding
     /// the handler's own locks: the child has no such thread to let them go.
     fn reachable(&self) -> Result<(), Error> {
@@ -480,26 +427,6 @@ fn locked<T>(lock: &Mutex<T>) -> MutexGuard<'_, T> {
     lock.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-impl Stats {
-    /// Add another handler's counters: counts and live totals add; so do the peaks,
-    /// an upper bound of the peak of both together.
-    fn add(&mut self, other: &Stats) {
-        self.mallocs += other.mallocs;
-        self.callocs += other.callocs;
-        self.reallocs += other.reallocs;
-        self.frees += other.frees;
-        self.failed += other.failed;
-        self.live_blocks += other.live_blocks;
-        self.live_bytes += other.live_bytes;
-        self.peak_bytes += other.peak_bytes;
-        self.total_bytes += other.total_bytes;
-        self.size_corrections += other.size_corrections;
-        self.magazine_hits += other.magazine_hits;
-        self.budget_refusals += other.budget_refusals;
-        self.cached_blocks += other.cached_blocks;
-    }
-}
-
 impl MemHandler for ShardedHandler {
     fn name(&self) -> &str {
         ShardedHandler::name(self)
@@ -539,3 +466,4 @@ impl MemHandler for ShardedHandler {
 
 mod exit;
 mod forking;
+mod inspect;

@@ -16,7 +16,7 @@ use allocbox_ledger::platform::fork;
 use thread_local::ThreadLocal;
 
 use super::binary::{self, Call, ChunkEncoder};
-use super::watched::{Watched, Watcher};
+use super::watched::{Served, Watched, Watcher};
 use super::{EventOp, Site};
 use crate::nep49::SharedHandler;
 use crate::output::{Output, OutputError, OutputFault};
@@ -435,14 +435,14 @@ impl Watcher for TraceWriter {
         self.shared.seq.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn served(
-        &self,
-        op: EventOp,
-        old: Option<NonNull<u8>>,
-        new: Option<NonNull<u8>>,
-        size: usize,
-        before: u64,
-    ) {
+    fn served(&self, call: Served) {
+        let Served {
+            op,
+            old,
+            new,
+            size,
+            before,
+        } = call;
         if self.shared.ended.load(Ordering::Relaxed) || self.fork.abandoned.load(Ordering::Relaxed)
         {
             return;

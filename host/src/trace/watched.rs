@@ -8,39 +8,59 @@ use super::EventOp;
 use crate::error::Error;
 use crate::memhandler::{MemHandler, Stats};
 
-/// What a [`Watched`] handler tells its watcher after each call it forwarded and that
-/// did not fail: the operation, the block before and after (`None` for none), the size
-/// (a free's: what the client passed), and what [`Watcher::before`] answered for a free
-/// or a realloc (0 for the others). A `realloc` answered "none" is not told.
+/// One call a [`Watched`] handler forwarded and that did not fail: the operation, the
+/// block before and after (`None` for none), the size (a free's: what the client
+/// passed), and what [`Watcher::before`] answered for a free or a realloc (0 for the
+/// others). A `realloc` answered "none" is not told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Served {
+    pub op: EventOp,
+    pub old: Option<NonNull<u8>>,
+    pub new: Option<NonNull<u8>>,
+    pub size: usize,
+    pub before: u64,
+}
+
+impl Served {
+    /// A block lent by `op` (a malloc or a calloc), `None` when there was none.
+    pub fn lent(op: EventOp, new: Option<NonNull<u8>>, size: usize) -> Self {
+        Served {
+            op,
+            old: None,
+            new,
+            size,
+            before: 0,
+        }
+    }
+
+    /// A free of `old`, said to be of `size` bytes, numbered `before`.
+    pub fn freed(old: Option<NonNull<u8>>, size: usize, before: u64) -> Self {
+        Served {
+            op: EventOp::Free,
+            old,
+            new: None,
+            size,
+            before,
+        }
+    }
+}
+
+/// What a [`Watched`] handler tells its watcher after each call it served.
 pub trait Watcher: Send + Sync {
     /// Called before a free or a realloc reaches the handler: the moment after which the
     /// old block may be handed to another thread.
     fn before(&self) -> u64 {
         0
     }
-    fn served(
-        &self,
-        op: EventOp,
-        old: Option<NonNull<u8>>,
-        new: Option<NonNull<u8>>,
-        size: usize,
-        before: u64,
-    );
+    fn served(&self, call: Served);
 }
 
 impl<W: Watcher + ?Sized> Watcher for &W {
     fn before(&self) -> u64 {
         (**self).before()
     }
-    fn served(
-        &self,
-        op: EventOp,
-        old: Option<NonNull<u8>>,
-        new: Option<NonNull<u8>>,
-        size: usize,
-        before: u64,
-    ) {
-        (**self).served(op, old, new, size, before);
+    fn served(&self, call: Served) {
+        (**self).served(call);
     }
 }
 
@@ -68,13 +88,13 @@ where
     }
     fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
         let p = self.handler.malloc(size)?;
-        self.watcher.served(EventOp::Malloc, None, p, size, 0);
+        self.watcher.served(Served::lent(EventOp::Malloc, p, size));
         Ok(p)
     }
     fn calloc(&self, nelem: usize, elsize: usize) -> Result<Option<NonNull<u8>>, Error> {
         let p = self.handler.calloc(nelem, elsize)?;
         let size = nelem.saturating_mul(elsize);
-        self.watcher.served(EventOp::Calloc, None, p, size, 0);
+        self.watcher.served(Served::lent(EventOp::Calloc, p, size));
         Ok(p)
     }
     fn realloc(
@@ -85,22 +105,26 @@ where
         let before = self.watcher.before();
         let p = self.handler.realloc(ptr, new_size)?;
         if p.is_some() {
-            self.watcher
-                .served(EventOp::Realloc, ptr, p, new_size, before);
+            self.watcher.served(Served {
+                op: EventOp::Realloc,
+                old: ptr,
+                new: p,
+                size: new_size,
+                before,
+            });
         }
         Ok(p)
     }
     fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error> {
         let before = self.watcher.before();
         self.handler.free(ptr, size)?;
-        self.watcher.served(EventOp::Free, ptr, None, size, before);
+        self.watcher.served(Served::freed(ptr, size, before));
         Ok(())
     }
     fn free_unsized(&self, ptr: NonNull<u8>) -> Result<usize, Error> {
         let before = self.watcher.before();
         let size = self.handler.free_unsized(ptr)?;
-        self.watcher
-            .served(EventOp::Free, Some(ptr), None, size, before);
+        self.watcher.served(Served::freed(Some(ptr), size, before));
         Ok(size)
     }
     fn stats(&self) -> Result<Stats, Error> {

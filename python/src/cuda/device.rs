@@ -4,14 +4,14 @@
 use std::sync::Arc;
 
 use allocbox::gpu::Stream;
-use allocbox::{DeviceHandler, Error};
+use allocbox::{DeviceHandler, Error, PolicyHandler};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::sync::Mutex;
 
 use crate::errors::{LoadError, to_py};
 use crate::loading::{Bounds, chain_builder};
-use crate::policy::set_counts;
+use crate::policy::{link_dicts, set_counts};
 use crate::stand_in_gpu::StandInGpu;
 
 /// A chain of policies serving one GPU's memory to a GPU program: blocks are device
@@ -146,6 +146,18 @@ impl DevicePolicy {
         }
         d.set_item("counters", counters)?;
         Ok(d)
+    }
+
+    /// What each policy of the chain was asked by the host, top first, as
+    /// `Policy.link_stats()`.
+    fn link_stats<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        link_dicts(py, self.handler.link_stats().map_err(|e| to_py(&e))?)
+    }
+
+    /// The live blocks, `(address, size)`, by address: blocks whose free waits for
+    /// their streams are among them.
+    fn snapshot(&self) -> PyResult<Vec<(usize, usize)>> {
+        self.handler.live_blocks().map_err(|e| to_py(&e))
     }
 
     /// After every block was freed: an error naming what a policy still holds.
