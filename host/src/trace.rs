@@ -17,7 +17,7 @@ mod watched;
 
 pub use binary::{MAGIC as BINARY_MAGIC, MAX_CHUNK_BYTES, write_binary};
 pub use kept::{MAX_MARK_TEXT_BYTES, MAX_MARKS, MAX_NAME_BYTES, MAX_SITE_NAME_BYTES, MAX_SITES};
-pub use record::{RecordOptions, Recorder, SiteOf, TraceWriter, child_path};
+pub use record::{DeviceRecorder, RecordOptions, Recorder, SiteOf, TraceWriter, child_path};
 pub(crate) use replay::Held;
 pub use replay::{ReplayReport, leak_after_replay, replay_trace, replay_trace_counted};
 pub use text::write_text;
@@ -44,6 +44,9 @@ pub struct Event {
     /// The line it came from, for error messages: in a binary trace, the line it has in
     /// the text form `allocbox trace-convert` writes.
     pub line: u32,
+    /// The GPU whose memory the block is (the text form's `d=N`); `None` for host
+    /// memory. Ids are a placement's own: GPU and host blocks never share one.
+    pub device: Option<u16>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,6 +145,10 @@ pub struct Trace {
     pub sites: Vec<u32>,
     /// The sites the trace names, by number.
     pub site_table: std::collections::HashMap<u32, Site>,
+    /// Per event, the stream whose queued work a free of GPU memory waited for before
+    /// its block went back to the policy (the text form's `q=STREAM`); `None` for
+    /// none. Empty when no free named one.
+    pub streams: Vec<Option<u64>>,
     /// The stream ended before its end (a recording whose process was killed, as
     /// `multiprocessing` ends its idle workers): read up to its last whole event.
     pub cut_short: bool,
@@ -151,6 +158,42 @@ pub struct Trace {
     /// Sites past [`MAX_SITES`] (or their names' bound), counted and not kept: their
     /// events have no line.
     pub sites_left_out: u64,
+}
+
+impl Trace {
+    /// Take out the events of GPU memory, with their times, sites and streams (marks
+    /// keep their place among the rest): what replaying through a handler of host
+    /// memory needs. Returns how many were taken.
+    pub fn keep_host_memory_only(&mut self) -> usize {
+        let on_host: Vec<bool> = self.events.iter().map(|e| e.device.is_none()).collect();
+        let taken = on_host.iter().filter(|&&host| !host).count();
+        if taken == 0 {
+            return 0;
+        }
+        // Each mark moves back by the events of GPU memory before it.
+        let mut before = vec![0u64; on_host.len() + 1];
+        for (at, &host) in on_host.iter().enumerate() {
+            before[at + 1] = before[at] + u64::from(!host);
+        }
+        for mark in &mut self.marks {
+            let at = (mark.at as usize).min(on_host.len());
+            mark.at -= before[at];
+        }
+        fn keep<T>(values: &mut Vec<T>, on_host: &[bool]) {
+            if !values.is_empty() {
+                let mut at = 0;
+                values.retain(|_| {
+                    at += 1;
+                    on_host.get(at - 1).copied().unwrap_or(true)
+                });
+            }
+        }
+        keep(&mut self.events, &on_host);
+        keep(&mut self.times, &on_host);
+        keep(&mut self.sites, &on_host);
+        self.streams.clear();
+        taken
+    }
 }
 
 /// The longest line a trace may have, its end of line aside: an event is a few dozen
@@ -248,13 +291,30 @@ impl fmt::Display for Event {
             EventOp::Realloc => 'r',
             EventOp::Free => 'f',
         };
-        write!(f, "line {}: `{op} {} {}`", self.line, self.id, self.size)
+        write!(f, "line {}: `{op} {} {}`", self.line, self.id, self.size)?;
+        match self.device {
+            Some(device) => write!(f, " (GPU {device})"),
+            None => Ok(()),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_trace_of_host_and_gpu_memory_keeps_its_host_events_with_their_times_and_marks() {
+        let text = "m 1 8 1 t=1\nm 1 256 1 t=2 d=0\n# phase\nf 1 256 1 t=3 d=0 q=7\nf 1 8 1 t=4\n";
+        let mut trace = parse_trace_marked(text.as_bytes()).unwrap();
+        assert_eq!(trace.streams, [None, None, Some(7), None]);
+        assert_eq!(trace.keep_host_memory_only(), 2);
+        let ops: Vec<(EventOp, u64)> = trace.events.iter().map(|e| (e.op, e.size)).collect();
+        assert_eq!(ops, [(EventOp::Malloc, 8), (EventOp::Free, 8)]);
+        assert_eq!(trace.times, [1, 4]);
+        assert_eq!(trace.marks[0].at, 1, "the mark stays after the host malloc");
+        assert!(trace.streams.is_empty());
+    }
 
     #[test]
     fn every_member_of_a_gzip_trace_is_read() {

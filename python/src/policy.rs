@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use allocbox::nep49::MemHandler;
 
 use allocbox::PolicyHandler;
-use allocbox::trace::{RecordOptions, Recorder, SiteOf};
+use allocbox::trace::{RecordOptions, Recorder, SiteOf, TraceWriter, Watched};
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -178,16 +178,10 @@ impl Policy {
     /// goes on serving, unrecorded, so the blocks live now are the ones the trace never
     /// frees (what leaked, where the recording ends).
     fn finish_recording(&self) -> PyResult<()> {
-        if let Some(r) = &self.recorder {
-            r.finish().map_err(|e| {
-                let file = r.file().map(|f| format!(" `{}`", f.display()));
-                AllocboxError::new_err(format!(
-                    "the trace{} could not be written: {e}",
-                    file.unwrap_or_default()
-                ))
-            })?;
+        match &self.recorder {
+            Some(recorder) => finish(recorder),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     fn __repr__(&self) -> String {
@@ -311,16 +305,32 @@ pub(crate) fn recorder_to(
     handler: Arc<dyn MemHandler>,
     sites: bool,
 ) -> PyResult<Arc<Recorder>> {
+    let recorder = Recorder::create(path, handler, recording_options(sites))
+        .map_err(|error| AllocboxError::new_err(error.to_string()))?;
+    Ok(Arc::new(recorder))
+}
+
+/// What a recording writes beside each call: its time, and with `sites` the line of the
+/// program that asked.
+pub(crate) fn recording_options(sites: bool) -> RecordOptions {
     if sites {
         Python::attach(crate::sites::prepare);
     }
-    let options = RecordOptions {
+    RecordOptions {
         time: true,
         sites: sites.then(|| -> SiteOf { Box::new(crate::sites::program_site) }),
-    };
-    let recorder = Recorder::create(path, handler, options)
-        .map_err(|error| AllocboxError::new_err(error.to_string()))?;
-    Ok(Arc::new(recorder))
+    }
+}
+
+/// End a recording and write it out, or say which file could not be written.
+pub(crate) fn finish<H>(recorder: &Watched<H, TraceWriter>) -> PyResult<()> {
+    recorder.finish().map_err(|e| {
+        let file = recorder.file().map(|f| format!(" `{}`", f.display()));
+        AllocboxError::new_err(format!(
+            "the trace{} could not be written: {e}",
+            file.unwrap_or_default()
+        ))
+    })
 }
 
 /// Install a policy (or a capsule `set_handler` returned earlier, or `None` for NumPy's

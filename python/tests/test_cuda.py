@@ -286,3 +286,23 @@ def test_a_device_policy_reports_its_policies_and_live_blocks_as_a_numpy_policy_
     pool.free(ptr, 4096)
     assert pool.snapshot() == []
     pool.leak_check()
+
+
+def test_a_device_policy_records_its_blocks_with_their_gpu_and_stream_as_load_records(tmp_path, gpu):
+    # Issue 65: device blocks were in no trace. Every client's block is recorded: the
+    # policy's own malloc and free, and a block that frees itself on its stream.
+    from conftest import trace_text
+
+    path = tmp_path / "gpu.trace"
+    pool = allocbox.cuda.load("gpu-pool", gpu=gpu, record=str(path))
+    ptr = pool.malloc(4096)
+    block = pool.block(1 << 20, stream=5)
+    pool.free(ptr, 4096)
+    block.free()
+    gpu.finish(stream=5)
+    pool.finish_recording()
+    events = [line.split() for line in trace_text(path).splitlines() if not line.startswith("#")]
+    assert [(e[0], e[2]) for e in events] == [("m", "4096"), ("m", "1048576"), ("f", "4096"), ("f", "1048576")]
+    assert all("d=0" in e for e in events), events
+    assert "q=5" in events[3] and not any(w.startswith("q=") for w in events[2]), events
+    pool.leak_check()

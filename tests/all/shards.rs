@@ -417,13 +417,23 @@ fn a_handler_per_thread_answers_the_handler_interface_as_one_chain_does() {
     let (to_main, from_thread) = mpsc::channel::<Vec<(usize, usize)>>();
     let blocks: Vec<(usize, usize)> = [24usize, 100, 5000]
         .iter()
-        .map(|&size| (handle.malloc(size).unwrap().unwrap().as_ptr() as usize, size))
+        .map(|&size| {
+            (
+                handle.malloc(size).unwrap().unwrap().as_ptr() as usize,
+                size,
+            )
+        })
         .collect();
     std::thread::scope(|s| {
         s.spawn(|| {
             let theirs = [48usize, 700]
                 .iter()
-                .map(|&size| (handle.malloc(size).unwrap().unwrap().as_ptr() as usize, size))
+                .map(|&size| {
+                    (
+                        handle.malloc(size).unwrap().unwrap().as_ptr() as usize,
+                        size,
+                    )
+                })
                 .collect();
             to_main.send(theirs).unwrap();
         });
@@ -437,11 +447,17 @@ fn a_handler_per_thread_answers_the_handler_interface_as_one_chain_does() {
     for &(addr, size) in blocks.iter().chain(&theirs) {
         assert_eq!(handle.block_size(ptr(addr)), Some(size), "{addr:#x}");
     }
-    handle.audit().expect("every table agrees with its chain's ledger");
+    handle
+        .audit()
+        .expect("every table agrees with its chain's ledger");
     // Freed on this thread, the other chain's blocks are queued for it.
     for &(addr, size) in &theirs {
         handle.free(Some(ptr(addr)), size).unwrap();
-        assert_eq!(handle.block_size(ptr(addr)), None, "queued: the client's no more");
+        assert_eq!(
+            handle.block_size(ptr(addr)),
+            None,
+            "queued: the client's no more"
+        );
     }
     handle.audit().expect("the queued frees given back first");
     let mut live = handle.live_blocks().unwrap();

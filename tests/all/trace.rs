@@ -493,3 +493,39 @@ fn a_failing_hook_fails_the_run_and_is_named_as_a_hook() {
         "{out}"
     );
 }
+
+/// Issue 65: a trace with a GPU's blocks among the host's. `trace-convert` keeps every
+/// event with its GPU and stream; `replay-trace` and `report` replay the host's events
+/// through host policies and say how many of the GPU's they left out.
+#[test]
+fn a_trace_with_gpu_memory_converts_whole_and_replays_its_host_memory_saying_what_it_left_out() {
+    let dir = tempdir("gpu-events");
+    std::fs::write(
+        dir.join("t.trace"),
+        "m 1 100 1\nm 1 4096 1 d=0\n# phase\nf 1 4096 1 d=0 q=7\nm 2 64 1\nf 1 100 1\nf 2 64 1\n",
+    )
+    .unwrap();
+    let (code, out) = allocbox_cli(&["trace-convert", "t.trace", "t.bin"], &dir);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = allocbox_cli(
+        &["trace-convert", "t.bin", "back.txt", "--to", "text"],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    let back = std::fs::read_to_string(dir.join("back.txt")).unwrap();
+    assert!(back.contains("m 2 4096 1 d=0\n"), "{back}");
+    assert!(back.contains("f 2 4096 1 d=0 q=7\n"), "{back}");
+    let (code, out) = allocbox_cli(&["replay-trace", "t.bin", "-p", "size-classes"], &dir);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("has 2 events of GPU memory, which this command does not replay"),
+        "{out}"
+    );
+    assert!(out.contains("(4 events, replayed on"), "{out}");
+    let (code, out) = allocbox_cli(
+        &["report", "t.bin", "-p", "size-classes", "-o", "r.html"],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("has 2 events of GPU memory"), "{out}");
+}

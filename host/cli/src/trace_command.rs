@@ -124,6 +124,22 @@ pub(crate) fn read_trace(trace: &Path) -> Result<allocbox::trace::Trace> {
     Ok(read)
 }
 
+/// [`read_trace`] to replay through handlers of host memory: the events of GPU memory
+/// are left out, with a line saying how many (`trace-convert` keeps them).
+pub(crate) fn read_host_trace(trace: &Path) -> Result<allocbox::trace::Trace> {
+    let mut read = read_trace(trace)?;
+    let taken = read.keep_host_memory_only();
+    if taken > 0 {
+        eprintln!(
+            "allocbox: {} has {taken} events of GPU memory, which this command does not \
+             replay: it replays the host memory's events through host policies \
+             (`allocbox trace-convert` writes every event, each with its GPU)",
+            trace.display()
+        );
+    }
+    Ok(read)
+}
+
 pub(crate) fn run_replay_trace(
     trace: PathBuf,
     policies: Vec<String>,
@@ -131,7 +147,7 @@ pub(crate) fn run_replay_trace(
     hook: Option<PathBuf>,
     limits: Limits,
 ) -> Result<Outcome> {
-    let events = read_trace(&trace)?.events;
+    let events = read_host_trace(&trace)?.events;
     let hook = hook.map(|h| load_hook(&h, &limits)).transpose()?;
     let built = build_handler(&policies, &config, limits)?;
     let handler = built.handler();
@@ -312,7 +328,7 @@ fn report_trace(args: &ReportArgs, trace: &Path) -> Result<TraceReport> {
         sites,
         site_table,
         ..
-    } = read_trace(trace)?;
+    } = read_host_trace(trace)?;
     let mut timelines = Vec::new();
     let mut hook_reports = String::new();
     let mut hook_failed = false;

@@ -35,6 +35,11 @@ pub(crate) const CHUNK_BYTES: usize = 64 << 10;
 /// Tags of the items of a chunk, after the four operations (`EventOp as u8`).
 const SITE: u8 = 4;
 const MARK: u8 = 5;
+/// The placement of the calls after it in its chunk: 0 for host memory, n + 1 for GPU
+/// n. A chunk starts in host memory, so a trace of host memory has none.
+const PLACE: u8 = 6;
+/// The stream the next call (a free of GPU memory) waited for.
+const STREAM: u8 = 7;
 
 fn op_code(op: EventOp) -> u8 {
     match op {
@@ -60,6 +65,10 @@ pub(crate) struct Call {
     pub size: u64,
     pub time: u64,
     pub site: Option<Site>,
+    /// The GPU whose memory the block is; `None` for host memory.
+    pub device: Option<u16>,
+    /// For a free of GPU memory, the stream whose work it waited for.
+    pub stream: Option<u64>,
 }
 
 /// One thread's calls, encoded into chunks that stand alone (each number written as the
@@ -71,6 +80,8 @@ pub(crate) struct ChunkEncoder {
     seq: u64,
     address: u64,
     time: u64,
+    /// The placement of the chunk's calls so far ([`PLACE`]).
+    device: Option<u16>,
     sites: HashMap<Site, u32, foldhash::fast::RandomState>,
     sites_named: u32,
     /// The last site and its number: a loop allocates at one line over and over, and
@@ -93,6 +104,7 @@ impl ChunkEncoder {
             seq: 0,
             address: 0,
             time: 0,
+            device: None,
             sites: HashMap::default(),
             sites_named: 0,
             last_site: None,
@@ -115,6 +127,15 @@ impl ChunkEncoder {
             (false, ..) => None,
         };
         let bytes = &mut self.bytes;
+        if call.device != self.device {
+            bytes.push(PLACE);
+            put(bytes, call.device.map_or(0, |gpu| u64::from(gpu) + 1));
+            self.device = call.device;
+        }
+        if let Some(stream) = call.stream {
+            bytes.push(STREAM);
+            put(bytes, stream);
+        }
         bytes.push(op_code(call.op));
         put(bytes, call.seq.wrapping_sub(self.seq));
         self.seq = call.seq;
@@ -202,7 +223,7 @@ impl ChunkEncoder {
         put(&mut framed, self.bytes.len() as u64);
         framed.extend_from_slice(&self.bytes);
         self.bytes.clear();
-        (self.seq, self.address, self.time) = (0, 0, 0);
+        (self.seq, self.address, self.time, self.device) = (0, 0, 0, None);
         Some(framed)
     }
 
@@ -210,7 +231,7 @@ impl ChunkEncoder {
     /// sites too, named again in the child's file.
     pub(crate) fn forget(&mut self) {
         self.bytes.clear();
-        (self.seq, self.address, self.time) = (0, 0, 0);
+        (self.seq, self.address, self.time, self.device) = (0, 0, 0, None);
         self.sites.clear();
         self.last_site = None;
     }
@@ -288,6 +309,8 @@ pub fn write_binary(trace: &Trace, out: impl Write) -> io::Result<()> {
             size: event.size,
             time: trace.times.get(at).copied().unwrap_or(0),
             site,
+            device: event.device,
+            stream: trace.streams.get(at).copied().flatten(),
         });
         if encoder.full() {
             stream.write_all(&encoder.take().unwrap_or_default())?;

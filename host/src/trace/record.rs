@@ -24,6 +24,11 @@ use crate::output::{Output, OutputError, OutputFault};
 /// A handler that writes every call it forwards to `handler` as a trace.
 pub type Recorder = Watched<SharedHandler, TraceWriter>;
 
+/// A GPU's handler whose every call is written as a trace, through
+/// [`Watched::device_malloc`] and [`Watched::device_free`]: each event with its GPU, a
+/// free with its stream.
+pub type DeviceRecorder = Watched<Arc<crate::handler::DeviceHandler>, TraceWriter>;
+
 /// Where the client was when it asked for a block, asked of the embedder for each
 /// allocation a [`Recorder`] writes with sites (the NumPy bridge: the innermost line of
 /// the program's own Python code). Called before anything of the recording is locked.
@@ -163,10 +168,11 @@ impl fmt::Debug for TraceWriter {
     }
 }
 
-impl Recorder {
+/// A recording of any handler: a NEP 49 one ([`Recorder`]) or a GPU's ([`DeviceRecorder`]).
+impl<H> Watched<H, TraceWriter> {
     /// Record the calls made to `inner` into `out`.
-    pub fn new(inner: SharedHandler, out: impl Write + Send + 'static) -> Recorder {
-        Recorder::with_options(inner, out, RecordOptions::default())
+    pub fn new(inner: H, out: impl Write + Send + 'static) -> Self {
+        Self::with_options(inner, out, RecordOptions::default())
     }
 
     /// Record the calls made to `inner` into the file at `path`, put in place of
@@ -174,10 +180,10 @@ impl Recorder {
     /// folder, a device or a read-only file).
     pub fn create(
         path: &std::path::Path,
-        inner: SharedHandler,
+        inner: H,
         options: RecordOptions,
-    ) -> Result<Recorder, OutputError> {
-        let mut recorder = Recorder::with_options(inner, trace_file(path)?, options);
+    ) -> Result<Self, OutputError> {
+        let mut recorder = Self::with_options(inner, trace_file(path)?, options);
         recorder.watcher.path = Some(path.to_owned());
         // A file that takes no bytes (a full disk) is refused now, not at the end.
         let mut sink = recorder.watcher.sink();
@@ -197,10 +203,10 @@ impl Recorder {
 
     /// Record the calls made to `inner` into `out`, each with what `options` asks.
     pub fn with_options(
-        inner: SharedHandler,
+        inner: H,
         out: impl Write + Send + 'static,
         options: RecordOptions,
-    ) -> Recorder {
+    ) -> Self {
         let flags = if options.time { binary::TIMES } else { 0 }
             | if options.sites.is_some() {
                 binary::SITES
@@ -442,6 +448,8 @@ impl Watcher for TraceWriter {
             new,
             size,
             before,
+            device,
+            stream,
         } = call;
         if self.shared.ended.load(Ordering::Relaxed) || self.fork.abandoned.load(Ordering::Relaxed)
         {
@@ -497,6 +505,8 @@ impl Watcher for TraceWriter {
                 .started
                 .map_or(0, |started| coarse_now().saturating_sub(started)),
             site,
+            device,
+            stream,
         });
         if writing.encoder.full()
             && let (Some(to_writer), Some(chunk)) = (&writing.to_writer, writing.encoder.take())

@@ -46,6 +46,12 @@ pub fn write_text(trace: &Trace, out: impl Write) -> io::Result<()> {
         if let Some(time) = trace.times.get(at) {
             write!(out, " t={time}")?;
         }
+        if let Some(device) = event.device {
+            write!(out, " d={device}")?;
+        }
+        if let Some(Some(stream)) = trace.streams.get(at) {
+            write!(out, " q={stream}")?;
+        }
         out.write_all(b"\n")?;
     }
     for mark in marks {
@@ -190,7 +196,7 @@ pub(super) fn parse_lines(
             })?,
         };
         // Optional `key=value` fields; unknown keys are for newer readers.
-        let (mut time, mut site) = (None, None);
+        let (mut time, mut site, mut device, mut stream) = (None, None, None, None);
         for word in words {
             let field = |w: &str| {
                 w.parse::<u64>().map_err(|e| {
@@ -203,6 +209,13 @@ pub(super) fn parse_lines(
             match word.split_once('=') {
                 Some(("t", w)) => time = Some(field(w)?),
                 Some(("s", w)) => site = Some(field(w)? as u32),
+                Some(("d", w)) => {
+                    let gpu = field(w)?;
+                    device = Some(u16::try_from(gpu).map_err(|_| {
+                        bad(format!("`{word}`: GPU {gpu} is past any GPU's number"))
+                    })?);
+                }
+                Some(("q", w)) => stream = Some(field(w)?),
                 _ => {}
             }
         }
@@ -220,12 +233,17 @@ pub(super) fn parse_lines(
         } else if !trace.sites.is_empty() {
             trace.sites.push(0);
         }
+        if stream.is_some() || !trace.streams.is_empty() {
+            trace.streams.resize(at, None);
+            trace.streams.push(stream);
+        }
         trace.events.push(Event {
             op,
             id,
             size,
             thread,
             line: n,
+            device,
         });
     }
 }

@@ -6,6 +6,8 @@ use std::ptr::NonNull;
 
 use super::EventOp;
 use crate::error::Error;
+use crate::gpu::Stream;
+use crate::handler::{DeviceHandler, PolicyHandler};
 use crate::memhandler::{MemHandler, Stats};
 
 /// One call a [`Watched`] handler forwarded and that did not fail: the operation, the
@@ -19,6 +21,11 @@ pub struct Served {
     pub new: Option<NonNull<u8>>,
     pub size: usize,
     pub before: u64,
+    /// The GPU whose memory the block is (a [`DeviceHandler`]'s); `None` for host
+    /// memory.
+    pub device: Option<u16>,
+    /// For a free of GPU memory, the stream whose queued work it waited for.
+    pub stream: Option<u64>,
 }
 
 impl Served {
@@ -30,6 +37,8 @@ impl Served {
             new,
             size,
             before: 0,
+            device: None,
+            stream: None,
         }
     }
 
@@ -41,6 +50,8 @@ impl Served {
             new: None,
             size,
             before,
+            device: None,
+            stream: None,
         }
     }
 }
@@ -111,6 +122,8 @@ where
                 new: p,
                 size: new_size,
                 before,
+                device: None,
+                stream: None,
             });
         }
         Ok(p)
@@ -133,4 +146,51 @@ where
     fn usable(&self) -> Result<(), Error> {
         self.handler.usable()
     }
+}
+
+/// A GPU's handler watched: its client's calls, each told with its GPU, and a free with
+/// the stream it waits for, when the client makes it (the block goes back to the policy
+/// once that stream's work is done, which the trace does not wait for).
+impl<H, W> Watched<H, W>
+where
+    H: std::ops::Deref<Target = DeviceHandler>,
+    W: Watcher,
+{
+    /// [`DeviceHandler::malloc`], told.
+    pub fn device_malloc(&self, size: u64) -> Result<Option<u64>, Error> {
+        let block = self.handler.malloc(size)?;
+        let mut call = Served::lent(EventOp::Malloc, block.and_then(to_ptr), size as usize);
+        call.device = Some(self.gpu());
+        self.watcher.served(call);
+        Ok(block)
+    }
+
+    /// [`DeviceHandler::free`], told with the first stream named (a trace keeps one).
+    pub fn device_free(
+        &self,
+        addr: u64,
+        size: Option<u64>,
+        streams: &[Stream],
+    ) -> Result<(), Error> {
+        let ptr = to_ptr(addr);
+        let said = size.or_else(|| {
+            ptr.and_then(|p| self.handler.block_size(p))
+                .map(|s| s as u64)
+        });
+        let before = self.watcher.before();
+        self.handler.free(addr, size, streams)?;
+        let mut call = Served::freed(ptr, said.unwrap_or(0) as usize, before);
+        call.device = Some(self.gpu());
+        call.stream = streams.first().copied();
+        self.watcher.served(call);
+        Ok(())
+    }
+
+    fn gpu(&self) -> u16 {
+        u16::try_from(self.handler.device()).unwrap_or(u16::MAX)
+    }
+}
+
+fn to_ptr(addr: u64) -> Option<NonNull<u8>> {
+    NonNull::new(addr as usize as *mut u8)
 }

@@ -3,22 +3,64 @@
 
 use std::sync::Arc;
 
+use std::path::PathBuf;
+
 use allocbox::gpu::Stream;
+use allocbox::trace::DeviceRecorder;
 use allocbox::{DeviceHandler, Error, PolicyHandler};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::sync::Mutex;
 
-use crate::errors::{LoadError, to_py};
+use crate::errors::{AllocboxError, LoadError, to_py};
 use crate::loading::{Bounds, chain_builder};
-use crate::policy::{link_dicts, set_counts};
+use crate::policy::{finish, link_dicts, recording_options, set_counts};
 use crate::stand_in_gpu::StandInGpu;
 
 /// A chain of policies serving one GPU's memory to a GPU program: blocks are device
 /// addresses, freed with the streams that may still use them.
 #[pyclass(frozen, module = "allocbox")]
 pub(crate) struct DevicePolicy {
-    pub(crate) handler: Arc<DeviceHandler>,
+    pub(crate) handler: Arc<Device>,
+}
+
+/// A device handler as its clients (Python, PyTorch's entry points, blocks that free
+/// themselves) call it: through its recording when `record=` asked for one, so that
+/// every block is in the trace whichever client made it. Everything else is the
+/// handler's own.
+pub(crate) struct Device {
+    handler: Arc<DeviceHandler>,
+    recorder: Option<DeviceRecorder>,
+}
+
+impl Device {
+    /// [`DeviceHandler::malloc`], recorded.
+    pub(crate) fn malloc(&self, size: u64) -> Result<Option<u64>, Error> {
+        match &self.recorder {
+            Some(recorder) => recorder.device_malloc(size),
+            None => self.handler.malloc(size),
+        }
+    }
+
+    /// [`DeviceHandler::free`], recorded.
+    pub(crate) fn free(
+        &self,
+        addr: u64,
+        size: Option<u64>,
+        streams: &[Stream],
+    ) -> Result<(), Error> {
+        match &self.recorder {
+            Some(recorder) => recorder.device_free(addr, size, streams),
+            None => self.handler.free(addr, size, streams),
+        }
+    }
+}
+
+impl std::ops::Deref for Device {
+    type Target = DeviceHandler;
+    fn deref(&self) -> &DeviceHandler {
+        &self.handler
+    }
 }
 
 #[pymethods]
@@ -160,6 +202,15 @@ impl DevicePolicy {
         self.handler.live_blocks().map_err(|e| to_py(&e))
     }
 
+    /// End the trace being recorded (`load(..., record=path)`) and write it out, as
+    /// `Policy.finish_recording()`.
+    fn finish_recording(&self) -> PyResult<()> {
+        match &self.handler.recorder {
+            Some(recorder) => finish(recorder),
+            None => Ok(()),
+        }
+    }
+
     /// After every block was freed: an error naming what a policy still holds.
     fn leak_check(&self, py: Python<'_>) -> PyResult<()> {
         let handler = self.handler.clone();
@@ -178,7 +229,7 @@ pub(crate) struct DeviceBlock {
     size: u64,
     #[pyo3(get)]
     stream: Stream,
-    handler: Mutex<Option<Arc<DeviceHandler>>>,
+    handler: Mutex<Option<Arc<Device>>>,
 }
 
 impl DeviceBlock {
@@ -215,7 +266,7 @@ impl Drop for DeviceBlock {
 /// Load a chain (as `load_chain`) as a device handler of GPU `device`. Its policies
 /// get the `device` grant besides any in `grant`.
 #[pyfunction]
-#[pyo3(signature = (*chain, device = 0, call_time = None, memory = None, batch = None, overhead = None, compile_bounds = None, grant = None, names = None, gpu = None))]
+#[pyo3(signature = (*chain, device = 0, call_time = None, memory = None, batch = None, overhead = None, compile_bounds = None, grant = None, names = None, gpu = None, record = None))]
 #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
 pub(crate) fn load_device_chain(
     chain: Vec<Bound<'_, PyAny>>,
@@ -228,6 +279,7 @@ pub(crate) fn load_device_chain(
     grant: Option<Vec<String>>,
     names: Option<Vec<Option<String>>>,
     gpu: Option<PyRef<'_, StandInGpu>>,
+    record: Option<PathBuf>,
 ) -> PyResult<DevicePolicy> {
     let mut grant = grant.unwrap_or_default();
     grant.push("device".into());
@@ -241,10 +293,19 @@ pub(crate) fn load_device_chain(
         grant: Some(grant),
         gpu: gpu.map(|g| g.gpu()),
     };
-    let handler = chain_builder(chain, bounds, names)?
-        .build_device(device)
-        .map_err(|e| LoadError::new_err(e.to_string()))?;
+    let handler = Arc::new(
+        chain_builder(chain, bounds, names)?
+            .build_device(device)
+            .map_err(|e| LoadError::new_err(e.to_string()))?,
+    );
+    let recorder = match record {
+        Some(path) => Some(
+            DeviceRecorder::create(&path, handler.clone(), recording_options(false))
+                .map_err(|error| AllocboxError::new_err(error.to_string()))?,
+        ),
+        None => None,
+    };
     Ok(DevicePolicy {
-        handler: Arc::new(handler),
+        handler: Arc::new(Device { handler, recorder }),
     })
 }

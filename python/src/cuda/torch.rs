@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::sync::{Arc, Mutex};
 
-use allocbox::DeviceHandler;
+use super::device::Device;
 use allocbox::gpu::Stream;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -17,8 +17,8 @@ use super::device::DevicePolicy;
 /// streams that may use it (the one it was made for, and those `record_stream` added).
 #[derive(Default)]
 struct Torch {
-    policies: HashMap<c_int, Arc<DeviceHandler>>,
-    blocks: HashMap<u64, (Arc<DeviceHandler>, Vec<Stream>)>,
+    policies: HashMap<c_int, Arc<Device>>,
+    blocks: HashMap<u64, (Arc<Device>, Vec<Stream>)>,
 }
 
 /// Read and changed only under its lock: PyTorch calls its allocator from any thread,

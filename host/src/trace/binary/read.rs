@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::io::{self, BufRead, Read};
 use std::sync::Arc;
 
-use super::{MAGIC, MARK, MAX_CHUNK_BYTES, SITE, SITES, TIMES, VERSION, unzigzag};
+use super::{MAGIC, MARK, MAX_CHUNK_BYTES, PLACE, SITE, SITES, STREAM, TIMES, VERSION, unzigzag};
 use crate::trace::kept::{Keeper, left_out_mark};
 use crate::trace::{
     Event, EventOp, MAX_LINE_BYTES, MAX_MARK_BYTES, Mark, Site, Trace, TraceError, UNKNOWN_ID,
@@ -35,10 +35,15 @@ enum What {
         site: u32,
         /// A realloc's: where its [`What::Release`] left the old block's id.
         held: u32,
+        /// The GPU whose memory the block is; `None` for host memory.
+        device: Option<u16>,
+        /// The stream a free of GPU memory waited for.
+        stream: Option<u64>,
     },
     /// A realloc letting its old block go, before the handler could hand it to anyone.
     Release {
         address: u64,
+        device: Option<u16>,
         held: u32,
     },
     Mark(String),
@@ -108,6 +113,7 @@ pub(crate) fn read_binary(mut input: impl Read) -> Result<Trace, TraceError> {
             at: 0,
         };
         let (mut seq, mut address, mut time) = (0u64, 0u64, 0u64);
+        let (mut device, mut stream) = (None::<u16>, None::<u64>);
         while !chunk.done() {
             let tag = chunk.byte().map_err(bad)?;
             let mut at = |delta: u64| -> u64 {
@@ -142,7 +148,11 @@ pub(crate) fn read_binary(mut input: impl Read) -> Result<Trace, TraceError> {
                         held += 1;
                         items.push(Item {
                             seq: first,
-                            what: What::Release { address: old, held },
+                            what: What::Release {
+                                address: old,
+                                device,
+                                held,
+                            },
                         });
                         seq_of_call = at(chunk.varint().map_err(bad)?);
                     }
@@ -184,9 +194,21 @@ pub(crate) fn read_binary(mut input: impl Read) -> Result<Trace, TraceError> {
                             time,
                             site,
                             held,
+                            device,
+                            stream: stream.take(),
                         },
                     });
                 }
+                PLACE => {
+                    let place = chunk.varint().map_err(bad)?;
+                    device = match place {
+                        0 => None,
+                        gpu => Some(u16::try_from(gpu - 1).map_err(|_| {
+                            bad(format!("GPU {} is past any GPU's number", gpu - 1))
+                        })?),
+                    };
+                }
+                STREAM => stream = Some(chunk.varint().map_err(bad)?),
                 SITE => {
                     let local = chunk.varint().map_err(bad)?;
                     let local = u32::try_from(local)
@@ -272,7 +294,8 @@ pub(crate) fn read_binary(mut input: impl Read) -> Result<Trace, TraceError> {
 /// is made, a free of an address never made `UNKNOWN_ID`, and each event's `line` the
 /// line it has in the text form `trace-convert` writes.
 fn replay_order(items: Vec<Item>, flags: u8, holds: u32, trace: &mut Trace) {
-    let mut ids: HashMap<u64, u64, foldhash::fast::RandomState> = HashMap::default();
+    // A placement's own addresses: a GPU's and the host's may be the same numbers.
+    let mut ids: HashMap<(Option<u16>, u64), u64, foldhash::fast::RandomState> = HashMap::default();
     let mut released = vec![None; holds as usize + 1];
     let mut next_id = 1;
     // Line 1 is the header; each new site's record precedes its first event.
@@ -280,8 +303,12 @@ fn replay_order(items: Vec<Item>, flags: u8, holds: u32, trace: &mut Trace) {
     let mut named = std::collections::HashSet::new();
     for item in items {
         match item.what {
-            What::Release { address, held } => {
-                released[held as usize] = ids.remove(&address);
+            What::Release {
+                address,
+                device,
+                held,
+            } => {
+                released[held as usize] = ids.remove(&(device, address));
             }
             What::Mark(text) => {
                 line = line.saturating_add(1);
@@ -299,16 +326,18 @@ fn replay_order(items: Vec<Item>, flags: u8, holds: u32, trace: &mut Trace) {
                 time,
                 site,
                 held,
+                device,
+                stream,
             } => {
                 let id = match op {
                     EventOp::Free if old == 0 => 0,
-                    EventOp::Free => ids.remove(&old).unwrap_or(UNKNOWN_ID),
+                    EventOp::Free => ids.remove(&(device, old)).unwrap_or(UNKNOWN_ID),
                     EventOp::Malloc | EventOp::Calloc | EventOp::Realloc => {
                         let id = released[held as usize].take().unwrap_or_else(|| {
                             next_id += 1;
                             next_id - 1
                         });
-                        ids.insert(new, id);
+                        ids.insert((device, new), id);
                         id
                     }
                 };
@@ -323,12 +352,17 @@ fn replay_order(items: Vec<Item>, flags: u8, holds: u32, trace: &mut Trace) {
                 if flags & SITES != 0 {
                     trace.sites.push(site);
                 }
+                if stream.is_some() || !trace.streams.is_empty() {
+                    trace.streams.resize(trace.events.len(), None);
+                    trace.streams.push(stream);
+                }
                 trace.events.push(Event {
                     op,
                     id,
                     size,
                     thread,
                     line,
+                    device,
                 });
             }
         }

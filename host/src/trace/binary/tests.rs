@@ -7,7 +7,8 @@ use super::*;
 use crate::trace::{Event, Mark};
 
 /// A well-formed trace: blocks numbered in the order they are made, freed at most
-/// once, over a few threads, with marks, times and sites when asked.
+/// once, over a few threads, with marks, times and sites when asked, and with blocks of
+/// two GPUs' memory among the host's (frees naming streams) when asked.
 fn traces() -> impl Strategy<Value = Trace> {
     let step = (
         0u8..6,
@@ -21,10 +22,11 @@ fn traces() -> impl Strategy<Value = Trace> {
         proptest::collection::vec(step, 0..200),
         any::<bool>(),
         any::<bool>(),
+        any::<bool>(),
     )
-        .prop_map(|(steps, times, sites)| {
+        .prop_map(|(steps, times, sites, devices)| {
             let mut trace = Trace::default();
-            let mut live: Vec<(u64, u64)> = Vec::new();
+            let mut live: Vec<(u64, u64, Option<u16>)> = Vec::new();
             let mut next = 1;
             let site_of = |n: u32| Site {
                 file: format!("/job/part {n}.py").into(),
@@ -41,26 +43,34 @@ fn traces() -> impl Strategy<Value = Trace> {
             };
             let mut time = 0;
             for (kind, pick, size, thread, mark, site) in steps {
-                let (op, id) = match (kind, live.is_empty()) {
+                let gpu = (devices && size % 3 != 0).then_some((size % 2) as u16);
+                let (op, id, device) = match (kind, live.is_empty()) {
                     (0 | 1, _) | (_, true) => {
                         next += 1;
-                        live.push((next - 1, size));
+                        live.push((next - 1, size, gpu));
                         (
                             [EventOp::Malloc, EventOp::Calloc][kind as usize % 2],
                             next - 1,
+                            gpu,
                         )
                     }
                     (2, false) => {
                         let at = pick % live.len();
                         live[at].1 = size;
-                        (EventOp::Realloc, live[at].0)
+                        (EventOp::Realloc, live[at].0, live[at].2)
                     }
-                    (3, false) => (EventOp::Free, 0),
+                    (3, false) => (EventOp::Free, 0, None),
                     _ => {
-                        let (id, _) = live.swap_remove(pick % live.len());
-                        (EventOp::Free, id)
+                        let (id, _, device) = live.swap_remove(pick % live.len());
+                        (EventOp::Free, id, device)
                     }
                 };
+                let stream =
+                    (op == EventOp::Free && device.is_some() && mark % 3 != 0).then_some(mark % 5);
+                if stream.is_some() || !trace.streams.is_empty() {
+                    trace.streams.resize(trace.events.len(), None);
+                    trace.streams.push(stream);
+                }
                 if mark.is_multiple_of(7) && !trace.events.is_empty() {
                     trace.marks.push(Mark {
                         at: trace.events.len() as u64,
@@ -84,6 +94,7 @@ fn traces() -> impl Strategy<Value = Trace> {
                     size,
                     thread,
                     line: 0,
+                    device,
                 });
             }
             trace
@@ -97,11 +108,18 @@ fn binary(trace: &Trace) -> Vec<u8> {
 }
 
 /// Events without their lines (a text trace's and a binary one's differ).
-fn calls(trace: &Trace) -> Vec<(EventOp, u64, u64, u32)> {
+fn calls(trace: &Trace) -> Vec<(EventOp, u64, u64, u32, Option<u16>)> {
     trace
         .events
         .iter()
-        .map(|e| (e.op, e.id, e.size, e.thread))
+        .map(|e| (e.op, e.id, e.size, e.thread, e.device))
+        .collect()
+}
+
+/// Each event's stream, `None` for none.
+fn streams(trace: &Trace) -> Vec<Option<u64>> {
+    (0..trace.events.len())
+        .map(|at| trace.streams.get(at).copied().flatten())
         .collect()
 }
 
@@ -110,6 +128,7 @@ proptest! {
     fn a_trace_written_binary_reads_back_with_every_event_mark_time_and_site(trace in traces()) {
         let back = read_binary(&binary(&trace)[..]).unwrap();
         prop_assert_eq!(calls(&back), calls(&trace));
+        prop_assert_eq!(streams(&back), streams(&trace));
         prop_assert_eq!(&back.marks, &trace.marks);
         prop_assert_eq!(&back.times, &trace.times);
         prop_assert!(!back.cut_short);
@@ -126,6 +145,7 @@ proptest! {
         super::super::write_text(&back, &mut text).unwrap();
         let reread = super::super::parse_trace_marked(&text[..]).unwrap();
         prop_assert_eq!(calls(&reread), calls(&back));
+        prop_assert_eq!(streams(&reread), streams(&back));
         let lines = |t: &Trace| t.events.iter().map(|e| e.line).collect::<Vec<_>>();
         prop_assert_eq!(lines(&reread), lines(&back));
     }
@@ -159,6 +179,8 @@ fn calls_from_threads_interleaved_read_back_in_the_order_they_were_numbered() {
         size: 8,
         time: 0,
         site: None,
+        device: None,
+        stream: None,
     };
     first.call(call(EventOp::Malloc, 1, 1, 0, 0x1000));
     second.call(call(EventOp::Malloc, 2, 2, 0, 0x2000));
@@ -177,11 +199,11 @@ fn calls_from_threads_interleaved_read_back_in_the_order_they_were_numbered() {
     assert_eq!(
         calls(&trace),
         [
-            (EventOp::Malloc, 1, 8, 1),
-            (EventOp::Malloc, 2, 8, 2),
-            (EventOp::Free, 1, 8, 2),
-            (EventOp::Malloc, 3, 8, 1),
-            (EventOp::Realloc, 2, 8, 2),
+            (EventOp::Malloc, 1, 8, 1, None),
+            (EventOp::Malloc, 2, 8, 2, None),
+            (EventOp::Free, 1, 8, 2, None),
+            (EventOp::Malloc, 3, 8, 1, None),
+            (EventOp::Realloc, 2, 8, 2, None),
         ],
         "the address thread 1 is handed again is a new block; the realloc keeps its id"
     );
@@ -197,6 +219,7 @@ fn a_recording_cut_short_reads_up_to_its_last_whole_chunk_and_says_so() {
             size: id * 16,
             thread: 1,
             line: 0,
+            device: None,
         });
     }
     let whole = binary(&trace);
@@ -263,6 +286,8 @@ fn a_site_met_again_by_the_same_names_keeps_its_number_and_another_gets_its_own(
             size: 8,
             time: 0,
             site: Some(site.clone()),
+            device: None,
+            stream: None,
         });
     }
     let mut bytes = header(SITES).to_vec();
@@ -298,6 +323,8 @@ fn a_site_s_long_names_are_cut_to_the_bound_a_reader_takes() {
         new: 16,
         size: 8,
         time: 0,
+        device: None,
+        stream: None,
         site: Some(site),
     });
     let mut bytes = header(SITES).to_vec();
@@ -357,6 +384,7 @@ fn two_binary_traces_joined_are_refused_in_one_line() {
         size: 8,
         thread: 1,
         line: 0,
+        device: None,
     });
     let one = binary(&trace);
     let mut joined = one.clone();
@@ -426,4 +454,54 @@ fn the_documented_example_reads_as_the_documented_text() {
     let mut text = Vec::new();
     crate::trace::write_text(&trace, &mut text).unwrap();
     assert_eq!(String::from_utf8(text).unwrap(), block("text"));
+}
+
+/// Every kind of item a writer puts in a chunk, and every field it writes on a text
+/// line, is in `docs/traces.md`'s tables: a new one fails here until the page says
+/// what it is.
+#[test]
+fn the_documented_tables_name_every_item_and_field_a_writer_writes() {
+    let page = include_str!("../../../../docs/traces.md");
+    for tag in [0, 1, 2, 3, SITE, MARK, PLACE, STREAM] {
+        let named =
+            page.contains(&format!("\n| `{tag}` ")) || page.contains(&format!(", `{tag}` "));
+        assert!(named, "item {tag} is not in the table");
+    }
+    let mut trace = Trace::default();
+    let site = Site {
+        file: "a.py".into(),
+        line: 1,
+        function: "f".into(),
+        via: None,
+    };
+    trace.site_table.insert(1, site);
+    for (op, site, stream) in [(EventOp::Malloc, 1, None), (EventOp::Free, 0, Some(3))] {
+        trace.times.push(5);
+        trace.sites.push(site);
+        trace.streams.push(stream);
+        trace.events.push(Event {
+            op,
+            id: 1,
+            size: 8,
+            thread: 1,
+            line: 0,
+            device: Some(0),
+        });
+    }
+    let mut text = Vec::new();
+    crate::trace::write_text(&trace, &mut text).unwrap();
+    let text = String::from_utf8(text).unwrap();
+    let mut keys = std::collections::BTreeSet::new();
+    for event in text.lines().filter(|line| !line.starts_with('#')) {
+        for word in event.split_whitespace().skip(4) {
+            keys.insert(word[..=word.find('=').unwrap()].to_string());
+        }
+    }
+    assert_eq!(keys.len(), 4, "{text}");
+    for key in keys {
+        assert!(
+            page.contains(&format!("`{key}")),
+            "field `{key}` is not described"
+        );
+    }
 }
