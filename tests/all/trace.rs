@@ -495,10 +495,11 @@ fn a_failing_hook_fails_the_run_and_is_named_as_a_hook() {
 }
 
 /// Issue 65: a trace with a GPU's blocks among the host's. `trace-convert` keeps every
-/// event with its GPU and stream; `replay-trace` and `report` replay the host's events
-/// through host policies and say how many of the GPU's they left out.
+/// event with its GPU and stream; `replay-trace` replays the host's events through host
+/// policies and says how many of the GPU's it left out; `report` replays those through
+/// a device policy on a stand-in GPU, as a part of the page of their own.
 #[test]
-fn a_trace_with_gpu_memory_converts_whole_and_replays_its_host_memory_saying_what_it_left_out() {
+fn a_trace_with_gpu_memory_converts_whole_and_replays_each_memory_through_its_own_policies() {
     let dir = tempdir("gpu-events");
     std::fs::write(
         dir.join("t.trace"),
@@ -527,5 +528,22 @@ fn a_trace_with_gpu_memory_converts_whole_and_replays_its_host_memory_saying_wha
         &dir,
     );
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("has 2 events of GPU memory"), "{out}");
+    let gpu = &out[out.find("t.bin, GPU 0:").unwrap_or_else(|| panic!("{out}"))..];
+    let row = gpu.lines().find(|l| l.starts_with("gpu-pool")).unwrap();
+    // Two events; 4 KiB live at the peak; gpu-pool maps a 64 MiB region to start with.
+    assert_eq!(row.split_whitespace().nth(1), Some("2"), "{row}");
+    assert!(row.contains("4.0 KiB") && row.contains("64 MiB"), "{row}");
+    assert!(
+        gpu.contains("held in the regions it mapped of the GPU's memory"),
+        "{gpu}"
+    );
+    let page = std::fs::read_to_string(dir.join("r.html")).unwrap();
+    assert!(
+        page.contains("<h1>allocbox report: t.bin, GPU 0</h1>"),
+        "a part of its own"
+    );
+    assert!(
+        page.contains("held in the GPU&#39;s regions"),
+        "the legend says whose memory"
+    );
 }

@@ -70,6 +70,16 @@ pub(crate) fn guest_memory(s: &str) -> Result<u64> {
     }
 }
 
+/// `--device-memory`: a GPU's memory, from 1 MiB to 1 PiB.
+pub(crate) fn device_memory(s: &str) -> Result<u64> {
+    let bytes = byte_size(s)?;
+    match bytes {
+        0..0x10_0000 => bail!("`{s}` is less than any GPU has: give at least 1 MiB"),
+        0x10_0000..=0x4_0000_0000_0000 => Ok(bytes),
+        _ => bail!("`{s}` is more memory than any GPU has: give at most 1 PiB"),
+    }
+}
+
 /// `--overhead`: a size up to 1 PiB.
 pub(crate) fn overhead(s: &str) -> Result<u64> {
     let bytes = byte_size(s)?;

@@ -10,8 +10,8 @@ use allocbox::{CompileBound, Limits};
 use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::arguments::{
-    at_least_one, batch_limit, call_time_ms, check_seconds, client_threads, guest_memory,
-    kind_grant, max_ops, overhead, parse_compile_bound, parse_key_value,
+    at_least_one, batch_limit, call_time_ms, check_seconds, client_threads, device_memory,
+    guest_memory, kind_grant, max_ops, overhead, parse_compile_bound, parse_key_value,
 };
 use crate::{convert, new_policy};
 
@@ -138,6 +138,15 @@ pub(crate) enum Command {
         hook: HookArg,
         #[command(flatten)]
         limits: LimitArgs,
+        /// A device policy (repeatable) that each GPU's events of the trace are replayed
+        /// through, each on its own, on a stand-in GPU (no GPU is needed): a shipped
+        /// policy's name or a policy file [default: gpu-pool].
+        #[arg(long = "device-policy", value_name = "POLICY")]
+        device_policies: Vec<String>,
+        /// The memory of each stand-in GPU, as bytes or with a unit (`80GiB`): a device
+        /// policy that needs more runs out [default: 80 GiB].
+        #[arg(long, value_parser = device_memory)]
+        device_memory: Option<u64>,
     },
     /// Run a script (one operation a line, as `check` prints it) through a policy with
     /// every check on.
@@ -239,6 +248,10 @@ impl LimitArgs {
 pub(crate) const CHECK_CALL_TIME: Duration = Duration::from_millis(250);
 /// How long `allocbox check` spends on a policy unless told otherwise.
 pub(crate) const DEFAULT_CHECK_TIME: Duration = Duration::from_secs(3);
+/// The device policy `report` replays a trace's GPU memory through unless told.
+pub(crate) const DEFAULT_DEVICE_POLICY: &str = "gpu-pool";
+/// A stand-in GPU's memory unless told: an 80 GB data-centre GPU's.
+pub(crate) const DEFAULT_DEVICE_MEMORY: u64 = 80 << 30;
 
 /// Run a Python program, unmodified, under a policy chain: NumPy's handler for the
 /// program and every thread it starts, and the arrays Numba's compiled code makes.

@@ -9,13 +9,14 @@
 //! `outcome` (exit status and printing), `arguments` (the values options take). Each
 //! uses only those after it here (`tests/layers.rs`):
 //!
-//! Module order: `run_command` > `grammar` > `convert` > `inspect` > `trace_command` > `check_command` > `new_policy` > `named` > `outcome` > `progress` > `report` > `arguments`
+//! Module order: `run_command` > `grammar` > `convert` > `inspect` > `trace_command` > `device_report` > `check_command` > `new_policy` > `named` > `outcome` > `progress` > `report` > `arguments`
 
 pub mod report;
 
 mod arguments;
 mod check_command;
 mod convert;
+mod device_report;
 mod grammar;
 mod inspect;
 mod named;
@@ -35,7 +36,9 @@ use allocbox::{CompileBounds, Limits};
 use allocbox_check::CheckOptions;
 
 use check_command::{CheckArgs, run_check, run_replay};
-use grammar::{CHECK_CALL_TIME, Command, DEFAULT_CHECK_TIME};
+use grammar::{
+    CHECK_CALL_TIME, Command, DEFAULT_CHECK_TIME, DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICE_POLICY,
+};
 use inspect::inspect;
 use outcome::{Outcome, print_report};
 use trace_command::{ReportArgs, config_per_policy, run_replay_trace, run_report};
@@ -137,6 +140,8 @@ where
             config,
             hook,
             limits,
+            device_policies,
+            device_memory,
         } => per_policy(config).and_then(|config| {
             run_report(ReportArgs {
                 traces,
@@ -146,6 +151,13 @@ where
                 config,
                 hook: hook.path,
                 limits: limits.limits(Limits::default().call_time),
+                device: device_report::DevicePolicies {
+                    policies: match device_policies.is_empty() {
+                        true => vec![DEFAULT_DEVICE_POLICY.to_string()],
+                        false => device_policies,
+                    },
+                    memory: device_memory.unwrap_or(DEFAULT_DEVICE_MEMORY),
+                },
             })
         }),
         Command::TraceConvert { input, output, to } => {

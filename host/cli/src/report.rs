@@ -83,6 +83,43 @@ pub struct Recorded<'a> {
     pub lines: Option<(&'a BySite, &'a HashMap<u32, Site>)>,
 }
 
+/// Whose memory a part of the page shows: its lead paragraph and its charts' legend
+/// say so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Memory {
+    /// The host's, through host policies (or NumPy's native default).
+    Host,
+    /// GPU n's, through device policies on a stand-in GPU.
+    Gpu(u16),
+}
+
+impl Memory {
+    /// What the handlers of the part are, and what their "held" is.
+    fn handlers_and_held(self) -> (String, &'static str) {
+        match self {
+            Memory::Host => (
+                "each a policy alone over the host's memory".into(),
+                "what the handler holds from the host (for the native default: the C \
+                 library's usable sizes of its live blocks)",
+            ),
+            Memory::Gpu(gpu) => (
+                format!(
+                    "each a device policy alone over GPU {gpu}'s memory, on a stand-in GPU \
+                     (host memory the host treats as the GPU's: no GPU is needed)"
+                ),
+                "what the policy holds in the regions of the GPU's memory it mapped",
+            ),
+        }
+    }
+
+    fn held_legend(self) -> &'static str {
+        match self {
+            Memory::Host => "held from host (under live where equal)",
+            Memory::Gpu(_) => "held in the GPU's regions (under live where equal)",
+        }
+    }
+}
+
 /// [`render_page`] of a trace without times or sites.
 pub fn render_html(trace_name: &str, timelines: &[Timeline], marks: &[Mark]) -> String {
     render_page(trace_name, timelines, marks, &Recorded::default())
@@ -138,7 +175,7 @@ pub fn render_page(
     marks: &[Mark],
     recorded: &Recorded<'_>,
 ) -> String {
-    let part = render_part(trace_name, timelines, marks, recorded);
+    let part = render_part(trace_name, timelines, marks, recorded, Memory::Host);
     render_parts(&[(trace_name.to_string(), part)])
 }
 
@@ -148,12 +185,13 @@ pub fn render_page(
 /// live at its end, the lines behind the peak and behind what was never freed (when
 /// `recorded` has them), and per metric one chart per handler side by side with the
 /// same axes, over time when the trace has times. Every text that comes from outside
-/// is escaped.
+/// is escaped. `memory` says whose memory the handlers served.
 pub fn render_part(
     trace_name: &str,
     timelines: &[Timeline],
     marks: &[Mark],
     recorded: &Recorded<'_>,
+    memory: Memory,
 ) -> String {
     let events_max = timelines
         .iter()
@@ -200,13 +238,13 @@ pub fn render_part(
 
     let mut html = format!("<h1>allocbox report: {}</h1>\n", escape_html(trace_name));
     let events = timelines.iter().map(|t| t.replay.events).max().unwrap_or(0);
+    let (handlers, held) = memory.handlers_and_held();
     let _ = writeln!(
         html,
         "<p class=\"lead\">The trace replayed event by event on one thread, in trace order \
-         (recorded threads ignored), through {} handler{}, each a policy alone over the \
-         host's memory: up to {events} events. <i>Live</i> is what the client holds (the \
-         sizes it asked for); <i>held</i> is what the handler holds from the host (for \
-         the native default: the C library's usable sizes of its live blocks). Charts \
+         (recorded threads ignored), through {} handler{}, {handlers}: up to {events} \
+         events. <i>Live</i> is what the client holds (the sizes it asked for); \
+         <i>held</i> is {held}. Charts \
          show windows of events (the most bytes within each); charts of a row share \
          their axes. Sizes in the tables are binary, as NumPy's messages give them \
          (1 KiB = 1024 bytes); the charts' log axes mark powers of ten (1 kB = 1000 \
@@ -251,7 +289,9 @@ pub fn render_part(
         );
     }
     html += "</tbody>\n</table>\n";
-    let _ = writeln!(html, "<p class=\"note\">{}</p>", escape_html(MAGAZINE_NOTE));
+    if memory == Memory::Host {
+        let _ = writeln!(html, "<p class=\"note\">{}</p>", escape_html(MAGAZINE_NOTE));
+    }
 
     html += "<h2>First failure</h2>\n<ul class=\"failures\">\n";
     for t in timelines {
@@ -288,7 +328,7 @@ pub fn render_part(
             ("Bytes over time (log scale)", false),
             [
                 (LIVE_COLOR, "live (client)"),
-                (HELD_COLOR, "held from host (under live where equal)"),
+                (HELD_COLOR, memory.held_legend()),
             ]
             .into_iter()
             // The marks' tick only where the trace has marks (a test suite's).

@@ -10,10 +10,13 @@ use allocbox::output::Output;
 use allocbox::trace::Watched;
 use allocbox::trace::by_site::by_site;
 use allocbox::trace::leak_after_replay;
-use allocbox::trace::timeline::{HeldBy, chain_held, holdings_at, native_held, timeline_counted};
+use allocbox::trace::timeline::{
+    HeldBy, Timeline, chain_held, holdings_at, native_held, timeline_counted,
+};
 use allocbox::{HandlerBuilder, Limits, Runtime, WasmHook};
 use anyhow::{Context, Result, bail};
 
+use crate::device_report::{GpuPart, gpu_parts};
 use crate::named::{hook_report, load, load_hook};
 use crate::outcome::{Outcome, print_report};
 use crate::progress;
@@ -128,7 +131,7 @@ pub(crate) fn read_trace(trace: &Path) -> Result<allocbox::trace::Trace> {
 /// are left out, with a line saying how many (`trace-convert` keeps them).
 pub(crate) fn read_host_trace(trace: &Path) -> Result<allocbox::trace::Trace> {
     let mut read = read_trace(trace)?;
-    let taken = read.keep_host_memory_only();
+    let taken = read.keep_placement(None);
     if taken > 0 {
         eprintln!(
             "allocbox: {} has {taken} events of GPU memory, which this command does not \
@@ -267,6 +270,8 @@ pub(crate) struct ReportArgs {
     pub(crate) config: Vec<Vec<(String, String)>>,
     pub(crate) hook: Option<PathBuf>,
     pub(crate) limits: Limits,
+    /// What each GPU's events are replayed through.
+    pub(crate) device: crate::device_report::DevicePolicies,
 }
 
 pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
@@ -283,22 +288,37 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
     let mut broken = false;
     for trace in &args.traces {
         let name = trace.display().to_string();
-        let reported = report_trace(&args, trace)?;
+        let (reported, gpus) = report_trace(&args, trace)?;
         broken |= reported.hook_failed || reported.timelines.iter().any(|t| t.replay.failed());
-        if args.json {
-            json.extend(reported.timelines.iter().map(|t| {
-                let mut object = report::timeline_json(t);
-                object["trace"] = name.clone().into();
-                object
-            }));
-        } else {
-            if args.traces.len() > 1 {
+        let several = args.traces.len() > 1 || !gpus.is_empty();
+        let mut summarise = |name: &str, timelines: &[Timeline], gpu: Option<u16>| {
+            if args.json {
+                json.extend(timelines.iter().map(|t| {
+                    let mut object = report::timeline_json(t);
+                    object["trace"] = name.into();
+                    if let Some(gpu) = gpu {
+                        object["gpu"] = gpu.into();
+                    }
+                    object
+                }));
+            } else if several {
                 print_report(&format!("{name}:\n"));
             }
-            print_report(&report::summary_table(&reported.timelines));
+            if !args.json {
+                let memory = gpu.map_or(report::Memory::Host, report::Memory::Gpu);
+                print_report(&report::summary_table(timelines, memory));
+            }
+        };
+        summarise(&name, &reported.timelines, None);
+        if !args.json {
             print_report(&reported.hook_reports);
         }
-        parts.push((name, reported.part));
+        parts.push((name.clone(), reported.part));
+        for gpu in gpus {
+            broken |= gpu.timelines.iter().any(|t| t.replay.failed());
+            summarise(&gpu.name, &gpu.timelines, Some(gpu.gpu));
+            parts.push((gpu.name, gpu.part));
+        }
     }
     std::io::Write::write_all(page_file.file(), report::render_parts(&parts).as_bytes())
         .with_context(|| format!("cannot write the page `{}`", args.output.display()))?;
@@ -315,12 +335,17 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
 /// One trace through every handler: its part of the page, and what the summaries say.
 struct TraceReport {
     part: String,
-    timelines: Vec<allocbox::trace::timeline::Timeline>,
+    timelines: Vec<Timeline>,
     hook_reports: String,
     hook_failed: bool,
 }
 
-fn report_trace(args: &ReportArgs, trace: &Path) -> Result<TraceReport> {
+/// One trace through every handler, and each GPU's memory of it through every device
+/// policy.
+fn report_trace(args: &ReportArgs, trace: &Path) -> Result<(TraceReport, Vec<GpuPart>)> {
+    let mut read = read_trace(trace)?;
+    let gpus = gpu_parts(&read, trace, &args.device, &args.limits)?;
+    read.keep_placement(None);
     let allocbox::trace::Trace {
         events,
         marks,
@@ -328,7 +353,7 @@ fn report_trace(args: &ReportArgs, trace: &Path) -> Result<TraceReport> {
         sites,
         site_table,
         ..
-    } = read_host_trace(trace)?;
+    } = read;
     let mut timelines = Vec::new();
     let mut hook_reports = String::new();
     let mut hook_failed = false;
@@ -383,10 +408,18 @@ fn report_trace(args: &ReportArgs, trace: &Path) -> Result<TraceReport> {
         times: &times,
         lines: lines.as_ref().map(|found| (found, &site_table)),
     };
-    Ok(TraceReport {
-        part: report::render_part(&trace.display().to_string(), &timelines, &marks, &recorded),
+    let part = report::render_part(
+        &trace.display().to_string(),
+        &timelines,
+        &marks,
+        &recorded,
+        report::Memory::Host,
+    );
+    let reported = TraceReport {
+        part,
         timelines,
         hook_reports,
         hook_failed,
-    })
+    };
+    Ok((reported, gpus))
 }

@@ -12,6 +12,11 @@ pub const RATIO_NOTE: &str = "held/live: bytes the handler held from the host fo
 the trace held (1.00x: nothing beyond the arrays themselves), when the trace held the \
 most and after its last event.";
 
+/// [`RATIO_NOTE`] for a GPU's memory.
+pub const GPU_RATIO_NOTE: &str = "held/live: bytes the policy held in the regions it mapped \
+of the GPU's memory for each byte the trace held there, when the trace held the most and \
+after its last event.";
+
 /// Below this, on either side, a change of held bytes is said in bytes, not as a
 /// percentage: 21 KiB against 1 MiB is no "4550% more".
 const PERCENT_FLOOR: u64 = 1 << 20;
@@ -82,7 +87,7 @@ fn a_change_between_small_amounts_is_said_in_bytes_not_a_percentage() {
 }
 
 /// The plain-text summary: one row per handler, and what its ratios mean.
-pub fn summary_table(timelines: &[Timeline]) -> String {
+pub fn summary_table(timelines: &[Timeline], memory: super::Memory) -> String {
     let mut rows = vec![[
         "handler".to_string(),
         "events".to_string(),
@@ -130,7 +135,10 @@ pub fn summary_table(timelines: &[Timeline]) -> String {
         out += &sentence;
         out.push('\n');
     }
-    out + RATIO_NOTE + "\n" + MAGAZINE_NOTE + "\n"
+    match memory {
+        super::Memory::Host => out + RATIO_NOTE + "\n" + MAGAZINE_NOTE + "\n",
+        super::Memory::Gpu(_) => out + GPU_RATIO_NOTE + "\n",
+    }
 }
 
 pub(super) fn ratio_text(r: Option<f64>) -> String {

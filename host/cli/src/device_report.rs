@@ -1,0 +1,112 @@
+//! A trace's GPU memory in `allocbox report`: each GPU's events replayed through each
+//! device policy, on a stand-in GPU (host memory the host treats as the GPU's and never
+//! touches, so no GPU is needed), as a part of the page of its own beside the host
+//! memory's: what the program held on that GPU, and what each policy held in the
+//! regions it mapped for it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use allocbox::gpu::{Gpu, StandIn};
+use allocbox::mapped::KindGrant;
+use allocbox::trace::timeline::{Timeline, chain_held, timeline_counted};
+use allocbox::trace::{Trace, leak_after_replay};
+use allocbox::{HandlerBuilder, Limits, Runtime};
+use anyhow::{Context, Result};
+
+use crate::progress;
+use crate::report::{self, Memory};
+
+/// What the device policies of a report are and the GPU they run on.
+pub(crate) struct DevicePolicies {
+    /// Shipped device policies' names or policy files, each replayed on its own.
+    pub(crate) policies: Vec<String>,
+    /// The stand-in GPU's memory, per GPU: a policy that needs more runs out.
+    pub(crate) memory: u64,
+}
+
+/// One GPU's part of a report: its title, its part of the page, its timelines.
+pub(crate) struct GpuPart {
+    pub(crate) gpu: u16,
+    pub(crate) name: String,
+    pub(crate) part: String,
+    pub(crate) timelines: Vec<Timeline>,
+}
+
+/// A part for each GPU whose memory `trace` has events of (none for a trace of host
+/// memory alone), each GPU's events through every device policy.
+pub(crate) fn gpu_parts(
+    trace: &Trace,
+    trace_name: &Path,
+    device: &DevicePolicies,
+    limits: &Limits,
+) -> Result<Vec<GpuPart>> {
+    let mut parts = Vec::new();
+    for gpu in trace.gpus() {
+        let mut events = Trace {
+            events: trace.events.clone(),
+            marks: trace.marks.clone(),
+            times: trace.times.clone(),
+            streams: trace.streams.clone(),
+            ..Trace::default()
+        };
+        events.keep_placement(Some(gpu));
+        let mut timelines = Vec::new();
+        for policy in &device.policies {
+            timelines.push(gpu_timeline(&events, gpu, policy, device.memory, limits)?);
+        }
+        let name = format!("{}, GPU {gpu}", trace_name.display());
+        let recorded = report::Recorded {
+            times: &events.times,
+            lines: None,
+        };
+        let part = report::render_part(
+            &name,
+            &timelines,
+            &events.marks,
+            &recorded,
+            Memory::Gpu(gpu),
+        );
+        parts.push(GpuPart {
+            gpu,
+            name,
+            part,
+            timelines,
+        });
+    }
+    Ok(parts)
+}
+
+/// `events` of GPU `gpu`'s memory through `policy`, a device handler of a stand-in
+/// GPU of `memory` bytes: each free goes back at once (a trace's stream has no work
+/// left to wait for when it is replayed).
+fn gpu_timeline(
+    events: &Trace,
+    gpu: u16,
+    policy: &str,
+    memory: u64,
+    limits: &Limits,
+) -> Result<Timeline> {
+    let runtime = Runtime::shared();
+    let loaded = crate::named::load(runtime, Some(&PathBuf::from(policy)))?;
+    let mut limits = limits.clone();
+    limits.grants.memory.grant(KindGrant::Device);
+    limits.grants.gpu = Gpu::stand_in(Arc::new(StandIn::new(u32::from(gpu) + 1, memory)));
+    let handler = HandlerBuilder::new(runtime)
+        .link(&loaded)
+        .limits(limits)
+        .build_device(u32::from(gpu))
+        .with_context(|| format!("device policy `{policy}`"))?;
+    let done = AtomicU64::new(0);
+    let label = format!("GPU {gpu}: {policy}");
+    let len = events.events.len() as u64;
+    let mut timeline = progress::counting_events(&label, len, &done, || {
+        let held = chain_held(handler.handler());
+        timeline_counted(policy, &handler, held, &events.events, &events.marks, &done)
+    });
+    if timeline.replay.failure.is_none() {
+        timeline.replay.leak = leak_after_replay(handler.handler());
+    }
+    Ok(timeline)
+}
