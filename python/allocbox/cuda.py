@@ -53,7 +53,8 @@ def load(source="gpu-pool", config=None, *, device=0, gpu=None, **limits):
     use instead of the CUDA driver. `record` writes a trace at that path as
     `allocbox.load`'s does: every block any client takes and gives back, each event
     with its GPU (`d=`), a free with the stream it waited for (`q=`);
-    `finish_recording()` ends it."""
+    `finish_recording()` ends it. `hook` (an `allocbox.load_hook(...)`) is told of every
+    block as NumPy's event hook is of arrays."""
     _check_bounds(limits, _DEVICE_BOUNDS, "device=, gpu=")
     item = (_source(source), {str(k): str(v) for k, v in config.items()}) if config else _source(source)
     return _load_device_chain(item, device=device, gpu=gpu, names=[_shipped_name(source)], **limits)

@@ -15,7 +15,7 @@ use crate::loading::{call_time_or_default, source_bytes};
 /// A sandboxed event hook (a component of the `hook` world), for `set_event_hook`.
 #[pyclass(frozen, module = "allocbox")]
 pub(crate) struct EventHook {
-    hook: Arc<WasmHook>,
+    pub(crate) hook: Arc<WasmHook>,
 }
 
 #[pymethods]

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use allocbox::nep49::MemHandler;
 
 use allocbox::PolicyHandler;
-use allocbox::trace::{RecordOptions, Recorder, SiteOf, TraceWriter, Watched};
+use allocbox::trace::{RecordOptions, Recorder, SiteOf, TraceWriter};
 use pyo3::exceptions::PyTypeError;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -179,7 +179,7 @@ impl Policy {
     /// frees (what leaked, where the recording ends).
     fn finish_recording(&self) -> PyResult<()> {
         match &self.recorder {
-            Some(recorder) => finish(recorder),
+            Some(recorder) => finish(&recorder.watcher),
             None => Ok(()),
         }
     }
@@ -323,7 +323,7 @@ pub(crate) fn recording_options(sites: bool) -> RecordOptions {
 }
 
 /// End a recording and write it out, or say which file could not be written.
-pub(crate) fn finish<H>(recorder: &Watched<H, TraceWriter>) -> PyResult<()> {
+pub(crate) fn finish(recorder: &TraceWriter) -> PyResult<()> {
     recorder.finish().map_err(|e| {
         let file = recorder.file().map(|f| format!(" `{}`", f.display()));
         AllocboxError::new_err(format!(

@@ -657,3 +657,17 @@ def test_the_docs_of_load_name_every_kind_of_memory_a_policy_may_be_granted():
     docs = allocbox.load.__doc__ + allocbox.cuda.load.__doc__
     for kind in kinds:
         assert f'"{kind}"' in docs or f"`{kind}`" in docs, kind
+
+
+def test_a_per_thread_policy_records_the_program_s_lines_as_one_chain_does(tmp_path):
+    # Issue 65: a handler per thread is recorded by the same code as one chain, sites too.
+    path = tmp_path / "per-thread.trace"
+    policy = allocbox.load("size-classes", per_thread=True, record=str(path), record_sites=True)
+    assert policy.instances >= 1
+    with allocbox.use(policy):
+        a = np.ones(5000)  # the line the trace names
+        del a
+    policy.finish_recording()
+    text = trace_text(path)
+    assert any(line.startswith("#@site ") and "test_bridge.py" in line for line in text.splitlines()), text[:2000]
+    assert any(line.startswith("m ") and " s=" in line for line in text.splitlines()), text[:2000]

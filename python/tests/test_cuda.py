@@ -306,3 +306,16 @@ def test_a_device_policy_records_its_blocks_with_their_gpu_and_stream_as_load_re
     assert all("d=0" in e for e in events), events
     assert "q=5" in events[3] and not any(w.startswith("q=") for w in events[2]), events
     pool.leak_check()
+
+
+def test_a_device_policy_tells_its_event_hook_of_every_block(gpu):
+    # Issue 65: a device policy's blocks reached no event hook.
+    sizes = allocbox.load_hook("sizes")
+    pool = allocbox.cuda.load("gpu-pool", gpu=gpu, hook=sizes)
+    ptrs = [pool.malloc(size) for size in (100, 5000, 5000)]
+    for ptr, size in zip(ptrs, (100, 5000, 5000)):
+        pool.free(ptr, size)
+    # `sizes` counts requests in [2^k, 2^(k+1)): one of [64, 128), two of [4096, 8192).
+    counts = sizes.report()
+    assert sum(counts) == 3 and counts[6] == 1 and counts[12] == 2, counts
+    assert sizes.failure is None

@@ -524,7 +524,16 @@ fn a_trace_with_gpu_memory_converts_whole_and_replays_each_memory_through_its_ow
     );
     assert!(out.contains("(4 events, replayed on"), "{out}");
     let (code, out) = allocbox_cli(
-        &["report", "t.bin", "-p", "size-classes", "-o", "r.html"],
+        &[
+            "report",
+            "t.bin",
+            "-p",
+            "size-classes",
+            "-o",
+            "r.html",
+            "--hook",
+            "sizes",
+        ],
         &dir,
     );
     assert_eq!(code, 0, "{out}");

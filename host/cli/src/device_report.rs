@@ -12,9 +12,10 @@ use allocbox::gpu::{Gpu, StandIn};
 use allocbox::mapped::KindGrant;
 use allocbox::trace::timeline::{Timeline, chain_held, timeline_counted};
 use allocbox::trace::{Trace, leak_after_replay};
-use allocbox::{HandlerBuilder, Limits, Runtime};
+use allocbox::{HandlerBuilder, Limits, Runtime, WasmHook};
 use anyhow::{Context, Result};
 
+use crate::named::{hook_report, load_hook, observed};
 use crate::progress;
 use crate::report::{self, Memory};
 
@@ -32,6 +33,9 @@ pub(crate) struct GpuPart {
     pub(crate) name: String,
     pub(crate) part: String,
     pub(crate) timelines: Vec<Timeline>,
+    /// The event hook's report on each device policy, as for the host's.
+    pub(crate) hook_reports: String,
+    pub(crate) hook_failed: bool,
 }
 
 /// A part for each GPU whose memory `trace` has events of (none for a trace of host
@@ -40,6 +44,7 @@ pub(crate) fn gpu_parts(
     trace: &Trace,
     trace_name: &Path,
     device: &DevicePolicies,
+    hook: Option<&Path>,
     limits: &Limits,
 ) -> Result<Vec<GpuPart>> {
     let mut parts = Vec::new();
@@ -53,8 +58,17 @@ pub(crate) fn gpu_parts(
         };
         events.keep_placement(Some(gpu));
         let mut timelines = Vec::new();
+        let (mut hook_reports, mut hook_failed) = (String::new(), false);
         for policy in &device.policies {
-            timelines.push(gpu_timeline(&events, gpu, policy, device.memory, limits)?);
+            // A hook of its own for each policy, as each host policy has.
+            let hook = hook.map(|h| load_hook(h, limits)).transpose()?;
+            let timeline =
+                gpu_timeline(&events, gpu, policy, device.memory, limits, hook.as_deref())?;
+            if let Some(hook) = &hook {
+                hook_reports += &hook_report(hook, &timeline.label);
+                hook_failed |= hook.failure().is_some();
+            }
+            timelines.push(timeline);
         }
         let name = format!("{}, GPU {gpu}", trace_name.display());
         let recorded = report::Recorded {
@@ -73,6 +87,8 @@ pub(crate) fn gpu_parts(
             name,
             part,
             timelines,
+            hook_reports,
+            hook_failed,
         });
     }
     Ok(parts)
@@ -87,6 +103,7 @@ fn gpu_timeline(
     policy: &str,
     memory: u64,
     limits: &Limits,
+    hook: Option<&WasmHook>,
 ) -> Result<Timeline> {
     let runtime = Runtime::shared();
     let loaded = crate::named::load(runtime, Some(&PathBuf::from(policy)))?;
@@ -102,8 +119,10 @@ fn gpu_timeline(
     let label = format!("GPU {gpu}: {policy}");
     let len = events.events.len() as u64;
     let mut timeline = progress::counting_events(&label, len, &done, || {
-        let held = chain_held(handler.handler());
-        timeline_counted(policy, &handler, held, &events.events, &events.marks, &done)
+        observed(&handler, hook, |watched| {
+            let held = chain_held(handler.handler());
+            timeline_counted(policy, watched, held, &events.events, &events.marks, &done)
+        })
     });
     if timeline.replay.failure.is_none() {
         timeline.replay.leak = leak_after_replay(handler.handler());

@@ -119,6 +119,21 @@ pub(crate) fn load_hook(path: &Path, limits: &Limits) -> Result<Arc<WasmHook>> {
         .with_context(|| format!("the hook `{}` cannot be started", path.display()))
 }
 
+/// Run `f` on `handler`, with `hook` told about its every event when there is one.
+pub(crate) fn observed<R>(
+    handler: &dyn allocbox::MemHandler,
+    hook: Option<&WasmHook>,
+    f: impl FnOnce(&dyn allocbox::MemHandler) -> R,
+) -> R {
+    match hook {
+        Some(hook) => f(&allocbox::trace::Watched {
+            handler,
+            watcher: hook,
+        }),
+        None => f(handler),
+    }
+}
+
 /// A hook's report as a sentence: the `sizes` hook's as a histogram, any other's as its
 /// numbers.
 pub(crate) fn hook_report(hook: &WasmHook, handler: &str) -> String {

@@ -7,17 +7,16 @@ use std::sync::atomic::AtomicU64;
 
 use crate::report;
 use allocbox::output::Output;
-use allocbox::trace::Watched;
 use allocbox::trace::by_site::by_site;
 use allocbox::trace::leak_after_replay;
 use allocbox::trace::timeline::{
     HeldBy, Timeline, chain_held, holdings_at, native_held, timeline_counted,
 };
-use allocbox::{HandlerBuilder, Limits, Runtime, WasmHook};
+use allocbox::{HandlerBuilder, Limits, Runtime};
 use anyhow::{Context, Result, bail};
 
 use crate::device_report::{GpuPart, gpu_parts};
-use crate::named::{hook_report, load, load_hook};
+use crate::named::{hook_report, load, load_hook, observed};
 use crate::outcome::{Outcome, print_report};
 use crate::progress;
 
@@ -72,21 +71,6 @@ fn build_handler(
             BuiltHandler::Chain(Arc::new(builder.build()?))
         }
     })
-}
-
-/// Run `f` on `handler`, with `hook` told about its every event when there is one.
-fn observed<R>(
-    handler: &dyn allocbox::MemHandler,
-    hook: Option<&WasmHook>,
-    f: impl FnOnce(&dyn allocbox::MemHandler) -> R,
-) -> R {
-    match hook {
-        Some(hook) => f(&Watched {
-            handler,
-            watcher: hook,
-        }),
-        None => f(handler),
-    }
 }
 
 /// A trace file's events and marks, under a spinner (a large trace takes seconds to
@@ -315,8 +299,11 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         }
         parts.push((name.clone(), reported.part));
         for gpu in gpus {
-            broken |= gpu.timelines.iter().any(|t| t.replay.failed());
+            broken |= gpu.hook_failed || gpu.timelines.iter().any(|t| t.replay.failed());
             summarise(&gpu.name, &gpu.timelines, Some(gpu.gpu));
+            if !args.json {
+                print_report(&gpu.hook_reports);
+            }
             parts.push((gpu.name, gpu.part));
         }
     }
@@ -344,7 +331,13 @@ struct TraceReport {
 /// policy.
 fn report_trace(args: &ReportArgs, trace: &Path) -> Result<(TraceReport, Vec<GpuPart>)> {
     let mut read = read_trace(trace)?;
-    let gpus = gpu_parts(&read, trace, &args.device, &args.limits)?;
+    let gpus = gpu_parts(
+        &read,
+        trace,
+        &args.device,
+        args.hook.as_deref(),
+        &args.limits,
+    )?;
     read.keep_placement(None);
     let allocbox::trace::Trace {
         events,

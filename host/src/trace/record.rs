@@ -358,7 +358,13 @@ impl TraceWriter {
         sink.writer.as_ref().map(|w| w.chunks.clone())
     }
 
-    fn finish(&self) -> std::io::Result<()> {
+    /// The file written, for a recording made by [`Recorder::create`].
+    pub fn file(&self) -> Option<&std::path::Path> {
+        self.path.as_deref()
+    }
+
+    /// End the trace and write it out: see [`Recorder::finish`].
+    pub fn finish(&self) -> std::io::Result<()> {
         if self.fork.abandoned.load(Ordering::Relaxed) {
             return Ok(());
         }

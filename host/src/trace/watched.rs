@@ -75,6 +75,40 @@ impl<W: Watcher + ?Sized> Watcher for &W {
     }
 }
 
+impl<W: Watcher + ?Sized> Watcher for std::sync::Arc<W> {
+    fn before(&self) -> u64 {
+        (**self).before()
+    }
+    fn served(&self, call: Served) {
+        (**self).served(call);
+    }
+}
+
+/// A watcher that may be absent: one slot of a [`Watched`] handler's watchers.
+impl<W: Watcher> Watcher for Option<W> {
+    fn before(&self) -> u64 {
+        self.as_ref().map_or(0, Watcher::before)
+    }
+    fn served(&self, call: Served) {
+        if let Some(watcher) = self {
+            watcher.served(call);
+        }
+    }
+}
+
+/// Two watchers, each told every call, the first first: a recording and an event hook.
+/// A call's place in the order ([`Watcher::before`]) is the first's, which is the one a
+/// recording keeps.
+impl<A: Watcher, B: Watcher> Watcher for (A, B) {
+    fn before(&self) -> u64 {
+        self.0.before()
+    }
+    fn served(&self, call: Served) {
+        self.0.served(call);
+        self.1.served(call);
+    }
+}
+
 /// `handler`, with `watcher` told about every call it serves: a trace being recorded
 /// ([`Recorder`]) or an event hook ([`crate::WasmHook`]).
 #[derive(Debug)]

@@ -6,13 +6,14 @@ use std::sync::Arc;
 use std::path::PathBuf;
 
 use allocbox::gpu::Stream;
-use allocbox::trace::DeviceRecorder;
-use allocbox::{DeviceHandler, Error, PolicyHandler};
+use allocbox::trace::{DeviceRecorder, TraceWriter, Watched};
+use allocbox::{DeviceHandler, Error, PolicyHandler, WasmHook};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::sync::Mutex;
 
 use crate::errors::{AllocboxError, LoadError, to_py};
+use crate::hooks::EventHook;
 use crate::loading::{Bounds, chain_builder};
 use crate::policy::{finish, link_dicts, recording_options, set_counts};
 use crate::stand_in_gpu::StandInGpu;
@@ -29,37 +30,34 @@ pub(crate) struct DevicePolicy {
 /// every block is in the trace whichever client made it. Everything else is the
 /// handler's own.
 pub(crate) struct Device {
-    handler: Arc<DeviceHandler>,
-    recorder: Option<DeviceRecorder>,
+    watched: Watched<Arc<DeviceHandler>, DeviceWatchers>,
 }
 
+/// What is told of a device policy's every call: its recording (`record=`) and its
+/// event hook (`hook=`), each when asked for.
+type DeviceWatchers = (Option<TraceWriter>, Option<Arc<WasmHook>>);
+
 impl Device {
-    /// [`DeviceHandler::malloc`], recorded.
+    /// [`DeviceHandler::malloc`], recorded and hooked.
     pub(crate) fn malloc(&self, size: u64) -> Result<Option<u64>, Error> {
-        match &self.recorder {
-            Some(recorder) => recorder.device_malloc(size),
-            None => self.handler.malloc(size),
-        }
+        self.watched.device_malloc(size)
     }
 
-    /// [`DeviceHandler::free`], recorded.
+    /// [`DeviceHandler::free`], recorded and hooked.
     pub(crate) fn free(
         &self,
         addr: u64,
         size: Option<u64>,
         streams: &[Stream],
     ) -> Result<(), Error> {
-        match &self.recorder {
-            Some(recorder) => recorder.device_free(addr, size, streams),
-            None => self.handler.free(addr, size, streams),
-        }
+        self.watched.device_free(addr, size, streams)
     }
 }
 
 impl std::ops::Deref for Device {
     type Target = DeviceHandler;
     fn deref(&self) -> &DeviceHandler {
-        &self.handler
+        &self.watched.handler
     }
 }
 
@@ -205,7 +203,7 @@ impl DevicePolicy {
     /// End the trace being recorded (`load(..., record=path)`) and write it out, as
     /// `Policy.finish_recording()`.
     fn finish_recording(&self) -> PyResult<()> {
-        match &self.handler.recorder {
+        match &self.handler.watched.watcher.0 {
             Some(recorder) => finish(recorder),
             None => Ok(()),
         }
@@ -264,9 +262,10 @@ impl Drop for DeviceBlock {
 }
 
 /// Load a chain (as `load_chain`) as a device handler of GPU `device`. Its policies
-/// get the `device` grant besides any in `grant`.
+/// get the `device` grant besides any in `grant`. `record` writes its every block to a
+/// trace; `hook` (an `EventHook`) is told of each, as NumPy's event hook is of arrays.
 #[pyfunction]
-#[pyo3(signature = (*chain, device = 0, call_time = None, memory = None, batch = None, overhead = None, compile_bounds = None, grant = None, names = None, gpu = None, record = None))]
+#[pyo3(signature = (*chain, device = 0, call_time = None, memory = None, batch = None, overhead = None, compile_bounds = None, grant = None, names = None, gpu = None, record = None, hook = None))]
 #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
 pub(crate) fn load_device_chain(
     chain: Vec<Bound<'_, PyAny>>,
@@ -280,6 +279,7 @@ pub(crate) fn load_device_chain(
     names: Option<Vec<Option<String>>>,
     gpu: Option<PyRef<'_, StandInGpu>>,
     record: Option<PathBuf>,
+    hook: Option<PyRef<'_, EventHook>>,
 ) -> PyResult<DevicePolicy> {
     let mut grant = grant.unwrap_or_default();
     grant.push("device".into());
@@ -301,11 +301,16 @@ pub(crate) fn load_device_chain(
     let recorder = match record {
         Some(path) => Some(
             DeviceRecorder::create(&path, handler.clone(), recording_options(false))
-                .map_err(|error| AllocboxError::new_err(error.to_string()))?,
+                .map_err(|error| AllocboxError::new_err(error.to_string()))?
+                .watcher,
         ),
         None => None,
     };
+    let watched = Watched {
+        handler,
+        watcher: (recorder, hook.map(|h| h.hook.clone())),
+    };
     Ok(DevicePolicy {
-        handler: Arc::new(Device { handler, recorder }),
+        handler: Arc::new(Device { watched }),
     })
 }
