@@ -242,6 +242,18 @@ pub(crate) struct Link {
     observed: Option<Arc<Observations>>,
 }
 
+/// Everything a link starts with but its policy and configuration: what it is given to
+/// place its blocks in, the bounds and grants it runs under, whether the checker's
+/// extra checks are on, and whose memory it serves.
+pub(crate) struct LinkStart<'a> {
+    pub(crate) upstream: Upstream,
+    /// Its bounds, and the kinds of memory it may map ([`Limits::grants`]).
+    pub(crate) limits: &'a Limits,
+    /// The contract checker's mode: every byte a policy reads checked as written.
+    pub(crate) checked: bool,
+    pub(crate) place: Placement,
+}
+
 impl std::fmt::Debug for Link {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Link")

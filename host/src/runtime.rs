@@ -30,9 +30,8 @@ use wasmtime::{
 use crate::clock::{CallTicks, Clock, Deadline};
 use crate::compile_bounds::CompileBounds;
 use crate::error::{Call, LoadError};
-use crate::gpu::Placement;
 use crate::link::classify;
-use crate::link::{Exports, Limits, Link, LinkState, Sandbox, Upstream};
+use crate::link::{Exports, Limits, Link, LinkStart, LinkState, Sandbox};
 use crate::wit::{bindings, bindings_v2};
 
 /// The package of the WIT worlds this host speaks.
@@ -408,25 +407,23 @@ impl Runtime {
         })
     }
 
-    /// Start one instance of `policy` over `upstream` and initialise it with `config`.
+    /// Start one instance of `policy` as `start` says and initialise it with `config`.
     pub(crate) fn start(
         &self,
         policy: &Policy,
         config: &[(String, String)],
-        upstream: Upstream,
-        limits: &Limits,
-        checked: bool,
-        place: Placement,
+        start: LinkStart<'_>,
     ) -> Result<Link, LoadError> {
         if !Engine::same(policy.pre.engine(), &self.inner.engine) {
             // A policy loaded by another runtime: compiled again here, once.
             let adopted = self.adopt(policy)?;
-            return self.start(&adopted, config, upstream, limits, checked, place);
+            return self.start(&adopted, config, start);
         }
+        let limits = start.limits;
         let mut store = self.guest_store(
             &policy.meta.source,
             limits,
-            |sandbox| LinkState::new(sandbox, upstream, limits, checked, place),
+            |sandbox| LinkState::new(sandbox, start),
             |s: &mut LinkState| &mut s.sandbox,
         );
         let start_err = |store: &mut Store<LinkState>, e| {

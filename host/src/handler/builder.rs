@@ -7,7 +7,7 @@ use super::{Chain, DeviceHandler, Handler, Observations};
 use crate::clock::{CallTicks, Deadline};
 use crate::error::LoadError;
 use crate::gpu::Placement;
-use crate::link::{Limits, Upstream};
+use crate::link::{Limits, LinkStart, Upstream};
 use crate::memhandler::Stats;
 use crate::runtime::{Policy, Runtime};
 use crate::system::{Adversary, SystemMemory};
@@ -138,6 +138,17 @@ impl HandlerBuilder {
         Ok(DeviceHandler::new(handler, gpu, device))
     }
 
+    /// How each link of the chain starts: over `upstream`, within the builder's limits
+    /// and grants, checked or not, serving `placement`.
+    fn link_start(&self, upstream: Upstream, placement: Placement) -> LinkStart<'_> {
+        LinkStart {
+            upstream,
+            limits: &self.limits,
+            checked: self.checked,
+            place: placement,
+        }
+    }
+
     fn build_for(self, placement: Placement) -> Result<Handler, LoadError> {
         let Some(((top, top_config), below)) = self.links.split_first() else {
             return Err(LoadError::EmptyChain);
@@ -146,7 +157,7 @@ impl HandlerBuilder {
         let mut host_memory = SystemMemory::new(self.host_memory_limit, self.quarantine);
         if self.checked {
             host_memory.fill_fresh_with(crate::system::FRESH_MEMORY);
-            let adversary = self.adversary.unwrap_or_else(|| Adversary::new(0));
+            let adversary = self.adversary.clone().unwrap_or_else(|| Adversary::new(0));
             if !host_memory.serve_adversarially(adversary) {
                 return Err(LoadError::CheckerMemory {
                     detail: std::io::Error::last_os_error().to_string(),
@@ -156,25 +167,15 @@ impl HandlerBuilder {
         let mut upstream = Upstream::System(Box::new(host_memory));
         let mut names = Vec::new();
         for (policy, config) in below.iter().rev() {
-            let link = self.runtime.start(
-                policy,
-                config,
-                upstream,
-                &self.limits,
-                self.checked,
-                placement,
-            )?;
+            let link = self
+                .runtime
+                .start(policy, config, self.link_start(upstream, placement))?;
             names.push(link.name().clone());
             upstream = Upstream::Policy(Box::new(link));
         }
-        let mut head = self.runtime.start(
-            top,
-            top_config,
-            upstream,
-            &self.limits,
-            self.checked,
-            placement,
-        )?;
+        let mut head = self
+            .runtime
+            .start(top, top_config, self.link_start(upstream, placement))?;
         // The top policy alone is served without being asked: its client is the host's.
         // Asking the top policy how it observes is part of loading it.
         let starting = &mut Deadline::for_client_call(

@@ -18,20 +18,20 @@
 use std::sync::Arc;
 
 use super::bindings;
-use super::{Limits, LinkState, Sandbox, Transit, Upstream};
+use super::{LinkStart, LinkState, Sandbox, Transit, Upstream};
 use crate::clock::Deadline;
 use crate::error::{Bound, Call, Error, Rule, Violation};
 use crate::gpu::Placement;
 use crate::ledger::{Ledger, TakeBack};
 
 impl LinkState {
-    pub(crate) fn new(
-        sandbox: Sandbox,
-        upstream: Upstream,
-        limits: &Limits,
-        checked: bool,
-        place: Placement,
-    ) -> Self {
+    pub(crate) fn new(sandbox: Sandbox, start: LinkStart<'_>) -> Self {
+        let LinkStart {
+            upstream,
+            limits,
+            checked,
+            place,
+        } = start;
         LinkState {
             sandbox,
             lent: Ledger::default(),
