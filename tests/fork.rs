@@ -12,7 +12,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use allocbox::{Error, Handler, HandlerBuilder, Limits, MemHandler, Runtime, ShardedHandler};
+use allocbox::{
+    Error, Handler, HandlerBuilder, Limits, MemHandler, PolicyHandler, Runtime, ShardedHandler,
+};
 use allocbox_ledger::cache::{Books, Caches, Locked, Unreachable};
 
 /// Far past anything a child does (milliseconds) or waits for (a call limit): a child

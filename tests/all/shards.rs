@@ -4,7 +4,7 @@
 use std::ptr::NonNull;
 use std::sync::{Barrier, mpsc};
 
-use allocbox::{ClientError, Error, HandlerBuilder, Runtime, ShardedHandler};
+use allocbox::{ClientError, Error, HandlerBuilder, PolicyHandler, Runtime, ShardedHandler};
 use allocbox_artifacts::Guest;
 
 use super::support::*;
@@ -410,7 +410,6 @@ fn a_guest_memory_share_too_small_to_start_in_starts_fewer_instances_not_a_failu
 /// chain), an audit of every chain against its table, and its chains counted.
 #[test]
 fn a_handler_per_thread_answers_the_handler_interface_as_one_chain_does() {
-    use allocbox::PolicyHandler;
     use allocbox::gpu::Placement;
     let h = sharded(&allocbox_artifacts::SIZE_CLASSES, 2);
     let handle: &dyn PolicyHandler = &h;

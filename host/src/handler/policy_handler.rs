@@ -1,13 +1,13 @@
 //! What every handler of sandboxed policies does beyond NEP 49's routines, whatever its
-//! kind: one chain ([`Handler`]), a chain per thread ([`ShardedHandler`]) or a GPU's
-//! ([`DeviceHandler`]). The checker, the Python policies and anything that inspects,
+//! kind: one chain ([`Handler`]), a chain per thread ([`super::ShardedHandler`], whose
+//! implementation is in `sharded/inspect.rs`) or a GPU's ([`DeviceHandler`]). The checker, the Python policies and anything that inspects,
 //! trims or judges a handler go through [`PolicyHandler`], so a capability written for
 //! one kind serves the others.
 
 use std::ptr::NonNull;
 use std::sync::Arc;
 
-use super::{DeviceHandler, Handler, ShardedHandler};
+use super::{DeviceHandler, Handler};
 use crate::error::{Error, InvariantBroken};
 use crate::gpu::Placement;
 use crate::link::{ClientMisuse, LinkStats};
@@ -166,47 +166,5 @@ impl PolicyHandler for DeviceHandler {
     }
     fn take_client_misuse(&self) -> Result<Vec<ClientMisuse>, Error> {
         self.handler().take_client_misuse()
-    }
-}
-
-/// Each call asks every started chain, after every queued free was given back.
-impl PolicyHandler for ShardedHandler {
-    /// Every chain of a handler per thread is of host memory.
-    fn placement(&self) -> Placement {
-        Placement::Host
-    }
-    /// A handler per thread keeps no magazines: each thread has its chain to itself.
-    fn keeps_magazines(&self) -> bool {
-        false
-    }
-    fn diagnoses(&self) -> bool {
-        self.started().any(Handler::diagnoses)
-    }
-    fn instances(&self) -> usize {
-        self.started().count()
-    }
-    fn trim(&self) -> Result<(), Error> {
-        ShardedHandler::trim(self)
-    }
-    fn link_stats(&self) -> Result<Vec<LinkStats>, Error> {
-        ShardedHandler::link_stats(self)
-    }
-    fn failure(&self) -> Option<Arc<Error>> {
-        ShardedHandler::failure(self)
-    }
-    fn leak_check(&self) -> Result<(), Error> {
-        ShardedHandler::leak_check(self)
-    }
-    fn audit(&self) -> Result<(), InvariantBroken> {
-        ShardedHandler::audit(self)
-    }
-    fn live_blocks(&self) -> Result<Vec<(usize, usize)>, Error> {
-        ShardedHandler::live_blocks(self)
-    }
-    fn block_size(&self, ptr: NonNull<u8>) -> Option<usize> {
-        ShardedHandler::block_size(self, ptr)
-    }
-    fn take_client_misuse(&self) -> Result<Vec<ClientMisuse>, Error> {
-        ShardedHandler::take_client_misuse(self)
     }
 }

@@ -114,7 +114,7 @@ mod tests {
 
     use super::super::{ShardedHandler, locked};
     use crate::Limits;
-    use crate::handler::HandlerBuilder;
+    use crate::handler::{HandlerBuilder, PolicyHandler};
     use crate::runtime::Runtime;
 
     /// `size-classes`, a chain per thread up to `most`, with a short call limit: a fork

@@ -7,6 +7,8 @@ use std::sync::Arc;
 
 use super::{Handler, ShardedHandler, locked};
 use crate::error::{Error, InvariantBroken};
+use crate::gpu::Placement;
+use crate::handler::PolicyHandler;
 use crate::link::{ClientMisuse, LinkStats};
 use crate::memhandler::Stats;
 
@@ -22,23 +24,44 @@ impl ShardedHandler {
         }
         Ok(total)
     }
+}
+
+/// Each call asks every started chain, after every queued free was given back.
+impl PolicyHandler for ShardedHandler {
+    /// Every chain of a handler per thread is of host memory.
+    fn placement(&self) -> Placement {
+        Placement::Host
+    }
+
+    /// A handler per thread keeps no magazines: each thread has its chain to itself.
+    fn keeps_magazines(&self) -> bool {
+        false
+    }
+
+    fn diagnoses(&self) -> bool {
+        self.started().any(Handler::diagnoses)
+    }
+
+    fn instances(&self) -> usize {
+        self.started().count()
+    }
 
     /// Trim every shard, after every queued free was given back.
-    pub fn trim(&self) -> Result<(), Error> {
+    fn trim(&self) -> Result<(), Error> {
         self.reachable()?;
         self.shared.give_back_all_queued();
         self.started().try_for_each(Handler::trim)
     }
 
     /// [`Handler::leak_check`] of every shard, after every queued free was given back.
-    pub fn leak_check(&self) -> Result<(), Error> {
+    fn leak_check(&self) -> Result<(), Error> {
         self.reachable()?;
         self.shared.give_back_all_queued();
         self.started().try_for_each(Handler::leak_check)
     }
 
     /// The blocks the client holds, `(address, size)`, by address, every shard's.
-    pub fn live_blocks(&self) -> Result<Vec<(usize, usize)>, Error> {
+    fn live_blocks(&self) -> Result<Vec<(usize, usize)>, Error> {
         self.reachable()?;
         self.shared.give_back_all_queued();
         let mut blocks = Vec::new();
@@ -51,7 +74,7 @@ impl ShardedHandler {
 
     /// Counters of every policy of every started chain: each chain's links, top first,
     /// chain after chain (see [`Handler::link_stats`]).
-    pub fn link_stats(&self) -> Result<Vec<LinkStats>, Error> {
+    fn link_stats(&self) -> Result<Vec<LinkStats>, Error> {
         let mut all = Vec::new();
         for shard in self.started() {
             all.extend(shard.link_stats()?);
@@ -60,14 +83,14 @@ impl ShardedHandler {
     }
 
     /// The first failure that stopped a shard's chain.
-    pub fn failure(&self) -> Option<Arc<Error>> {
+    fn failure(&self) -> Option<Arc<Error>> {
         self.started().find_map(Handler::failure)
     }
 
     /// Every shard's [`Handler::audit`], and each shard's table of the client's blocks
     /// against its ledger: every block in the table is lent by that shard with that
     /// size, and the shard lends no block the tables do not name.
-    pub fn audit(&self) -> Result<(), InvariantBroken> {
+    fn audit(&self) -> Result<(), InvariantBroken> {
         self.shared.give_back_all_queued();
         for (index, shard) in self.started().enumerate() {
             shard.audit()?;
@@ -103,7 +126,7 @@ impl ShardedHandler {
 
     /// The size a live block was (re)allocated with, from the table of the shard that
     /// lent it; `None` for a block not lent (or queued to go back).
-    pub fn block_size(&self, ptr: NonNull<u8>) -> Option<usize> {
+    fn block_size(&self, ptr: NonNull<u8>) -> Option<usize> {
         let addr = ptr.as_ptr() as u64;
         self.shared
             .lent
@@ -113,7 +136,7 @@ impl ShardedHandler {
     }
 
     /// Misuse the policies of every started chain reported since this was last asked.
-    pub fn take_client_misuse(&self) -> Result<Vec<ClientMisuse>, Error> {
+    fn take_client_misuse(&self) -> Result<Vec<ClientMisuse>, Error> {
         let mut all = Vec::new();
         for shard in self.started() {
             all.extend(shard.take_client_misuse()?);
