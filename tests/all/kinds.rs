@@ -334,3 +334,39 @@ fn a_policy_exhausting_mappings_is_refused_at_its_share_and_new_threads_still_en
         );
     }
 }
+
+/// Issue 65: the lists of kinds a person reads, outside what the code generates from
+/// `KindGrant::ALL` (errors, `--grant`'s help), went stale when a kind was added. Each
+/// list named here must name every kind.
+#[test]
+fn every_written_list_of_memory_kinds_names_every_kind() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    // The file, and words that start its list (the list is the paragraph from there).
+    let lists = [
+        ("SECURITY.md", "ask the host to map memory of a kind"),
+        (
+            "guest-handlers/sdk/src/memory.rs",
+            "Each kind must be granted",
+        ),
+        (
+            "python/allocbox/__init__.py",
+            "lists the kinds of memory the policy may ask",
+        ),
+    ];
+    for (file, start) in lists {
+        let text = std::fs::read_to_string(root.join(file)).unwrap();
+        let text = text.replace("//!", " ").replace('\n', " ");
+        let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+        let at = text
+            .find(start)
+            .unwrap_or_else(|| panic!("{file} no longer says `{start}`"));
+        let list = &text[at..];
+        let list = &list[..list.find(". ").unwrap_or(list.len())];
+        for kind in KindGrant::ALL {
+            assert!(
+                list.contains(kind.name()),
+                "{file}'s list leaves out `{kind}`: {list}"
+            );
+        }
+    }
+}

@@ -33,7 +33,7 @@
 //! - [`upstream`] is the allocator below this policy; [`bytes`] reads and writes the bytes
 //!   of blocks the policy holds and has not lent (headers, free lists).
 //! - [`memory`] maps memory of kinds the embedder granted (huge pages, NUMA placement,
-//!   locked, guarded); [`diagnostics`] reports a client's misuse the policy found;
+//!   locked, guarded, pinned, a GPU's); [`diagnostics`] reports a client's misuse the policy found;
 //!   [`Policy::report`] answers the policy's own counters; [`Config::limits`] are the
 //!   bounds the host enforces (contract 0.2.0, `wit/policy.wit` here).
 //! - [`Info`] is what the policy promises: alignment and whether the host may batch.

@@ -1,7 +1,9 @@
 //! Memory of a kind only the host can make, mapped for this policy straight from the
-//! operating system: huge pages, NUMA placement, locked pages, guard pages. Each kind
-//! must be granted by the embedder (`numa`, `huge-pages`, `locked`, `guarded`); without
-//! the grant [`map`] answers [`Refusal::NotGranted`] and the policy goes on.
+//! operating system or a GPU's driver: huge pages, NUMA placement, locked pages, guard
+//! pages ([`map`]), pinned host pages ([`map_pinned`]), a GPU's memory ([`map_device`]).
+//! Each kind must be granted by the embedder (`numa`, `huge-pages`, `locked`,
+//! `guarded`, `pinned`, `device`); without the grant the call answers
+//! [`Refusal::NotGranted`] and the policy goes on.
 //!
 //! A region is page-aligned and zero-filled; the policy holds it as it holds an
 //! upstream block (lend blocks inside it, touch its bytes through
