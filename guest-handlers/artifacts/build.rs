@@ -28,6 +28,7 @@ const RUST_GUESTS: &[(&str, &str, bool)] = &[
     ("sandbox-probe", "fixtures/sandbox-probe", false),
     ("kinds-probe", "fixtures/kinds-probe", false),
     ("quota", "fixtures/quota", false),
+    ("freelist", "fixtures/freelist", false),
 ];
 
 /// Hand-written WAT policies, `(name, folder)`: `<folder>/<name>.wat`, loaded from source

@@ -80,6 +80,10 @@ pub enum Rule {
     UnknownFree,
     /// `bytes` access outside the blocks the policy owns and has not lent out.
     BytesOutOfBounds,
+    /// A `bytes` write into the block the client's `realloc` is resizing: until the
+    /// answer, the block is the client's and may be read, not written (C4: on an answer
+    /// of none it must be unchanged).
+    ResizedBlockWritten,
     /// An upstream free or realloc of memory that holds a block the policy has lent and
     /// not had back: the client's data would be pulled out from under it.
     GaveBackLentMemory { block: u64, block_size: u64 },
@@ -123,6 +127,7 @@ impl Rule {
             Rule::DoubleFree => "double-free",
             Rule::UnknownFree => "unknown-free",
             Rule::BytesOutOfBounds => "bytes-out-of-bounds",
+            Rule::ResizedBlockWritten => "resized-block-written",
             Rule::GaveBackLentMemory { .. } => "gave-back-lent-memory",
             Rule::CallocNotZeroed { .. } => "calloc-not-zeroed",
             Rule::ReallocLostBytes { .. } => "realloc-lost-bytes",
@@ -162,6 +167,12 @@ impl fmt::Display for Rule {
             Rule::BytesOutOfBounds => {
                 f.write_str("bytes access outside owned, not-lent-out memory")
             }
+            Rule::ResizedBlockWritten => f.write_str(
+                "bytes write into the block the client's realloc is resizing, which stays the \
+                 client's, readable and unchanged, until realloc answers (C4: on an answer of \
+                 none it must be intact); free the old block once realloc has returned (the \
+                 Rust SDK's `free_after_this_call`, which its default realloc uses)",
+            ),
             Rule::GaveBackLentMemory { block, block_size } => write!(
                 f,
                 "gave back upstream memory under the live block {block:#x} ({block_size} bytes) it lent"

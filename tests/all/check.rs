@@ -44,6 +44,30 @@ mod every_good_policy_passes_check {
     allocbox_artifacts::foreach_good_policy!(passes_check);
 }
 
+/// Issue 60: a policy that keeps its free list inside the blocks it is given back passes
+/// on the SDK's default `realloc`, which frees the old block once the call has
+/// returned; the same policy freeing it inside its own `realloc` is stopped by a rule
+/// that says why the block could not be written and what to do instead.
+#[test]
+fn an_intrusive_free_list_passes_on_the_sdk_realloc_and_is_told_why_when_its_own_frees_early() {
+    let policy = load(&allocbox_artifacts::FREELIST);
+    let report = check::check(Runtime::shared(), &policy, &[], &options()).unwrap();
+    if let Some((finding, script)) = &report.failure {
+        panic!("{finding}\n{script}");
+    }
+    let early = [("free-in-realloc", "true")];
+    let report = check::check(Runtime::shared(), &policy, &early, &options()).unwrap();
+    let (finding, script) = report
+        .failure
+        .expect("a write into the block being resized");
+    assert_eq!(finding.rule, "resized-block-written", "{finding}");
+    assert!(
+        finding.message.contains("free_after_this_call"),
+        "{finding}"
+    );
+    assert!(script.to_string().contains("realloc"), "{script}");
+}
+
 #[test]
 fn size_classes_with_its_large_block_cache_passes_check() {
     let policy = load(&allocbox_artifacts::SIZE_CLASSES);

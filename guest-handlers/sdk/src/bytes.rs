@@ -1,5 +1,7 @@
 //! The bytes of blocks this policy holds from upstream and has not lent out (plus, during
-//! the policy's own `realloc`, the block being resized): for headers, footers and free
+//! the policy's own `realloc`, the block being resized, to read only: it is the client's
+//! until the answer, so a `free` of it that writes waits for
+//! [`free_after_this_call`](crate::free_after_this_call)): for headers, footers and free
 //! lists kept inside the blocks. Any other address is a contract violation and the host
 //! stops the policy.
 //!

@@ -46,6 +46,7 @@
 
 pub mod bytes;
 mod config;
+mod deferred;
 pub mod diagnostics;
 mod info;
 pub mod memory;
@@ -80,6 +81,7 @@ pub struct Survivors {
     pub peak_blocks_rise: u64,
 }
 pub use config::{Config, Limits};
+pub use deferred::free_after_this_call;
 pub use info::Info;
 
 /// The raw wit-bindgen bindings of the `policy` world, for what this crate does not wrap.
@@ -132,17 +134,13 @@ pub trait Policy: Sized + 'static {
 
     /// Resize the block at `ptr` (of `old_size` bytes) to `new_size`, keeping its first
     /// `min(old_size, new_size)` bytes; `ptr` 0 is `malloc(new_size)`. On 0 the old block
-    /// must still be live and unchanged. Default: `malloc`, [`bytes::copy`], `free`.
+    /// must still be live and unchanged, so during this call the host lets the policy
+    /// read the old block, never write it: a `free` that writes into the blocks it is
+    /// given (an intrusive free list) is called for the old block through
+    /// [`free_after_this_call`]. Default: `malloc`, [`bytes::copy`], and the old block
+    /// to `free` so ([`realloc_by_copy`]).
     fn realloc(&self, ptr: u64, old_size: u64, new_size: u64) -> u64 {
-        if ptr == 0 {
-            return self.malloc(new_size);
-        }
-        let new = self.malloc(new_size);
-        if new != 0 {
-            bytes::copy(new, ptr, old_size.min(new_size));
-            self.free(ptr, old_size);
-        }
-        new
+        realloc_by_copy(self, ptr, old_size, new_size)
     }
 
     /// Give back the block at `ptr`; `size` is exactly its (re)allocated size.
@@ -270,6 +268,21 @@ macro_rules! export_policy {
     };
 }
 
+/// [`Policy::realloc`]'s default, for a policy whose own `realloc` falls back to it: a
+/// new block from `policy`'s `malloc`, the old bytes copied, and the old block given to
+/// its `free` once the call has returned ([`free_after_this_call`]).
+pub fn realloc_by_copy<P: Policy>(policy: &P, ptr: u64, old_size: u64, new_size: u64) -> u64 {
+    if ptr == 0 {
+        return policy.malloc(new_size);
+    }
+    let new = policy.malloc(new_size);
+    if new != 0 {
+        bytes::copy(new, ptr, old_size.min(new_size));
+        free_after_this_call(ptr, old_size);
+    }
+    new
+}
+
 /// What [`export_policy!`] expands to; not part of the API.
 #[doc(hidden)]
 pub mod __private {
@@ -296,7 +309,11 @@ pub mod __private {
 
     fn policy<I: Instance, R>(f: impl FnOnce(&I::Policy) -> R) -> R {
         I::with(|slot| match slot.get() {
-            Some(policy) => f(policy),
+            Some(policy) => {
+                // What the previous call freed of its own: the block is the policy's now.
+                crate::deferred::flush(|ptr, size| policy.free(ptr, size));
+                f(policy)
+            }
             None => before_init(I::NAME),
         })
     }

@@ -260,6 +260,10 @@ const SDK_FILES: &[(&str, &str)] = &[
         "src/info.rs",
         include_str!("../../../guest-handlers/sdk/src/info.rs"),
     ),
+    (
+        "src/deferred.rs",
+        include_str!("../../../guest-handlers/sdk/src/deferred.rs"),
+    ),
     ("wit/policy.wit", allocbox::POLICY_WIT_2),
 ];
 

@@ -294,6 +294,9 @@ impl LinkState {
             Some(Placement::Device(device)) => {
                 Err(self.violate(call, at, len, Rule::DeviceBytes { device }))
             }
+            None if !read_only && self.transit.under_block(at, len) => {
+                Err(self.violate(call, at, len, Rule::ResizedBlockWritten))
+            }
             None => Err(self.violate(call, at, len, Rule::BytesOutOfBounds)),
         }
     }

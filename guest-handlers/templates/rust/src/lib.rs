@@ -12,7 +12,9 @@
 //!   `alignment` you promise in `info` (16 unless you say otherwise);
 //! - give blocks back upstream with exactly the size you got them with;
 //! - touch bytes only through `allocbox_policy::bytes`, and only of blocks you hold and
-//!   have not lent out (plus, during `realloc`, the block being resized);
+//!   have not lent out (plus, during `realloc`, the block being resized, to read only:
+//!   free it with `allocbox_policy::free_after_this_call`, as the default `realloc`
+//!   does, when your `free` writes into the blocks it is given);
 //! - `trim` gives back everything you cache: the contract checker calls it last and
 //!   counts whatever is still held upstream as a leak.
 //!
