@@ -26,7 +26,27 @@ pub(super) fn draw_size(rng: &mut TestRng) -> u64 {
         89..94 => PAGES[rng.random_range(0..PAGES.len())],
         94..96 => rng.random_range(65537..=(2 << 20)),
         96..98 => boundary_size(rng, 20),
+        98 => wrapping_size(rng),
         _ => IMPOSSIBLE[rng.random_range(0..IMPOSSIBLE.len())],
+    }
+}
+
+/// A size where arithmetic on 32 bits wraps or turns negative: half the time just under
+/// 2^32 (where rounding up to any class of up to 16 bytes wraps to 0), else within a
+/// few bytes or a page of 2^32 or 2^31. A wasm32 policy in C, Zig or AssemblyScript
+/// computes sizes in its 32-bit `size_t` (or `int`). All pass the overhead budget, so a
+/// right policy answers none.
+pub(super) fn wrapping_size(rng: &mut TestRng) -> u64 {
+    const DELTAS: [u64; 5] = [1, 16, 17, 4095, 4096];
+    if rng.random_bool(0.5) {
+        return (1 << 32) - rng.random_range(1..=16u64);
+    }
+    let at = [1u64 << 32, 1 << 31][rng.random_range(0..2usize)];
+    let delta = DELTAS[rng.random_range(0..DELTAS.len())];
+    match rng.random_range(0..3u32) {
+        0 => at - delta,
+        1 => at,
+        _ => at + delta,
     }
 }
 
