@@ -487,8 +487,15 @@ fn the_cli_exits_0_when_rules_hold_1_when_broken_2_on_bad_input() {
     assert_eq!(report["passed"], false);
 
     // The saved script replays to the same rule.
-    let saved = regressions.join("broken.script");
-    assert_eq!(report["script_file"], saved.to_str().unwrap(), "{out}");
+    // Kept under the policy's name and a digest of its binary and configuration.
+    let saved = std::path::PathBuf::from(report["script_file"].as_str().unwrap());
+    let file = saved.file_name().unwrap().to_str().unwrap();
+    assert!(
+        saved.parent() == Some(regressions.as_path())
+            && file.starts_with("broken-")
+            && file.ends_with(".script"),
+        "{out}"
+    );
     let (code, out) = allocbox_cli(
         &[
             "replay",
@@ -530,8 +537,14 @@ fn check_writes_nothing_into_the_folder_it_runs_in() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{text}");
-    let saved = cache.join("allocbox/regressions/broken.script");
-    assert!(saved.is_file(), "{text}");
+    let kept: Vec<_> = std::fs::read_dir(cache.join("allocbox/regressions"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|e| e == "script"))
+        .collect();
+    let [saved] = &kept[..] else {
+        panic!("one script kept: {kept:?}\n{text}")
+    };
     assert!(
         text.contains(&format!("replay: allocbox replay {}", saved.display())),
         "{text}"
@@ -697,4 +710,49 @@ fn a_check_time_budget_stops_a_case_between_operations_and_judges_no_unfinished_
         "{} operations ran past a 300 ms budget at 100 ms a call",
         report.ops
     );
+}
+
+/// Issue 60: failing scripts were kept under the policy's name alone, so two policies of
+/// one name (two versions of a file, one policy under two configurations) overwrote each
+/// other's; and every run drew the same cases. Now each run draws from a fresh seed it
+/// prints, and a policy's regressions are kept under its name and its content.
+#[test]
+fn each_check_draws_a_fresh_seed_it_prints_and_keeps_regressions_per_policy_content() {
+    let policy = load(&allocbox_artifacts::BROKEN);
+    let name_under = |fault: &str| {
+        let config = [("fault", fault)];
+        let options = CheckOptions {
+            cases: 1,
+            ..options()
+        };
+        let report = check::check(Runtime::shared(), &policy, &config, &options).unwrap();
+        assert_eq!(
+            report.seed,
+            check::DEFAULT_SEED,
+            "a library check repeats itself"
+        );
+        report.regression_name
+    };
+    let (leak, scribble) = (name_under("leak"), name_under("scribble"));
+    assert!(
+        leak.starts_with("broken-") && scribble.starts_with("broken-"),
+        "{leak}"
+    );
+    assert_ne!(
+        leak, scribble,
+        "one policy under two configurations keeps two"
+    );
+    assert_eq!(leak, name_under("leak"), "the same policy keeps one");
+
+    let dir = tempdir("fresh-seeds");
+    let seed_of = |args: &[&str]| {
+        let mut all = vec!["check", "system", "--cases", "2", "--regressions", "."];
+        all.extend_from_slice(args);
+        let (code, out) = allocbox_cli(&all, &dir);
+        assert_eq!(code, 0, "{out}");
+        let at = out.find("from seed ").unwrap_or_else(|| panic!("{out}")) + 10;
+        out[at..].split_whitespace().next().unwrap().to_string()
+    };
+    assert_ne!(seed_of(&[]), seed_of(&[]), "each run its own seed");
+    assert_eq!(seed_of(&["--seed", "7"]), "7");
 }

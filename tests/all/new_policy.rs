@@ -101,7 +101,8 @@ fn new_rust_policy_builds_with_its_readme_command_and_passes_check() {
     assert!(out.starts_with("policy     demo\n"), "{out}");
     assert!(
         out.contains("language   Rust\n")
-            && out.contains("world      allocbox:policy/policy@0.2.0\n"),
+            && out.contains("contract   0.2.0 (world allocbox:policy/policy@0.2.0)\n")
+            && out.contains("\nshardable  no\n"),
         "the language and the world it was built against: {out}"
     );
     // Unknown configuration is refused by the SDK, naming the policy and the key.

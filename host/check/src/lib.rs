@@ -53,6 +53,32 @@ pub use verdict::{
     Progress, ProgressFn, default_regressions_dir,
 };
 
+/// The seed of a check given none: fixed, so a library caller's check (a test's
+/// `assert_contract`) runs the same cases every time. The command line draws a fresh one
+/// per run instead, and prints it.
+pub const DEFAULT_SEED: u64 = 0x5EED_A110_CB0C;
+
+/// What a policy's failing seeds and script are kept under: its name, and the first
+/// 12 hex digits of a digest of its binary and `config`.
+fn regression_name(name: &str, policy: &Policy, config: &[(&str, &str)]) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::hash::DefaultHasher::new();
+    policy.digest().hash(&mut hasher);
+    config.hash(&mut hasher);
+    let file_safe: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(64)
+        .collect();
+    format!("{file_safe}-{:012x}", hasher.finish() >> 16)
+}
+
 /// A proptest runner for one round of `cases` sequences from `seed`, persisting failing
 /// seeds where the options say.
 fn round_runner(options: &CheckOptions, policy: &str, cases: u32, seed: u64) -> TestRunner {
@@ -118,7 +144,8 @@ pub fn check(
     let cases = AtomicU64::new(0);
     let ops = AtomicU64::new(0);
     let start = Instant::now();
-    let base_seed = options.seed.unwrap_or(0x5EED_A110_CB0C);
+    let base_seed = options.seed.unwrap_or(DEFAULT_SEED);
+    let regression_name = regression_name(&name, policy, config);
     let mut failure = None;
     let mut shrink_stopped_early = false;
     let mut time_to_failure = None;
@@ -132,7 +159,7 @@ pub fn check(
         };
         let seed = base_seed.wrapping_add(round.wrapping_mul(0x9E37_79B9_7F4A_7C15));
         subject.upstream_seed = seed;
-        let mut runner = round_runner(options, &name, round_cases, seed);
+        let mut runner = round_runner(options, &regression_name, round_cases, seed);
         let strategy = Scripts {
             threads: options.threads.max(1),
             max_ops,
@@ -229,6 +256,8 @@ pub fn check(
     }
     Ok(CheckReport {
         policy: name,
+        seed: base_seed,
+        regression_name,
         cases: cases.into_inner() as u32,
         ops: ops.into_inner(),
         elapsed: start.elapsed(),

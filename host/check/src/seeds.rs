@@ -1,5 +1,6 @@
 //! Failing seeds kept between runs, so that a later check of the same policy tries them
-//! first: one seed a line in `<dir>/<policy>.seeds`.
+//! first: one seed a line in `<dir>/<name>.seeds`, the name the policy's and a digest of
+//! its binary and configuration (`CheckReport::regression_name`).
 //!
 //! proptest's own file persistence prints advice meant for proptest's users ("If this
 //! test was run on a CI system...", `cc` lines) into the checker's output and writes

@@ -155,6 +155,13 @@ impl Default for CheckOptions {
 #[derive(Debug, Clone)]
 pub struct CheckReport {
     pub policy: String,
+    /// The seed the check drew its cases from: [`CheckOptions::seed`]'s, or the fixed
+    /// default. A check given it again runs the same cases.
+    pub seed: u64,
+    /// The name its failing seeds and script are kept under in
+    /// [`CheckOptions::regressions`]: the policy's name, and a digest of its binary and
+    /// configuration, so that two policies of one name keep theirs apart.
+    pub regression_name: String,
     /// Cases run, shrinking runs included.
     pub cases: u32,
     /// Operations run, shrinking runs included.

@@ -97,7 +97,7 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
 
 fn save_script(options: &CheckOptions, report: &CheckReport, script: &Script) -> Option<PathBuf> {
     let dir = options.regressions.as_ref()?;
-    let file = dir.join(format!("{}.script", report.policy));
+    let file = dir.join(format!("{}.script", report.regression_name));
     let (finding, _) = report.failure.as_ref()?;
     let text = format!(
         "# allocbox replay script for `{}`\n# {finding}\n{script}",
@@ -115,11 +115,14 @@ fn text_report(
     saved: Option<&Path>,
 ) -> String {
     let mut totals = format!(
-        "{} cases, {} operations in {:.2} s ({:.0} ops/s)",
+        "{} cases, {} operations in {:.2} s ({:.0} ops/s) from seed {} (`--seed {}` runs \
+         them again)",
         report.cases,
         report.ops,
         report.elapsed.as_secs_f64(),
-        report.ops_per_second()
+        report.ops_per_second(),
+        report.seed,
+        report.seed,
     );
     if let Some(refused) = refused_on_purpose(report) {
         totals += &format!("; {refused}");
@@ -276,6 +279,7 @@ fn json_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> serde
         "operations": report.ops,
         "seconds": report.elapsed.as_secs_f64(),
         "operations_per_second": report.ops_per_second(),
+        "seed": report.seed,
         "budget_refusals": report.budget_refusals,
         "injected_refusals": report.injected_refusals,
         "cross_thread_frees": report.cross_thread_frees,

@@ -25,9 +25,15 @@ pub(crate) fn inspect(policy: Option<PathBuf>, config: Vec<(String, String)>) ->
     } else {
         "no"
     };
+    let yes_no = |yes: bool, what: &str| match yes {
+        true => format!("yes ({what})"),
+        false => "no".to_string(),
+    };
     let report = format!(
-        "policy     {name}\nsource     {source}\nlanguage   {language}\nversion    {version}\n\
-         alignment  {alignment}\nbatch      {batch}\nworld      {package}/policy@{world_version}\n\
+        "policy     {name}\nsource     {source}\nlanguage   {language}\n\
+         contract   {world_version} (world {package}/policy@{world_version})\n\
+         handler    NEP 49 version {version}\nalignment  {alignment}\nbatch      {batch}\n\
+         shardable  {shardable}\ndiagnoses  {diagnoses}\n\
          size       {size} bytes\nimports    {imports}\nexports    {exports}\n",
         name = info.name,
         language = loaded.language().unwrap_or("not stated by its toolchain"),
@@ -35,6 +41,14 @@ pub(crate) fn inspect(policy: Option<PathBuf>, config: Vec<(String, String)>) ->
         alignment = info.alignment,
         package = allocbox::WORLD_PACKAGE,
         world_version = loaded.world_version(),
+        shardable = yes_no(
+            info.shardable,
+            "an instance per thread: `per_thread=True`, `check --threads N`"
+        ),
+        diagnoses = yes_no(
+            info.diagnoses,
+            "it reports its client's misuse; allocation sites are recorded"
+        ),
         size = loaded.size(),
         imports = loaded.imports().join("\n           "),
         exports = loaded.exports().join("\n           "),

@@ -118,6 +118,11 @@ impl Policy {
     pub fn source(&self) -> &str {
         &self.meta.source
     }
+    /// The SHA-256 of its binary: two files of the same policy are the same policy.
+    pub fn digest(&self) -> [u8; 32] {
+        use sha2::Digest;
+        sha2::Sha256::digest(&self.meta.binary).into()
+    }
     /// Size of the component binary in bytes.
     pub fn size(&self) -> usize {
         self.meta.binary.len()
