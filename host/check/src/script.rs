@@ -9,7 +9,8 @@ use std::fmt;
 /// What each line of a script means: `allocbox replay --help` prints it, and the
 /// README has the same table.
 pub const SCRIPT_NOTATION: &str = "\
-A script has one line each (`#` starts a comment):
+A script has one line each (`#` starts a comment, on its own line or after an operation,
+where the checker notes what the numbers do not show: `# 2^32 - 15`):
   upstream seed N         the seed the checker's upstream places blocks by (first; 0 if absent)
   magazines | per-call    how the host asked a policy that batches: small requests served
                           from its per-thread magazines (the default), or every call asked
@@ -97,6 +98,48 @@ impl fmt::Display for Op {
             Op::OomAbove { size } => write!(f, "oom above {size}"),
         }
     }
+}
+
+impl Op {
+    /// What a reader of the script would not see from the numbers: a request of 0 bytes
+    /// reaches the policy as 1 (C7), and a size near a power of two past 2^31 is where
+    /// 32- or 64-bit arithmetic wraps (`  # 2^32 - 15`). Empty for the rest.
+    fn note(&self) -> String {
+        let size = match *self {
+            Op::Malloc { size, .. } | Op::ReallocNew { size, .. } | Op::Realloc { size, .. } => {
+                size
+            }
+            Op::Calloc { nelem, elsize, .. } => match nelem.checked_mul(elsize) {
+                Some(size) => size,
+                None => return "  # nelem * elsize overflows: calloc must answer none".into(),
+            },
+            _ => return String::new(),
+        };
+        if size == 0 {
+            return "  # the policy is asked for 1 byte: a request of 0 is 1".into();
+        }
+        near_a_power_of_two(size).map_or(String::new(), |near| format!("  # {near}"))
+    }
+}
+
+/// `size` as `2^N`, `2^N - D` or `2^N + D` when it lies within a page of a power of two
+/// from 2^31 up (where 32- and 64-bit size arithmetic wraps).
+fn near_a_power_of_two(size: u64) -> Option<String> {
+    const NEAR: u64 = 4096;
+    (31..=64u32).find_map(|power| {
+        let at = 1u128 << power;
+        let size = u128::from(size);
+        match size.cmp(&at) {
+            std::cmp::Ordering::Equal => Some(format!("2^{power}")),
+            std::cmp::Ordering::Less if at - size <= u128::from(NEAR) => {
+                Some(format!("2^{power} - {}", at - size))
+            }
+            std::cmp::Ordering::Greater if size - at <= u128::from(NEAR) => {
+                Some(format!("2^{power} + {}", size - at))
+            }
+            _ => None,
+        }
+    })
 }
 
 impl std::str::FromStr for Op {
@@ -274,9 +317,13 @@ impl Script {
         // Every operation with its line and thread, for `check_blocks`.
         let mut lines = Vec::new();
         for (n, line) in text.lines().enumerate() {
-            let line = line.trim();
+            // A `#` starts a comment: a whole line, or a note after an operation.
+            let line = line
+                .split_once('#')
+                .map_or(line, |(before, _)| before)
+                .trim();
             let at = |e: String| format!("line {}: {e}", n + 1);
-            if line.is_empty() || line.starts_with('#') {
+            if line.is_empty() {
                 continue;
             }
             if let Some(seed) = line.strip_prefix("upstream seed ") {
@@ -412,7 +459,7 @@ impl fmt::Display for Script {
                 else {
                     continue;
                 };
-                writeln!(f, "t{thread} {op}")?;
+                writeln!(f, "t{thread} {op}{}", op.note())?;
                 next[thread] += 1;
             }
             return Ok(());
@@ -422,9 +469,53 @@ impl fmt::Display for Script {
                 writeln!(f, "thread")?;
             }
             for op in ops {
-                writeln!(f, "{op}")?;
+                writeln!(f, "{op}{}", op.note())?;
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 60: a script said `malloc 0` where the policy got 1, and printed sizes near
+    /// 2^64 as twenty digits. Each now has a note, and the script still reads back.
+    #[test]
+    fn a_script_notes_zero_sizes_and_sizes_near_a_power_of_two_and_reads_back() {
+        let script = Script {
+            threads: vec![vec![
+                Op::Malloc { block: 0, size: 0 },
+                Op::Malloc {
+                    block: 1,
+                    size: (1 << 32) - 15,
+                },
+                Op::Realloc {
+                    block: 1,
+                    size: u64::MAX - 14,
+                },
+                Op::Calloc {
+                    block: 2,
+                    nelem: u64::MAX,
+                    elsize: 2,
+                },
+                Op::Malloc { block: 3, size: 24 },
+            ]],
+            ..Script::default()
+        };
+        let text = script.to_string();
+        let lines: Vec<&str> = text.lines().skip(1).collect();
+        assert_eq!(
+            lines,
+            [
+                "b0 = malloc 0  # the policy is asked for 1 byte: a request of 0 is 1",
+                "b1 = malloc 4294967281  # 2^32 - 15",
+                "realloc b1 18446744073709551601  # 2^64 - 15",
+                "b2 = calloc 18446744073709551615 2  # nelem * elsize overflows: calloc must answer none",
+                "b3 = malloc 24",
+            ]
+        );
+        assert_eq!(Script::parse(&text).unwrap(), script);
     }
 }
