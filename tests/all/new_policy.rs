@@ -241,3 +241,49 @@ fn new_go_policy_builds_with_its_readme_command_and_passes_check() {
 fn new_js_policy_builds_with_its_readme_command_and_passes_check() {
     new_project_builds_and_passes_check("js", "JavaScript");
 }
+
+/// Issue 60: the C template's README said `--guest-memory` is 64 MiB by default where
+/// the CLI's default is 128 MiB. Every default a template's README states of the guest
+/// memory is the host's.
+#[test]
+fn the_templates_readmes_state_the_host_s_guest_memory_default() {
+    let templates = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../guest-handlers/templates");
+    let default_mib = allocbox::Limits::default().memory >> 20;
+    let mut stated = 0;
+    for entry in std::fs::read_dir(&templates).unwrap() {
+        let readme = entry.unwrap().path().join("README.md");
+        let Ok(text) = std::fs::read_to_string(&readme) else {
+            continue;
+        };
+        let text = text.replace('\n', " ");
+        // "(N MiB by default)" and "default of N MiB".
+        let before = |at: usize| {
+            text[..at]
+                .split_whitespace()
+                .last()
+                .unwrap_or("")
+                .trim_start_matches('(')
+                .to_string()
+        };
+        let after = |at: usize| {
+            text[at..]
+                .split_whitespace()
+                .next()
+                .unwrap_or("")
+                .to_string()
+        };
+        let mut numbers: Vec<String> = text
+            .match_indices(" MiB by default")
+            .map(|(at, _)| before(at))
+            .collect();
+        numbers.extend(
+            text.match_indices("default of ")
+                .map(|(at, m)| after(at + m.len())),
+        );
+        for number in numbers {
+            stated += 1;
+            assert_eq!(number, default_mib.to_string(), "{}", readme.display());
+        }
+    }
+    assert!(stated >= 2, "the C and JavaScript READMEs state it");
+}
