@@ -149,6 +149,9 @@ pub(crate) struct LinkState {
     read_limit: u64,
     overhead_limit: u64,
     budget_refusals: u64,
+    /// Of those, the ones the request would have fit alone: see
+    /// [`LinkStats::budget_refusals_held`].
+    budget_refusals_held: u64,
     /// What the last full `bytes` check cleared; see [`clearance::Clearance`].
     clearance: Option<clearance::Clearance>,
     /// Upstream memory known to hold only zeros in the current call.
@@ -210,6 +213,10 @@ pub struct LinkStats {
     /// Upstream requests answered "none" because they would have taken the policy past
     /// its overhead budget ([`Limits::overhead`]).
     pub budget_refusals: u64,
+    /// Of those, the ones that fit the budget alone, refused because of what the policy
+    /// already held beyond its client's bytes (caches, free lists: a budget smaller
+    /// than they grow to); the rest were for sizes no budget covers.
+    pub budget_refusals_held: u64,
     /// Why the policy was stopped, if it was.
     pub failure: Option<String>,
     /// The policy's own counters (`lifecycle.report`, 0.2.0), by name, in its order.
@@ -292,6 +299,7 @@ impl Link {
             live_bytes: lent.bytes(),
             peak_bytes: lent.peak_bytes(),
             budget_refusals: state.budget_refusals,
+            budget_refusals_held: state.budget_refusals_held,
             failure: self.poisoned.as_ref().map(|e| e.to_string()),
             mapped_regions: state.mapped.regions() as u64,
             mapped_bytes: state.mapped.bytes(),

@@ -68,6 +68,9 @@ pub struct Stats {
     /// Upstream requests of the chain's policies answered "none" for passing their
     /// overhead budget ([`crate::Limits::overhead`]), summed over the chain.
     pub budget_refusals: u64,
+    /// Of those, the ones refused for what a policy held beyond its client's bytes
+    /// ([`crate::LinkStats::budget_refusals_held`]).
+    pub budget_refusals_held: u64,
     /// Blocks the top policy lent that wait in the host's magazines for reuse: freed by
     /// the client, not yet given back to the policy. The top policy's
     /// [`crate::LinkStats::live_blocks`] is always `live_blocks + cached_blocks`.

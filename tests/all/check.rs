@@ -756,3 +756,32 @@ fn each_check_draws_a_fresh_seed_it_prints_and_keeps_regressions_per_policy_cont
     assert_ne!(seed_of(&[]), seed_of(&[]), "each run its own seed");
     assert_eq!(seed_of(&["--seed", "7"]), "7");
 }
+
+/// Issue 60: with a small `--overhead`, refusals caused by what the policy's caches held
+/// were reported as "for impossible sizes". Each refusal is now counted by its cause.
+#[test]
+fn overhead_refusals_are_counted_by_their_cause() {
+    let policy = load(&allocbox_artifacts::SIZE_CLASSES);
+    let mut tight = CheckOptions {
+        cases: 200,
+        ..options()
+    };
+    tight.limits.overhead = 4 << 10;
+    let report = check::check(Runtime::shared(), &policy, &[], &tight).unwrap();
+    assert!(report.passed(), "{:?}", report.failure);
+    assert!(
+        report.budget_refusals_held > 0 && report.budget_refusals_held < report.budget_refusals,
+        "both causes: {} of {}",
+        report.budget_refusals_held,
+        report.budget_refusals
+    );
+    let roomy = check::check(Runtime::shared(), &policy, &[], &options()).unwrap();
+    assert_eq!(
+        roomy.budget_refusals_held, 0,
+        "the default budget holds its caches"
+    );
+    assert!(
+        roomy.budget_refusals > 0,
+        "impossible sizes are still refused"
+    );
+}

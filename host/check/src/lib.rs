@@ -262,6 +262,7 @@ pub fn check(
         ops: ops.into_inner(),
         elapsed: start.elapsed(),
         budget_refusals: subject.tally.budget.into_inner(),
+        budget_refusals_held: subject.tally.budget_held.into_inner(),
         injected_refusals: subject.tally.injected.into_inner(),
         cross_thread_frees: subject.tally.passed.into_inner(),
         cases_waited: subject.tally.waited.load(Ordering::Relaxed),

@@ -95,6 +95,9 @@ impl Subject<'_> {
             self.tally
                 .budget
                 .fetch_add(stats.budget_refusals, Ordering::Relaxed);
+            self.tally
+                .budget_held
+                .fetch_add(stats.budget_refusals_held, Ordering::Relaxed);
         }
         self.tally
             .injected

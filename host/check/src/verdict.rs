@@ -169,8 +169,12 @@ pub struct CheckReport {
     pub elapsed: Duration,
     /// Upstream requests answered "none" for passing the policy's overhead budget
     /// ([`Limits::overhead`]), over every case: the impossible sizes the checker asks
-    /// for on purpose, unless the policy hoards.
+    /// for on purpose, and `budget_refusals_held`.
     pub budget_refusals: u64,
+    /// Of those, the ones a request would have fit alone, refused for what the policy
+    /// held beyond its client's bytes: a budget smaller than its caches grow to (or a
+    /// policy that hoards).
+    pub budget_refusals_held: u64,
     /// Upstream requests the checker refused on purpose (`oom` operations), over every
     /// case, to run the policy's out-of-memory paths.
     pub injected_refusals: u64,
@@ -233,8 +237,11 @@ pub const COUNTERS_KEPT: usize = 64;
 /// run: summed, a `peak-` counter (a high-water mark) its largest.
 #[derive(Debug, Default)]
 pub(super) struct Tally {
-    /// Past the overhead budget: the impossible sizes the checker asks for.
+    /// Past the overhead budget: the impossible sizes the checker asks for, and
+    /// `budget_held`.
     pub(super) budget: AtomicU64,
+    /// Past the overhead budget for what the policy held beyond its client's bytes.
+    pub(super) budget_held: AtomicU64,
     /// By `oom` operations.
     pub(super) injected: AtomicU64,
     /// Blocks passed to another client thread and freed there.

@@ -238,11 +238,17 @@ pub(crate) fn counter_list(counters: &[(String, u64)], left_out: u64) -> String 
 /// What the checker refused on purpose, and what for, so that it does not read like a
 /// fault of the policy.
 fn refused_on_purpose(report: &CheckReport) -> Option<String> {
+    let held = report.budget_refusals_held;
     let parts: Vec<String> = [
         (report.injected_refusals, "injected by `oom` operations"),
         (
-            report.budget_refusals,
-            "past the overhead budget, for impossible sizes",
+            report.budget_refusals - held,
+            "past the overhead budget for impossible sizes",
+        ),
+        (
+            held,
+            "past it for what the policy held beyond its client's bytes: its caches \
+             outgrow --overhead (raise it), or it hoards",
         ),
     ]
     .into_iter()
@@ -252,7 +258,7 @@ fn refused_on_purpose(report: &CheckReport) -> Option<String> {
     (!parts.is_empty()).then(|| {
         format!(
             "out-of-memory paths run by refusing upstream requests on purpose ({})",
-            parts.join(", ")
+            parts.join("; ")
         )
     })
 }
@@ -281,6 +287,7 @@ fn json_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> serde
         "operations_per_second": report.ops_per_second(),
         "seed": report.seed,
         "budget_refusals": report.budget_refusals,
+        "budget_refusals_held": report.budget_refusals_held,
         "injected_refusals": report.injected_refusals,
         "cross_thread_frees": report.cross_thread_frees,
         "instances_shared": report.instances_shared,

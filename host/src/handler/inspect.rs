@@ -43,7 +43,9 @@ impl Handler {
         c.stats.fold(counts);
         let mut stats = c.stats.clone();
         stats.cached_blocks = cached_blocks as u64;
-        stats.budget_refusals = c.links().map(|l| l.stats().budget_refusals).sum();
+        let links: Vec<_> = c.links().map(|l| l.stats()).collect();
+        stats.budget_refusals = links.iter().map(|l| l.budget_refusals).sum();
+        stats.budget_refusals_held = links.iter().map(|l| l.budget_refusals_held).sum();
         Ok(stats)
     }
 

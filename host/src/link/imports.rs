@@ -24,6 +24,10 @@ use crate::error::{Bound, Call, Error, Rule, Violation};
 use crate::gpu::Placement;
 use crate::ledger::{Ledger, TakeBack};
 
+/// The largest request a machine could hold (1 PiB, the largest overhead budget too):
+/// past it, a size is one no budget covers.
+const REAL_REQUEST: u64 = 1 << 50;
+
 impl LinkState {
     pub(crate) fn new(sandbox: Sandbox, start: LinkStart<'_>) -> Self {
         let LinkStart {
@@ -45,6 +49,7 @@ impl LinkState {
             read_limit: limits.memory,
             overhead_limit: limits.overhead,
             budget_refusals: 0,
+            budget_refusals_held: 0,
             clearance: None,
             zeroed: Default::default(),
             checked,
@@ -236,6 +241,12 @@ impl LinkState {
         let ok = cost <= left;
         if !ok {
             self.budget_refusals += 1;
+            // A request a machine could hold that fit the budget alone: what the policy
+            // held beyond its client's bytes took it past.
+            let alone = self.demand.saturating_add(self.overhead_limit);
+            if self.demand <= REAL_REQUEST && cost <= alone {
+                self.budget_refusals_held += 1;
+            }
         }
         // Past what the budget allows without the request, the request's allowance
         // pays: see `end_allowance`.
@@ -464,6 +475,9 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         let granted = (self.budget_left() / per_block).min(count.into()) as u32;
         if granted < count {
             self.budget_refusals += 1;
+            if per_block <= self.overhead_limit {
+                self.budget_refusals_held += 1;
+            }
         }
         let blocks = self.upstream_call(|u, d| u.malloc_many(d, size, granted))?;
         if !blocks.is_empty() {

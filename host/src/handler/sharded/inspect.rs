@@ -161,6 +161,7 @@ impl Stats {
         self.size_corrections += other.size_corrections;
         self.magazine_hits += other.magazine_hits;
         self.budget_refusals += other.budget_refusals;
+        self.budget_refusals_held += other.budget_refusals_held;
         self.cached_blocks += other.cached_blocks;
     }
 }
