@@ -1,7 +1,7 @@
 """`allocbox run`: an unmodified Python program under a policy.
 
     allocbox run [-p POLICY [-c KEY=VALUE]...]... [--grant KINDS] [--record FILE [--sites]]
-                 [--report PAGE.html [--compare POLICY,...]] (SCRIPT | -m MODULE) [ARGS...]
+                 [--report PAGE.html [--compare POLICY,...] [--no-sites]] (SCRIPT | -m MODULE) [ARGS...]
 
 The command line is the `allocbox` command's own (`allocbox run --help` says every
 option), parsed by the same grammar as every other subcommand; the program runs here,
@@ -9,7 +9,9 @@ in this Python process. The chain is NumPy's handler for the program and every t
 it starts, and places the arrays Numba's compiled code makes (`allocbox.numba`).
 `--report PAGE.html` replays the recording (a temporary one without `--record`)
 through NumPy's default, the policy (a chain of one), and each policy `--compare`
-names, into one page.
+names, into one page, with the program's lines behind its arrays unless `--no-sites`.
+A policy that asked for a kind of memory it was not granted is said once, with the
+`--grant` that grants it.
 
 The program's exit status is the command's; at the end a few lines on standard error
 say what the policy saw. Input that cannot be used (a script or module that is not
@@ -58,7 +60,7 @@ def parse(argv):
     # Resolved now: the program may change directory before the files are written.
     record = None if parsed["record"] is None else os.path.abspath(parsed["record"])
     page = None if parsed["report"] is None else os.path.abspath(parsed["report"])
-    report = {"page": page, "compare": parsed["compare"]}
+    report = {"page": page, "compare": parsed["compare"], "no_sites": parsed["no_sites"]}
     kind, target = parsed["program"]
     program = (kind, os.fspath(target))
     return chain, parsed["grant"], (record, parsed["sites"]), report, program, list(parsed["args"])
@@ -122,6 +124,8 @@ def check_report(report, recording):
     if page is None:
         if compare:
             raise UsageError("--compare says what a report compares: add --report PAGE.html")
+        if report["no_sites"]:
+            raise UsageError("--no-sites says what a report leaves out: add --report PAGE.html")
         return recording
     _check_output("--report", page)
     import allocbox
@@ -134,6 +138,8 @@ def check_report(report, recording):
                 + ", ".join(sorted(shipped))
             )
     record, sites = recording
+    # A report's tables by line need the lines: recorded unless told not to.
+    sites = sites or not report["no_sites"]
     if record is None:
         import tempfile
 
@@ -310,9 +316,33 @@ def size_text(n):
     return f"{n} bytes"
 
 
-def summary(handler, traces):
+def ungranted(handler, said):
+    """A line for each kind of memory a policy of `handler` asked for and was not
+    granted, with the option that grants it: each `(policy, kind)` once, kept in `said`."""
+    lines = []
+    if not hasattr(handler, "link_stats"):
+        return lines
+    try:
+        links = handler.link_stats()
+    except Exception:  # noqa: BLE001 - a stopped policy: its failure says why
+        return lines
+    for link in links:
+        for kind, asked in link["ungranted"].items():
+            if (link["name"], kind) in said:
+                continue
+            said.add((link["name"], kind))
+            times = "once" if asked == 1 else f"{asked:,} times"
+            lines.append(
+                f"allocbox: policy `{link['name']}` asked for {kind} memory {times}, which was not "
+                f"granted, and ran without it: add `--grant {kind}` to run it as written"
+            )
+    return lines
+
+
+def summary(handler, traces, said=None):
     """What the handler saw, in a few lines, the cause of a stop first, and where the
-    `traces` are."""
+    `traces` are; the kinds of memory a policy asked for and was not granted, but for
+    those in `said`."""
     lines = []
     if handler.failure:
         import allocbox
@@ -332,6 +362,7 @@ def summary(handler, traces):
     counters = stats["counters"]
     if counters:
         lines.append("allocbox: counters: " + ", ".join(f"{k} {v:,}" for k, v in counters.items()))
+    lines += ungranted(handler, set() if said is None else said)
     if traces:
         shown = [_shown(trace) for trace in traces]
         if len(shown) == 1:
@@ -370,6 +401,12 @@ def main(argv):
         return 2
     import allocbox
 
+    # A policy that asked for memory of a kind not granted while it started: said now,
+    # with the option that grants it (what it asks later is said at the end).
+    said = set()
+    for line in ungranted(handler, said):
+        print(line, file=sys.stderr)
+    report["ungranted_said"] = said
     started_in = os.getpid()
     started_at = time.time()
     if record is not None:
@@ -414,5 +451,6 @@ def _end(handler, traces, report, code):
         sys.stdout.flush()
     except (OSError, ValueError, AttributeError):
         pass
-    children.say(*lines, *summary(handler, [] if "temporary" in report else traces))
+    shown = [] if "temporary" in report else traces
+    children.say(*lines, *summary(handler, shown, report.get("ungranted_said")))
     return code

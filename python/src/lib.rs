@@ -63,6 +63,7 @@ fn run_arguments(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> PyResult<Py<P
     d.set_item("grant", run.grants)?;
     d.set_item("record", run.record)?;
     d.set_item("sites", run.sites)?;
+    d.set_item("no_sites", run.no_sites)?;
     d.set_item("report", run.report)?;
     d.set_item("compare", run.compare)?;
     let program = match run.program {

@@ -63,6 +63,7 @@ def test_each_config_goes_to_the_policy_named_before_it(tmp_path):
         (["-p", "size-classes", "--record", "nodir/t.trace", "program.py"], "nodir"),
         (["-c", "bucket-depth=7", "-p", "size-classes", "program.py"], "-c bucket-depth=7"),
         (["--grant", "guarded", "program.py"], "--grant"),
+        (["-p", "size-classes", "--no-sites", "program.py"], "--no-sites"),
     ],
 )
 def test_input_that_cannot_be_used_is_one_sentence_and_exit_2_before_the_program_starts(tmp_path, args, named):
@@ -220,6 +221,34 @@ def test_a_run_recorded_with_sites_names_the_peak_s_function_and_the_leaking_lin
     row = next(r for r in never_freed.split("<tr>") if f"{example}:{kept}" in r)
     assert "remember" in row and "<td>3</td>" in row, row
     assert "seconds since the recording started" in page, "the x axis is time"
+
+
+def test_a_report_names_the_program_s_lines_unless_told_not_to(tmp_path):
+    # Issue 61: `--report` without `--sites` made a page with no tables by line and no
+    # hint; a report now records the lines unless `--no-sites`.
+    program = "import numpy as np\nkeep = [np.ones(100_000) for _ in range(5)]\n"
+    done = allocbox_run(tmp_path, "-p", "size-classes", "--report", "lines.html", "job.py", program=program, name="job.py")
+    assert done.returncode == 0, done.stderr
+    assert "job.py:2" in (tmp_path / "lines.html").read_text(), "the line that made the arrays"
+    done = allocbox_run(
+        tmp_path, "-p", "size-classes", "--report", "bare.html", "--no-sites", "job.py", program=program, name="job.py"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "job.py:2" not in (tmp_path / "bare.html").read_text()
+
+
+def test_a_policy_that_asks_for_memory_it_was_not_granted_is_told_how_to_grant_it(tmp_path):
+    # Issue 61: `-p guard` without `--grant guarded` checked canaries only, and said so
+    # nowhere but a counter.
+    done = allocbox_run(tmp_path, "-p", "guard", "program.py", program="import numpy as np\na = np.ones(1000)\n")
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "not granted" in line]
+    assert len(said) == 1 and "`guard` asked for guarded memory" in said[0], done.stderr
+    assert "add `--grant guarded`" in said[0], done.stderr
+    done = allocbox_run(
+        tmp_path, "-p", "guard", "--grant", "guarded", "program.py", program="import numpy as np\na = np.ones(1000)\n"
+    )
+    assert "not granted" not in done.stderr, done.stderr
 
 
 def test_a_report_compares_the_program_s_policy_and_others_with_numpy_s_default(tmp_path):

@@ -288,9 +288,14 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "FILE")]
     pub(crate) record: Option<PathBuf>,
     /// With `--record`: the line of the program's own code behind each allocation, for
-    /// the report's tables by line.
+    /// the report's tables by line (with `--report` they are recorded unless
+    /// `--no-sites`).
     #[arg(long)]
     pub(crate) sites: bool,
+    /// With `--report`: record no lines of the program's code (a recording a little
+    /// cheaper; the page then has no tables by line).
+    #[arg(long, conflicts_with = "sites")]
+    pub(crate) no_sites: bool,
     /// Then replay the recording (a temporary one without `--record`) through NumPy's
     /// default, the policy, and each `--compare` policy, into this HTML page.
     #[arg(long, value_name = "PAGE.html")]

@@ -25,6 +25,8 @@ pub struct RunCommand {
     pub grants: Vec<&'static str>,
     pub record: Option<PathBuf>,
     pub sites: bool,
+    /// `--no-sites`: a report without the program's lines.
+    pub no_sites: bool,
     pub report: Option<PathBuf>,
     pub compare: Vec<String>,
     pub program: Program,
@@ -66,6 +68,7 @@ pub fn parse_run(args: Vec<OsString>) -> Result<RunCommand, u8> {
         grants: run.grants.iter().map(|g| g.name()).collect(),
         record: run.record,
         sites: run.sites,
+        no_sites: run.no_sites,
         report: run.report,
         compare: run.compare.into_iter().filter(|c| !c.is_empty()).collect(),
         program,
