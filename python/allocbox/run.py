@@ -1,7 +1,8 @@
 """`allocbox run`: an unmodified Python program under a policy.
 
     allocbox run [-p POLICY [-c KEY=VALUE]...]... [--grant KINDS] [--record FILE [--sites]]
-                 [--report PAGE.html [--compare POLICY,...] [--no-sites]] (SCRIPT | -m MODULE) [ARGS...]
+                 [--report PAGE.html [--compare POLICY,...] [--no-sites]]
+                 [--device-policy POLICY [--device-config KEY=VALUE]...] (SCRIPT | -m MODULE) [ARGS...]
 
 The command line is the `allocbox` command's own (`allocbox run --help` says every
 option), parsed by the same grammar as every other subcommand; the program runs here,
@@ -11,7 +12,9 @@ it starts, and places the arrays Numba's compiled code makes (`allocbox.numba`).
 through NumPy's default, the policy (a chain of one), and each policy `--compare`
 names, into one page, with the program's lines behind its arrays unless `--no-sites`.
 A policy that asked for a kind of memory it was not granted is said once, with the
-`--grant` that grants it.
+`--grant` that grants it. `--device-policy` places the GPU memory of PyTorch, CuPy and
+Numba's CUDA target by a device policy (`allocbox.device_use`), recorded into the
+trace with the host's.
 
 The program's exit status is the command's; at the end a few lines on standard error
 say what the policy saw. Input that cannot be used (a script or module that is not
@@ -48,7 +51,7 @@ class UsageError(Exception):
 
 def parse(argv):
     """The chain `[(source, {key: value})]`, grants, `(trace path, sites)`, the report
-    asked for, and the program: `("script", path)` or `("module", name)`, with its
+    asked for, the device policy `(source, {key: value})` or None, and the program: `("script", path)` or `("module", name)`, with its
     arguments. Parsed by the command line's own grammar (`allocbox --help`), which prints
     its help or its error itself: then the command ends with that status."""
     from ._allocbox import run_arguments
@@ -63,7 +66,8 @@ def parse(argv):
     report = {"page": page, "compare": parsed["compare"], "no_sites": parsed["no_sites"]}
     kind, target = parsed["program"]
     program = (kind, os.fspath(target))
-    return chain, parsed["grant"], (record, parsed["sites"]), report, program, list(parsed["args"])
+    device = None if parsed["device"] is None else (parsed["device"][0], dict(parsed["device"][1]))
+    return chain, parsed["grant"], (record, parsed["sites"]), report, device, program, list(parsed["args"])
 
 
 def check_program(kind, target):
@@ -115,6 +119,26 @@ def _check_output(option, path):
         _allocbox.check_output(os.path.abspath(path))
     except allocbox.AllocboxError as e:
         raise UsageError(f"{option}: {e}") from None
+
+
+def load_device(device, grant, recording):
+    """The device policy `run --device-policy` names, installed for the GPU libraries
+    the program imports, recording into `recording`'s trace when it records; None when
+    none was named, or there is no GPU (said in a line)."""
+    if device is None:
+        return None
+    import allocbox
+
+    from . import device_use
+
+    source, config = device
+    try:
+        policy = device_use.load(source, config, grant, recording)
+    except (allocbox.AllocboxError, ValueError) as e:
+        raise UsageError(f"--device-policy {source}: {e}") from None
+    if policy is not None:
+        device_use.install(policy)
+    return policy
 
 
 def check_report(report, recording):
@@ -339,10 +363,10 @@ def ungranted(handler, said):
     return lines
 
 
-def summary(handler, traces, said=None):
+def summary(handler, traces, said=None, device=None):
     """What the handler saw, in a few lines, the cause of a stop first, and where the
     `traces` are; the kinds of memory a policy asked for and was not granted, but for
-    those in `said`."""
+    those in `said`; what the `device` policy placed, when there is one."""
     lines = []
     if handler.failure:
         import allocbox
@@ -363,6 +387,13 @@ def summary(handler, traces, said=None):
     if counters:
         lines.append("allocbox: counters: " + ", ".join(f"{k} {v:,}" for k, v in counters.items()))
     lines += ungranted(handler, set() if said is None else said)
+    if device is not None:
+        d = device.stats()
+        lines.append(
+            f"allocbox: device policy `{device.name}` placed {d['mallocs']:,} blocks of GPU {device.device} "
+            f"({size_text(d['total_bytes'])}); peak {size_text(d['peak_bytes'])} live; "
+            f"{d['live_blocks']:,} ({size_text(d['live_bytes'])}) still live at the end"
+        )
     if traces:
         shown = [_shown(trace) for trace in traces]
         if len(shown) == 1:
@@ -391,11 +422,12 @@ def main(argv):
     # A run started by a program under another run runs its own policy, not that one's.
     _allocbox_startup.disarm()
     try:
-        chain, grant, recording, report, (kind, target), args = parse(argv)
+        chain, grant, recording, report, device, (kind, target), args = parse(argv)
         check_program(kind, target)
         recording = check_report(report, recording)
         handler = load(chain, grant, recording)
         record = recording[0]
+        report["device"] = load_device(device, grant, handler if record is not None else None)
     except UsageError as e:
         print(f"allocbox run: {e}", file=sys.stderr)
         return 2
@@ -452,5 +484,5 @@ def _end(handler, traces, report, code):
     except (OSError, ValueError, AttributeError):
         pass
     shown = [] if "temporary" in report else traces
-    children.say(*lines, *summary(handler, shown, report.get("ungranted_said")))
+    children.say(*lines, *summary(handler, shown, report.get("ungranted_said"), report.get("device")))
     return code

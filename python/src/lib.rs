@@ -66,6 +66,7 @@ fn run_arguments(py: Python<'_>, argv: Vec<std::ffi::OsString>) -> PyResult<Py<P
     d.set_item("no_sites", run.no_sites)?;
     d.set_item("report", run.report)?;
     d.set_item("compare", run.compare)?;
+    d.set_item("device", run.device)?;
     let program = match run.program {
         allocbox_cli::Program::Script(path) => ("script", path.into_os_string()),
         allocbox_cli::Program::Module(name) => ("module", name),

@@ -571,3 +571,96 @@ def test_an_output_that_is_a_link_a_fifo_or_read_only_is_refused_before_the_prog
         assert f"{option}: cannot write `" in lines[0] and f"{target}`: " in lines[0] and says in lines[0], lines
     assert (tmp_path / "victim").read_text() == "precious"
     assert (tmp_path / "kept").read_text() == "kept"
+
+
+FAKE_CUPY = '''
+"""A stand-in for CuPy: its allocator switch, and an allocation through it."""
+import types
+
+class UnownedMemory:
+    def __init__(self, ptr, size, owner, device_id=-1):
+        self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+class MemoryPointer:
+    def __init__(self, mem, offset):
+        self.mem, self.ptr = mem, mem.ptr + offset
+
+class OutOfMemoryError(MemoryError):
+    pass
+
+_allocator = []
+
+def set_allocator(allocator=None):
+    _allocator[:] = [allocator]
+
+def alloc(size):
+    return _allocator[0](size)
+
+cuda = types.SimpleNamespace(
+    UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer, set_allocator=set_allocator, alloc=alloc,
+    get_current_stream=lambda: types.SimpleNamespace(ptr=0),
+    memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
+)
+'''
+
+
+def _run_with_gpu(tmp_path, *args, program, gpu="stand-in"):
+    (tmp_path / "cupy.py").write_text(FAKE_CUPY)
+    (tmp_path / "job.py").write_text(textwrap.dedent(program))
+    env = dict(os.environ)
+    env.pop("ALLOCBOX_GPU", None)
+    if gpu:
+        env["ALLOCBOX_GPU"] = gpu
+    return subprocess.run(
+        [sys.executable, "-m", "allocbox", "run", *args, "job.py"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
+    )
+
+
+def test_a_device_policy_places_an_unedited_gpu_program_s_memory_and_records_it(tmp_path):
+    # Issue 62: a GPU program had to be edited to use a device policy; its device
+    # memory was in no trace.
+    program = """
+        import numpy as np, cupy
+        host = np.ones(1000)
+        block = cupy.cuda.alloc(4096)
+        print(block.ptr % 256 == 0, block.mem.device_id)
+        del block
+    """
+    done = _run_with_gpu(
+        tmp_path, "-p", "size-classes", "--device-policy", "gpu-pool", "--record", "t.trace", program=program
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True 0", done.stdout + done.stderr
+    assert "device policy `gpu-pool` placed 1 blocks of GPU 0 (4.0 KiB)" in done.stderr, done.stderr
+    events = [line for line in trace_text(tmp_path / "t.trace").splitlines() if not line.startswith("#")]
+    gpu = [line for line in events if " d=0" in line]
+    assert [line.split()[:3:2] for line in gpu] == [["m", "4096"], ["f", "4096"]], events
+    assert any(" d=" not in line and line.startswith(("m ", "c ")) for line in events), "the host's arrays too"
+
+
+def test_a_gpu_program_that_sets_its_own_allocator_keeps_it_and_is_told(tmp_path):
+    program = """
+        import cupy
+        cupy.cuda.set_allocator(lambda size: "its own")
+        print(cupy.cuda.alloc(64))
+    """
+    done = _run_with_gpu(tmp_path, "--device-policy", "gpu-pool", program=program)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "its own"
+    assert "the program sets CuPy's allocator itself: it keeps its own" in done.stderr, done.stderr
+
+
+def test_without_a_gpu_a_device_policy_says_so_and_the_program_runs_with_its_libraries_own(tmp_path):
+    import allocbox.cuda
+
+    try:
+        allocbox.cuda.load().device_memory()
+        pytest.skip("this machine has a GPU")
+    except allocbox.AllocboxError:
+        pass
+    done = _run_with_gpu(tmp_path, "--device-policy", "gpu-pool", program="import cupy\nprint('ran')\n", gpu=None)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ran"
+    lines = [line for line in done.stderr.splitlines() if "no GPU for device policy `gpu-pool`" in line]
+    assert len(lines) == 1 and "keep their own allocators" in lines[0], done.stderr

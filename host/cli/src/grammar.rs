@@ -303,6 +303,17 @@ pub(crate) struct RunArgs {
     /// With `--report`: more policies to compare on the program, comma-separated.
     #[arg(long, value_name = "POLICY,...", value_delimiter = ',')]
     pub(crate) compare: Vec<String>,
+    /// A device policy (a shipped policy's name, `gpu-pool`, or a file) that places the
+    /// GPU memory of PyTorch, CuPy and Numba's CUDA target, installed as each is
+    /// imported, before it starts CUDA: the program runs unedited. A program that sets
+    /// its own allocator keeps it, and a line says so; without a CUDA driver a line says
+    /// so and the libraries keep their own allocators. With `--record`, its blocks are
+    /// in the trace, each with its GPU.
+    #[arg(long, value_name = "POLICY")]
+    pub(crate) device_policy: Option<String>,
+    /// Configuration for the `init` of `--device-policy`, as KEY=VALUE (repeatable).
+    #[arg(long = "device-config", value_name = "KEY=VALUE", value_parser = parse_key_value, requires = "device_policy")]
+    pub(crate) device_config: Vec<(String, String)>,
     /// Run the module MODULE as `python -m` does; what follows it is its arguments.
     #[arg(short = 'm', value_name = "MODULE", num_args = 1.., allow_hyphen_values = true)]
     pub(crate) module: Option<Vec<OsString>>,

@@ -29,6 +29,8 @@ pub struct RunCommand {
     pub no_sites: bool,
     pub report: Option<PathBuf>,
     pub compare: Vec<String>,
+    /// `--device-policy`, with its `--device-config`.
+    pub device: Option<(String, Vec<(String, String)>)>,
     pub program: Program,
     /// The program's own arguments.
     pub args: Vec<OsString>,
@@ -71,6 +73,7 @@ pub fn parse_run(args: Vec<OsString>) -> Result<RunCommand, u8> {
         no_sites: run.no_sites,
         report: run.report,
         compare: run.compare.into_iter().filter(|c| !c.is_empty()).collect(),
+        device: run.device_policy.map(|policy| (policy, run.device_config)),
         program,
         args,
     })

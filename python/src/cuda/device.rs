@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::path::PathBuf;
 
 use allocbox::gpu::Stream;
-use allocbox::trace::{DeviceRecorder, TraceWriter, Watched};
+use allocbox::trace::{DeviceRecorder, Recorder, Served, TraceWriter, Watched, Watcher};
 use allocbox::{DeviceHandler, Error, PolicyHandler, WasmHook};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::sync::Mutex;
@@ -15,7 +16,7 @@ use std::sync::Mutex;
 use crate::errors::{AllocboxError, LoadError, to_py};
 use crate::hooks::EventHook;
 use crate::loading::{Bounds, chain_builder};
-use crate::policy::{finish, link_dicts, recording_options, set_counts};
+use crate::policy::{Policy, finish, link_dicts, recording_options, set_counts};
 use crate::stand_in_gpu::StandInGpu;
 
 /// A chain of policies serving one GPU's memory to a GPU program: blocks are device
@@ -35,7 +36,33 @@ pub(crate) struct Device {
 
 /// What is told of a device policy's every call: its recording (`record=`) and its
 /// event hook (`hook=`), each when asked for.
-type DeviceWatchers = (Option<TraceWriter>, Option<Arc<WasmHook>>);
+type DeviceWatchers = (Option<Recording>, Option<Arc<WasmHook>>);
+
+/// Where a device policy's calls are recorded: a trace of its own, or the trace a host
+/// policy records (`allocbox run --record` with a device policy: one trace of the
+/// program's host and GPU memory, in one order).
+pub(crate) enum Recording {
+    Own(TraceWriter),
+    Into(Arc<Recorder>),
+}
+
+impl Recording {
+    fn writer(&self) -> &TraceWriter {
+        match self {
+            Recording::Own(writer) => writer,
+            Recording::Into(recorder) => &recorder.watcher,
+        }
+    }
+}
+
+impl Watcher for Recording {
+    fn before(&self) -> u64 {
+        self.writer().before()
+    }
+    fn served(&self, call: Served) {
+        self.writer().served(call);
+    }
+}
 
 impl Device {
     /// [`DeviceHandler::malloc`], recorded and hooked.
@@ -203,9 +230,10 @@ impl DevicePolicy {
     /// End the trace being recorded (`load(..., record=path)`) and write it out, as
     /// `Policy.finish_recording()`.
     fn finish_recording(&self) -> PyResult<()> {
+        // A trace shared with a host policy is that policy's to finish.
         match &self.handler.watched.watcher.0 {
-            Some(recorder) => finish(recorder),
-            None => Ok(()),
+            Some(Recording::Own(writer)) => finish(writer),
+            _ => Ok(()),
         }
     }
 
@@ -263,7 +291,7 @@ impl Drop for DeviceBlock {
 
 /// Load a chain (as `load_chain`) as a device handler of GPU `device`. Its policies
 /// get the `device` grant besides any in `grant`. `record` writes its every block to a
-/// trace; `hook` (an `EventHook`) is told of each, as NumPy's event hook is of arrays.
+/// trace: a path, or a host `Policy` that records (its trace then has both); `hook` (an `EventHook`) is told of each, as NumPy's event hook is of arrays.
 #[pyfunction]
 #[pyo3(signature = (*chain, device = 0, call_time = None, memory = None, batch = None, overhead = None, compile_bounds = None, grant = None, names = None, gpu = None, record = None, hook = None))]
 #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
@@ -278,7 +306,7 @@ pub(crate) fn load_device_chain(
     grant: Option<Vec<String>>,
     names: Option<Vec<Option<String>>>,
     gpu: Option<PyRef<'_, StandInGpu>>,
-    record: Option<PathBuf>,
+    record: Option<Bound<'_, PyAny>>,
     hook: Option<PyRef<'_, EventHook>>,
 ) -> PyResult<DevicePolicy> {
     let mut grant = grant.unwrap_or_default();
@@ -299,12 +327,24 @@ pub(crate) fn load_device_chain(
             .map_err(|e| LoadError::new_err(e.to_string()))?,
     );
     let recorder = match record {
-        Some(path) => Some(
-            DeviceRecorder::create(&path, handler.clone(), recording_options(false))
-                .map_err(|error| AllocboxError::new_err(error.to_string()))?
-                .watcher,
-        ),
         None => None,
+        Some(into) => match into.cast::<Policy>() {
+            Ok(policy) => match &policy.get().recorder {
+                Some(recorder) => Some(Recording::Into(recorder.clone())),
+                None => {
+                    return Err(PyValueError::new_err(
+                        "record= names a policy that records nothing: load it with record=PATH",
+                    ));
+                }
+            },
+            Err(_) => {
+                let path: PathBuf = into.extract()?;
+                let recorder =
+                    DeviceRecorder::create(&path, handler.clone(), recording_options(false))
+                        .map_err(|error| AllocboxError::new_err(error.to_string()))?;
+                Some(Recording::Own(recorder.watcher))
+            }
+        },
     };
     let watched = Watched {
         handler,
