@@ -546,6 +546,33 @@ fn a_trace_with_gpu_memory_converts_whole_and_replays_each_memory_through_its_ow
         gpu.contains("held in the regions it mapped of the GPU's memory"),
         "{gpu}"
     );
+    assert!(
+        gpu.contains("hook `sizes` on `gpu-pool`"),
+        "the hook is told the GPU's events: {gpu}"
+    );
+    assert!(
+        gpu.contains("on GPU 0 of 80.0 GiB (--device-memory), `gpu-pool` fit"),
+        "{gpu}"
+    );
+    // Would it have fit a smaller GPU?
+    let (code, out) = allocbox_cli(
+        &[
+            "report",
+            "t.bin",
+            "-p",
+            "system",
+            "-o",
+            "small.html",
+            "--device-memory",
+            "1MiB",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("on GPU 0 of 0.0 GiB (--device-memory), `gpu-pool` ran out of memory 1 time"),
+        "{out}"
+    );
     let page = std::fs::read_to_string(dir.join("r.html")).unwrap();
     assert!(
         page.contains("<h1>allocbox report: t.bin, GPU 0</h1>"),

@@ -317,11 +317,13 @@ impl Script {
         // Every operation with its line and thread, for `check_blocks`.
         let mut lines = Vec::new();
         for (n, line) in text.lines().enumerate() {
-            // A `#` starts a comment: a whole line, or a note after an operation.
-            let line = line
-                .split_once('#')
-                .map_or(line, |(before, _)| before)
-                .trim();
+            // A `#` starts a comment: a whole line, or a note after an operation
+            // (` # `, a space each side: `free #0` is a mistake to name, not a note).
+            let line = line.trim();
+            let line = match line.starts_with('#') {
+                true => "",
+                false => line.split_once(" # ").map_or(line, |(op, _)| op).trim(),
+            };
             let at = |e: String| format!("line {}: {e}", n + 1);
             if line.is_empty() {
                 continue;

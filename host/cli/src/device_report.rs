@@ -27,6 +27,32 @@ pub(crate) struct DevicePolicies {
     pub(crate) memory: u64,
 }
 
+/// Whether each device policy's replay fit the stand-in GPU's `memory`: a line each,
+/// what a user who ran out of memory on a real GPU decides on.
+pub(crate) fn fit_lines(part: &GpuPart, memory: u64) -> String {
+    let gib = memory as f64 / f64::from(1u32 << 30);
+    let mut out = String::new();
+    for t in &part.timelines {
+        let verdict = match t.replay.out_of_memory {
+            0 => format!(
+                "fit: it held at most {} for the program's {} at the most",
+                report::bytes(t.peak_held),
+                report::bytes(t.peak_live)
+            ),
+            n => format!(
+                "ran out of memory {n} time{} (the program would have seen an out-of-memory \
+                 error there)",
+                if n == 1 { "" } else { "s" }
+            ),
+        };
+        out += &format!(
+            "on GPU {} of {gib:.1} GiB (--device-memory), `{}` {verdict}\n",
+            part.gpu, t.label
+        );
+    }
+    out
+}
+
 /// One GPU's part of a report: its title, its part of the page, its timelines.
 pub(crate) struct GpuPart {
     pub(crate) gpu: u16,

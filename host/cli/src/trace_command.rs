@@ -302,6 +302,7 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
             broken |= gpu.hook_failed || gpu.timelines.iter().any(|t| t.replay.failed());
             summarise(&gpu.name, &gpu.timelines, Some(gpu.gpu));
             if !args.json {
+                print_report(&crate::device_report::fit_lines(&gpu, args.device.memory));
                 print_report(&gpu.hook_reports);
             }
             parts.push((gpu.name, gpu.part));
