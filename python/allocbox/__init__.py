@@ -15,7 +15,7 @@ start at NumPy's default.
 # The package's modules, and the two that run before it is imported, form layers: each
 # imports (at its top or inside a function) only those after it here; this facade
 # imports them all and they may all import it (python/tests/test_layers.py).
-# Module order: __main__ > run > device_use > pytest_plugin > dask > cuda > _allocbox_startup > children > numba > _allocbox_hooks
+# Module order: __main__ > run > pytest_plugin > dask > _allocbox_startup > children > device_use > cuda > numba > _allocbox_hooks
 
 import inspect
 import json

@@ -23,12 +23,19 @@ from _allocbox_hooks import CHILD
 _inherited = []
 
 
-def hand_down(chain, grant, record, sites):
+def hand_down(chain, grant, record, sites, device=None):
     """Let the program's Python children run under `chain` (`[(source, config)]`; empty
     for NumPy's default, recorded), with `grant`, recording beside `record` when it is
-    not None. A path is made absolute: a child may start in another directory."""
-    chain = [[os.path.abspath(source) if os.path.exists(source) else source, config] for source, config in chain]
-    os.environ[CHILD] = json.dumps({"chain": chain, "grant": grant, "record": record, "sites": sites})
+    not None, and the device policy `device` (`(source, config)`) when there is one. A
+    path is made absolute: a child may start in another directory."""
+
+    def absolute(source):
+        return os.path.abspath(source) if os.path.exists(source) else source
+
+    chain = [[absolute(source), config] for source, config in chain]
+    device = None if device is None else [absolute(device[0]), device[1]]
+    handed = {"chain": chain, "grant": grant, "record": record, "sites": sites, "device": device}
+    os.environ[CHILD] = json.dumps(handed)
 
 
 def inherit():
@@ -68,6 +75,26 @@ def inherit():
     allocbox._start_threads_with(policy, hold=False)
     if trace is not None:
         finish_in_forked_children(policy)
+    if handed.get("device"):
+        _inherit_device(handed["device"], grant, policy if trace is not None else None)
+
+
+def _inherit_device(device, grant, recording):
+    """In a child: the parent's device policy, installed for the GPU libraries as in the
+    parent (`allocbox.device_use`), recording into the child's trace."""
+    import allocbox
+
+    from . import device_use
+
+    source, config = str(device[0]), dict(device[1])
+    try:
+        pool = device_use.load(source, config, grant, recording)
+    except (allocbox.AllocboxError, ValueError) as e:
+        say(f"allocbox: process {os.getpid()} keeps its GPU libraries' own allocators: device policy {source} will not load in it: {e}")
+        return
+    if pool is not None:
+        _inherited.append(pool)
+        device_use.install(pool)
 
 
 def traces(record, since):

@@ -443,8 +443,8 @@ def main(argv):
     started_at = time.time()
     if record is not None:
         children.finish_in_forked_children(handler)
-    if chain or record is not None:
-        children.hand_down(chain, grant, record, recording[1])
+    if chain or record is not None or device is not None:
+        children.hand_down(chain, grant, record, recording[1], device)
     code = None
     kept = []
     try:

@@ -664,3 +664,17 @@ def test_without_a_gpu_a_device_policy_says_so_and_the_program_runs_with_its_lib
     assert done.stdout.strip() == "ran"
     lines = [line for line in done.stderr.splitlines() if "no GPU for device policy `gpu-pool`" in line]
     assert len(lines) == 1 and "keep their own allocators" in lines[0], done.stderr
+
+
+def test_a_child_process_places_its_gpu_memory_by_the_device_policy_too(tmp_path):
+    program = """
+        import subprocess, sys
+        child = "import numpy, cupy; block = cupy.cuda.alloc(512); del block"
+        subprocess.run([sys.executable, "-c", child], check=True)
+    """
+    done = _run_with_gpu(tmp_path, "--device-policy", "gpu-pool", "--record", "t.trace", program=program)
+    assert done.returncode == 0, done.stderr
+    children = sorted(tmp_path.glob("t.trace.*"))
+    assert len(children) == 1, done.stderr
+    events = [line for line in trace_text(children[0]).splitlines() if not line.startswith("#")]
+    assert [line.split()[:3:2] for line in events if " d=0" in line] == [["m", "512"], ["f", "512"]], events
