@@ -11,6 +11,7 @@ pub mod by_site;
 mod kept;
 mod record;
 mod replay;
+mod rmm;
 mod text;
 pub mod timeline;
 mod watched;

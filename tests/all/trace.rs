@@ -583,3 +583,56 @@ fn a_trace_with_gpu_memory_converts_whole_and_replays_each_memory_through_its_ow
         "the legend says whose memory"
     );
 }
+
+/// Issue 62: a user who ran out of GPU memory under RAPIDS has RMM's log of it; `report`
+/// reads it as a trace of GPU memory and says which device policy would have fit.
+#[test]
+fn an_rmm_log_is_replayed_under_device_policies_and_says_which_would_fit() {
+    let dir = tempdir("rmm-log");
+    let mut log = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
+    for i in 0..200u64 {
+        let at = 0x7f00_0000_0000 + i * 0x10_0000;
+        log += &format!(
+            "7,{}.0,allocate,{at:#x},{},0x1\n",
+            1_700_000_000 + i,
+            4096 + i * 64
+        );
+        if i % 3 == 0 {
+            log += &format!(
+                "7,{}.5,deallocate,{at:#x},{},0x1\n",
+                1_700_000_000 + i,
+                4096 + i * 64
+            );
+        }
+    }
+    std::fs::write(dir.join("rmm.csv"), log).unwrap();
+    let (code, out) = allocbox_cli(
+        &[
+            "report",
+            "rmm.csv",
+            "-p",
+            "default",
+            "-o",
+            "r.html",
+            "--device-memory",
+            "512MiB",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("rmm.csv, GPU 0:"), "{out}");
+    assert!(
+        out.contains("of 0.5 GiB (--device-memory), `gpu-pool` fit"),
+        "{out}"
+    );
+    let (code, out) = allocbox_cli(
+        &["trace-convert", "rmm.csv", "rmm.txt", "--to", "text"],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    let text = std::fs::read_to_string(dir.join("rmm.txt")).unwrap();
+    assert!(
+        text.contains("\nf 1 4096 1 t=500000000 d=0 q=1\n"),
+        "{text}"
+    );
+}

@@ -70,46 +70,79 @@ fn site_record(kind: &str, number: u32, site: &Site) -> String {
     )
 }
 
-/// [`parse_trace_marked`] of a stream that may be cut short (`cut_short` set once it
-/// was): its last line, without an end, is then a part of one, and left out.
-pub(super) fn parse_lines(
-    mut input: impl BufRead,
-    cut_short: &std::cell::Cell<bool>,
-) -> Result<Trace, TraceError> {
-    let mut trace = Trace::default();
-    let mut keeper = Keeper::default();
-    let mut first_left_out = None;
-    let mut raw = Vec::new();
-    let mut n = 0u32;
-    loop {
-        raw.clear();
-        if (&mut input)
-            .take(MAX_LINE_BYTES as u64 + 1)
-            .read_until(b'\n', &mut raw)?
-            == 0
-            || cut_short.get() && !raw.ends_with(b"\n")
-        {
-            keeper.finish(&mut trace, first_left_out);
-            return Ok(trace);
+/// A trace's lines, each read within [`MAX_LINE_BYTES`] and as UTF-8, numbered from 1;
+/// a last line without its end, in a stream cut short, is left out. Every text dialect
+/// (the trace's own, RMM's log) reads through it.
+pub(super) struct Lines<'a, R> {
+    input: R,
+    cut_short: &'a std::cell::Cell<bool>,
+    raw: Vec<u8>,
+    /// The number of the line read last.
+    n: u32,
+}
+
+impl<'a, R: BufRead> Lines<'a, R> {
+    pub(super) fn new(input: R, cut_short: &'a std::cell::Cell<bool>) -> Self {
+        Lines {
+            input,
+            cut_short,
+            raw: Vec::new(),
+            n: 0,
         }
-        n = n.saturating_add(1);
-        let content = raw.strip_suffix(b"\n").unwrap_or(&raw);
+    }
+
+    /// The next line, trimmed, with its number; `None` at the end.
+    pub(super) fn next_line(&mut self) -> Result<Option<(u32, &str)>, TraceError> {
+        self.raw.clear();
+        if (&mut self.input)
+            .take(MAX_LINE_BYTES as u64 + 1)
+            .read_until(b'\n', &mut self.raw)?
+            == 0
+            || self.cut_short.get() && !self.raw.ends_with(b"\n")
+        {
+            return Ok(None);
+        }
+        self.n = self.n.saturating_add(1);
+        let content = self.raw.strip_suffix(b"\n").unwrap_or(&self.raw);
         if content.len() > MAX_LINE_BYTES {
             return Err(TraceError::Syntax {
-                line: n,
+                line: self.n,
                 message: format!(
                     "the line is longer than {MAX_LINE_BYTES} bytes: a trace's lines are \
                      events, sites and short comments (is this file a trace?)"
                 ),
             });
         }
-        let Ok(text) = std::str::from_utf8(content) else {
-            return Err(TraceError::Syntax {
-                line: n,
+        match std::str::from_utf8(content) {
+            Ok(text) => Ok(Some((self.n, text.trim()))),
+            Err(_) => Err(TraceError::Syntax {
+                line: self.n,
                 message: "the line is not UTF-8 text (is this file a trace?)".into(),
-            });
+            }),
+        }
+    }
+}
+
+/// [`parse_trace_marked`] of a stream that may be cut short (`cut_short` set once it
+/// was): its last line, without an end, is then a part of one, and left out. A log of
+/// RMM's logging adaptor (its CSV header first) is read as its dialect
+/// (`trace/rmm.rs`).
+pub(super) fn parse_lines(
+    input: impl BufRead,
+    cut_short: &std::cell::Cell<bool>,
+) -> Result<Trace, TraceError> {
+    let mut trace = Trace::default();
+    let mut keeper = Keeper::default();
+    let mut first_left_out = None;
+    let mut lines = Lines::new(input, cut_short);
+    loop {
+        let Some((n, text)) = lines.next_line()? else {
+            keeper.finish(&mut trace, first_left_out);
+            return Ok(trace);
         };
-        let text = text.trim();
+        if n == 1 && super::rmm::is_header(text) {
+            return super::rmm::parse(lines);
+        }
         if let Some(record) = text.strip_prefix("#@site ") {
             let (number, line, function, file) =
                 parse_site(record).ok_or_else(|| TraceError::Syntax {
