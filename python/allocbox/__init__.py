@@ -125,7 +125,7 @@ def _shipped_name(source):
 def load(source, config=None, *, record=None, record_sites=False, **limits):
     """One policy, started with its key/value `config`: a shipped policy by name (see
     `policies()`), a path (a .wasm component or .wat source) or bytes. `record` writes
-    every call to a trace file (gzip-compressed for a `.gz` name) with its time, and
+    every call to a trace file (the binary form, whatever the name) with its time, and
     with `record_sites=True` the line of the program's own code that asked (for
     `allocbox report`'s tables by line; it costs a walk of the Python stack per
     allocation). `finish_recording()` ends the trace. Bounds, each
