@@ -518,3 +518,20 @@ fn each_config_goes_to_the_policy_named_before_it_and_the_summary_explains_its_r
         "each link of the chain gets its own setting: {out}"
     );
 }
+
+/// Issue 61: the magazines note was printed on every page and summary, even for a trace
+/// of one 719 MiB block, which no magazine serves.
+#[test]
+fn the_magazines_note_is_shown_only_for_a_trace_of_requests_magazines_serve() {
+    let dir = tempdir("magazine-note");
+    std::fs::write(dir.join("big.trace"), "m 1 753926144 1\nf 1 753926144 1\n").unwrap();
+    std::fs::write(dir.join("small.trace"), "m 1 64 1\nf 1 64 1\n").unwrap();
+    let note = allocbox_cli::report::MAGAZINE_NOTE;
+    for (trace, shown) in [("big.trace", false), ("small.trace", true)] {
+        let (code, out) = allocbox_cli(&["report", trace, "-p", "default", "-o", "r.html"], &dir);
+        assert_eq!(code, 0, "{out}");
+        let page = std::fs::read_to_string(dir.join("r.html")).unwrap();
+        assert_eq!(out.contains(note), shown, "{trace}: {out}");
+        assert_eq!(page.contains("per-thread magazines"), shown, "{trace}");
+    }
+}

@@ -146,10 +146,11 @@ pub fn render_parts(parts: &[(String, String)]) -> String {
     if parts.len() > 1 {
         let _ = writeln!(
             html,
-            "<p class=\"lead\">{} traces, a part of this page each, in order: a program's and \
-             its child processes' (a child's trace is named after the program's, with the \
-             child's process id). Each is replayed on its own through the same handlers, as \
-             each process had a policy of its own.</p>\n<ol class=\"traces\">",
+            "<p class=\"lead\">{} parts, in order: each trace given (`allocbox run` writes \
+             a program's, and its child processes' beside it, each named after the \
+             program's with the child's process id), each followed by a part for each GPU \
+             whose memory it holds. Each part is replayed on its own, as each process had \
+             a policy of its own.</p>\n<ol class=\"traces\">",
             parts.len()
         );
         for (i, (name, _)) in parts.iter().enumerate() {
@@ -289,7 +290,7 @@ pub fn render_part(
         );
     }
     html += "</tbody>\n</table>\n";
-    if memory == Memory::Host {
+    if memory == Memory::Host && timelines.iter().any(summary::has_small_requests) {
         let _ = writeln!(html, "<p class=\"note\">{}</p>", escape_html(MAGAZINE_NOTE));
     }
 

@@ -215,7 +215,8 @@ pub(super) fn left_section(timelines: &[Timeline]) -> String {
         .fold((0, 0), |(b, s), l| (b + l.0, s + l.1));
     let mut html = format!(
         "<h2>Left at the end</h2>\n<p class=\"explain\">Blocks the trace never freed: {blocks} \
-         blocks, {} (the client's leaks, or blocks of a recording that stopped mid-way). \
+         blocks, {} (what was live when the recording ended: a program's globals and caches \
+         still alive at its exit, its leaks, or the blocks of a recording cut short). \
          The replay frees them after the last event and trims; a handler that still holds \
          host memory then has leaked it, and fails.</p>\n",
         bytes(total)

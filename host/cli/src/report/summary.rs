@@ -158,9 +158,19 @@ pub fn summary_table(timelines: &[Timeline], memory: super::Memory) -> String {
         out.push('\n');
     }
     match memory {
-        super::Memory::Host => out + RATIO_NOTE + "\n" + MAGAZINE_NOTE + "\n",
+        super::Memory::Host if timelines.iter().any(has_small_requests) => {
+            out + RATIO_NOTE + "\n" + MAGAZINE_NOTE + "\n"
+        }
+        super::Memory::Host => out + RATIO_NOTE + "\n",
         super::Memory::Gpu(_) => out + GPU_RATIO_NOTE + "\n",
     }
+}
+
+/// Does the trace ask for blocks the host's magazines serve (up to 64 KiB)? Only then
+/// does [`MAGAZINE_NOTE`] apply.
+pub(super) fn has_small_requests(timeline: &Timeline) -> bool {
+    // Bucket b holds sizes 2^(b-1) ..= 2^b - 1: up to bucket 17, sizes below 128 KiB.
+    timeline.sizes[..=17].iter().any(|&n| n > 0)
 }
 
 pub(super) fn ratio_text(r: Option<f64>) -> String {
