@@ -628,7 +628,10 @@ def test_a_device_policy_places_an_unedited_gpu_program_s_memory_and_records_it(
         del block
     """
     done = _run_with_gpu(
-        tmp_path, "-p", "size-classes", "--device-policy", "gpu-pool", "--record", "t.trace", program=program
+        tmp_path,
+        *("-p", "size-classes", "--device-policy", "gpu-pool", "--record", "t.trace", "--sites"),
+        *("--report", "r.html"),
+        program=program,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True 0", done.stdout + done.stderr
@@ -637,6 +640,11 @@ def test_a_device_policy_places_an_unedited_gpu_program_s_memory_and_records_it(
     gpu = [line for line in events if " d=0" in line]
     assert [line.split()[:3:2] for line in gpu] == [["m", "4096"], ["f", "4096"]], events
     assert any(" d=" not in line and line.startswith(("m ", "c ")) for line in events), "the host's arrays too"
+    assert " s=" in gpu[0], "the program's line behind the GPU block"
+    page = (tmp_path / "r.html").read_text()
+    gpu_part = page[page.index("t.trace, GPU 0</h1>"):]
+    # The stand-in CuPy lies beside the program, so its line is the program's own.
+    assert "cupy.py:" in gpu_part, "the GPU part's tables name the line that made the block"
 
 
 def test_a_gpu_program_that_sets_its_own_allocator_keeps_it_and_is_told(tmp_path):

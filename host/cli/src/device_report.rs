@@ -10,6 +10,7 @@ use std::sync::atomic::AtomicU64;
 
 use allocbox::gpu::{Gpu, StandIn};
 use allocbox::mapped::KindGrant;
+use allocbox::trace::by_site::by_site;
 use allocbox::trace::timeline::{Timeline, chain_held, timeline_counted};
 use allocbox::trace::{Trace, leak_after_replay};
 use allocbox::{HandlerBuilder, Limits, Runtime, WasmHook};
@@ -79,10 +80,13 @@ pub(crate) fn gpu_parts(
             events: trace.events.clone(),
             marks: trace.marks.clone(),
             times: trace.times.clone(),
+            sites: trace.sites.clone(),
             streams: trace.streams.clone(),
             ..Trace::default()
         };
         events.keep_placement(Some(gpu));
+        // The program's lines behind the GPU's bytes, when the recording says which.
+        let lines = (!trace.site_table.is_empty()).then(|| by_site(&events.events, &events.sites));
         let mut timelines = Vec::new();
         let (mut hook_reports, mut hook_failed) = (String::new(), false);
         for policy in &device.policies {
@@ -99,7 +103,7 @@ pub(crate) fn gpu_parts(
         let name = format!("{}, GPU {gpu}", trace_name.display());
         let recorded = report::Recorded {
             times: &events.times,
-            lines: None,
+            lines: lines.as_ref().map(|found| (found, &trace.site_table)),
         };
         let part = report::render_part(
             &name,
