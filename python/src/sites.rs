@@ -213,6 +213,9 @@ unsafe fn describe<'a>(
     } else if folders
         .iter()
         .any(|folder| file.starts_with(folder.as_str()))
+        // Code made at run time (`<string>`: a dataclass's or namedtuple's generated
+        // `__init__`, an `exec`): the line that ran it is the program's.
+        || file.starts_with('<')
     {
         Whose::Library(Arc::from(file), Arc::from(name("co_name")))
     } else {

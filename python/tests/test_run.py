@@ -686,3 +686,14 @@ def test_a_child_process_places_its_gpu_memory_by_the_device_policy_too(tmp_path
     assert len(children) == 1, done.stderr
     events = [line for line in trace_text(children[0]).splitlines() if not line.startswith("#")]
     assert [line.split()[:3:2] for line in events if " d=0" in line] == [["m", "512"], ["f", "512"]], events
+
+
+def test_an_array_made_in_code_generated_at_run_time_is_named_by_the_program_s_line_that_ran_it(tmp_path):
+    # Issue 61: `<string>:1` rows (a dataclass's generated `__init__`, an `exec`) were
+    # counted as the program's own lines.
+    program = 'import numpy as np\nexec("def make():\\n    return np.ones(100_000)\\n", globals())\nkeep = make()\n'
+    done = allocbox_run(tmp_path, "--record", "t.trace", "--sites", "job.py", program=program, name="job.py")
+    assert done.returncode == 0, done.stderr
+    sites = [line for line in trace_text(tmp_path / "t.trace").splitlines() if line.startswith("#@")]
+    assert any(line.startswith("#@site ") and line.endswith("job.py") and " 3 " in line for line in sites), sites
+    assert not any(line.startswith("#@site ") and "<string>" in line for line in sites), sites

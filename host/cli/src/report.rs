@@ -29,6 +29,17 @@ pub use summary::{MAGAZINE_NOTE, RATIO_NOTE, bytes, comparisons, summary_table, 
 /// million tests draws a tick where any of them starts, not a million.
 const MAX_MARK_TICKS: usize = 1000;
 
+/// The smallest step a trace's times advance by, in nanoseconds: the resolution of the
+/// clock that made them (a recorder's coarse clock moves in steps of a few ms), when it
+/// is coarser than a microsecond.
+fn clock_step(times: &[u64]) -> Option<u64> {
+    let step = times
+        .windows(2)
+        .filter_map(|pair| pair[1].checked_sub(pair[0]).filter(|&d| d > 0))
+        .min()?;
+    (step >= 1000).then_some(step)
+}
+
 /// The marks' positions on an axis of `max`, one for each of [`MAX_MARK_TICKS`]
 /// columns that holds any.
 fn mark_ticks(at: impl Iterator<Item = f64>, max: f64) -> Vec<f64> {
@@ -36,6 +47,17 @@ fn mark_ticks(at: impl Iterator<Item = f64>, max: f64) -> Vec<f64> {
     let column = |x: f64| (x / max.max(f64::MIN_POSITIVE) * columns).clamp(0.0, columns) as usize;
     let mut seen = std::collections::HashSet::new();
     at.filter(|&x| seen.insert(column(x))).collect()
+}
+
+#[cfg(test)]
+#[test]
+fn a_trace_s_clock_step_is_its_smallest_advance_when_coarser_than_a_microsecond() {
+    assert_eq!(
+        clock_step(&[0, 0, 4_000_000, 4_000_000, 12_000_000]),
+        Some(4_000_000)
+    );
+    assert_eq!(clock_step(&[0, 10, 25]), None, "a fine clock");
+    assert_eq!(clock_step(&[5, 5]), None);
 }
 
 #[cfg(test)]
@@ -253,6 +275,15 @@ pub fn render_part(
         timelines.len(),
         if timelines.len() == 1 { "" } else { "s" },
     );
+    if let Some(step) = clock_step(recorded.times) {
+        let _ = writeln!(
+            html,
+            "<p class=\"note\">The recording's times advance in steps of {:.1} ms (its \
+             clock's resolution): events within one step share a time, and the charts \
+             over time place them so.</p>",
+            step as f64 / 1e6
+        );
+    }
 
     html += "<h2>Summary</h2>\n<table class=\"summary\">\n<thead><tr><th>handler</th>\
              <th>policy</th><th>events</th><th>ns/event<br>median</th><th>ns/event<br>p99</th>\
