@@ -9,11 +9,13 @@
 mod binary;
 pub mod by_site;
 mod kept;
+mod pickle;
 mod record;
 mod replay;
 mod rmm;
 mod text;
 pub mod timeline;
+mod torch_snapshot;
 mod watched;
 
 pub use binary::{MAGIC as BINARY_MAGIC, MAX_CHUNK_BYTES, write_binary};
@@ -22,6 +24,7 @@ pub use record::{DeviceRecorder, RecordOptions, Recorder, SiteOf, TraceWriter, c
 pub(crate) use replay::Held;
 pub use replay::{ReplayReport, leak_after_replay, replay_trace, replay_trace_counted};
 pub use text::write_text;
+pub use torch_snapshot::MAX_SNAPSHOT_BYTES;
 pub use watched::{Served, Watched, Watcher};
 
 use std::fmt;
@@ -230,6 +233,9 @@ pub fn read_trace_marked(path: impl AsRef<Path>) -> Result<Trace, TraceError> {
     file.seek(std::io::SeekFrom::Start(0))?;
     if magic[..read] == binary::MAGIC {
         return binary::read_binary(BufReader::with_capacity(1 << 16, file));
+    }
+    if torch_snapshot::is_pickle(&magic[..read]) {
+        return torch_snapshot::read(file);
     }
     if magic[..read].starts_with(&[0x1f, 0x8b]) {
         let cut_short = std::cell::Cell::new(false);

@@ -319,3 +319,58 @@ def test_a_device_policy_tells_its_event_hook_of_every_block(gpu):
     counts = sizes.report()
     assert sum(counts) == 3 and counts[6] == 1 and counts[12] == 2, counts
     assert sizes.failure is None
+
+
+def _allocbox(*args, cwd):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "allocbox", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_a_pytorch_memory_snapshot_replays_under_device_policies(tmp_path):
+    # Issue 62: the snapshot a user who hit a CUDA out-of-memory error has, in the shape
+    # `torch.cuda.memory._snapshot()` gives (no GPU here to make a real one).
+    import pickle
+
+    def entry(action, addr, size, time_us, stream=0):
+        frames = [
+            {"filename": "/venv/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
+            {"filename": "/job/train.py", "line": 42, "name": "step"},
+        ]
+        return {"action": action, "addr": addr, "size": size, "stream": stream, "time_us": time_us, "frames": frames}
+
+    trace = [entry("segment_alloc", 0x7F0000000000, 20 << 20, 0)]
+    for i in range(64):
+        trace.append(entry("alloc", 0x7F0000000000 + i * (1 << 20), 256 << 10, 10 + i))
+        if i % 2:
+            trace.append(entry("free_requested", 0x7F0000000000 + i * (1 << 20), 256 << 10, 11 + i, stream=3))
+            trace.append(entry("free_completed", 0x7F0000000000 + i * (1 << 20), 256 << 10, 12 + i, stream=3))
+    with open(tmp_path / "snapshot.pickle", "wb") as f:
+        pickle.dump({"segments": [], "device_traces": [trace]}, f)
+    done = _allocbox("report", "snapshot.pickle", "-p", "default", "-o", "r.html", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "snapshot.pickle, GPU 0:" in done.stdout, done.stdout
+    assert "`gpu-pool` fit" in done.stdout, done.stdout
+    assert "/job/train.py:42" in (tmp_path / "r.html").read_text(), "the program's line behind the tensors"
+    done = _allocbox("trace-convert", "snapshot.pickle", "snap.txt", "--to", "text", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    text = (tmp_path / "snap.txt").read_text()
+    assert "m 1 262144 1 s=1 t=0 d=0" in text and " q=3" in text, text[:500]
+
+
+class _Pwned:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch pwned",))
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    import pickle
+
+    with open(tmp_path / "evil.pickle", "wb") as f:
+        pickle.dump({"device_traces": [[_Pwned()]]}, f)
+    done = _allocbox("report", "evil.pickle", "-p", "default", "-o", "r.html", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "names code to run" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "pwned").exists(), "nothing of the pickle ran"

@@ -1,0 +1,298 @@
+//! A PyTorch memory snapshot (`torch.cuda.memory._dump_snapshot`'s pickle) read as a
+//! trace of GPU memory: what a user who hit a CUDA out-of-memory error has, replayed by
+//! `allocbox report` under any device policy.
+//!
+//! The pickle is read as plain data (`trace/pickle.rs`: one naming code is refused).
+//! Of its `device_traces` (one list of entries per GPU), an `alloc` is a malloc and a
+//! `free_requested` a free with its stream; the caching allocator's own entries
+//! (`free_completed`, `segment_*`, `snapshot`, `oom`) are not the program's and are left
+//! out. An entry's `frames` (innermost first) name its site: the innermost frame outside
+//! PyTorch's own code. With `time_us` on every entry, GPUs' entries are put in time
+//! order; otherwise one GPU's follow another's.
+
+use std::collections::HashMap;
+use std::io::Read;
+
+use super::kept::Keeper;
+use super::pickle::{Id, Pickle, decode};
+use super::{Event, EventOp, Trace, TraceError, UNKNOWN_ID};
+
+/// The largest snapshot read: it is decoded whole, at a bounded cost per byte.
+pub const MAX_SNAPSHOT_BYTES: u64 = 1 << 30;
+
+/// Do a file's first bytes say it is a pickle (protocol 2 to 5)?
+pub(super) fn is_pickle(magic: &[u8]) -> bool {
+    matches!(magic, [0x80, 2..=5, ..])
+}
+
+/// Read the snapshot in `input` (at most [`MAX_SNAPSHOT_BYTES`]).
+pub(super) fn read(input: impl Read) -> Result<Trace, TraceError> {
+    let mut bytes = Vec::new();
+    input.take(MAX_SNAPSHOT_BYTES + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_SNAPSHOT_BYTES {
+        return Err(format_error(format!(
+            "the memory snapshot is past the {} MiB allocbox reads",
+            MAX_SNAPSHOT_BYTES >> 20
+        )));
+    }
+    let pickle = decode(&bytes).map_err(format_error)?;
+    drop(bytes);
+    trace_of(&pickle)
+}
+
+fn format_error(message: String) -> TraceError {
+    TraceError::Format(format!("a PyTorch memory snapshot: {message}"))
+}
+
+/// One entry of a device trace that the trace keeps.
+struct Entry {
+    op: EventOp,
+    device: u16,
+    addr: u64,
+    size: u64,
+    stream: u64,
+    time_us: Option<u64>,
+    site: Option<Id>,
+}
+
+fn trace_of(pickle: &Pickle) -> Result<Trace, TraceError> {
+    let traces = pickle.get(pickle.root, "device_traces").ok_or_else(|| {
+        format_error("it has no `device_traces` (record with `torch.cuda.memory._record_memory_history()` first)".into())
+    })?;
+    let mut entries = Vec::new();
+    for (device, &list) in pickle.items(traces).iter().enumerate() {
+        let device = u16::try_from(device)
+            .map_err(|_| format_error("it has more GPUs than any machine".into()))?;
+        for &entry in pickle.items(list) {
+            let op = match pickle.get(entry, "action").and_then(|a| pickle.str(a)) {
+                Some("alloc") => EventOp::Malloc,
+                Some("free_requested") => EventOp::Free,
+                _ => continue,
+            };
+            let number = |key| {
+                pickle
+                    .get(entry, key)
+                    .and_then(|v| pickle.int(v))
+                    .and_then(|n| u64::try_from(n).ok())
+            };
+            let (Some(addr), Some(size)) = (number("addr"), number("size")) else {
+                return Err(format_error(format!(
+                    "an `{}` entry of GPU {device} has no address or size",
+                    if op == EventOp::Malloc {
+                        "alloc"
+                    } else {
+                        "free_requested"
+                    }
+                )));
+            };
+            entries.push(Entry {
+                op,
+                device,
+                addr,
+                size,
+                stream: number("stream").unwrap_or(0),
+                time_us: number("time_us"),
+                site: pickle.get(entry, "frames"),
+            });
+        }
+    }
+    if entries.iter().all(|e| e.time_us.is_some()) {
+        entries.sort_by_key(|e| e.time_us);
+    }
+    let mut trace = Trace::default();
+    let mut keeper = Keeper::default();
+    let mut ids: HashMap<(u16, u64), u64> = HashMap::new();
+    let mut site_numbers: HashMap<(String, u32, String), u32> = HashMap::new();
+    let mut next_id = 1;
+    let first_time = entries.first().and_then(|e| e.time_us).unwrap_or(0);
+    let timed = entries.iter().all(|e| e.time_us.is_some());
+    for (n, entry) in entries.iter().enumerate() {
+        let id = match entry.op {
+            EventOp::Free => ids
+                .remove(&(entry.device, entry.addr))
+                .unwrap_or(UNKNOWN_ID),
+            _ => {
+                next_id += 1;
+                ids.insert((entry.device, entry.addr), next_id - 1);
+                next_id - 1
+            }
+        };
+        let site = match (entry.op, entry.site) {
+            (EventOp::Malloc, Some(frames)) => {
+                site_of(pickle, frames, &mut keeper, &mut trace, &mut site_numbers)
+            }
+            _ => 0,
+        };
+        trace.sites.push(site);
+        if timed {
+            let us = entry
+                .time_us
+                .unwrap_or(first_time)
+                .saturating_sub(first_time);
+            trace.times.push(us.saturating_mul(1000));
+        }
+        trace
+            .streams
+            .push((entry.op == EventOp::Free).then_some(entry.stream));
+        trace.events.push(Event {
+            op: entry.op,
+            id,
+            size: entry.size,
+            thread: 1,
+            line: u32::try_from(n + 1).unwrap_or(u32::MAX),
+            device: Some(entry.device),
+        });
+    }
+    if trace.site_table.is_empty() {
+        trace.sites.clear();
+    }
+    if trace.streams.iter().all(Option::is_none) {
+        trace.streams.clear();
+    }
+    keeper.finish(&mut trace, None);
+    Ok(trace)
+}
+
+/// The number of the site `frames` names (the innermost frame outside PyTorch's own
+/// code), 0 for none; each site numbered once.
+fn site_of(
+    pickle: &Pickle,
+    frames: Id,
+    keeper: &mut Keeper,
+    trace: &mut Trace,
+    numbers: &mut HashMap<(String, u32, String), u32>,
+) -> u32 {
+    let frame = pickle.items(frames).iter().find_map(|&frame| {
+        let file = pickle.get(frame, "filename").and_then(|f| pickle.str(f))?;
+        let own = !file.contains("/torch/") && !file.starts_with('<') && !file.is_empty();
+        let line = pickle.get(frame, "line").and_then(|l| pickle.int(l))?;
+        let name = pickle
+            .get(frame, "name")
+            .and_then(|n| pickle.str(n))
+            .unwrap_or("?");
+        own.then(|| {
+            (
+                file.to_owned(),
+                u32::try_from(line).unwrap_or(0),
+                name.to_owned(),
+            )
+        })
+    });
+    let Some(key) = frame else {
+        return 0;
+    };
+    if let Some(&number) = numbers.get(&key) {
+        return number;
+    }
+    let kept = trace.site_table.len();
+    match keeper.site(kept, false, key.1, &key.2, &key.0) {
+        Some(site) => {
+            let number = kept as u32 + 1;
+            trace.site_table.insert(number, site);
+            numbers.insert(key, number);
+            number
+        }
+        None => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A snapshot pickled by protocol 4 as `pickle.dumps` writes one: the dict's keys and
+    /// values with MARK / SETITEMS, lists with APPENDS (no memo: plain nesting).
+    fn snapshot(entries: &[(&str, u64, u64, u64, u64, &str)]) -> Vec<u8> {
+        fn s(out: &mut Vec<u8>, text: &str) {
+            out.push(0x8c);
+            out.push(text.len() as u8);
+            out.extend(text.as_bytes());
+        }
+        fn int(out: &mut Vec<u8>, n: u64) {
+            out.push(0x8a);
+            out.push(8);
+            out.extend(n.to_le_bytes());
+        }
+        let mut out = vec![0x80, 4, b'}', b'('];
+        s(&mut out, "segments");
+        out.push(b']');
+        s(&mut out, "device_traces");
+        out.extend(*b"](](");
+        for &(action, addr, size, stream, time, file) in entries {
+            out.extend(*b"}(");
+            s(&mut out, "action");
+            s(&mut out, action);
+            for (key, value) in [
+                ("addr", addr),
+                ("size", size),
+                ("stream", stream),
+                ("time_us", time),
+            ] {
+                s(&mut out, key);
+                int(&mut out, value);
+            }
+            s(&mut out, "frames");
+            out.extend(*b"](");
+            for (file, line) in [
+                (
+                    "/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py",
+                    125,
+                ),
+                (file, 7),
+            ] {
+                out.extend(*b"}(");
+                s(&mut out, "filename");
+                s(&mut out, file);
+                s(&mut out, "line");
+                int(&mut out, line);
+                s(&mut out, "name");
+                s(&mut out, "forward");
+                out.push(b'u');
+            }
+            out.push(b'e');
+            out.push(b'u');
+        }
+        out.extend(*b"eeu.");
+        out
+    }
+
+    #[test]
+    fn a_snapshot_s_allocations_and_requested_frees_are_a_trace_of_its_gpu() {
+        let bytes = snapshot(&[
+            ("segment_alloc", 0x7000, 2 << 20, 0, 5, "train.py"),
+            ("alloc", 0x7000, 4096, 0, 10, "train.py"),
+            ("alloc", 0x8000, 512, 7, 12, "model.py"),
+            ("free_requested", 0x7000, 4096, 7, 20, "train.py"),
+            ("free_completed", 0x7000, 4096, 7, 30, "train.py"),
+        ]);
+        let trace = read(&bytes[..]).unwrap();
+        let events: Vec<_> = trace
+            .events
+            .iter()
+            .map(|e| (e.op, e.id, e.size, e.device))
+            .collect();
+        assert_eq!(
+            events,
+            [
+                (EventOp::Malloc, 1, 4096, Some(0)),
+                (EventOp::Malloc, 2, 512, Some(0)),
+                (EventOp::Free, 1, 4096, Some(0)),
+            ]
+        );
+        assert_eq!(trace.times, [0, 2000, 10_000]);
+        assert_eq!(trace.streams, [None, None, Some(7)]);
+        let site = &trace.site_table[&trace.sites[0]];
+        assert_eq!(
+            (&*site.file, site.line),
+            ("train.py", 7),
+            "the innermost frame outside torch"
+        );
+        assert_eq!(&*trace.site_table[&trace.sites[1]].file, "model.py");
+    }
+
+    #[test]
+    fn a_pickle_that_is_no_snapshot_says_what_it_lacks() {
+        let error = read(&[0x80, 4, b'}', b'.'][..]).unwrap_err().to_string();
+        assert!(error.contains("no `device_traces`"), "{error}");
+    }
+}
