@@ -22,6 +22,7 @@ const RUST_GUESTS: &[(&str, &str, bool)] = &[
     // Maps only GPU memory (granted `device` or `pinned`): checked on the stand-in GPU by
     // its own tests (`tests/all/gpu.rs`) rather than by the grant-less contract runs.
     ("gpu-pool", "policies/rust/gpu-pool", false),
+    ("torch-caching", "policies/rust/torch-caching", false),
     ("template", "templates/rust", true),
     ("broken", "fixtures/broken", false),
     ("chaos", "fixtures/chaos", false),

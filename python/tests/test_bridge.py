@@ -18,9 +18,11 @@ from conftest import guest, trace_text
 
 # What the wheel carries, by name; and the good policies only the repository has (paths),
 # in every language.
-SHIPPED = ["aligned", "arena", "gpu-pool", "guard", "numa", "size-classes", "system"]
-# `gpu-pool` places arrays only in GPU memory it is granted (tests/test_cuda.py).
-GOOD = [*(s for s in SHIPPED if s != "gpu-pool"), "template", "binning", "buddy", "slab", "limit", "bump", "tracker"]
+SHIPPED = ["aligned", "arena", "gpu-pool", "guard", "numa", "size-classes", "system", "torch-caching"]
+# `gpu-pool` and `torch-caching` place arrays only in GPU memory they are granted
+# (tests/test_cuda.py).
+DEVICE_ONLY = ("gpu-pool", "torch-caching")
+GOOD = [*(s for s in SHIPPED if s not in DEVICE_ONLY), "template", "binning", "buddy", "slab", "limit", "bump", "tracker"]
 
 
 @pytest.fixture

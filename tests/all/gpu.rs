@@ -486,3 +486,70 @@ fn a_policy_built_before_the_gpu_kinds_were_added_still_loads_and_maps_memory() 
     h.free(Some(block), 1 << 20).unwrap();
     h.leak_check().unwrap();
 }
+
+/// Issue 62: a second device policy to compare with `gpu-pool`, in the shape of
+/// PyTorch's caching allocator: a small block splits a 2 MiB segment, freed blocks merge
+/// back into one, and when the GPU is full the idle segments go back and the request is
+/// asked once more.
+#[test]
+fn torch_caching_splits_merges_and_gives_back_idle_segments_when_the_gpu_is_full() {
+    // Device 2 of this stand-in is no other test's: its share is 3/4 of 64 MiB.
+    let (stand_in, gpu) = stand_in(4, 64 << 20);
+    // Asked on every call: the host's magazines would keep the small blocks freed here.
+    let pool = HandlerBuilder::new(Runtime::shared())
+        .link(&load(&allocbox_artifacts::TORCH_CACHING))
+        .limits(limits(&gpu, device_grant()))
+        .magazines(false)
+        .build_device(2)
+        .unwrap();
+    let a = pool.malloc(1000).unwrap().unwrap();
+    let b = pool.malloc(3000).unwrap().unwrap();
+    assert_eq!(
+        b,
+        a + 1024,
+        "split from one small segment, sizes rounded to 512"
+    );
+    assert_eq!(stand_in.allocated(2), 2 << 20);
+    pool.free(a, Some(1000), &[]).unwrap();
+    pool.free(b, Some(3000), &[]).unwrap();
+    let whole = pool.malloc(2 << 20).unwrap().unwrap();
+    assert_ne!(whole, a, "2 MiB is the large pool's");
+    pool.free(whole, Some(2 << 20), &[]).unwrap();
+    // 22 MiB cached (a small and a large segment); 40 MiB asked of a 48 MiB share fits
+    // only once they go back.
+    let big = pool
+        .malloc(40 << 20)
+        .unwrap()
+        .expect("the cache given back to make room");
+    let counters = &pool.link_stats().unwrap()[0].counters;
+    assert!(
+        counters.contains(&("released-to-retry".to_string(), 2)),
+        "{counters:?}"
+    );
+    assert_eq!(stand_in.allocated(2), 40 << 20);
+    pool.free(big, Some(40 << 20), &[]).unwrap();
+    pool.trim().unwrap();
+    pool.leak_check().unwrap();
+    assert_eq!(stand_in.allocated(2), 0);
+}
+
+#[test]
+fn torch_caching_passes_check_on_the_stand_in_gpu() {
+    let dir = tempdir("torch-caching-check");
+    let args = [
+        "check",
+        allocbox_artifacts::TORCH_CACHING.path(),
+        "--cases",
+        "48",
+        "--grant",
+        "device",
+        "--regressions",
+        "regressions",
+    ];
+    let (code, out) = allocbox_cli(&args, &dir);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("every rule held") && !out.contains("splits 0,"),
+        "{out}"
+    );
+}
