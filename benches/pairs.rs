@@ -324,6 +324,20 @@ fn profiled_system_per_op(h: &Handler) {
 }
 
 #[inline(never)]
+fn profiled_magazine_hits(h: &Handler) {
+    for _ in 0..PROFILED_PAIRS {
+        pair(h, SIZE);
+    }
+}
+
+#[inline(never)]
+fn profiled_glibc() {
+    for _ in 0..PROFILED_PAIRS {
+        glibc_pair(SIZE);
+    }
+}
+
+#[inline(never)]
 fn profiled_floor(store: &mut Store<RawHost>, raw: &raw::Policy) {
     for _ in 0..PROFILED_PAIRS {
         raw_pair(store, raw);
@@ -364,6 +378,15 @@ fn thread_counts() -> Vec<usize> {
 }
 
 fn main() {
+    // `--profile-magazine`: only magazine hits of `size-classes`, for `perf record` and
+    // `valgrind --tool=callgrind` (the issue 63 profile), beside glibc's pairs.
+    if std::env::args().any(|a| a == "--profile-magazine") {
+        let h = handler(&[(&allocbox_artifacts::SIZE_CLASSES, &[])], true);
+        pair(&h, SIZE);
+        profiled_magazine_hits(&h);
+        profiled_glibc();
+        return;
+    }
     if std::env::args().any(|a| a == "--profile") {
         let h = handler(&[(&SYSTEM, &[])], false);
         let (mut store, raw) = raw_system(true);
