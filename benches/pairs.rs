@@ -381,7 +381,7 @@ fn main() {
     // `--profile-magazine`: only magazine hits of `size-classes`, for `perf record` and
     // `valgrind --tool=callgrind` (the issue 63 profile), beside glibc's pairs.
     if std::env::args().any(|a| a == "--profile-magazine") {
-        let h = handler(&[(&allocbox_artifacts::SIZE_CLASSES, &[])], true);
+        let h = handler(&[(&SIZE_CLASSES, &[])], true);
         pair(&h, SIZE);
         profiled_magazine_hits(&h);
         profiled_glibc();
