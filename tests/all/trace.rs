@@ -551,7 +551,7 @@ fn a_trace_with_gpu_memory_converts_whole_and_replays_each_memory_through_its_ow
         "the hook is told the GPU's events: {gpu}"
     );
     assert!(
-        gpu.contains("on GPU 0 of 80.0 GiB (--device-memory), `gpu-pool` fit"),
+        gpu.contains("on GPU 0 of 80 GiB (--device-memory), `gpu-pool` fit"),
         "{gpu}"
     );
     // Would it have fit a smaller GPU?
@@ -570,7 +570,7 @@ fn a_trace_with_gpu_memory_converts_whole_and_replays_each_memory_through_its_ow
     );
     assert_eq!(code, 0, "{out}");
     assert!(
-        out.contains("on GPU 0 of 0.0 GiB (--device-memory), `gpu-pool` ran out of memory 1 time"),
+        out.contains("on GPU 0 of 1.0 MiB (--device-memory), `gpu-pool` ran out of memory 1 time"),
         "{out}"
     );
     let page = std::fs::read_to_string(dir.join("r.html")).unwrap();
@@ -622,7 +622,7 @@ fn an_rmm_log_is_replayed_under_device_policies_and_says_which_would_fit() {
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("rmm.csv, GPU 0:"), "{out}");
     assert!(
-        out.contains("of 0.5 GiB (--device-memory), `gpu-pool` fit"),
+        out.contains("of 512 MiB (--device-memory), `gpu-pool` fit"),
         "{out}"
     );
     let (code, out) = allocbox_cli(

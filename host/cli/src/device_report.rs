@@ -31,7 +31,6 @@ pub(crate) struct DevicePolicies {
 /// Whether each device policy's replay fit the stand-in GPU's `memory`: a line each,
 /// what a user who ran out of memory on a real GPU decides on.
 pub(crate) fn fit_lines(part: &GpuPart, memory: u64) -> String {
-    let gib = memory as f64 / f64::from(1u32 << 30);
     let mut out = String::new();
     for t in &part.timelines {
         let verdict = match t.replay.out_of_memory {
@@ -47,8 +46,10 @@ pub(crate) fn fit_lines(part: &GpuPart, memory: u64) -> String {
             ),
         };
         out += &format!(
-            "on GPU {} of {gib:.1} GiB (--device-memory), `{}` {verdict}\n",
-            part.gpu, t.label
+            "on GPU {} of {} (--device-memory), `{}` {verdict}\n",
+            part.gpu,
+            report::bytes(memory),
+            t.label
         );
     }
     out
