@@ -6,7 +6,6 @@ stand-in `cupy` module, Numba's EMM plugin against a stand-in context."""
 import ctypes
 import gc
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -178,31 +177,13 @@ def test_pytorchs_entry_points_place_free_and_wait_for_recorded_streams(gpu, poo
 
 @pytest.fixture
 def fake_cupy(monkeypatch):
-    cupy = types.ModuleType("cupy")
-    cuda = types.SimpleNamespace()
+    import importlib.util
+    import pathlib
 
-    class UnownedMemory:
-        def __init__(self, ptr, size, owner, device_id=-1):
-            self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
-
-    class MemoryPointer:
-        def __init__(self, mem, offset):
-            self.mem, self.ptr = mem, mem.ptr + offset
-
-    class OutOfMemoryError(MemoryError):
-        pass
-
-    class PinnedMemoryPointer:
-        def __init__(self, mem, offset):
-            self.mem, self.ptr = mem, mem.ptr + offset
-
-    current = types.SimpleNamespace(ptr=4)
-    cuda.UnownedMemory = UnownedMemory
-    cuda.MemoryPointer = MemoryPointer
-    cuda.PinnedMemoryPointer = PinnedMemoryPointer
-    cuda.get_current_stream = lambda: current
-    cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
-    cupy.cuda = cuda
+    path = pathlib.Path(__file__).parent / "stand_in_cupy.py"
+    spec = importlib.util.spec_from_file_location("cupy", path)
+    cupy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cupy)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     return cupy
 

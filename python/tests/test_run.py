@@ -3,6 +3,7 @@ on, a summary of what the policy saw at the end, and input that cannot be used r
 in one sentence before the program starts; and the pytest plugin's recording."""
 
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -573,39 +574,10 @@ def test_an_output_that_is_a_link_a_fifo_or_read_only_is_refused_before_the_prog
     assert (tmp_path / "kept").read_text() == "kept"
 
 
-FAKE_CUPY = '''
-"""A stand-in for CuPy: its allocator switch, and an allocation through it."""
-import types
-
-class UnownedMemory:
-    def __init__(self, ptr, size, owner, device_id=-1):
-        self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
-
-class MemoryPointer:
-    def __init__(self, mem, offset):
-        self.mem, self.ptr = mem, mem.ptr + offset
-
-class OutOfMemoryError(MemoryError):
-    pass
-
-_allocator = []
-
-def set_allocator(allocator=None):
-    _allocator[:] = [allocator]
-
-def alloc(size):
-    return _allocator[0](size)
-
-cuda = types.SimpleNamespace(
-    UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer, set_allocator=set_allocator, alloc=alloc,
-    get_current_stream=lambda: types.SimpleNamespace(ptr=0),
-    memory=types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError),
-)
-'''
 
 
 def _run_with_gpu(tmp_path, *args, program, gpu="stand-in"):
-    (tmp_path / "cupy.py").write_text(FAKE_CUPY)
+    (tmp_path / "cupy.py").write_text((pathlib.Path(__file__).parent / "stand_in_cupy.py").read_text())
     (tmp_path / "job.py").write_text(textwrap.dedent(program))
     env = dict(os.environ)
     env.pop("ALLOCBOX_GPU", None)
