@@ -785,3 +785,16 @@ fn overhead_refusals_are_counted_by_their_cause() {
         "impossible sizes are still refused"
     );
 }
+
+/// Issue 60: `assert_contract` ran 64 cases from a fixed seed where a default `check`
+/// runs about a thousand here. It runs as many now, counted, not timed.
+#[test]
+fn assert_contract_checks_as_deep_as_a_default_check_counted_in_cases() {
+    let policy = load(&allocbox_artifacts::SIZE_CLASSES);
+    let options = check::contract_options();
+    assert_eq!(options.time, None, "counted, not timed");
+    let report = check::check(Runtime::shared(), &policy, &[], &options).unwrap();
+    assert!(report.passed(), "{:?}", report.failure);
+    assert!(report.cases >= 1000, "{} cases", report.cases);
+    allocbox_check::assert_contract(allocbox_artifacts::SIZE_CLASSES.path(), &[]);
+}

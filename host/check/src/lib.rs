@@ -369,18 +369,31 @@ fn confirmed(
     })
 }
 
-/// For a policy author's `#[test]`: check the component at `path` with the default
-/// options and panic with the broken rule and the shrunk script if any rule breaks.
+/// The rounds [`assert_contract`] runs: about the cases a default `allocbox check` runs
+/// in its 3 s here (24 rounds of 64 cases, every fourth of them a few long-lived
+/// instances), counted rather than timed, so a test does the same work on any machine.
+pub const CONTRACT_ROUNDS: u32 = 24;
+
+/// What [`assert_contract`] checks with: [`CONTRACT_ROUNDS`] rounds from the fixed seed,
+/// failing seeds kept where the command line keeps them.
+pub fn contract_options() -> CheckOptions {
+    CheckOptions {
+        rounds: Some(CONTRACT_ROUNDS),
+        regressions: default_regressions_dir(),
+        ..CheckOptions::default()
+    }
+}
+
+/// For a policy author's `#[test]`: check the component at `path` as a default
+/// `allocbox check` does ([`contract_options`]: the same depth, counted in cases, from a
+/// fixed seed) and panic with the broken rule and the shrunk script if any rule breaks.
 pub fn assert_contract(path: impl AsRef<Path>, config: &[(&str, &str)]) {
     let runtime = Runtime::shared();
     let path = path.as_ref();
     let policy = runtime
         .load_file(path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let options = CheckOptions {
-        regressions: default_regressions_dir(),
-        ..CheckOptions::default()
-    };
+    let options = contract_options();
     let report = check(runtime, &policy, config, &options).unwrap_or_else(|e| panic!("{e}"));
     if let Some((finding, script)) = report.failure {
         panic!(
