@@ -403,6 +403,15 @@ pub enum LoadError {
     BadAlignment { policy: String, alignment: u64 },
     #[error("a handler needs at least one policy")]
     EmptyChain,
+    /// A device handler's chain in which no policy can map memory (none imports the
+    /// `memory` interface of contract 0.2.0): it could only answer host memory, which a
+    /// GPU client must never get.
+    #[error(
+        "`{chain}` maps no memory of its own (no policy of it imports `memory`), so it \
+         cannot place a GPU's memory: a device handler needs a device policy, such as \
+         `gpu-pool` or `torch-caching`"
+    )]
+    NotADevicePolicy { chain: String },
     /// Checked mode's upstream could not reserve its address space.
     #[error(
         "the contract checker could not reserve address space for its upstream ({detail}); \

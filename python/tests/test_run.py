@@ -65,6 +65,7 @@ def test_each_config_goes_to_the_policy_named_before_it(tmp_path):
         (["-c", "bucket-depth=7", "-p", "size-classes", "program.py"], "-c bucket-depth=7"),
         (["--grant", "guarded", "program.py"], "--grant"),
         (["-p", "size-classes", "--no-sites", "program.py"], "--no-sites"),
+        (["--device-policy", "size-classes", "program.py"], "maps no memory of its own"),
     ],
 )
 def test_input_that_cannot_be_used_is_one_sentence_and_exit_2_before_the_program_starts(tmp_path, args, named):

@@ -553,3 +553,27 @@ fn torch_caching_passes_check_on_the_stand_in_gpu() {
         "{out}"
     );
 }
+
+/// Issue 62: a chain that maps no memory (no policy imports `memory`) could only answer
+/// host memory to a GPU client: refused as it is built, naming what would do.
+#[test]
+fn a_device_handler_of_a_chain_that_maps_no_memory_is_refused_as_it_is_built() {
+    let (_, gpu) = stand_in(1, 1 << 30);
+    let built = HandlerBuilder::new(Runtime::shared())
+        .link(&load(&allocbox_artifacts::SYSTEM))
+        .limits(limits(&gpu, device_grant()))
+        .build_device(0);
+    let Err(error) = built else {
+        panic!("a chain of `system` became a device handler");
+    };
+    assert!(
+        matches!(error, allocbox::LoadError::NotADevicePolicy { .. }),
+        "{error}"
+    );
+    assert!(
+        error
+            .to_string()
+            .contains("such as `gpu-pool` or `torch-caching`"),
+        "{error}"
+    );
+}

@@ -133,6 +133,15 @@ impl HandlerBuilder {
     /// It has no fallback: another handler's memory is not this GPU's.
     pub fn build_device(mut self, device: u32) -> Result<DeviceHandler, LoadError> {
         self.fallback = None;
+        let maps = |policy: &Policy| {
+            (policy.imports().iter()).any(|name| name.starts_with("allocbox:policy/memory@"))
+        };
+        if !self.links.is_empty() && !self.links.iter().any(|(policy, _)| maps(policy)) {
+            let names: Vec<&str> = self.links.iter().map(|(p, _)| p.source()).collect();
+            return Err(LoadError::NotADevicePolicy {
+                chain: crate::untrusted::escape(&names.join(">")),
+            });
+        }
         let gpu = self.limits.grants.gpu.clone();
         let handler = self.build_for(Placement::Device(device))?;
         Ok(DeviceHandler::new(handler, gpu, device))
