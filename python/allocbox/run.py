@@ -9,7 +9,7 @@ option), parsed by the same grammar as every other subcommand; the program runs 
 in this Python process. The chain is NumPy's handler for the program and every thread
 it starts, and places the arrays Numba's compiled code makes (`allocbox.numba`).
 `--report PAGE.html` replays the recording (a temporary one without `--record`)
-through NumPy's default, the policy (a chain of one), and each policy `--compare`
+through NumPy's default, the policy (a chain as it ran), and each policy `--compare`
 names, into one page, with the program's lines behind its arrays unless `--no-sites`.
 A policy that asked for a kind of memory it was not granted is said once, with the
 `--grant` that grants it. `--device-policy` places the GPU memory of PyTorch, CuPy and
@@ -173,14 +173,18 @@ def check_report(report, recording):
 
 
 def write_report(report, chain, traces):
-    """Replay the recordings (the program's, then its children's) through NumPy's default, the program's policy (a chain of
-    one) and the ones to compare, into the page; the summary goes to standard error. A
+    """Replay the recordings (the program's, then its children's) through NumPy's default, the program's policy (or
+    chain, as it ran) and the ones to compare, into the page; the summary goes to standard error. A
     handler that fails there is said there: the exit status stays the program's."""
     handlers = [["-p", "default"]]
     if len(chain) == 1:
         source, config = chain[0]
         settings = [["-c", f"{key}={value}"] for key, value in config.items()]
         handlers.append(["-p", source, *sum(settings, [])])
+    elif chain:
+        # The chain as it ran: `top>next`, each link's settings as `LINK:KEY=VALUE`.
+        settings = [["-c", f"{source}:{key}={value}"] for source, config in chain for key, value in config.items()]
+        handlers.append(["-p", ">".join(source for source, _ in chain), *sum(settings, [])])
     seen = {"default", *(source for source, _ in chain[:1] if len(chain) == 1)}
     handlers += [["-p", name] for name in report["compare"] if name not in seen]
     command = [sys.executable, "-m", "allocbox", "report", *traces, *sum(handlers, []), "-o", report["page"]]

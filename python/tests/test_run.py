@@ -670,3 +670,17 @@ def test_an_array_made_in_code_generated_at_run_time_is_named_by_the_program_s_l
     sites = [line for line in trace_text(tmp_path / "t.trace").splitlines() if line.startswith("#@")]
     assert any(line.startswith("#@site ") and line.endswith("job.py") and " 3 " in line for line in sites), sites
     assert not any(line.startswith("#@site ") and "<string>" in line for line in sites), sites
+
+
+def test_a_chain_given_to_run_is_replayed_in_the_report_as_the_chain_it_was(tmp_path):
+    # Issue 61: `-p aligned -c alignment=128 -p size-classes --report` made a page with
+    # only `default` in it, and said nothing of the chain.
+    done = allocbox_run(
+        tmp_path,
+        *("-p", "aligned", "-c", "alignment=128", "-p", "size-classes", "-c", "bucket-depth=7"),
+        *("--report", "chain.html", "program.py"),
+        program="import numpy as np\nkeep = [np.ones(n) for n in range(1, 300)]\n",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "aligned>size-classes" in done.stderr, done.stderr
+    assert "`aligned&gt;size-classes` would have held" in (tmp_path / "chain.html").read_text()

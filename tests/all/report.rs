@@ -535,3 +535,46 @@ fn the_magazines_note_is_shown_only_for_a_trace_of_requests_magazines_serve() {
         assert_eq!(page.contains("per-thread magazines"), shown, "{trace}");
     }
 }
+
+/// Issue 61: a report compares chains too, written `top>next`, each link configured by
+/// `-c LINK:KEY=VALUE`; a setting for a link the chain lacks is one line, exit 2.
+#[test]
+fn a_report_replays_a_chain_with_each_link_s_settings() {
+    let dir = tempdir("report-chain");
+    std::fs::write(dir.join("t.trace"), "m 1 100 1\nm 2 3000 1\nf 1 100 1\n").unwrap();
+    let chain = [
+        "report",
+        "t.trace",
+        "-p",
+        "default",
+        "-p",
+        "aligned>size-classes",
+        "-c",
+        "aligned:alignment=128",
+        "-c",
+        "size-classes:bucket-depth=7",
+        "-o",
+        "r.html",
+    ];
+    let (code, out) = allocbox_cli(&chain, &dir);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("\naligned>size-classes "), "{out}");
+    let (code, out) = allocbox_cli(
+        &[
+            "report",
+            "t.trace",
+            "-p",
+            "aligned>size-classes",
+            "-c",
+            "arena:x=1",
+            "-o",
+            "r.html",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("`arena` is no link of the chain `aligned>size-classes`"),
+        "{out}"
+    );
+}

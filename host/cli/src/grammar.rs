@@ -119,8 +119,9 @@ pub(crate) enum Command {
         #[arg(required = true)]
         traces: Vec<PathBuf>,
         /// A handler (repeatable, at least one): `default` (NumPy's default handler,
-        /// natively), a shipped policy's name (`size-classes`, ..., `builtin`) or a policy
-        /// file, each on its own over the host's memory.
+        /// natively), a shipped policy's name (`size-classes`, ..., `builtin`), a policy
+        /// file, or a chain of them written `top>next` (`-c LINK:KEY=VALUE` configures
+        /// its link `LINK`), each on its own over the host's memory.
         #[arg(long = "policy", short = 'p', required = true)]
         policies: Vec<String>,
         /// Where the HTML page is written.

@@ -35,9 +35,6 @@ impl BuiltHandler {
     }
 }
 
-/// The handler for `--policy` names, top first: none or `default` is NumPy's default
-/// handler (natively, a new one), else a chain of `builtin` and policy files; `config`
-/// goes to the top policy's `init`.
 /// The handler `policies` name: NumPy's default (`default`, or none), or a chain, top
 /// first, link `i` configured with `configs[i]`.
 fn build_handler(
@@ -71,6 +68,31 @@ fn build_handler(
             BuiltHandler::Chain(Arc::new(builder.build()?))
         }
     })
+}
+
+/// One policy's `init` settings, as `KEY=VALUE` pairs.
+type Settings = Vec<(String, String)>;
+
+/// A report's handler named `name`: one policy, or a chain written `top>next>...`, its
+/// links configured by `config`, where `LINK:KEY=VALUE` goes to the link named `LINK`
+/// and a plain `KEY=VALUE` to the top one. What `allocbox run --report` replays a chain
+/// as.
+fn chain_of(name: &str, config: &[(String, String)]) -> Result<(Vec<String>, Vec<Settings>)> {
+    let links: Vec<String> = name.split('>').map(str::to_string).collect();
+    let mut configs = vec![Vec::new(); links.len()];
+    for (key, value) in config {
+        let (at, key) = match key.split_once(':') {
+            Some((link, key)) if links.len() > 1 => {
+                let Some(at) = links.iter().position(|l| l == link) else {
+                    bail!("-c {link}:{key}={value}: `{link}` is no link of the chain `{name}`");
+                };
+                (at, key)
+            }
+            _ => (0, key.as_str()),
+        };
+        configs[at].push((key.to_string(), value.clone()));
+    }
+    Ok((links, configs))
 }
 
 /// A trace file's events and marks, under a spinner (a large trace takes seconds to
@@ -352,8 +374,8 @@ fn report_trace(args: &ReportArgs, trace: &Path) -> Result<(TraceReport, Vec<Gpu
     let mut hook_reports = String::new();
     let mut hook_failed = false;
     for (name, config) in args.policies.iter().zip(&args.config) {
-        let config = std::slice::from_ref(config);
-        let built = build_handler(std::slice::from_ref(name), config, args.limits.clone())?;
+        let (links, configs) = chain_of(name, config)?;
+        let built = build_handler(&links, &configs, args.limits.clone())?;
         let done = AtomicU64::new(0);
         let len = events.len() as u64;
         let short = Path::new(name)
@@ -384,7 +406,7 @@ fn report_trace(args: &ReportArgs, trace: &Path) -> Result<(TraceReport, Vec<Gpu
         if timeline.replay.failure.is_none() {
             // A second replay, on a handler of its own, up to the moment this one held
             // the most: where those bytes went.
-            let fresh = build_handler(std::slice::from_ref(name), config, args.limits.clone())?;
+            let fresh = build_handler(&links, &configs, args.limits.clone())?;
             let at = timeline.peak_held_at;
             timeline.holdings = Some(progress::spinning(
                 &format!("{short}: where the most it held went"),
