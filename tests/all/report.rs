@@ -472,7 +472,7 @@ fn each_config_goes_to_the_policy_named_before_it_and_the_summary_explains_its_r
     assert!(!out.contains("peak ratio"), "{out}");
     assert!(
         out.contains("on this trace, `arena` would have held")
-            && out.contains("at the peak (")
+            && out.contains("when the client held the most (")
             && out.contains("at the end (")
             && out.contains("too few events (")
             && out.contains(allocbox_cli::report::MAGAZINE_NOTE),

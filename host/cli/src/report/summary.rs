@@ -32,11 +32,12 @@ answer most of those requests.";
 pub const TIMED_EVENTS: u64 = 10_000;
 
 /// How each handler after the first compares with the first on this trace, as
-/// sentences, in what a user decides on: the bytes held at the peak and at the end, and,
-/// on a trace long enough to time, the median time an event, each with its absolute
-/// figures ("`arena` would have held 18% less than `default` at the peak (1.2 MiB
-/// against 1.5 MiB) and the same at the end (0 B); a median 41 ns an event against 52
-/// ns"). A handler whose replay failed compares with nothing.
+/// sentences, in what a user decides on: the bytes held when the client held the most
+/// and at the end, and, on a trace long enough to time, the median time an event, each
+/// with its absolute figures ("`arena` would have held 18% less than `default` when the
+/// client held the most (1.2 MiB against 1.5 MiB) and the same as it at the end (0 B);
+/// a median 41 ns an event against 52 ns"). A handler whose replay failed compares with
+/// nothing.
 pub fn comparisons(timelines: &[Timeline]) -> Vec<String> {
     let Some((base, others)) = timelines.split_first() else {
         return Vec::new();
@@ -69,8 +70,8 @@ pub fn comparisons(timelines: &[Timeline]) -> Vec<String> {
                 ),
             };
             format!(
-                "on this trace, `{name}` would have held {} `{base_name}` at the peak {} and \
-                 {} it at the end {}; {times}",
+                "on this trace, `{name}` would have held {} `{base_name}` when the client held \
+                 the most {} and {} it at the end {}; {times}",
                 held_change(peak, was_peak),
                 figures(peak, was_peak),
                 held_change(end, was_end),
