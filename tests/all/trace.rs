@@ -636,3 +636,21 @@ fn an_rmm_log_is_replayed_under_device_policies_and_says_which_would_fit() {
         "{text}"
     );
 }
+
+/// A trace naming more GPUs than any machine has would make a report replay it once
+/// a GPU: refused in one line.
+#[test]
+fn a_trace_naming_more_gpus_than_a_report_draws_is_refused_in_one_line() {
+    let dir = tempdir("many-gpus");
+    let text: String = (0..65).map(|gpu| format!("m 1 64 1 d={gpu}\n")).collect();
+    std::fs::write(dir.join("t.trace"), text).unwrap();
+    let (code, out) = allocbox_cli(
+        &["report", "t.trace", "-p", "default", "-o", "r.html"],
+        &dir,
+    );
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("names 65 GPUs, past the 64 a report draws"),
+        "{out}"
+    );
+}

@@ -14,11 +14,14 @@ use allocbox::trace::by_site::by_site;
 use allocbox::trace::timeline::{Timeline, chain_held, timeline_counted};
 use allocbox::trace::{Trace, leak_after_replay};
 use allocbox::{HandlerBuilder, Limits, Runtime, WasmHook};
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 
 use crate::named::{hook_report, load_hook, observed};
 use crate::progress;
 use crate::report::{self, Memory};
+
+/// The most GPUs a report draws a part for: each is a replay of its own per policy.
+const MAX_GPUS: usize = 64;
 
 /// What the device policies of a report are and the GPU they run on.
 pub(crate) struct DevicePolicies {
@@ -75,8 +78,17 @@ pub(crate) fn gpu_parts(
     hook: Option<&Path>,
     limits: &Limits,
 ) -> Result<Vec<GpuPart>> {
+    let gpus = trace.gpus();
+    if gpus.len() > MAX_GPUS {
+        bail!(
+            "{} names {} GPUs, past the {MAX_GPUS} a report draws (a machine has far fewer: \
+             is this file a trace?)",
+            trace_name.display(),
+            gpus.len()
+        );
+    }
     let mut parts = Vec::new();
-    for gpu in trace.gpus() {
+    for gpu in gpus {
         let mut events = Trace {
             events: trace.events.clone(),
             marks: trace.marks.clone(),

@@ -81,8 +81,20 @@ enum Slot {
     Mark,
 }
 
+/// The most values, stack slots, memo entries and container items a decode holds
+/// together (each a few words): 16 Mi, about 512 MiB at the worst, whatever the bytes
+/// ask for. A snapshot of a long history (PyTorch's `max_entries`, 10^5 entries with
+/// their frames) holds under half of it.
+pub(super) const MAX_HELD: usize = 16 << 20;
+
 /// Decode `bytes` as a pickle of plain data; the error is one sentence.
 pub(super) fn decode(bytes: &[u8]) -> Result<Pickle, String> {
+    decode_within(bytes, MAX_HELD)
+}
+
+/// [`decode`], holding at most `most` values, stack slots, memo entries and container
+/// items together.
+fn decode_within(bytes: &[u8], most: usize) -> Result<Pickle, String> {
     let mut nodes: Vec<Node> = Vec::new();
     let mut stack: Vec<Slot> = Vec::new();
     let mut memo: HashMap<u64, Id> = HashMap::new();
@@ -131,7 +143,15 @@ pub(super) fn decode(bytes: &[u8]) -> Result<Pickle, String> {
             .collect();
         Ok(values)
     };
+    // Items put in containers: what a value holds beside itself.
+    let mut items_held = 0usize;
     loop {
+        if nodes.len() + stack.len() + memo.len() + items_held > most {
+            return Err(format!(
+                "the pickle holds more than {most} values, past what allocbox reads \
+                 (record a shorter history: `_record_memory_history(max_entries=...)`)"
+            ));
+        }
         let op = *take(&mut at, 1)?.first().expect("one byte");
         match op {
             0x80 => {
@@ -250,6 +270,7 @@ pub(super) fn decode(bytes: &[u8]) -> Result<Pickle, String> {
                         items
                     }
                 };
+                items_held += items.len();
                 push(&mut nodes, &mut stack, Node::Tuple(items));
             }
             b'a' | b'e' => {
@@ -258,6 +279,7 @@ pub(super) fn decode(bytes: &[u8]) -> Result<Pickle, String> {
                     _ => since_mark(&mut stack)?,
                 };
                 let list = pop(&mut stack)?;
+                items_held += items.len();
                 match &mut nodes[list] {
                     Node::List(all) => all.extend(items),
                     _ => return Err("the pickle appends to a value that is no list".into()),
@@ -276,6 +298,7 @@ pub(super) fn decode(bytes: &[u8]) -> Result<Pickle, String> {
                     return Err("the pickle sets a key without a value".into());
                 }
                 let dict = pop(&mut stack)?;
+                items_held += flat.len();
                 match &mut nodes[dict] {
                     Node::Dict(all) => all.extend(flat.chunks(2).map(|pair| (pair[0], pair[1]))),
                     _ => return Err("the pickle sets an item of a value that is no dict".into()),
@@ -362,6 +385,28 @@ mod tests {
         // A claim of a string of 2^63 bytes is refused by what is there, not allocated.
         let huge = [0x8d, 0, 0, 0, 0, 0, 0, 0, 0x80];
         assert!(decode(&huge).unwrap_err().contains("ends part way"));
+    }
+
+    /// Issue 62: a snapshot's size bounds its bytes, not what they expand to: values
+    /// shared through the memo and appended again and again are counted, and a pickle
+    /// past the bound is refused in one line, having held no more.
+    #[test]
+    fn a_pickle_that_expands_past_the_bound_is_refused_having_held_no_more() {
+        // A list, memoized, then the same list appended to itself 100 times.
+        let mut bytes = vec![0x80, 4, b']', 0x94, b'('];
+        bytes.extend(std::iter::repeat_n([b'h', 0], 100).flatten());
+        bytes.extend(*b"e.");
+        assert!(decode_within(&bytes, 1000).is_ok());
+        let error = decode_within(&bytes, 50).unwrap_err();
+        assert!(error.contains("more than 50 values"), "{error}");
+        // A stream of None: one value a byte.
+        let mut nones = vec![0x80, 4];
+        nones.extend(std::iter::repeat_n(b'N', 100));
+        assert!(
+            decode_within(&nones, 50)
+                .unwrap_err()
+                .contains("more than 50")
+        );
     }
 
     proptest::proptest! {

@@ -17,8 +17,9 @@ use super::kept::Keeper;
 use super::pickle::{Id, Pickle, decode};
 use super::{Event, EventOp, Trace, TraceError, UNKNOWN_ID};
 
-/// The largest snapshot read: it is decoded whole, at a bounded cost per byte.
-pub const MAX_SNAPSHOT_BYTES: u64 = 1 << 30;
+/// The largest snapshot read: it is decoded whole, holding at most
+/// [`super::pickle::MAX_HELD`] values however far its bytes expand.
+pub const MAX_SNAPSHOT_BYTES: u64 = 256 << 20;
 
 /// Do a file's first bytes say it is a pickle (protocol 2 to 5)?
 pub(super) fn is_pickle(magic: &[u8]) -> bool {

@@ -291,7 +291,8 @@ impl Drop for DeviceBlock {
 
 /// Load a chain (as `load_chain`) as a device handler of GPU `device`. Its policies
 /// get the `device` grant besides any in `grant`. `record` writes its every block to a
-/// trace: a path, or a host `Policy` that records (its trace then has both); `hook` (an `EventHook`) is told of each, as NumPy's event hook is of arrays.
+/// trace: a path, or a host `Policy` that records (its trace then has both); `hook` (an
+/// `EventHook`) is told of each, as NumPy's event hook is of arrays.
 #[pyfunction]
 #[pyo3(signature = (*chain, device = 0, call_time = None, memory = None, batch = None, overhead = None, compile_bounds = None, grant = None, names = None, gpu = None, record = None, hook = None))]
 #[allow(clippy::too_many_arguments, reason = "Python keyword arguments")]
