@@ -9,7 +9,9 @@
 mod binary;
 pub mod by_site;
 mod kept;
+mod latency;
 mod pickle;
+mod reader;
 mod record;
 mod replay;
 mod rmm;
@@ -17,18 +19,23 @@ mod text;
 pub mod timeline;
 mod torch_snapshot;
 mod watched;
+mod write;
 
-pub use binary::{MAGIC as BINARY_MAGIC, MAX_CHUNK_BYTES, write_binary};
+pub use binary::{BinarySink, MAGIC as BINARY_MAGIC, MAX_CHUNK_BYTES, write_binary};
 pub use kept::{MAX_MARK_TEXT_BYTES, MAX_MARKS, MAX_NAME_BYTES, MAX_SITE_NAME_BYTES, MAX_SITES};
+pub use reader::{Recorded, TraceReader};
 pub use record::{DeviceRecorder, RecordOptions, Recorder, SiteOf, TraceWriter, child_path};
 pub(crate) use replay::Held;
-pub use replay::{ReplayReport, leak_after_replay, replay_trace, replay_trace_counted};
-pub use text::write_text;
+pub use replay::{
+    ReplayReport, leak_after_replay, replay_events, replay_trace, replay_trace_counted,
+};
+pub use text::{TextSink, write_text};
 pub use torch_snapshot::MAX_SNAPSHOT_BYTES;
 pub use watched::{Served, Watched, Watcher};
+pub use write::{CopyError, TraceSink, copy_trace};
 
 use std::fmt;
-use std::io::{BufRead, BufReader, Read, Seek};
+use std::io::{BufRead, Read};
 use std::path::Path;
 
 /// The id NumPy's recorder writes for a pointer it never saw allocated.
@@ -222,33 +229,10 @@ pub fn read_trace(path: impl AsRef<Path>) -> Result<Vec<Event>, TraceError> {
 }
 
 /// [`read_trace`], with the marks. A gzip file is read member after member: two
-/// recordings concatenated are one trace.
+/// recordings concatenated are one trace. Every event is held: [`TraceReader`] reads
+/// one at a time.
 pub fn read_trace_marked(path: impl AsRef<Path>) -> Result<Trace, TraceError> {
-    let mut file = std::fs::File::open(path)?;
-    if file.metadata()?.is_dir() {
-        return Err(TraceError::Io(std::io::ErrorKind::IsADirectory.into()));
-    }
-    let mut magic = [0u8; binary::MAGIC.len()];
-    let read = read_up_to(&mut file, &mut magic)?;
-    file.seek(std::io::SeekFrom::Start(0))?;
-    if magic[..read] == binary::MAGIC {
-        return binary::read_binary(BufReader::with_capacity(1 << 16, file));
-    }
-    if torch_snapshot::is_pickle(&magic[..read]) {
-        return torch_snapshot::read(file);
-    }
-    if magic[..read].starts_with(&[0x1f, 0x8b]) {
-        let cut_short = std::cell::Cell::new(false);
-        let stream = CutShort {
-            inner: flate2::read::MultiGzDecoder::new(BufReader::new(file)),
-            cut_short: &cut_short,
-        };
-        let mut trace = text::parse_lines(BufReader::with_capacity(1 << 20, stream), &cut_short)?;
-        trace.cut_short = cut_short.get();
-        Ok(trace)
-    } else {
-        parse_trace_marked(BufReader::with_capacity(1 << 20, file))
-    }
+    TraceReader::open(path)?.read_all()
 }
 
 /// As many bytes as `file` has, up to `buf`'s length.
@@ -264,12 +248,12 @@ fn read_up_to(file: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
 }
 
 /// A gzip stream that ends early ends there, saying so in `cut_short`.
-struct CutShort<'a, R> {
+struct CutShort<R> {
     inner: R,
-    cut_short: &'a std::cell::Cell<bool>,
+    cut_short: std::rc::Rc<std::cell::Cell<bool>>,
 }
 
-impl<R: Read> Read for CutShort<'_, R> {
+impl<R: Read> Read for CutShort<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         match self.inner.read(buf) {
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
@@ -289,11 +273,8 @@ pub fn parse_trace(input: impl BufRead) -> Result<Vec<Event>, TraceError> {
 /// [`parse_trace`], with the marks: comment lines after the first event (those before
 /// it are the file's header). No line is held past [`MAX_LINE_BYTES`]. A binary trace
 /// is read as one.
-pub fn parse_trace_marked(mut input: impl BufRead) -> Result<Trace, TraceError> {
-    if binary::is_binary(&mut input)? {
-        return binary::read_binary(input);
-    }
-    text::parse_lines(input, &std::cell::Cell::new(false))
+pub fn parse_trace_marked(input: impl BufRead) -> Result<Trace, TraceError> {
+    TraceReader::new(input)?.read_all()
 }
 
 impl fmt::Display for Event {

@@ -3,8 +3,8 @@
 use std::sync::atomic::AtomicU64;
 
 use allocbox::trace::timeline::{
-    HeldBy, MAX_POINTS, Timeline, chain_held, holdings_at, native_held, size_bucket, timeline,
-    timeline_counted,
+    HeldBy, MAX_POINTS, Replayed, Timeline, chain_held, holdings_at, native_held, size_bucket,
+    timeline, timeline_counted,
 };
 use allocbox::trace::{Mark, parse_trace, parse_trace_marked};
 use allocbox::{HandlerBuilder, Runtime};
@@ -117,8 +117,7 @@ fn a_report_names_the_peak_s_test_its_phases_and_what_the_trace_left_live() {
         "size-classes",
         &chain,
         chain_held(&chain),
-        &trace.events,
-        &trace.marks,
+        Replayed::held(&trace.events, &trace.marks),
         &AtomicU64::new(0),
     );
     let phases: Vec<(&str, u64, u64, u64)> = t
@@ -138,7 +137,11 @@ fn a_report_names_the_peak_s_test_its_phases_and_what_the_trace_left_live() {
     assert_eq!(t.left_live[size_bucket(100)], (2, 164), "blocks 1 and 4");
     // Where the most it held went, from a second replay on a fresh handler up to then.
     let fresh = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
-    let holdings = holdings_at(HeldBy::Chain(&fresh), &trace.events, t.peak_held_at);
+    let holdings = holdings_at(
+        HeldBy::Chain(&fresh),
+        trace.events.iter().copied(),
+        t.peak_held_at,
+    );
     let held: u64 = holdings.classes.iter().map(|c| c.2).sum::<u64>() + holdings.idle.1;
     assert_eq!(
         held, t.peak_held,

@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicU64;
 
 use allocbox::trace::Mark;
 use allocbox::trace::parse_trace_marked;
-use allocbox::trace::timeline::{chain_held, native_held, timeline, timeline_counted};
+use allocbox::trace::timeline::{Replayed, chain_held, native_held, timeline, timeline_counted};
 use allocbox::{MemHandler, NumpyDefault};
 use allocbox_cli::report::render_html;
 
@@ -35,7 +35,13 @@ fn the_report_page_renders_in_chromium() {
         .take_while(|m| m.at < events.len() as u64)
         .collect();
     let timeline = |label: &str, handler: &dyn MemHandler, held: &mut dyn FnMut() -> u64| {
-        timeline_counted(label, handler, held, events, &marks, &AtomicU64::new(0))
+        timeline_counted(
+            label,
+            handler,
+            held,
+            Replayed::held(events, &marks),
+            &AtomicU64::new(0),
+        )
     };
     let native = NumpyDefault::new();
     let size_classes = handler(&allocbox_artifacts::SIZE_CLASSES, &[]);
@@ -194,8 +200,9 @@ fn a_page_of_a_trace_with_times_and_sites_has_a_time_axis_and_tables_by_line_in_
         timeline("default", &native, native_held(&native), &trace.events),
         timeline("system", &system, chain_held(&system), &trace.events),
     ];
+    let times = allocbox_cli::survey::TimeAxis::of(&trace.times);
     let recorded = allocbox_cli::report::Recorded {
-        times: &trace.times,
+        times: Some(&times),
         lines: Some((&found, &trace.site_table)),
     };
     let page = allocbox_cli::report::render_page("job.trace", &timelines, &[], &recorded);

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::Path;
 
 use allocbox::output::Output;
-use allocbox::trace::{write_binary, write_text};
+use allocbox::trace::{BinarySink, CopyError, TextSink, TraceReader, copy_trace};
 use anyhow::{Context, Result};
 
 use crate::outcome::{Outcome, print_report};
@@ -27,22 +27,51 @@ pub(crate) fn run_trace_convert(input: &Path, output: &Path, to: Option<Form>) -
     };
     // Judged before the trace is read: a target that cannot be written costs no reading.
     let mut out = Output::create(output, &[input])?;
-    let trace = crate::trace_command::read_trace(input)?;
+    // A first pass says whether the events have times and sites, which a binary
+    // trace's header says first.
+    let found = crate::survey::survey(input)?;
+    let (times, sites) = found
+        .placements
+        .values()
+        .fold((false, false), |(times, sites), p| {
+            (times || !p.times.is_empty(), sites || p.has_sites())
+        });
+    let reader = TraceReader::open(input).with_context(|| input.display().to_string())?;
     let file = std::io::BufWriter::new(out.file());
-    match to {
-        Form::Binary => write_binary(&trace, file),
+    let copied = match to {
+        Form::Binary => BinarySink::new(file, times, sites)
+            .map_err(CopyError::Write)
+            .and_then(|sink| copy_trace(reader, sink))
+            .map(|(events, _)| events),
         Form::Text if output.extension().is_some_and(|e| e == "gz") => {
-            let mut gz = flate2::write::GzEncoder::new(file, flate2::Compression::default());
-            write_text(&trace, &mut gz).and_then(|()| gz.finish()?.flush())
+            let gz = flate2::write::GzEncoder::new(file, flate2::Compression::default());
+            TextSink::new(gz)
+                .map_err(CopyError::Write)
+                .and_then(|sink| copy_trace(reader, sink))
+                .and_then(|(events, gz)| Ok((events, gz.finish()?.flush()?)))
+                .map(|(events, ())| events)
         }
-        Form::Text => write_text(&trace, file),
-    }
-    .with_context(|| format!("cannot write `{}`", output.display()))?;
+        Form::Text => TextSink::new(file)
+            .map_err(CopyError::Write)
+            .and_then(|sink| copy_trace(reader, sink))
+            .map(|(events, _)| events),
+    };
+    let events = match copied {
+        Ok(events) => events,
+        Err(CopyError::Read(error)) => {
+            return Err(anyhow::Error::new(error).context(input.display().to_string()));
+        }
+        Err(CopyError::Write(error)) => {
+            return Err(
+                anyhow::Error::new(error).context(format!("cannot write `{}`", output.display()))
+            );
+        }
+    };
     out.commit()?;
     print_report(&format!(
         "{} ({} events) -> {} ({})\n",
         input.display(),
-        trace.events.len(),
+        events,
         output.display(),
         match to {
             Form::Text => "text",

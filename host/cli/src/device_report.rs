@@ -10,15 +10,15 @@ use std::sync::atomic::AtomicU64;
 
 use allocbox::gpu::{Gpu, StandIn};
 use allocbox::mapped::KindGrant;
-use allocbox::trace::by_site::by_site;
-use allocbox::trace::timeline::{Timeline, chain_held, timeline_counted};
-use allocbox::trace::{Trace, leak_after_replay};
+use allocbox::trace::leak_after_replay;
+use allocbox::trace::timeline::{Replayed, Timeline, chain_held, timeline_counted};
 use allocbox::{HandlerBuilder, Limits, Runtime, WasmHook};
 use anyhow::{Context, Result, bail};
 
 use crate::named::{hook_report, load_hook, observed};
 use crate::progress;
 use crate::report::{self, Memory};
+use crate::survey::Survey;
 
 /// The most GPUs a report draws a part for: each is a replay of its own per policy.
 const MAX_GPUS: usize = 64;
@@ -69,16 +69,16 @@ pub(crate) struct GpuPart {
     pub(crate) hook_failed: bool,
 }
 
-/// A part for each GPU whose memory `trace` has events of (none for a trace of host
-/// memory alone), each GPU's events through every device policy.
+/// A part for each GPU whose memory the surveyed trace has events of (none for a trace
+/// of host memory alone), each GPU's events through every device policy.
 pub(crate) fn gpu_parts(
-    trace: &Trace,
-    trace_name: &Path,
+    found: &mut Survey,
     device: &DevicePolicies,
     hook: Option<&Path>,
     limits: &Limits,
 ) -> Result<Vec<GpuPart>> {
-    let gpus = trace.gpus();
+    let gpus = found.gpus();
+    let trace_name = found.path.clone();
     if gpus.len() > MAX_GPUS {
         bail!(
             "{} names {} GPUs, past the {MAX_GPUS} a report draws (a machine has far fewer: \
@@ -89,24 +89,16 @@ pub(crate) fn gpu_parts(
     }
     let mut parts = Vec::new();
     for gpu in gpus {
-        let mut events = Trace {
-            events: trace.events.clone(),
-            marks: trace.marks.clone(),
-            times: trace.times.clone(),
-            sites: trace.sites.clone(),
-            streams: trace.streams.clone(),
-            ..Trace::default()
-        };
-        events.keep_placement(Some(gpu));
         // The program's lines behind the GPU's bytes, when the recording says which.
-        let lines = (!trace.site_table.is_empty()).then(|| by_site(&events.events, &events.sites));
+        let at_peak = found.at_peak(Some(gpu));
+        let lines = found.lines(Some(gpu), at_peak)?;
         let mut timelines = Vec::new();
         let (mut hook_reports, mut hook_failed) = (String::new(), false);
         for policy in &device.policies {
             // A hook of its own for each policy, as each host policy has.
             let hook = hook.map(|h| load_hook(h, limits)).transpose()?;
             let timeline =
-                gpu_timeline(&events, gpu, policy, device.memory, limits, hook.as_deref())?;
+                gpu_timeline(found, gpu, policy, device.memory, limits, hook.as_deref())?;
             if let Some(hook) = &hook {
                 hook_reports += &hook_report(hook, &timeline.label);
                 hook_failed |= hook.failure().is_some();
@@ -114,14 +106,15 @@ pub(crate) fn gpu_parts(
             timelines.push(timeline);
         }
         let name = format!("{}, GPU {gpu}", trace_name.display());
+        let placement = &found.placements[&Some(gpu)];
         let recorded = report::Recorded {
-            times: &events.times,
-            lines: lines.as_ref().map(|found| (found, &trace.site_table)),
+            times: Some(&placement.times),
+            lines: lines.as_ref().map(|lines| (lines, &found.trace.site_table)),
         };
         let part = report::render_part(
             &name,
             &timelines,
-            &events.marks,
+            &placement.marks,
             &recorded,
             Memory::Gpu(gpu),
         );
@@ -137,11 +130,11 @@ pub(crate) fn gpu_parts(
     Ok(parts)
 }
 
-/// `events` of GPU `gpu`'s memory through `policy`, a device handler of a stand-in
-/// GPU of `memory` bytes: each free goes back at once (a trace's stream has no work
-/// left to wait for when it is replayed).
+/// GPU `gpu`'s events through `policy`, a device handler of a stand-in GPU of `memory`
+/// bytes: each free goes back at once (a trace's stream has no work left to wait for
+/// when it is replayed).
 fn gpu_timeline(
-    events: &Trace,
+    found: &Survey,
     gpu: u16,
     policy: &str,
     memory: u64,
@@ -160,13 +153,21 @@ fn gpu_timeline(
         .with_context(|| format!("device policy `{policy}`"))?;
     let done = AtomicU64::new(0);
     let label = format!("GPU {gpu}: {policy}");
-    let len = events.events.len() as u64;
+    let placement = &found.placements[&Some(gpu)];
+    let len = placement.events;
+    let mut pass = found.pass(Some(gpu))?;
     let mut timeline = progress::counting_events(&label, len, &done, || {
         observed(&handler, hook, |watched| {
             let held = chain_held(handler.handler());
-            timeline_counted(policy, watched, held, &events.events, &events.marks, &done)
+            let replayed = Replayed {
+                events: pass.events(),
+                len,
+                marks: &placement.marks,
+            };
+            timeline_counted(policy, watched, held, replayed, &done)
         })
     });
+    pass.finish()?;
     if timeline.replay.failure.is_none() {
         timeline.replay.leak = leak_after_replay(handler.handler());
     }

@@ -24,6 +24,7 @@ mod new_policy;
 mod outcome;
 mod progress;
 mod run_command;
+pub mod survey;
 mod trace_command;
 
 pub use named::SHIPPED_HOOKS;

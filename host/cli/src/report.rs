@@ -17,6 +17,8 @@ use std::collections::HashMap;
 use allocbox::trace::by_site::BySite;
 use allocbox::trace::timeline::{SIZE_BUCKETS, Sample, Timeline};
 use allocbox::trace::{Mark, Site};
+
+use crate::survey::TimeAxis;
 use plotters::style::RGBColor;
 
 use charts::*;
@@ -29,17 +31,6 @@ pub use summary::{MAGAZINE_NOTE, RATIO_NOTE, bytes, comparisons, summary_table, 
 /// million tests draws a tick where any of them starts, not a million.
 const MAX_MARK_TICKS: usize = 1000;
 
-/// The smallest step a trace's times advance by, in nanoseconds: the resolution of the
-/// clock that made them (a recorder's coarse clock moves in steps of a few ms), when it
-/// is coarser than a microsecond.
-fn clock_step(times: &[u64]) -> Option<u64> {
-    let step = times
-        .windows(2)
-        .filter_map(|pair| pair[1].checked_sub(pair[0]).filter(|&d| d > 0))
-        .min()?;
-    (step >= 1000).then_some(step)
-}
-
 /// The marks' positions on an axis of `max`, one for each of [`MAX_MARK_TICKS`]
 /// columns that holds any.
 fn mark_ticks(at: impl Iterator<Item = f64>, max: f64) -> Vec<f64> {
@@ -47,17 +38,6 @@ fn mark_ticks(at: impl Iterator<Item = f64>, max: f64) -> Vec<f64> {
     let column = |x: f64| (x / max.max(f64::MIN_POSITIVE) * columns).clamp(0.0, columns) as usize;
     let mut seen = std::collections::HashSet::new();
     at.filter(|&x| seen.insert(column(x))).collect()
-}
-
-#[cfg(test)]
-#[test]
-fn a_trace_s_clock_step_is_its_smallest_advance_when_coarser_than_a_microsecond() {
-    assert_eq!(
-        clock_step(&[0, 0, 4_000_000, 4_000_000, 12_000_000]),
-        Some(4_000_000)
-    );
-    assert_eq!(clock_step(&[0, 10, 25]), None, "a fine clock");
-    assert_eq!(clock_step(&[5, 5]), None);
 }
 
 #[cfg(test)]
@@ -98,9 +78,9 @@ pub(super) fn short_label(label: &str) -> &str {
 /// program's lines behind its blocks.
 #[derive(Debug, Default)]
 pub struct Recorded<'a> {
-    /// Per event, nanoseconds since the recording started (`Trace::times`); with them
-    /// the charts' x axis is time.
-    pub times: &'a [u64],
+    /// Nanoseconds since the recording started, through the trace; with them the
+    /// charts' x axis is time.
+    pub times: Option<&'a TimeAxis>,
     /// The trace's live bytes by line (`by_site`) and the sites it names.
     pub lines: Option<(&'a BySite, &'a HashMap<u32, Site>)>,
 }
@@ -275,7 +255,7 @@ pub fn render_part(
         timelines.len(),
         if timelines.len() == 1 { "" } else { "s" },
     );
-    if let Some(step) = clock_step(recorded.times) {
+    if let Some(step) = recorded.times.and_then(TimeAxis::clock_step) {
         let _ = writeln!(
             html,
             "<p class=\"note\">The recording's times advance in steps of {:.1} ms (its \

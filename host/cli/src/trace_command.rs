@@ -7,10 +7,9 @@ use std::sync::atomic::AtomicU64;
 
 use crate::report;
 use allocbox::output::Output;
-use allocbox::trace::by_site::by_site;
 use allocbox::trace::leak_after_replay;
 use allocbox::trace::timeline::{
-    HeldBy, Timeline, chain_held, holdings_at, native_held, timeline_counted,
+    HeldBy, Replayed, Timeline, chain_held, holdings_at, native_held, timeline_counted,
 };
 use allocbox::{HandlerBuilder, Limits, Runtime};
 use anyhow::{Context, Result, bail};
@@ -19,6 +18,7 @@ use crate::device_report::{GpuPart, gpu_parts};
 use crate::named::{hook_report, load, load_hook, observed};
 use crate::outcome::{Outcome, print_report};
 use crate::progress;
+use crate::survey::{Survey, survey};
 
 /// A handler named on the command line: NumPy's default natively, or a chain of policies.
 enum BuiltHandler {
@@ -95,49 +95,16 @@ fn chain_of(name: &str, config: &[(String, String)]) -> Result<(Vec<String>, Vec
     Ok((links, configs))
 }
 
-/// A trace file's events and marks, under a spinner (a large trace takes seconds to
-/// read), with a line on standard error for each thing of it that was not kept whole.
-pub(crate) fn read_trace(trace: &Path) -> Result<allocbox::trace::Trace> {
-    let read = progress::spinning(&format!("reading {}", trace.display()), || {
-        allocbox::trace::read_trace_marked(trace)
-    })
-    .with_context(|| trace.display().to_string())?;
-    if read.cut_short {
-        eprintln!(
-            "allocbox: {} ends early (its process was killed before it finished \
-             recording?): read up to its last whole event, the {}th",
-            trace.display(),
-            read.events.len()
-        );
-    }
-    if read.marks_left_out > 0 {
-        eprintln!(
-            "allocbox: {} has {} marks past the {} (or {} MiB of text) a trace keeps: \
-             they are counted, not kept, and one mark where they start says how many",
-            trace.display(),
-            read.marks_left_out,
-            allocbox::trace::MAX_MARKS,
-            allocbox::trace::MAX_MARK_TEXT_BYTES >> 20,
-        );
-    }
-    if read.sites_left_out > 0 {
-        eprintln!(
-            "allocbox: {} names {} sites past the {} (or {} MiB of names) a trace keeps: \
-             their blocks are shown with no line",
-            trace.display(),
-            read.sites_left_out,
-            allocbox::trace::MAX_SITES,
-            allocbox::trace::MAX_SITE_NAME_BYTES >> 20,
-        );
-    }
-    Ok(read)
-}
-
-/// [`read_trace`] to replay through handlers of host memory: the events of GPU memory
-/// are left out, with a line saying how many (`trace-convert` keeps them).
-pub(crate) fn read_host_trace(trace: &Path) -> Result<allocbox::trace::Trace> {
-    let mut read = read_trace(trace)?;
-    let taken = read.keep_placement(None);
+/// The first pass through `trace` ([`survey`]), saying on standard error how many
+/// events of GPU memory a command that replays the host's alone leaves out.
+pub(crate) fn survey_host(trace: &Path) -> Result<Survey> {
+    let found = survey(trace)?;
+    let taken: u64 = found
+        .placements
+        .iter()
+        .filter(|(placement, _)| placement.is_some())
+        .map(|(_, p)| p.events)
+        .sum();
     if taken > 0 {
         eprintln!(
             "allocbox: {} has {taken} events of GPU memory, which this command does not \
@@ -146,7 +113,7 @@ pub(crate) fn read_host_trace(trace: &Path) -> Result<allocbox::trace::Trace> {
             trace.display()
         );
     }
-    Ok(read)
+    Ok(found)
 }
 
 pub(crate) fn run_replay_trace(
@@ -156,25 +123,24 @@ pub(crate) fn run_replay_trace(
     hook: Option<PathBuf>,
     limits: Limits,
 ) -> Result<Outcome> {
-    let events = read_host_trace(&trace)?.events;
+    let found = survey_host(&trace)?;
     let hook = hook.map(|h| load_hook(&h, &limits)).transpose()?;
     let built = build_handler(&policies, &config, limits)?;
     let handler = built.handler();
     let done = AtomicU64::new(0);
-    let mut report = progress::counting_events("replay", events.len() as u64, &done, || {
+    let host = found.host();
+    let mut pass = found.pass(None)?;
+    let mut report = progress::counting_events("replay", host.events, &done, || {
         observed(handler, hook.as_deref(), |handler| {
-            allocbox::trace::replay_trace_counted(handler, &events, &done)
+            allocbox::trace::replay_events(handler, pass.events(), &done)
         })
     });
+    pass.finish()?;
     if let (None, BuiltHandler::Chain(chain)) = (&report.failure, &built) {
         report.leak = leak_after_replay(chain);
     }
     let stats = &report.stats;
-    let threads = events
-        .iter()
-        .map(|e| e.thread)
-        .collect::<std::collections::BTreeSet<_>>()
-        .len();
+    let threads = host.threads();
     let mut out = format!(
         "trace      {} ({} events, replayed on {threads} thread{})\nhandler    {}\ntime       {:.2} s, {:.0} ns/event\n\
          peak       {} bytes live\ncalls      {} malloc, {} calloc, {} realloc, {} free\n\
@@ -182,7 +148,7 @@ pub(crate) fn run_replay_trace(
          none       {} requests answered out-of-memory\n\
          budget     {} upstream requests refused past a policy's overhead budget\n",
         trace.display(),
-        events.len(),
+        host.events,
         if threads == 1 { "" } else { "s" },
         handler.name(),
         report.elapsed.as_secs_f64(),
@@ -351,25 +317,15 @@ struct TraceReport {
 }
 
 /// One trace through every handler, and each GPU's memory of it through every device
-/// policy.
+/// policy: each replay a pass of its own through the file.
 fn report_trace(args: &ReportArgs, trace: &Path) -> Result<(TraceReport, Vec<GpuPart>)> {
-    let mut read = read_trace(trace)?;
-    let gpus = gpu_parts(
-        &read,
-        trace,
-        &args.device,
-        args.hook.as_deref(),
-        &args.limits,
-    )?;
-    read.keep_placement(None);
-    let allocbox::trace::Trace {
-        events,
-        marks,
-        times,
-        sites,
-        site_table,
-        ..
-    } = read;
+    let mut found = survey(trace)?;
+    let gpus = gpu_parts(&mut found, &args.device, args.hook.as_deref(), &args.limits)?;
+    // The program's lines behind its bytes, when the recording says which they were:
+    // taken from the first replay's pass.
+    let mut at_peak = found.at_peak(None);
+    let host = found.host();
+    let (len, marks) = (host.events, host.marks.clone());
     let mut timelines = Vec::new();
     let mut hook_reports = String::new();
     let mut hook_failed = false;
@@ -377,7 +333,6 @@ fn report_trace(args: &ReportArgs, trace: &Path) -> Result<(TraceReport, Vec<Gpu
         let (links, configs) = chain_of(name, config)?;
         let built = build_handler(&links, &configs, args.limits.clone())?;
         let done = AtomicU64::new(0);
-        let len = events.len() as u64;
         let short = Path::new(name)
             .file_name()
             .map_or(name.into(), |f| f.to_string_lossy());
@@ -386,16 +341,28 @@ fn report_trace(args: &ReportArgs, trace: &Path) -> Result<(TraceReport, Vec<Gpu
             .as_ref()
             .map(|h| load_hook(h, &args.limits))
             .transpose()?;
+        let mut pass = found.pass(None)?;
+        let mut tap = |recorded: &allocbox::trace::Recorded| {
+            if let Some(at_peak) = &mut at_peak {
+                at_peak.add(&recorded.event, recorded.site.unwrap_or(0));
+            }
+        };
         let mut timeline = progress::counting_events(&short, len, &done, || {
+            let replayed = Replayed {
+                events: pass.by_ref().inspect(&mut tap).map(|r| r.event),
+                len,
+                marks: &marks,
+            };
             observed(built.handler(), hook.as_deref(), |handler| match &built {
                 BuiltHandler::Native(h) => {
-                    timeline_counted(name, handler, native_held(&**h), &events, &marks, &done)
+                    timeline_counted(name, handler, native_held(&**h), replayed, &done)
                 }
                 BuiltHandler::Chain(h) => {
-                    timeline_counted(name, handler, chain_held(h), &events, &marks, &done)
+                    timeline_counted(name, handler, chain_held(h), replayed, &done)
                 }
             })
         });
+        pass.finish()?;
         if let Some(hook) = &hook {
             hook_reports += &hook_report(hook, name);
             hook_failed |= hook.failure().is_some();
@@ -408,26 +375,30 @@ fn report_trace(args: &ReportArgs, trace: &Path) -> Result<(TraceReport, Vec<Gpu
             // the most: where those bytes went.
             let fresh = build_handler(&links, &configs, args.limits.clone())?;
             let at = timeline.peak_held_at;
+            let mut pass = found.pass(None)?;
             timeline.holdings = Some(progress::spinning(
                 &format!("{short}: where the most it held went"),
                 || match &fresh {
-                    BuiltHandler::Native(h) => holdings_at(HeldBy::Native(h), &events, at),
-                    BuiltHandler::Chain(h) => holdings_at(HeldBy::Chain(h), &events, at),
+                    BuiltHandler::Native(h) => holdings_at(HeldBy::Native(h), pass.events(), at),
+                    BuiltHandler::Chain(h) => holdings_at(HeldBy::Chain(h), pass.events(), at),
                 },
             ));
+            pass.finish()?;
         }
         timelines.push(timeline);
     }
-    // The program's lines behind its bytes, when the recording says which they were.
-    let lines = (!site_table.is_empty()).then(|| by_site(&events, &sites));
+    let lines = found.lines(None, at_peak)?;
+    let host = found.host();
     let recorded = report::Recorded {
-        times: &times,
-        lines: lines.as_ref().map(|found| (found, &site_table)),
+        times: Some(&host.times),
+        lines: lines
+            .as_ref()
+            .map(|found_lines| (found_lines, &found.trace.site_table)),
     };
     let part = report::render_part(
         &trace.display().to_string(),
         &timelines,
-        &marks,
+        &host.marks,
         &recorded,
         report::Memory::Host,
     );

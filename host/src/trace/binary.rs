@@ -12,10 +12,11 @@ use std::collections::HashMap;
 use std::io::{self, Write};
 use std::sync::Arc;
 
-use super::{EventOp, MAX_MARK_BYTES, MAX_NAME_BYTES, Site, Trace};
+use super::write::TraceSink;
+use super::{EventOp, MAX_MARK_BYTES, MAX_NAME_BYTES, Recorded, Site, Trace};
 
 mod read;
-pub(crate) use read::{is_binary, read_binary};
+pub(crate) use read::{BinaryEvents, is_binary};
 
 /// The first bytes of a binary trace: not text (no trace line starts with them) and not
 /// gzip's or zstd's magic. The version and the flags follow, uncompressed.
@@ -273,33 +274,71 @@ pub(crate) fn compressor<W: Write>(out: W) -> io::Result<zstd::stream::write::En
 /// trace. Each event's id stands for its block's address, so the reader numbers the
 /// blocks again in the order they are first made.
 pub fn write_binary(trace: &Trace, out: impl Write) -> io::Result<()> {
-    let flags = if trace.times.is_empty() { 0 } else { TIMES }
-        | if trace.sites.is_empty() { 0 } else { SITES };
-    let mut out = out;
-    out.write_all(&header(flags))?;
-    let mut stream = compressor(out)?;
-    let mut threads: HashMap<u32, ChunkEncoder> = HashMap::new();
-    let mut marks = trace.marks.iter().peekable();
-    let mut last_thread = 1;
-    for (at, event) in trace.events.iter().enumerate() {
-        let encoder = threads
-            .entry(event.thread)
-            .or_insert_with(|| ChunkEncoder::new(event.thread, flags));
-        // Sequence numbers four apart: a mark, then the two sides of a realloc.
-        let seq = 4 * at as u64 + 4;
-        while let Some(mark) = marks.next_if(|m| m.at <= at as u64) {
-            encoder.mark(seq - 3, &mark.text);
-        }
+    let sink = BinarySink::new(out, !trace.times.is_empty(), !trace.sites.is_empty())?;
+    trace.write_to(sink).map(drop)
+}
+
+/// The binary form written event by event ([`TraceSink`]): each thread's events into
+/// its chunks, as a recording's, numbered in the order they come.
+pub struct BinarySink<W: Write> {
+    flags: u8,
+    stream: zstd::stream::write::Encoder<'static, W>,
+    threads: HashMap<u32, ChunkEncoder>,
+    /// Events written: each takes four numbers (a mark before it, then the two sides
+    /// of a realloc).
+    events: u64,
+    last_thread: u32,
+}
+
+impl<W: Write> std::fmt::Debug for BinarySink<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BinarySink")
+            .field("events", &self.events)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<W: Write> BinarySink<W> {
+    /// Write the header into `out`, saying whether events have times and sites.
+    pub fn new(mut out: W, times: bool, sites: bool) -> io::Result<Self> {
+        let flags = if times { TIMES } else { 0 } | if sites { SITES } else { 0 };
+        out.write_all(&header(flags))?;
+        Ok(BinarySink {
+            flags,
+            stream: compressor(out)?,
+            threads: HashMap::new(),
+            events: 0,
+            last_thread: 1,
+        })
+    }
+
+    fn encoder(&mut self, thread: u32) -> &mut ChunkEncoder {
+        let flags = self.flags;
+        self.threads
+            .entry(thread)
+            .or_insert_with(|| ChunkEncoder::new(thread, flags))
+    }
+}
+
+impl<W: Write> TraceSink for BinarySink<W> {
+    fn mark(&mut self, text: &str) -> io::Result<()> {
+        let seq = 4 * self.events + 1;
+        let thread = self.last_thread;
+        self.encoder(thread).mark(seq, text);
+        Ok(())
+    }
+
+    fn event(&mut self, recorded: &Recorded, site: Option<&Site>) -> io::Result<()> {
+        let event = &recorded.event;
+        let seq = 4 * self.events + 4;
+        self.events += 1;
+        self.last_thread = event.thread;
         let (old, new) = match event.op {
             EventOp::Malloc | EventOp::Calloc => (0, event.id),
             EventOp::Realloc => (event.id, event.id),
             EventOp::Free => (event.id, 0),
         };
-        let site = trace
-            .sites
-            .get(at)
-            .and_then(|n| trace.site_table.get(n))
-            .cloned();
+        let encoder = self.encoder(event.thread);
         encoder.call(Call {
             op: event.op,
             seq: seq - 2,
@@ -307,32 +346,34 @@ pub fn write_binary(trace: &Trace, out: impl Write) -> io::Result<()> {
             old,
             new,
             size: event.size,
-            time: trace.times.get(at).copied().unwrap_or(0),
-            site,
+            time: recorded.time.unwrap_or(0),
+            site: site.cloned(),
             device: event.device,
-            stream: trace.streams.get(at).copied().flatten(),
+            stream: recorded.stream,
         });
         if encoder.full() {
-            stream.write_all(&encoder.take().unwrap_or_default())?;
+            let chunk = encoder.take().unwrap_or_default();
+            self.stream.write_all(&chunk)?;
         }
-        last_thread = event.thread;
+        Ok(())
     }
-    let end = 4 * trace.events.len() as u64 + 1;
-    for mark in marks {
-        threads
-            .entry(last_thread)
-            .or_insert_with(|| ChunkEncoder::new(last_thread, flags))
-            .mark(end, &mark.text);
-    }
-    let mut threads: Vec<_> = threads.into_values().collect();
-    threads.sort_by_key(ChunkEncoder::thread);
-    for mut encoder in threads {
-        if let Some(chunk) = encoder.take() {
-            stream.write_all(&chunk)?;
+
+    type Out = W;
+
+    fn finish(self) -> io::Result<W> {
+        let mut stream = self.stream;
+        let mut threads: Vec<_> = self.threads.into_values().collect();
+        threads.sort_by_key(ChunkEncoder::thread);
+        for mut encoder in threads {
+            if let Some(chunk) = encoder.take() {
+                stream.write_all(&chunk)?;
+            }
         }
+        stream.write_all(&END)?;
+        let mut out = stream.finish()?;
+        out.flush()?;
+        Ok(out)
     }
-    stream.write_all(&END)?;
-    stream.finish()?.flush()
 }
 
 fn put(bytes: &mut Vec<u8>, mut value: u64) {

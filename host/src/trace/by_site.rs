@@ -33,7 +33,7 @@ pub struct BySite {
 }
 
 /// Live blocks by id: size, site, and the events replayed when it was made.
-type Live = HashMap<u64, (u64, u32, u64)>;
+type Live = crate::fasthash::FastMap<u64, (u64, u32, u64)>;
 
 /// Apply `event` (the `at`-th, from 1) to `live`; returns the change in live bytes.
 fn apply(live: &mut Live, event: &Event, site: u32, at: u64) -> i64 {
@@ -86,25 +86,101 @@ fn group(live: &Live) -> Vec<SiteBytes> {
 /// The trace's live bytes by site at its peak and at its end. `sites` holds one site
 /// per event (`Trace::sites`; missing ones count as 0).
 pub fn by_site(events: &[Event], sites: &[u32]) -> BySite {
-    let site_of = |i: usize| sites.get(i).copied().unwrap_or(0);
-    let mut live = Live::new();
-    let (mut bytes, mut peak_bytes, mut peak_at) = (0i64, 0i64, 0u64);
-    for (i, event) in events.iter().enumerate() {
-        bytes += apply(&mut live, event, site_of(i), i as u64 + 1);
-        if bytes > peak_bytes {
-            (peak_bytes, peak_at) = (bytes, i as u64 + 1);
+    let with_sites = || {
+        let site_of = |i: usize| sites.get(i).copied().unwrap_or(0);
+        events
+            .iter()
+            .enumerate()
+            .map(move |(i, &e)| (e, site_of(i)))
+    };
+    let mut first = BySitePass::default();
+    for (event, site) in with_sites() {
+        first.add(&event, site);
+    }
+    first.finish(with_sites())
+}
+
+/// [`by_site`] of a trace read event by event: a first pass through [`BySitePass::add`]
+/// finds the peak and the blocks never freed, holding the live blocks only; a second,
+/// up to the peak, finds the blocks live then ([`BySitePass::finish`]).
+#[derive(Debug, Default)]
+pub struct BySitePass {
+    live: Live,
+    bytes: i64,
+    peak_bytes: i64,
+    peak_at: u64,
+    events: u64,
+}
+
+impl BySitePass {
+    /// The next event, made at `site` (0 for none).
+    pub fn add(&mut self, event: &Event, site: u32) {
+        self.events += 1;
+        self.bytes += apply(&mut self.live, event, site, self.events);
+        if self.bytes > self.peak_bytes {
+            (self.peak_bytes, self.peak_at) = (self.bytes, self.events);
         }
     }
-    let never_freed = group(&live);
-    let mut live = Live::new();
-    for (i, event) in events.iter().enumerate().take(peak_at as usize) {
-        apply(&mut live, event, site_of(i), i as u64 + 1);
+
+    /// The events before the client first held the most: what the second pass reads.
+    pub fn peak_at(&self) -> u64 {
+        self.peak_at
     }
-    BySite {
-        peak_at,
-        peak_bytes: peak_bytes as u64,
-        at_peak: group(&live),
-        never_freed,
+
+    /// What was found, given the trace's events with their sites again (those past
+    /// [`Self::peak_at`] are not read).
+    pub fn finish(self, again: impl IntoIterator<Item = (Event, u32)>) -> BySite {
+        let mut at_peak = self.second_pass();
+        for (event, site) in again.into_iter().take(at_peak.peak_at as usize) {
+            at_peak.add(&event, site);
+        }
+        at_peak.finish()
+    }
+
+    /// The second pass: the blocks live at the peak, from the trace's events again.
+    pub fn second_pass(self) -> AtPeak {
+        AtPeak {
+            never_freed: group(&self.live),
+            peak_at: self.peak_at,
+            peak_bytes: self.peak_bytes as u64,
+            live: Live::default(),
+            events: 0,
+        }
+    }
+}
+
+/// [`by_site`]'s second pass ([`BySitePass::second_pass`]): events from the trace's
+/// start, up to the peak.
+#[derive(Debug)]
+pub struct AtPeak {
+    never_freed: Vec<SiteBytes>,
+    peak_at: u64,
+    peak_bytes: u64,
+    live: Live,
+    events: u64,
+}
+
+impl AtPeak {
+    /// The next event, made at `site`; those past the peak change nothing.
+    pub fn add(&mut self, event: &Event, site: u32) {
+        if self.events < self.peak_at {
+            self.events += 1;
+            apply(&mut self.live, event, site, self.events);
+        }
+    }
+
+    /// Whether every event up to the peak was added.
+    pub fn done(&self) -> bool {
+        self.events >= self.peak_at
+    }
+
+    pub fn finish(self) -> BySite {
+        BySite {
+            peak_at: self.peak_at,
+            peak_bytes: self.peak_bytes,
+            at_peak: group(&self.live),
+            never_freed: self.never_freed,
+        }
     }
 }
 

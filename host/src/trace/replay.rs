@@ -183,25 +183,59 @@ pub fn replay_trace_counted(
     events: &[Event],
     done: &AtomicU64,
 ) -> ReplayReport {
-    let first = events.first().map_or(1, |e| e.thread);
-    let mut report = match events.iter().all(|e| e.thread == first) {
-        true => replay_on_one_thread(handler, events, done),
-        false => replay_on_recorded_threads(handler, events, done),
-    };
-    report.stats = stats_of(handler);
-    report
+    replay_events(handler, events.iter().copied(), done)
 }
 
-fn replay_on_one_thread(
+/// Events a replay takes at once from a trace read one event at a time: a window's
+/// events on several threads wait for each other within the window, and the next
+/// window starts when every thread is done with this one.
+const WINDOW: usize = 1 << 18;
+
+/// [`replay_trace_counted`] of events read one at a time, from a trace of any length:
+/// holding a window of them and the blocks live.
+pub fn replay_events(
     handler: &dyn MemHandler,
-    events: &[Event],
+    events: impl IntoIterator<Item = Event>,
     done: &AtomicU64,
 ) -> ReplayReport {
+    let mut events = events.into_iter();
     // The replay's own bookkeeping should cost little next to the handler it measures.
     let mut live: FastMap<u64, Held> =
         FastMap::with_capacity_and_hasher(1 << 16, Default::default());
     let mut report = ReplayReport::default();
-    let start = Instant::now();
+    let mut window = Vec::with_capacity(WINDOW);
+    loop {
+        window.clear();
+        window.extend(events.by_ref().take(WINDOW));
+        let Some(first) = window.first().map(|e| e.thread) else {
+            break;
+        };
+        let start = Instant::now();
+        let part = match window.iter().all(|e| e.thread == first) {
+            true => replay_on_one_thread(handler, &window, &mut live, done),
+            false => replay_on_recorded_threads(handler, &window, &mut live, done),
+        };
+        report.elapsed += start.elapsed();
+        report.merge(part);
+        if report.failure.is_some() {
+            break;
+        }
+    }
+    for (_, (p, size)) in live.drain() {
+        let _ = handler.free(Some(p), size);
+    }
+    report.stats = stats_of(handler);
+    report
+}
+
+/// One window on this thread, `live` the blocks held for ids before and after it.
+fn replay_on_one_thread(
+    handler: &dyn MemHandler,
+    events: &[Event],
+    live: &mut FastMap<u64, Held>,
+    done: &AtomicU64,
+) -> ReplayReport {
+    let mut report = ReplayReport::default();
     for (i, event) in events.iter().enumerate() {
         if i as u64 % PROGRESS_STRIDE == PROGRESS_STRIDE - 1 {
             done.fetch_add(PROGRESS_STRIDE, Ordering::Relaxed);
@@ -221,10 +255,6 @@ fn replay_on_one_thread(
         if report.failure.is_some() {
             break;
         }
-    }
-    report.elapsed = start.elapsed();
-    for (_, (p, size)) in live.drain() {
-        let _ = handler.free(Some(p), size);
     }
     report
 }
@@ -246,9 +276,12 @@ struct Schedule {
 /// it on its block, so the earliest unfinished event can always run).
 const MAX_REPLAY_THREADS: u32 = 64;
 
+/// One window on as many threads as it names, `live` the blocks held for ids before
+/// and after it.
 fn replay_on_recorded_threads(
     handler: &dyn MemHandler,
     events: &[Event],
+    live: &mut FastMap<u64, Held>,
     done: &AtomicU64,
 ) -> ReplayReport {
     let mut blocks: FastMap<u64, u32> = FastMap::default();
@@ -267,14 +300,21 @@ fn replay_on_recorded_threads(
         let worker = event.thread % MAX_REPLAY_THREADS;
         by_thread.entry(worker).or_default().push(i as u32);
     }
+    // The window's blocks start as the windows before left them.
+    let mut held: Vec<Mutex<Option<(usize, usize)>>> =
+        (0..blocks.len()).map(|_| Mutex::new(None)).collect();
+    for (id, &block) in &blocks {
+        if let Some((p, size)) = live.remove(id) {
+            held[block as usize] = Mutex::new(Some((p.as_ptr() as usize, size)));
+        }
+    }
     let schedule = Schedule {
         block_of,
         before,
         done: events.iter().map(|_| AtomicBool::new(false)).collect(),
-        held: (0..blocks.len()).map(|_| Mutex::new(None)).collect(),
+        held,
         stop: AtomicBool::new(false),
     };
-    let start = Instant::now();
     let reports: Vec<ReplayReport> = std::thread::scope(|s| {
         let workers: Vec<_> = by_thread
             .values()
@@ -285,16 +325,16 @@ fn replay_on_recorded_threads(
             .map(|w| w.join().expect("a replay thread panicked"))
             .collect()
     });
-    let mut report = ReplayReport {
-        elapsed: start.elapsed(),
-        ..ReplayReport::default()
-    };
+    let mut report = ReplayReport::default();
     for r in reports {
         report.merge(r);
     }
-    for held in schedule.held {
-        if let Some((addr, size)) = held.into_inner() {
-            let _ = handler.free(NonNull::new(addr as *mut u8), size);
+    for (id, block) in blocks {
+        let held = schedule.held[block as usize].lock().take();
+        if let Some((addr, size)) = held
+            && let Some(p) = NonNull::new(addr as *mut u8)
+        {
+            live.insert(id, (p, size));
         }
     }
     report

@@ -22,7 +22,7 @@ pub(super) fn is_header(line: &str) -> bool {
 }
 
 /// The rows after the header, as a trace of GPU 0's memory.
-pub(super) fn parse<R: BufRead>(mut lines: Lines<'_, R>) -> Result<Trace, TraceError> {
+pub(super) fn parse<R: BufRead>(lines: &mut Lines<R>) -> Result<Trace, TraceError> {
     let mut trace = Trace::default();
     let mut threads: HashMap<u64, u32> = HashMap::new();
     let mut ids: HashMap<u64, u64> = HashMap::new();

@@ -1,11 +1,14 @@
 //! The text form (`op id size thread`, one event a line): read within its bounds, and
 //! written, as `trace-convert` makes it of a binary trace, line for line as it reads back.
 
+use std::cell::Cell;
 use std::collections::HashSet;
 use std::io::{self, BufRead, Read, Write};
+use std::rc::Rc;
 
-use super::kept::Keeper;
-use super::{Event, EventOp, MAX_LINE_BYTES, MAX_MARK_BYTES, Mark, Site, Trace, TraceError};
+use super::reader::{Beside, Recorded};
+use super::write::TraceSink;
+use super::{Event, EventOp, MAX_LINE_BYTES, Site, Trace, TraceError};
 
 /// The first line of a trace written in the text form.
 const HEADER: &str = "# op(m=malloc,c=calloc,r=realloc,f=free) ptr-id size thread; \
@@ -15,24 +18,51 @@ const HEADER: &str = "# op(m=malloc,c=calloc,r=realloc,f=free) ptr-id size threa
 /// its site's `#@site` (and `#@via`) record before the first event made there. An
 /// event's line is the one a binary trace's reader gave it.
 pub fn write_text(trace: &Trace, out: impl Write) -> io::Result<()> {
-    let mut out = io::BufWriter::new(out);
-    out.write_all(HEADER.as_bytes())?;
-    let mut marks = trace.marks.iter().peekable();
-    let mut named = HashSet::new();
-    for (at, event) in trace.events.iter().enumerate() {
-        while let Some(mark) = marks.next_if(|m| m.at <= at as u64) {
-            writeln!(out, "# {}", mark.text)?;
-        }
-        let site = trace.sites.get(at).copied().unwrap_or(0);
-        if site != 0
-            && named.insert(site)
-            && let Some(place) = trace.site_table.get(&site)
+    trace.write_to(TextSink::new(out)?).map(drop)
+}
+
+/// The text form written event by event ([`TraceSink`]).
+pub struct TextSink<W: Write> {
+    out: io::BufWriter<W>,
+    named: HashSet<u32>,
+}
+
+impl<W: Write> std::fmt::Debug for TextSink<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextSink").finish_non_exhaustive()
+    }
+}
+
+impl<W: Write> TextSink<W> {
+    /// Write the header into `out`.
+    pub fn new(out: W) -> io::Result<Self> {
+        let mut out = io::BufWriter::new(out);
+        out.write_all(HEADER.as_bytes())?;
+        Ok(TextSink {
+            out,
+            named: HashSet::new(),
+        })
+    }
+}
+
+impl<W: Write> TraceSink for TextSink<W> {
+    fn mark(&mut self, text: &str) -> io::Result<()> {
+        writeln!(self.out, "# {text}")
+    }
+
+    fn event(&mut self, recorded: &Recorded, site: Option<&Site>) -> io::Result<()> {
+        let out = &mut self.out;
+        let number = recorded.site.unwrap_or(0);
+        if number != 0
+            && let Some(place) = site
+            && self.named.insert(number)
         {
-            out.write_all(site_record("site", site, place).as_bytes())?;
+            out.write_all(site_record("site", number, place).as_bytes())?;
             if let Some(via) = &place.via {
-                out.write_all(site_record("via", site, via).as_bytes())?;
+                out.write_all(site_record("via", number, via).as_bytes())?;
             }
         }
+        let event = &recorded.event;
         let op = match event.op {
             EventOp::Malloc => 'm',
             EventOp::Calloc => 'c',
@@ -40,24 +70,28 @@ pub fn write_text(trace: &Trace, out: impl Write) -> io::Result<()> {
             EventOp::Free => 'f',
         };
         write!(out, "{op} {} {} {}", event.id, event.size, event.thread)?;
-        if site != 0 {
-            write!(out, " s={site}")?;
+        if number != 0 {
+            write!(out, " s={number}")?;
         }
-        if let Some(time) = trace.times.get(at) {
+        if let Some(time) = recorded.time {
             write!(out, " t={time}")?;
         }
         if let Some(device) = event.device {
             write!(out, " d={device}")?;
         }
-        if let Some(Some(stream)) = trace.streams.get(at) {
+        if let Some(stream) = recorded.stream {
             write!(out, " q={stream}")?;
         }
-        out.write_all(b"\n")?;
+        out.write_all(b"\n")
     }
-    for mark in marks {
-        writeln!(out, "# {}", mark.text)?;
+
+    type Out = W;
+
+    fn finish(self) -> io::Result<W> {
+        self.out
+            .into_inner()
+            .map_err(io::IntoInnerError::into_error)
     }
-    out.flush()
 }
 
 /// A `#@site` (or `#@via`) record: `#@KIND NUMBER LINE FUNCTION FILE`.
@@ -73,36 +107,41 @@ fn site_record(kind: &str, number: u32, site: &Site) -> String {
 /// A trace's lines, each read within [`MAX_LINE_BYTES`] and as UTF-8, numbered from 1;
 /// a last line without its end, in a stream cut short, is left out. Every text dialect
 /// (the trace's own, RMM's log) reads through it.
-pub(super) struct Lines<'a, R> {
+pub(super) struct Lines<R> {
     input: R,
-    cut_short: &'a std::cell::Cell<bool>,
+    cut_short: Rc<Cell<bool>>,
     raw: Vec<u8>,
     /// The number of the line read last.
     n: u32,
+    /// The line read last is given again by the next call.
+    again: bool,
 }
 
-impl<'a, R: BufRead> Lines<'a, R> {
-    pub(super) fn new(input: R, cut_short: &'a std::cell::Cell<bool>) -> Self {
+impl<R: BufRead> Lines<R> {
+    pub(super) fn new(input: R, cut_short: Rc<Cell<bool>>) -> Self {
         Lines {
             input,
             cut_short,
             raw: Vec::new(),
             n: 0,
+            again: false,
         }
     }
 
     /// The next line, trimmed, with its number; `None` at the end.
     pub(super) fn next_line(&mut self) -> Result<Option<(u32, &str)>, TraceError> {
-        self.raw.clear();
-        if (&mut self.input)
-            .take(MAX_LINE_BYTES as u64 + 1)
-            .read_until(b'\n', &mut self.raw)?
-            == 0
-            || self.cut_short.get() && !self.raw.ends_with(b"\n")
-        {
-            return Ok(None);
+        if !std::mem::take(&mut self.again) {
+            self.raw.clear();
+            if (&mut self.input)
+                .take(MAX_LINE_BYTES as u64 + 1)
+                .read_until(b'\n', &mut self.raw)?
+                == 0
+                || self.cut_short.get() && !self.raw.ends_with(b"\n")
+            {
+                return Ok(None);
+            }
+            self.n = self.n.saturating_add(1);
         }
-        self.n = self.n.saturating_add(1);
         let content = self.raw.strip_suffix(b"\n").unwrap_or(&self.raw);
         if content.len() > MAX_LINE_BYTES {
             return Err(TraceError::Syntax {
@@ -123,162 +162,178 @@ impl<'a, R: BufRead> Lines<'a, R> {
     }
 }
 
-/// [`parse_trace_marked`] of a stream that may be cut short (`cut_short` set once it
-/// was): its last line, without an end, is then a part of one, and left out. A log of
-/// RMM's logging adaptor (its CSV header first) is read as its dialect
-/// (`trace/rmm.rs`).
-pub(super) fn parse_lines(
-    input: impl BufRead,
-    cut_short: &std::cell::Cell<bool>,
-) -> Result<Trace, TraceError> {
-    let mut trace = Trace::default();
-    let mut keeper = Keeper::default();
-    let mut first_left_out = None;
-    let mut lines = Lines::new(input, cut_short);
-    loop {
-        let Some((n, text)) = lines.next_line()? else {
-            keeper.finish(&mut trace, first_left_out);
-            return Ok(trace);
+/// The text form read event by event: sites and marks go beside the events as they
+/// come. Comment lines before the first event are the file's header.
+pub(super) struct TextEvents<R> {
+    lines: Lines<R>,
+    /// The time of the last event that had one: an event without one has it.
+    time: Option<u64>,
+}
+
+impl<R: BufRead> TextEvents<R> {
+    /// Read `input`, `cut_short` set once it was (its last line, without an end, is
+    /// then a part of one, and left out).
+    pub(super) fn new(input: R, cut_short: Rc<Cell<bool>>) -> Self {
+        TextEvents {
+            lines: Lines::new(input, cut_short),
+            time: None,
+        }
+    }
+
+    /// Whether the stream ended early.
+    pub(super) fn cut_short(&self) -> bool {
+        self.lines.cut_short.get()
+    }
+
+    /// A log of RMM's logging adaptor (its CSV header first), read whole as its dialect
+    /// (`trace/rmm.rs`); `None`, reading nothing, for any other text.
+    pub(super) fn rmm(&mut self) -> Result<Option<Trace>, TraceError> {
+        let is_rmm = match self.lines.next_line()? {
+            Some((_, first)) => super::rmm::is_header(first),
+            None => return Ok(None),
         };
-        if n == 1 && super::rmm::is_header(text) {
-            return super::rmm::parse(lines);
+        if !is_rmm {
+            self.lines.again = true;
+            return Ok(None);
         }
-        if let Some(record) = text.strip_prefix("#@site ") {
-            let (number, line, function, file) =
-                parse_site(record).ok_or_else(|| TraceError::Syntax {
-                    line: n,
-                    message: "a site is `#@site NUMBER LINE FUNCTION FILE`".into(),
-                })?;
-            let kept = trace.site_table.len();
-            let replaces = trace.site_table.contains_key(&number);
-            match keeper.site(kept, replaces, line, &function, &file) {
-                Some(site) => trace.site_table.insert(number, site),
-                None => trace.site_table.remove(&number),
+        super::rmm::parse(&mut self.lines).map(Some)
+    }
+
+    /// The next event, the site records and comments before it put `beside`.
+    pub(super) fn next(&mut self, beside: &mut Beside) -> Result<Option<Recorded>, TraceError> {
+        loop {
+            let Some((n, text)) = self.lines.next_line()? else {
+                return Ok(None);
             };
-            continue;
-        }
-        if let Some(record) = text.strip_prefix("#@via ") {
-            let (number, line, function, file) =
-                parse_site(record).ok_or_else(|| TraceError::Syntax {
-                    line: n,
-                    message: "a library line is `#@via NUMBER LINE FUNCTION FILE`".into(),
-                })?;
-            let Some(site) = trace.site_table.get_mut(&number) else {
-                if keeper.sites_left_out() > 0 {
-                    continue;
-                }
-                return Err(TraceError::Syntax {
-                    line: n,
-                    message: format!("`#@via {number}` comes before site {number}'s `#@site`"),
-                });
-            };
-            site.via = keeper
-                .site(0, true, line, &function, &file)
-                .map(std::sync::Arc::new);
-            continue;
-        }
-        if let Some(comment) = text.strip_prefix('#') {
-            if !trace.events.is_empty() {
-                let text = crate::untrusted::escape_at_most(comment.trim(), MAX_MARK_BYTES);
-                let at = trace.events.len() as u64;
-                if keeper.keep_mark(trace.marks.len(), &text) {
-                    trace.marks.push(Mark { at, text });
-                } else {
-                    first_left_out.get_or_insert(at);
-                }
+            if let Some(record) = text.strip_prefix("#@site ") {
+                let (number, line, function, file) =
+                    parse_site(record).ok_or_else(|| TraceError::Syntax {
+                        line: n,
+                        message: "a site is `#@site NUMBER LINE FUNCTION FILE`".into(),
+                    })?;
+                let kept = beside.site_table.len();
+                let replaces = beside.site_table.contains_key(&number);
+                match beside.keeper.site(kept, replaces, line, &function, &file) {
+                    Some(site) => beside.site_table.insert(number, site),
+                    None => beside.site_table.remove(&number),
+                };
+                continue;
             }
-            continue;
-        }
-        if text.is_empty() {
-            continue;
-        }
-        let bad = |message: String| TraceError::Syntax { line: n, message };
-        let mut words = text.split_ascii_whitespace();
-        let op = match words.next() {
-            Some("m") => EventOp::Malloc,
-            Some("c") => EventOp::Calloc,
-            Some("r") => EventOp::Realloc,
-            Some("f") => EventOp::Free,
-            Some(other) => {
-                return Err(bad(format!(
-                    "`{}` is not an operation: a line is `m`, `c`, `r` or `f`, then id, \
-                     size and (optionally) thread",
-                    crate::untrusted::escape_at_most(other, 32)
-                )));
+            if let Some(record) = text.strip_prefix("#@via ") {
+                let (number, line, function, file) =
+                    parse_site(record).ok_or_else(|| TraceError::Syntax {
+                        line: n,
+                        message: "a library line is `#@via NUMBER LINE FUNCTION FILE`".into(),
+                    })?;
+                let via = beside
+                    .keeper
+                    .site(0, true, line, &function, &file)
+                    .map(std::sync::Arc::new);
+                let Some(site) = beside.site_table.get_mut(&number) else {
+                    if beside.keeper.sites_left_out() > 0 {
+                        continue;
+                    }
+                    return Err(TraceError::Syntax {
+                        line: n,
+                        message: format!("`#@via {number}` comes before site {number}'s `#@site`"),
+                    });
+                };
+                site.via = via;
+                continue;
             }
-            None => unreachable!("a line that is not empty has a first word"),
-        };
-        let mut number = |what: &str| -> Result<u64, TraceError> {
-            let w = words.next().ok_or_else(|| bad(format!("missing {what}")))?;
-            w.parse().map_err(|e| {
+            if let Some(comment) = text.strip_prefix('#') {
+                if beside.events > 0 {
+                    beside.mark(comment);
+                }
+                continue;
+            }
+            if text.is_empty() {
+                continue;
+            }
+            return parse_event(n, text, &mut self.time).map(Some);
+        }
+    }
+}
+
+/// One event's line `n`: `op id size [thread] [key=value ...]`.
+fn parse_event(n: u32, text: &str, last_time: &mut Option<u64>) -> Result<Recorded, TraceError> {
+    let bad = |message: String| TraceError::Syntax { line: n, message };
+    let mut words = text.split_ascii_whitespace();
+    let op = match words.next() {
+        Some("m") => EventOp::Malloc,
+        Some("c") => EventOp::Calloc,
+        Some("r") => EventOp::Realloc,
+        Some("f") => EventOp::Free,
+        Some(other) => {
+            return Err(bad(format!(
+                "`{}` is not an operation: a line is `m`, `c`, `r` or `f`, then id, \
+                 size and (optionally) thread",
+                crate::untrusted::escape_at_most(other, 32)
+            )));
+        }
+        None => unreachable!("a line that is not empty has a first word"),
+    };
+    let mut number = |what: &str| -> Result<u64, TraceError> {
+        let w = words.next().ok_or_else(|| bad(format!("missing {what}")))?;
+        w.parse().map_err(|e| {
+            bad(format!(
+                "{what} `{}`: {e}",
+                crate::untrusted::escape_at_most(w, 32)
+            ))
+        })
+    };
+    let id = number("id")?;
+    let size = number("size")?;
+    let thread = match words.next() {
+        None => 1,
+        Some(w) => w.parse().map_err(|e| {
+            bad(format!(
+                "thread `{}`: {e}",
+                crate::untrusted::escape_at_most(w, 32)
+            ))
+        })?,
+    };
+    // Optional `key=value` fields; unknown keys are for newer readers.
+    let (mut time, mut site, mut device, mut stream) = (None, None, None, None);
+    for word in words {
+        let field = |w: &str| {
+            w.parse::<u64>().map_err(|e| {
                 bad(format!(
-                    "{what} `{}`: {e}",
-                    crate::untrusted::escape_at_most(w, 32)
+                    "`{}`: {e}",
+                    crate::untrusted::escape_at_most(word, 32)
                 ))
             })
         };
-        let id = number("id")?;
-        let size = number("size")?;
-        let thread = match words.next() {
-            None => 1,
-            Some(w) => w.parse().map_err(|e| {
-                bad(format!(
-                    "thread `{}`: {e}",
-                    crate::untrusted::escape_at_most(w, 32)
-                ))
-            })?,
-        };
-        // Optional `key=value` fields; unknown keys are for newer readers.
-        let (mut time, mut site, mut device, mut stream) = (None, None, None, None);
-        for word in words {
-            let field = |w: &str| {
-                w.parse::<u64>().map_err(|e| {
-                    bad(format!(
-                        "`{}`: {e}",
-                        crate::untrusted::escape_at_most(word, 32)
-                    ))
-                })
-            };
-            match word.split_once('=') {
-                Some(("t", w)) => time = Some(field(w)?),
-                Some(("s", w)) => site = Some(field(w)? as u32),
-                Some(("d", w)) => {
-                    let gpu = field(w)?;
-                    device = Some(u16::try_from(gpu).map_err(|_| {
+        match word.split_once('=') {
+            Some(("t", w)) => time = Some(field(w)?),
+            Some(("s", w)) => site = Some(field(w)? as u32),
+            Some(("d", w)) => {
+                let gpu = field(w)?;
+                device =
+                    Some(u16::try_from(gpu).map_err(|_| {
                         bad(format!("`{word}`: GPU {gpu} is past any GPU's number"))
                     })?);
-                }
-                Some(("q", w)) => stream = Some(field(w)?),
-                _ => {}
             }
+            Some(("q", w)) => stream = Some(field(w)?),
+            _ => {}
         }
-        let at = trace.events.len();
-        if let Some(time) = time {
-            trace.times.resize(at, 0);
-            trace.times.push(time);
-        } else if !trace.times.is_empty() {
-            let last = trace.times.last().copied().unwrap_or(0);
-            trace.times.push(last);
-        }
-        if let Some(site) = site {
-            trace.sites.resize(at, 0);
-            trace.sites.push(site);
-        } else if !trace.sites.is_empty() {
-            trace.sites.push(0);
-        }
-        if stream.is_some() || !trace.streams.is_empty() {
-            trace.streams.resize(at, None);
-            trace.streams.push(stream);
-        }
-        trace.events.push(Event {
+    }
+    if time.is_some() {
+        *last_time = time;
+    }
+    Ok(Recorded {
+        event: Event {
             op,
             id,
             size,
             thread,
             line: n,
             device,
-        });
-    }
+        },
+        time: *last_time,
+        site,
+        stream,
+    })
 }
 
 /// `NUMBER LINE FUNCTION FILE`, each name as [`site_name`] writes it (the file last:

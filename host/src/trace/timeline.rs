@@ -10,6 +10,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use super::latency::Latencies;
 use super::replay::stats_of;
 use super::{Event, EventOp, Held, Mark, ReplayReport};
 use crate::fasthash::FastMap;
@@ -171,21 +172,40 @@ pub fn timeline(
         label,
         handler,
         held_from_host,
-        events,
-        &[],
+        Replayed::held(events, &[]),
         &AtomicU64::new(0),
     )
 }
 
-/// [`timeline`], with the trace's `marks` dividing it into [`Phase`]s, storing the
-/// events replayed so far in `done` after every sample window, so another thread can
-/// show progress.
+/// What a timeline replays: the events, as many as `len` (which sets the charts'
+/// windows; the events may come one at a time from a trace of any length), and the
+/// marks that divide them into [`Phase`]s.
+#[derive(Debug)]
+pub struct Replayed<'a, I> {
+    pub events: I,
+    pub len: u64,
+    pub marks: &'a [Mark],
+}
+
+impl<'a> Replayed<'a, std::iter::Copied<std::slice::Iter<'a, Event>>> {
+    /// A trace held whole: its events, and the marks among them.
+    pub fn held(events: &'a [Event], marks: &'a [Mark]) -> Self {
+        Replayed {
+            events: events.iter().copied(),
+            len: events.len() as u64,
+            marks,
+        }
+    }
+}
+
+/// [`timeline`] of `replayed`, storing the events replayed so far in `done` after every
+/// sample window, so another thread can show progress. Holds the live blocks, the
+/// charts' points and one window's times, whatever the trace's length.
 pub fn timeline_counted(
     label: &str,
     handler: &dyn MemHandler,
     mut held_from_host: impl FnMut() -> u64,
-    events: &[Event],
-    marks: &[Mark],
+    replayed: Replayed<'_, impl Iterator<Item = Event>>,
     done: &AtomicU64,
 ) -> Timeline {
     let phase_named = |name: &str, start: u64| Phase {
@@ -197,57 +217,80 @@ pub fn timeline_counted(
         peak_held: 0,
     };
     let mut phases = vec![phase_named("", 0)];
-    let mut next_mark = marks.iter().peekable();
+    let mut next_mark = replayed.marks.iter().peekable();
     let (mut peak_live_at, mut peak_held_at) = (0, 0);
-    let every = events.len().div_ceil(MAX_POINTS).max(1) as u64;
+    let every = replayed.len.div_ceil(MAX_POINTS as u64).max(1);
     let mut live: FastMap<u64, Held> = FastMap::default();
     let mut replay = ReplayReport::default();
     let mut sizes = [0u64; SIZE_BUCKETS];
-    let mut times: Vec<u32> = Vec::with_capacity(events.len());
+    let mut latencies = Latencies::default();
+    let mut window_times: Vec<u32> = Vec::with_capacity(every.min(1 << 20) as usize);
     let mut samples = Vec::with_capacity(MAX_POINTS + 1);
-    let mut window = Sample {
-        end: 0,
+    let empty_window = |end| Sample {
+        end,
         live: 0,
         held: 0,
         ratio: 0.0,
         ns_per_event: 0.0,
         ns_median: 0,
     };
-    let mut window_ns = 0u64;
+    let mut window = empty_window(0);
     let (mut live_bytes, mut held) = (0u64, held_from_host());
     let (mut peak_live, mut peak_held, mut held_at_peak_live) = (0, held, held);
     let mut peak_ratio: Option<f64> = None;
-    for (i, event) in events.iter().enumerate() {
-        while let Some(mark) = next_mark.next_if(|m| m.at <= i as u64) {
-            phases.push(phase_named(&mark.text, i as u64));
+    let mut replayed_events = 0u64;
+    let mut close_window = |window: &mut Sample, times: &mut Vec<u32>, end: u64| {
+        done.store(end, Ordering::Relaxed);
+        let sum: u64 = times.iter().map(|&t| u64::from(t)).sum();
+        let median = match times.is_empty() {
+            true => 0,
+            false => {
+                let middle = times.len() / 2;
+                *times.select_nth_unstable(middle).1
+            }
+        };
+        samples.push(Sample {
+            end,
+            ns_per_event: sum as f64 / times.len().max(1) as f64,
+            ns_median: median,
+            ..*window
+        });
+        *window = empty_window(end);
+        times.clear();
+    };
+    for (i, event) in replayed.events.enumerate() {
+        let i = i as u64;
+        while let Some(mark) = next_mark.next_if(|m| m.at <= i) {
+            phases.push(phase_named(&mark.text, i));
         }
         if event.op != EventOp::Free {
             sizes[size_bucket(event.size)] += 1;
         }
         let before = live.get(&event.id).copied();
         let start = Instant::now();
-        let after = replay.apply(handler, event, before);
+        let after = replay.apply(handler, &event, before);
         let ns = start.elapsed().as_nanos().min(u32::MAX as u128) as u32;
         match after {
             Some(block) => drop(live.insert(event.id, block)),
             None => drop(live.remove(&event.id)),
         }
-        times.push(ns);
-        window_ns += u64::from(ns);
+        latencies.add(ns);
+        window_times.push(ns);
         live_bytes =
             live_bytes - before.map_or(0, |(_, s)| s as u64) + after.map_or(0, |(_, s)| s as u64);
         held = held_from_host();
+        replayed_events = i + 1;
         if live_bytes > peak_live {
-            (peak_live, held_at_peak_live, peak_live_at) = (live_bytes, held, i as u64 + 1);
+            (peak_live, held_at_peak_live, peak_live_at) = (live_bytes, held, replayed_events);
         }
         let phase = phases.last_mut().expect("a phase from the start");
-        phase.end = i as u64 + 1;
+        phase.end = replayed_events;
         if live_bytes > phase.peak_live {
             (phase.peak_live, phase.held_at_peak_live) = (live_bytes, held);
         }
         phase.peak_held = phase.peak_held.max(held);
         if held > peak_held {
-            (peak_held, peak_held_at) = (held, i as u64 + 1);
+            (peak_held, peak_held_at) = (held, replayed_events);
         }
         window.live = window.live.max(live_bytes);
         window.held = window.held.max(held);
@@ -255,41 +298,22 @@ pub fn timeline_counted(
             window.ratio = window.ratio.max(r);
             peak_ratio = Some(peak_ratio.map_or(r, |p| p.max(r)));
         }
-        let replayed = i as u64 + 1;
-        if replayed.is_multiple_of(every)
-            || replayed == events.len() as u64
-            || replay.failure.is_some()
-        {
-            done.store(replayed, Ordering::Relaxed);
-            let n = replayed - window.end;
-            samples.push(Sample {
-                end: replayed,
-                ns_per_event: window_ns as f64 / n as f64,
-                ..window
-            });
-            window = Sample {
-                end: replayed,
-                live: 0,
-                held: 0,
-                ratio: 0.0,
-                ns_per_event: 0.0,
-                ns_median: 0,
-            };
-            window_ns = 0;
+        if replayed_events.is_multiple_of(every) || replay.failure.is_some() {
+            close_window(&mut window, &mut window_times, replayed_events);
         }
         if replay.failure.is_some() {
             break;
         }
     }
-    replay.elapsed = Duration::from_nanos(times.iter().map(|&t| u64::from(t)).sum());
-    let mut start = 0;
-    for sample in &mut samples {
-        let window = &mut times[start..sample.end as usize];
-        sample.ns_median = *window.select_nth_unstable(window.len() / 2).1;
-        start = sample.end as usize;
+    if !window_times.is_empty() {
+        close_window(&mut window, &mut window_times, replayed_events);
     }
-    let (ns_median, ns_p99, ns_max) = quantiles(&mut times);
-    drop(times);
+    replay.elapsed = Duration::from_nanos(latencies.sum());
+    let (ns_median, ns_p99, ns_max) = (
+        latencies.quantile(0.5),
+        latencies.quantile(0.99),
+        latencies.most(),
+    );
     let mut left_live = vec![(0, 0); SIZE_BUCKETS];
     for (_, (p, size)) in live.drain() {
         let left = &mut left_live[size_bucket(size as u64)];
@@ -328,21 +352,6 @@ pub fn size_bucket(size: u64) -> usize {
     (u64::BITS - size.leading_zeros()) as usize
 }
 
-/// Median, 99th percentile and most of `times` (reordered).
-fn quantiles(times: &mut [u32]) -> (u64, u64, u64) {
-    if times.is_empty() {
-        return (0, 0, 0);
-    }
-    let at = |times: &mut [u32], q: f64| {
-        let i = ((times.len() - 1) as f64 * q).round() as usize;
-        u64::from(*times.select_nth_unstable(i).1)
-    };
-    let median = at(times, 0.5);
-    let p99 = at(times, 0.99);
-    let max = u64::from(times.iter().copied().max().unwrap_or(0));
-    (median, p99, max)
-}
-
 /// Where what a handler holds goes, by the size class of the client's blocks: the
 /// memory it held from the host at one moment, each host block's bytes shared among the
 /// client blocks inside it in proportion to their sizes.
@@ -368,20 +377,24 @@ pub enum HeldBy<'a> {
     Native(&'a NumpyDefault),
 }
 
-/// Replay `events[..at]` through a fresh handler (untimed) and say where what it holds
-/// then goes ([`Holdings`]); then free every block, leaving it empty. `at` is a moment a
-/// [`timeline`] found, such as [`Timeline::peak_held_at`]: a policy placing the same
-/// requests the same way holds the same then.
-pub fn holdings_at(held_by: HeldBy<'_>, events: &[Event], at: u64) -> Holdings {
+/// Replay the first `at` of `events` through a fresh handler (untimed) and say where
+/// what it holds then goes ([`Holdings`]); then free every block, leaving it empty.
+/// `at` is a moment a [`timeline`] found, such as [`Timeline::peak_held_at`]: a policy
+/// placing the same requests the same way holds the same then.
+pub fn holdings_at(
+    held_by: HeldBy<'_>,
+    events: impl IntoIterator<Item = Event>,
+    at: u64,
+) -> Holdings {
     let handler: &dyn MemHandler = match held_by {
         HeldBy::Chain(h) => h,
         HeldBy::Native(h) => h,
     };
     let mut live: FastMap<u64, Held> = FastMap::default();
     let mut replay = ReplayReport::default();
-    for event in &events[..(at as usize).min(events.len())] {
+    for event in events.into_iter().take(at as usize) {
         let before = live.get(&event.id).copied();
-        match replay.apply(handler, event, before) {
+        match replay.apply(handler, &event, before) {
             Some(block) => drop(live.insert(event.id, block)),
             None => drop(live.remove(&event.id)),
         }

@@ -11,6 +11,7 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 use allocbox::trace::timeline::Timeline;
 
 use super::escape_html;
+use crate::survey::TimeAxis;
 
 pub(super) const CHART_SIZE: (u32, u32) = (480, 300);
 pub(super) const FONT: (&str, u32) = ("sans-serif", 15);
@@ -67,14 +68,15 @@ pub(super) fn robust_top(values: impl Iterator<Item = f64>) -> (f64, bool) {
 /// The x axis every chart over the trace shares: events replayed, or where the trace
 /// has times, seconds since its recording started.
 pub(super) struct XAxis<'a> {
-    /// Per event, nanoseconds since the recording started; empty: the axis is events.
-    times: &'a [u64],
+    /// The trace's times; none: the axis is events.
+    times: Option<&'a TimeAxis>,
     pub(super) max: f64,
 }
 
 impl<'a> XAxis<'a> {
     /// An axis up to `events` replayed, in seconds when `times` has them.
-    pub(super) fn new(times: &'a [u64], events: u64) -> Self {
+    pub(super) fn new(times: Option<&'a TimeAxis>, events: u64) -> Self {
+        let times = times.filter(|t| !t.is_empty());
         let mut axis = XAxis { times, max: 1.0 };
         axis.max = axis.at(events).max(f64::EPSILON);
         axis
@@ -82,17 +84,14 @@ impl<'a> XAxis<'a> {
 
     /// Where the moment `events` replayed falls on the axis.
     pub(super) fn at(&self, events: u64) -> f64 {
-        match self.times {
-            [] => events as f64,
-            times => {
-                let i = (events.max(1) - 1).min(times.len() as u64 - 1) as usize;
-                times[i] as f64 / 1e9
-            }
+        match self.times.and_then(|t| t.at(events)) {
+            None => events as f64,
+            Some(ns) => ns as f64 / 1e9,
         }
     }
 
     pub(super) fn in_seconds(&self) -> bool {
-        !self.times.is_empty()
+        self.times.is_some()
     }
 
     fn desc(&self) -> &'static str {

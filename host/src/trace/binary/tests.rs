@@ -4,7 +4,12 @@ use std::sync::Arc;
 use proptest::prelude::*;
 
 use super::*;
-use crate::trace::{Event, Mark};
+use crate::trace::{Event, Mark, TraceError, TraceReader};
+
+/// A binary trace read whole from its bytes.
+fn read_binary(input: &[u8]) -> Result<Trace, TraceError> {
+    TraceReader::binary(BinaryEvents::read_held(input)?).read_all()
+}
 
 /// A well-formed trace: blocks numbered in the order they are made, freed at most
 /// once, over a few threads, with marks, times and sites when asked, and with blocks of
@@ -206,6 +211,71 @@ fn calls_from_threads_interleaved_read_back_in_the_order_they_were_numbered() {
             (EventOp::Realloc, 2, 8, 2, None),
         ],
         "the address thread 1 is handed again is a new block; the realloc keeps its id"
+    );
+}
+
+#[test]
+fn a_thread_s_early_chunk_written_last_is_read_first_holding_only_the_chunks_that_overlap() {
+    // Thread 1 makes a block, then waits while thread 2 fills 100 chunks; its chunk,
+    // with the free at the end, is written last, as a recording ends.
+    let call = |op, seq, old, new| Call {
+        op,
+        seq,
+        done: seq,
+        old,
+        new,
+        size: 64,
+        time: 0,
+        site: None,
+        device: None,
+        stream: None,
+    };
+    let mut waiting = ChunkEncoder::new(1, 0);
+    let mut busy = ChunkEncoder::new(2, 0);
+    waiting.call(call(EventOp::Malloc, 1, 0, 0x10));
+    let path = std::env::temp_dir().join(format!("allocbox-straggler-{}.abt", std::process::id()));
+    let mut file = std::fs::File::create(&path).unwrap();
+    file.write_all(&header(0)).unwrap();
+    let mut stream = compressor(file).unwrap();
+    let mut seq = 2;
+    for _ in 0..100 {
+        for _ in 0..1000 {
+            busy.call(call(EventOp::Malloc, seq, 0, 0x2000));
+            busy.call(call(EventOp::Free, seq + 1, 0x2000, 0));
+            seq += 2;
+        }
+        stream.write_all(&busy.take().unwrap()).unwrap();
+    }
+    waiting.call(call(EventOp::Free, seq, 0x10, 0));
+    stream.write_all(&waiting.take().unwrap()).unwrap();
+    stream.write_all(&END).unwrap();
+    stream.finish().unwrap();
+    let events = BinaryEvents::open_file(std::fs::File::open(&path).unwrap());
+    std::fs::remove_file(&path).unwrap();
+    let mut events = events.unwrap();
+    let mut beside = crate::trace::reader::Beside::default();
+    let mut read = Vec::new();
+    while let Some(recorded) = events.next(&mut beside).unwrap() {
+        read.push(recorded.event);
+    }
+    assert_eq!(read.len(), 200_002);
+    assert_eq!(
+        (read[0].op, read[0].id, read[0].thread),
+        (EventOp::Malloc, 1, 1)
+    );
+    let last = read.last().unwrap();
+    assert_eq!((last.op, last.id, last.thread), (EventOp::Free, 1, 1));
+    assert!(read[1..read.len() - 1].iter().all(|e| e.thread == 2));
+    // Each busy chunk is ~10 KB, the 101 of them ~1 MB.
+    assert!(
+        events.most_held_bytes() < 30_000,
+        "held {} bytes: the waiting chunk and one of the busy thread's at a time",
+        events.most_held_bytes()
+    );
+    assert_eq!(
+        events.decoders(),
+        2,
+        "one read in order, one for the chunk far ahead"
     );
 }
 

@@ -1,0 +1,469 @@
+//! A trace file read in passes, in memory bounded by what the program held rather than
+//! by how long it ran: a first pass ([`survey`]) finds, for each placement (the host's
+//! memory, each GPU's), how many events it has, its marks, its times and its lines;
+//! then each replay reads that placement's events again, one at a time ([`Pass`]).
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+
+use allocbox::trace::by_site::{AtPeak, BySite, BySitePass};
+use allocbox::trace::{Event, Mark, Recorded, Trace, TraceError, TraceReader};
+use anyhow::{Context, Result};
+
+use crate::progress;
+
+/// The most times a placement keeps for its charts' x axis: past them, every other one
+/// is dropped and the axis takes every other event's time.
+const MAX_TIMES: usize = 1 << 16;
+
+/// The most threads counted one by one; past them, "at least".
+const MAX_THREADS_COUNTED: usize = 1 << 16;
+
+/// Seconds since the recording started at every `every`-th event: the charts' x axis.
+#[derive(Debug, Clone)]
+pub struct TimeAxis {
+    every: u64,
+    times: Vec<u64>,
+    seen: u64,
+    any: bool,
+    last: Option<u64>,
+    /// The smallest step the times advance by, in nanoseconds: the resolution of the
+    /// clock that made them.
+    step: Option<u64>,
+}
+
+impl Default for TimeAxis {
+    fn default() -> Self {
+        TimeAxis {
+            every: 1,
+            times: Vec::new(),
+            seen: 0,
+            any: false,
+            last: None,
+            step: None,
+        }
+    }
+}
+
+impl TimeAxis {
+    /// The axis of a trace's times, one an event (`Trace::times`).
+    pub fn of(times: &[u64]) -> TimeAxis {
+        let mut axis = TimeAxis::default();
+        for &time in times {
+            axis.add(Some(time));
+        }
+        axis
+    }
+
+    fn add(&mut self, time: Option<u64>) {
+        self.any |= time.is_some();
+        let time = time.unwrap_or(0);
+        if let Some(last) = self.last
+            && time > last
+        {
+            self.step = Some(self.step.map_or(time - last, |s| s.min(time - last)));
+        }
+        self.last = Some(time);
+        if self.seen.is_multiple_of(self.every) {
+            self.times.push(time);
+            if self.times.len() > MAX_TIMES {
+                let mut at = 0;
+                self.times.retain(|_| {
+                    at += 1;
+                    at % 2 == 1
+                });
+                self.every *= 2;
+            }
+        }
+        self.seen += 1;
+    }
+
+    /// Whether the trace has times.
+    pub(crate) fn is_empty(&self) -> bool {
+        !self.any
+    }
+
+    /// Nanoseconds since the recording started when `events` had been made (the time of
+    /// the last of them, to the axis's resolution); `None` without times.
+    pub(crate) fn at(&self, events: u64) -> Option<u64> {
+        if !self.any || self.times.is_empty() {
+            return None;
+        }
+        let i = ((events.max(1) - 1) / self.every).min(self.times.len() as u64 - 1);
+        Some(self.times[i as usize])
+    }
+
+    /// The clock's resolution when it is coarser than a microsecond (a recorder's
+    /// coarse clock moves in steps of a few ms).
+    pub(crate) fn clock_step(&self) -> Option<u64> {
+        self.step.filter(|&step| step >= 1000 && self.any)
+    }
+}
+
+/// What the first pass finds of one placement's events.
+#[derive(Debug, Default)]
+pub(crate) struct Placement {
+    pub(crate) events: u64,
+    /// The trace's marks, each where it falls among this placement's events.
+    pub(crate) marks: Vec<Mark>,
+    pub(crate) times: TimeAxis,
+    threads: HashSet<u32>,
+    last_thread: Option<u32>,
+    /// Whether any event names a site.
+    sites: bool,
+    by_site: BySitePass,
+}
+
+impl Placement {
+    fn add(&mut self, recorded: &Recorded) {
+        self.events += 1;
+        self.times.add(recorded.time);
+        let thread = recorded.event.thread;
+        if self.last_thread != Some(thread) && self.threads.len() < MAX_THREADS_COUNTED {
+            self.threads.insert(thread);
+            self.last_thread = Some(thread);
+        }
+        self.sites |= recorded.site.is_some();
+        self.by_site
+            .add(&recorded.event, recorded.site.unwrap_or(0));
+    }
+
+    /// Whether any event names a site (0 for none counts).
+    pub(crate) fn has_sites(&self) -> bool {
+        self.sites
+    }
+
+    /// The recorded threads (at least this many when it is [`MAX_THREADS_COUNTED`]).
+    pub(crate) fn threads(&self) -> usize {
+        self.threads.len()
+    }
+}
+
+/// What the first pass finds of a trace.
+#[derive(Debug)]
+pub(crate) struct Survey {
+    pub(crate) path: PathBuf,
+    /// By placement: `None` for the host's memory, `Some(n)` for GPU n's.
+    pub(crate) placements: BTreeMap<Option<u16>, Placement>,
+    /// The marks, the sites and what was left out, without the events.
+    pub(crate) trace: Trace,
+}
+
+impl Survey {
+    /// The host memory's part (empty when the trace has none).
+    pub(crate) fn host(&self) -> &Placement {
+        static EMPTY: std::sync::OnceLock<Placement> = std::sync::OnceLock::new();
+        self.placements
+            .get(&None)
+            .unwrap_or_else(|| EMPTY.get_or_init(Placement::default))
+    }
+
+    /// The GPUs whose memory the trace has events of, in order.
+    pub(crate) fn gpus(&self) -> Vec<u16> {
+        self.placements.keys().filter_map(|p| *p).collect()
+    }
+
+    /// Every event of every placement.
+    pub(crate) fn events(&self) -> u64 {
+        self.placements.values().map(|p| p.events).sum()
+    }
+
+    /// The events of `placement`, read again.
+    pub(crate) fn pass(&self, placement: Option<u16>) -> Result<Pass> {
+        Pass::start(self.path.clone(), placement)
+    }
+
+    /// The second pass for the program's lines behind `placement`'s bytes, when the
+    /// recording names them: it takes the events from the start up to the moment the
+    /// client held the most, in a pass of [`Survey::lines`] or of a replay.
+    pub(crate) fn at_peak(&mut self, placement: Option<u16>) -> Option<AtPeak> {
+        let found = self.placements.get_mut(&placement)?;
+        if !found.sites || self.trace.site_table.is_empty() {
+            return None;
+        }
+        Some(std::mem::take(&mut found.by_site).second_pass())
+    }
+
+    /// The program's lines behind `placement`'s bytes, when the recording names them:
+    /// `at_peak` (from [`Survey::at_peak`]) finished, in a pass of its own if it needs.
+    pub(crate) fn lines(
+        &self,
+        placement: Option<u16>,
+        at_peak: Option<AtPeak>,
+    ) -> Result<Option<BySite>> {
+        let Some(mut at_peak) = at_peak else {
+            return Ok(None);
+        };
+        if !at_peak.done() {
+            let mut pass = self.pass(placement)?;
+            for recorded in pass.by_ref() {
+                at_peak.add(&recorded.event, recorded.site.unwrap_or(0));
+                if at_peak.done() {
+                    break;
+                }
+            }
+            pass.finish()?;
+        }
+        Ok(Some(at_peak.finish()))
+    }
+}
+
+/// The first pass through the trace at `path`, under a spinner (a long trace takes
+/// seconds), with a line on standard error for each thing of it that was not kept whole.
+pub(crate) fn survey(path: &Path) -> Result<Survey> {
+    let read = progress::spinning(&format!("reading {}", path.display()), || first_pass(path))
+        .with_context(|| path.display().to_string())?;
+    let trace = &read.trace;
+    if trace.cut_short {
+        eprintln!(
+            "allocbox: {} ends early (its process was killed before it finished \
+             recording?): read up to its last whole event, the {}th",
+            path.display(),
+            read.events()
+        );
+    }
+    if trace.marks_left_out > 0 {
+        eprintln!(
+            "allocbox: {} has {} marks past the {} (or {} MiB of text) a trace keeps: \
+             they are counted, not kept, and one mark where they start says how many",
+            path.display(),
+            trace.marks_left_out,
+            allocbox::trace::MAX_MARKS,
+            allocbox::trace::MAX_MARK_TEXT_BYTES >> 20,
+        );
+    }
+    if trace.sites_left_out > 0 {
+        eprintln!(
+            "allocbox: {} names {} sites past the {} (or {} MiB of names) a trace keeps: \
+             their blocks are shown with no line",
+            path.display(),
+            trace.sites_left_out,
+            allocbox::trace::MAX_SITES,
+            allocbox::trace::MAX_SITE_NAME_BYTES >> 20,
+        );
+    }
+    Ok(read)
+}
+
+fn first_pass(path: &Path) -> Result<Survey, TraceError> {
+    let mut reader = TraceReader::open(path)?;
+    let mut placements: BTreeMap<Option<u16>, Placement> = BTreeMap::new();
+    let mut marks_placed = 0;
+    // Where each placement stood when the first mark was left out: the mark that sums
+    // them goes there.
+    let mut left_out_at: Option<BTreeMap<Option<u16>, u64>> = None;
+    // The marks read since the last event, where each placement stands.
+    fn place_marks(
+        reader: &TraceReader<'_>,
+        placements: &mut BTreeMap<Option<u16>, Placement>,
+        marks_placed: &mut usize,
+    ) {
+        for mark in &reader.marks()[*marks_placed..] {
+            for placement in placements.values_mut() {
+                placement.marks.push(Mark {
+                    at: placement.events,
+                    text: mark.text.clone(),
+                });
+            }
+        }
+        *marks_placed = reader.marks().len();
+    }
+    while let Some(recorded) = reader.next_event()? {
+        place_marks(&reader, &mut placements, &mut marks_placed);
+        if left_out_at.is_none() && reader.marks_left_out() > 0 {
+            left_out_at = Some(
+                placements
+                    .iter()
+                    .map(|(&p, found)| (p, found.events))
+                    .collect(),
+            );
+        }
+        let placement = placements
+            .entry(recorded.event.device)
+            .or_insert_with(|| Placement {
+                // A placement met late has every mark so far before its first event.
+                marks: reader.marks()[..marks_placed]
+                    .iter()
+                    .map(|m| Mark {
+                        at: 0,
+                        text: m.text.clone(),
+                    })
+                    .collect(),
+                ..Placement::default()
+            });
+        placement.add(&recorded);
+    }
+    place_marks(&reader, &mut placements, &mut marks_placed);
+    let trace = reader.finish();
+    if let Some(sum) = trace.marks.get(marks_placed) {
+        for (p, placement) in &mut placements {
+            let at = left_out_at
+                .as_ref()
+                .and_then(|at| at.get(p).copied())
+                .unwrap_or(0);
+            placement.marks.push(Mark {
+                at,
+                text: sum.text.clone(),
+            });
+        }
+    }
+    Ok(Survey {
+        path: path.to_owned(),
+        placements,
+        trace,
+    })
+}
+
+/// Events a pass's reading thread hands over at once.
+const BATCH: usize = 1 << 14;
+
+/// Batches read ahead of the replay: the memory of a pass, whatever the trace's length.
+const BATCHES_AHEAD: usize = 4;
+
+/// One placement's events, read again from the file on a thread of its own (the replay
+/// that takes them runs on another core meanwhile): an iterator that ends at the
+/// trace's end or at an error, which [`Pass::finish`] then says.
+pub(crate) struct Pass {
+    batches: Option<Receiver<Result<Vec<Recorded>, TraceError>>>,
+    batch: std::vec::IntoIter<Recorded>,
+    error: Option<TraceError>,
+    reading: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Pass {
+    fn start(path: PathBuf, placement: Option<u16>) -> Result<Pass> {
+        let (send, batches) = sync_channel(BATCHES_AHEAD);
+        let reading = std::thread::Builder::new()
+            .name("allocbox-read".into())
+            .spawn(move || read_batches(&path, placement, &send))
+            .context("cannot start a thread to read the trace")?;
+        Ok(Pass {
+            batches: Some(batches),
+            batch: Vec::new().into_iter(),
+            error: None,
+            reading: Some(reading),
+        })
+    }
+
+    /// The events alone.
+    pub(crate) fn events(&mut self) -> impl Iterator<Item = Event> + '_ {
+        self.by_ref().map(|r| r.event)
+    }
+
+    /// The error that ended the pass early, if one did (the file changed since the first
+    /// pass read it whole).
+    pub(crate) fn finish(mut self) -> Result<()> {
+        match self.error.take() {
+            None => Ok(()),
+            Some(error) => Err(anyhow::anyhow!(
+                "{error} (the trace was read whole a moment before: did the file change?)"
+            )),
+        }
+    }
+}
+
+/// The reading thread: `placement`'s events in batches, until the trace ends, an error
+/// (sent), or the pass is dropped.
+fn read_batches(
+    path: &Path,
+    placement: Option<u16>,
+    send: &SyncSender<Result<Vec<Recorded>, TraceError>>,
+) {
+    let mut reader = match TraceReader::open(path) {
+        Ok(reader) => reader,
+        Err(error) => return drop(send.send(Err(error))),
+    };
+    let mut batch = Vec::with_capacity(BATCH);
+    loop {
+        match reader.next_event() {
+            Ok(Some(recorded)) => {
+                if recorded.event.device == placement {
+                    batch.push(recorded);
+                }
+                if batch.len() == BATCH {
+                    let full = std::mem::replace(&mut batch, Vec::with_capacity(BATCH));
+                    if send.send(Ok(full)).is_err() {
+                        return;
+                    }
+                }
+            }
+            Ok(None) => {
+                if !batch.is_empty() {
+                    let _ = send.send(Ok(batch));
+                }
+                return;
+            }
+            Err(error) => {
+                let _ = send.send(Ok(batch));
+                let _ = send.send(Err(error));
+                return;
+            }
+        }
+    }
+}
+
+impl Iterator for Pass {
+    type Item = Recorded;
+
+    fn next(&mut self) -> Option<Recorded> {
+        loop {
+            if let Some(recorded) = self.batch.next() {
+                return Some(recorded);
+            }
+            match self.batches.as_ref()?.recv() {
+                Ok(Ok(batch)) => self.batch = batch.into_iter(),
+                Ok(Err(error)) => {
+                    self.error = Some(error);
+                    self.batches = None;
+                    return None;
+                }
+                // The reader is done.
+                Err(_) => {
+                    self.batches = None;
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Pass {
+    /// A pass left before its end stops its reading thread (its next batch finds no
+    /// one to take it).
+    fn drop(&mut self) {
+        self.batches = None;
+        if let Some(reading) = self.reading.take() {
+            let _ = reading.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trace_s_clock_step_is_its_smallest_advance_when_coarser_than_a_microsecond() {
+        let step = |times: &[u64]| TimeAxis::of(times).clock_step();
+        assert_eq!(
+            step(&[0, 0, 4_000_000, 4_000_000, 12_000_000]),
+            Some(4_000_000)
+        );
+        assert_eq!(step(&[0, 10, 25]), None, "a fine clock");
+        assert_eq!(step(&[5, 5]), None);
+    }
+
+    #[test]
+    fn a_long_trace_s_axis_keeps_every_other_time_past_its_bound_and_finds_each_moment() {
+        let times: Vec<u64> = (0..5 * MAX_TIMES as u64).map(|i| i * 10).collect();
+        let axis = TimeAxis::of(&times);
+        assert!(axis.times.len() <= MAX_TIMES);
+        assert_eq!(axis.every, 8);
+        assert_eq!(axis.at(1), Some(0));
+        // The time of the 1000th event, to the axis's resolution of 8 events.
+        assert_eq!(axis.at(1000), Some(9920));
+        assert_eq!(axis.at(u64::MAX), Some(3_276_720), "the last time kept");
+        assert_eq!(TimeAxis::of(&[]).at(5), None);
+    }
+}
