@@ -200,7 +200,7 @@ fn a_page_of_a_trace_with_times_and_sites_has_a_time_axis_and_tables_by_line_in_
         timeline("default", &native, native_held(&native), &trace.events),
         timeline("system", &system, chain_held(&system), &trace.events),
     ];
-    let times = allocbox_cli::survey::TimeAxis::of(&trace.times);
+    let times = allocbox_cli::report::TimeAxis::of(&trace.times);
     let recorded = allocbox_cli::report::Recorded {
         times: Some(&times),
         lines: Some((&found, &trace.site_table)),

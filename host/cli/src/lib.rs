@@ -9,7 +9,7 @@
 //! `outcome` (exit status and printing), `arguments` (the values options take). Each
 //! uses only those after it here (`tests/layers.rs`):
 //!
-//! Module order: `run_command` > `grammar` > `convert` > `inspect` > `trace_command` > `device_report` > `check_command` > `new_policy` > `named` > `outcome` > `progress` > `report` > `arguments`
+//! Module order: `run_command` > `grammar` > `convert` > `inspect` > `trace_command` > `device_report` > `check_command` > `new_policy` > `named` > `outcome` > `survey` > `progress` > `report` > `arguments`
 
 pub mod report;
 
@@ -24,7 +24,7 @@ mod new_policy;
 mod outcome;
 mod progress;
 mod run_command;
-pub mod survey;
+mod survey;
 mod trace_command;
 
 pub use named::SHIPPED_HOOKS;

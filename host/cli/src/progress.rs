@@ -52,6 +52,35 @@ pub fn counting_events<R>(prefix: &str, len: u64, done: &AtomicU64, work: impl F
     result
 }
 
+/// Runs `work`, which advances `done` through a count not known before (a trace's
+/// events, read), under a spinner showing the count.
+pub fn counting_unknown<R>(message: &str, done: &AtomicU64, work: impl FnOnce() -> R) -> R {
+    let spinner = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())
+        .with_style(
+            ProgressStyle::with_template("{spinner} {msg}: {human_pos} events ({elapsed})")
+                .expect("the templates here are valid"),
+        )
+        .with_message(message.to_string());
+    if spinner.is_hidden() {
+        return work();
+    }
+    let finished = AtomicBool::new(false);
+    let result = std::thread::scope(|s| {
+        s.spawn(|| {
+            while !finished.load(Ordering::Relaxed) {
+                spinner.set_position(done.load(Ordering::Relaxed));
+                spinner.tick();
+                std::thread::sleep(TICK);
+            }
+        });
+        let result = work();
+        finished.store(true, Ordering::Relaxed);
+        result
+    });
+    spinner.finish_and_clear();
+    result
+}
+
 /// Runs `work` under a spinner saying what it does (for work with no count to show).
 pub fn spinning<R>(message: &str, work: impl FnOnce() -> R) -> R {
     let spinner = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())

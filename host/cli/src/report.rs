@@ -9,6 +9,7 @@ mod charts;
 mod lines;
 mod sections;
 mod summary;
+mod times;
 
 use std::fmt::Write as _;
 
@@ -18,7 +19,6 @@ use allocbox::trace::by_site::BySite;
 use allocbox::trace::timeline::{SIZE_BUCKETS, Sample, Timeline};
 use allocbox::trace::{Mark, Site};
 
-use crate::survey::TimeAxis;
 use plotters::style::RGBColor;
 
 use charts::*;
@@ -26,6 +26,7 @@ use lines::lines_section;
 use sections::{holdings_section, left_section, peak_section, phases_section};
 use summary::ratio_text;
 pub use summary::{MAGAZINE_NOTE, RATIO_NOTE, bytes, comparisons, summary_table, timeline_json};
+pub use times::TimeAxis;
 
 /// The most ticks a chart draws for the marks: about one a pixel column. A trace of a
 /// million tests draws a tick where any of them starts, not a million.

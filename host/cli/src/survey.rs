@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 
 use allocbox::trace::by_site::{AtPeak, BySite, BySitePass};
@@ -12,94 +13,10 @@ use allocbox::trace::{Event, Mark, Recorded, Trace, TraceError, TraceReader};
 use anyhow::{Context, Result};
 
 use crate::progress;
-
-/// The most times a placement keeps for its charts' x axis: past them, every other one
-/// is dropped and the axis takes every other event's time.
-const MAX_TIMES: usize = 1 << 16;
+use crate::report::TimeAxis;
 
 /// The most threads counted one by one; past them, "at least".
 const MAX_THREADS_COUNTED: usize = 1 << 16;
-
-/// Seconds since the recording started at every `every`-th event: the charts' x axis.
-#[derive(Debug, Clone)]
-pub struct TimeAxis {
-    every: u64,
-    times: Vec<u64>,
-    seen: u64,
-    any: bool,
-    last: Option<u64>,
-    /// The smallest step the times advance by, in nanoseconds: the resolution of the
-    /// clock that made them.
-    step: Option<u64>,
-}
-
-impl Default for TimeAxis {
-    fn default() -> Self {
-        TimeAxis {
-            every: 1,
-            times: Vec::new(),
-            seen: 0,
-            any: false,
-            last: None,
-            step: None,
-        }
-    }
-}
-
-impl TimeAxis {
-    /// The axis of a trace's times, one an event (`Trace::times`).
-    pub fn of(times: &[u64]) -> TimeAxis {
-        let mut axis = TimeAxis::default();
-        for &time in times {
-            axis.add(Some(time));
-        }
-        axis
-    }
-
-    fn add(&mut self, time: Option<u64>) {
-        self.any |= time.is_some();
-        let time = time.unwrap_or(0);
-        if let Some(last) = self.last
-            && time > last
-        {
-            self.step = Some(self.step.map_or(time - last, |s| s.min(time - last)));
-        }
-        self.last = Some(time);
-        if self.seen.is_multiple_of(self.every) {
-            self.times.push(time);
-            if self.times.len() > MAX_TIMES {
-                let mut at = 0;
-                self.times.retain(|_| {
-                    at += 1;
-                    at % 2 == 1
-                });
-                self.every *= 2;
-            }
-        }
-        self.seen += 1;
-    }
-
-    /// Whether the trace has times.
-    pub(crate) fn is_empty(&self) -> bool {
-        !self.any
-    }
-
-    /// Nanoseconds since the recording started when `events` had been made (the time of
-    /// the last of them, to the axis's resolution); `None` without times.
-    pub(crate) fn at(&self, events: u64) -> Option<u64> {
-        if !self.any || self.times.is_empty() {
-            return None;
-        }
-        let i = ((events.max(1) - 1) / self.every).min(self.times.len() as u64 - 1);
-        Some(self.times[i as usize])
-    }
-
-    /// The clock's resolution when it is coarser than a microsecond (a recorder's
-    /// coarse clock moves in steps of a few ms).
-    pub(crate) fn clock_step(&self) -> Option<u64> {
-        self.step.filter(|&step| step >= 1000 && self.any)
-    }
-}
 
 /// What the first pass finds of one placement's events.
 #[derive(Debug, Default)]
@@ -212,7 +129,9 @@ impl Survey {
 /// The first pass through the trace at `path`, under a spinner (a long trace takes
 /// seconds), with a line on standard error for each thing of it that was not kept whole.
 pub(crate) fn survey(path: &Path) -> Result<Survey> {
-    let read = progress::spinning(&format!("reading {}", path.display()), || first_pass(path))
+    let done = AtomicU64::new(0);
+    let reading = format!("reading {}", path.display());
+    let read = progress::counting_unknown(&reading, &done, || first_pass(path, &done))
         .with_context(|| path.display().to_string())?;
     let trace = &read.trace;
     if trace.cut_short {
@@ -246,7 +165,10 @@ pub(crate) fn survey(path: &Path) -> Result<Survey> {
     Ok(read)
 }
 
-fn first_pass(path: &Path) -> Result<Survey, TraceError> {
+/// Events between two updates of the count a progress spinner shows.
+const PROGRESS_STRIDE: u64 = 1 << 16;
+
+fn first_pass(path: &Path, done: &AtomicU64) -> Result<Survey, TraceError> {
     let mut reader = TraceReader::open(path)?;
     let mut placements: BTreeMap<Option<u16>, Placement> = BTreeMap::new();
     let mut marks_placed = 0;
@@ -293,6 +215,9 @@ fn first_pass(path: &Path) -> Result<Survey, TraceError> {
                 ..Placement::default()
             });
         placement.add(&recorded);
+        if reader.events_read().is_multiple_of(PROGRESS_STRIDE) {
+            done.store(reader.events_read(), Ordering::Relaxed);
+        }
     }
     place_marks(&reader, &mut placements, &mut marks_placed);
     let trace = reader.finish();
@@ -444,26 +369,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_trace_s_clock_step_is_its_smallest_advance_when_coarser_than_a_microsecond() {
-        let step = |times: &[u64]| TimeAxis::of(times).clock_step();
+    fn each_placement_s_marks_stand_where_they_fall_among_its_own_events_as_if_kept_alone() {
+        let text = "m 1 8 1 t=1\n# first\nm 1 256 1 t=2 d=0\n# second\nf 1 256 1 t=3 d=0 q=7\n\
+                    m 2 16 1 t=4\n# third\nm 2 512 1 t=5 d=1\nf 1 8 1\n# last\n";
+        let path = std::env::temp_dir().join(format!("allocbox-survey-{}.txt", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        let found = first_pass(&path, &AtomicU64::new(0));
+        let whole = allocbox::trace::read_trace_marked(&path);
+        std::fs::remove_file(&path).unwrap();
+        let (found, whole) = (found.unwrap(), whole.unwrap());
         assert_eq!(
-            step(&[0, 0, 4_000_000, 4_000_000, 12_000_000]),
-            Some(4_000_000)
+            found.placements.keys().copied().collect::<Vec<_>>(),
+            [None, Some(0), Some(1)]
         );
-        assert_eq!(step(&[0, 10, 25]), None, "a fine clock");
-        assert_eq!(step(&[5, 5]), None);
-    }
-
-    #[test]
-    fn a_long_trace_s_axis_keeps_every_other_time_past_its_bound_and_finds_each_moment() {
-        let times: Vec<u64> = (0..5 * MAX_TIMES as u64).map(|i| i * 10).collect();
-        let axis = TimeAxis::of(&times);
-        assert!(axis.times.len() <= MAX_TIMES);
-        assert_eq!(axis.every, 8);
-        assert_eq!(axis.at(1), Some(0));
-        // The time of the 1000th event, to the axis's resolution of 8 events.
-        assert_eq!(axis.at(1000), Some(9920));
-        assert_eq!(axis.at(u64::MAX), Some(3_276_720), "the last time kept");
-        assert_eq!(TimeAxis::of(&[]).at(5), None);
+        for (&placement, part) in &found.placements {
+            let mut alone = allocbox::trace::parse_trace_marked(text.as_bytes()).unwrap();
+            alone.keep_placement(placement);
+            assert_eq!(part.events, alone.events.len() as u64, "{placement:?}");
+            assert_eq!(part.marks, alone.marks, "{placement:?}");
+        }
+        assert_eq!(found.events(), whole.events.len() as u64);
+        assert_eq!(found.trace.marks, whole.marks);
     }
 }

@@ -10,8 +10,8 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use allocbox::trace::timeline::Timeline;
 
+use super::TimeAxis;
 use super::escape_html;
-use crate::survey::TimeAxis;
 
 pub(super) const CHART_SIZE: (u32, u32) = (480, 300);
 pub(super) const FONT: (&str, u32) = ("sans-serif", 15);
