@@ -495,7 +495,11 @@ impl Books for GivenBack {
 /// another thread throughout; the child, which cannot know what that thread left
 /// half-done, refuses them, and the parent goes on.
 fn a_child_forked_while_another_thread_holds_the_books_refuses_them() -> Result<(), String> {
-    let caches = Caches::new(GivenBack::default(), true, Duration::from_millis(50));
+    let caches = Caches::new(
+        GivenBack::default(),
+        Some(allocbox_ledger::cache::MAGAZINE_DEPTH),
+        Duration::from_millis(50),
+    );
     let (holding, release) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
     std::thread::scope(|s| {
         let holder = s.spawn(|| {
@@ -529,7 +533,11 @@ fn a_child_forked_while_another_thread_holds_the_books_refuses_them() -> Result<
 /// child's first lock gives them back to its books; the forking thread's cache stays.
 fn a_forked_child_gives_back_the_caches_of_the_threads_it_lacks() -> Result<(), String> {
     const SIZE: u64 = 16;
-    let caches = Caches::new(GivenBack::default(), true, Duration::from_secs(5));
+    let caches = Caches::new(
+        GivenBack::default(),
+        Some(allocbox_ledger::cache::MAGAZINE_DEPTH),
+        Duration::from_secs(5),
+    );
     let fill = |blocks: &[u64], lend: bool| {
         let mut mine = caches.mine();
         let mut books = caches.lock().expect("the books are reachable");

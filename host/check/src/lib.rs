@@ -136,7 +136,7 @@ pub fn check(
         hook: options.hook.as_deref(),
         tally: Tally::default(),
     };
-    let (name, shardable) = match subject.start(CallPath::Magazines, 1)?.0 {
+    let (name, shardable) = match subject.start(CallPath::Magazines, None, 1)?.0 {
         runner::Started::Host(h) => (h.name().to_string(), h.shardable()),
         started => (started.name().to_string(), false),
     };
@@ -308,11 +308,13 @@ pub fn replay(
     if let [ops] = script.threads.as_slice() {
         let case = Case {
             path: script.path,
+            magazine_depth: script.magazine_depth,
             threads: vec![ops.clone()],
         };
         return Ok(subject.run(&case, None).ok().and_then(|judged| judged.1));
     }
-    let (handler, adversary) = subject.start(script.path, script.threads.len())?;
+    let (handler, adversary) =
+        subject.start(script.path, script.magazine_depth, script.threads.len())?;
     // Operations reach the handler in the recorded order; a script without one runs its
     // threads one after the other.
     let sections: Vec<usize>;
@@ -509,6 +511,7 @@ mod tests {
             order: Vec::new(),
             upstream_seed: 77,
             path: CallPath::PerCall,
+            magazine_depth: None,
         };
         assert_eq!(Script::parse(&script.to_string()).unwrap(), script);
         let interleaved = Script {

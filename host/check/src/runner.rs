@@ -64,6 +64,7 @@ impl Subject<'_> {
     pub(super) fn start(
         &self,
         path: CallPath,
+        magazine_depth: Option<u8>,
         threads: usize,
     ) -> Result<(Started, Arc<Adversary>), LoadError> {
         let adversary = Adversary::new(self.upstream_seed);
@@ -78,6 +79,10 @@ impl Subject<'_> {
             .checked(true)
             .magazines(path == CallPath::Magazines)
             .adversary(Arc::clone(&adversary));
+        let builder = match magazine_depth {
+            Some(most) => builder.magazine_depth(usize::from(most)),
+            None => builder,
+        };
         let started = match (device, path) {
             (true, _) => Started::Device(builder.build_device(0)?),
             (false, CallPath::PerThread) => Started::PerThread(builder.build_sharded(threads)?),
@@ -126,7 +131,7 @@ impl Subject<'_> {
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(Script::default());
         }
-        let (handler, adversary) = match self.start(case.path, threads.len()) {
+        let (handler, adversary) = match self.start(case.path, case.magazine_depth, threads.len()) {
             Ok(started) => started,
             Err(e) => {
                 let finding = Finding {
@@ -178,6 +183,7 @@ impl Subject<'_> {
         let mut script = Script {
             upstream_seed: self.upstream_seed,
             path,
+            magazine_depth: case.magazine_depth.filter(|_| path == CallPath::Magazines),
             ..Script::default()
         };
         let mut finding = None;

@@ -16,6 +16,8 @@ where the checker notes what the numbers do not show: `# 2^32 - 15`):
                           from its per-thread magazines (the default), or every call asked
   per-thread              every call asked, of an instance per client thread (a policy
                           that says its state is per instance)
+  magazines N             through magazines of at most N blocks each (64 unless said): the
+                          checker's shallower ones batch less and more often
   bN = malloc SIZE        make the block named bN
   bN = calloc NELEM ELSIZE
   bN = realloc - SIZE     realloc from no block (`-` is no pointer): makes bN
@@ -252,6 +254,9 @@ pub enum CallPath {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Case {
     pub(super) path: CallPath,
+    /// Through the magazines: the most blocks one holds, when shallower than the
+    /// host's own.
+    pub(super) magazine_depth: Option<u8>,
     pub(super) threads: Vec<Vec<Op>>,
 }
 
@@ -280,6 +285,9 @@ pub struct Script {
     /// Written `magazines`, `per-call` or `per-thread`, before the operations; a script
     /// without the line ran through the magazines.
     pub path: CallPath,
+    /// Written `magazines N`: the host's magazines held at most N blocks each, not the
+    /// 64 they hold in production.
+    pub magazine_depth: Option<u8>,
 }
 
 impl Script {
@@ -333,6 +341,22 @@ impl Script {
                     .trim()
                     .parse()
                     .map_err(|e| at(format!("`{seed}`: {e}")))?;
+                continue;
+            }
+            if let Some(depth) = line.strip_prefix("magazines ") {
+                script.path = CallPath::Magazines;
+                script.magazine_depth = Some(
+                    depth
+                        .trim()
+                        .parse()
+                        .ok()
+                        .filter(|&d| d > 0)
+                        .ok_or_else(|| {
+                            at(format!(
+                                "`magazines {depth}`: the most blocks a magazine holds, 1 to 64"
+                            ))
+                        })?,
+                );
                 continue;
             }
             if let Some(path) = [CallPath::Magazines, CallPath::PerCall, CallPath::PerThread]
@@ -450,7 +474,10 @@ impl fmt::Display for Script {
         if self.upstream_seed != 0 {
             writeln!(f, "upstream seed {}", self.upstream_seed)?;
         }
-        writeln!(f, "{}", self.path.word())?;
+        match (self.path, self.magazine_depth) {
+            (CallPath::Magazines, Some(depth)) => writeln!(f, "magazines {depth}")?,
+            (path, _) => writeln!(f, "{}", path.word())?,
+        }
         if !self.order.is_empty() {
             let mut next = vec![0; self.threads.len()];
             for &thread in &self.order {
@@ -484,6 +511,22 @@ mod tests {
 
     /// Issue 60: a script said `malloc 0` where the policy got 1, and printed sizes near
     /// 2^64 as twenty digits. Each now has a note, and the script still reads back.
+    #[test]
+    fn a_script_through_shallow_magazines_says_their_depth_and_reads_back_so() {
+        let script =
+            Script::parse("upstream seed 5\nmagazines 8\nb0 = malloc 224\nfree b0\n").unwrap();
+        assert_eq!(
+            (script.path, script.magazine_depth),
+            (CallPath::Magazines, Some(8))
+        );
+        assert!(script.to_string().contains("\nmagazines 8\n"), "{script}");
+        let production = Script::parse("magazines\nb0 = malloc 8\n").unwrap();
+        assert_eq!(production.magazine_depth, None);
+        assert!(production.to_string().starts_with("magazines\n"));
+        let bad = Script::parse("magazines 0\n").unwrap_err();
+        assert!(bad.contains("line 1") && bad.contains("1 to 64"), "{bad}");
+    }
+
     #[test]
     fn a_script_notes_zero_sizes_and_sizes_near_a_power_of_two_and_reads_back() {
         let script = Script {

@@ -90,6 +90,7 @@ pub(super) enum Trial {
 pub(super) struct ScriptTree {
     /// Kept as drawn: shrinking the operations is what makes a script readable.
     pub(super) path: CallPath,
+    pub(super) magazine_depth: Option<u8>,
     pub(super) threads: Vec<Vec<Op>>,
     pub(super) step: Step,
     pub(super) trial: Option<Trial>,
@@ -99,10 +100,16 @@ pub(super) struct ScriptTree {
 }
 
 impl ScriptTree {
-    pub(super) fn new(path: CallPath, threads: Vec<Vec<Op>>, budget: ShrinkBudget) -> Self {
+    pub(super) fn new(
+        path: CallPath,
+        magazine_depth: Option<u8>,
+        threads: Vec<Vec<Op>>,
+        budget: ShrinkBudget,
+    ) -> Self {
         let run = Self::first_run(&threads, 0);
         ScriptTree {
             path,
+            magazine_depth,
             threads,
             step: Step::Delete {
                 thread: 0,
@@ -221,6 +228,7 @@ impl proptest::strategy::ValueTree for ScriptTree {
     fn current(&self) -> Case {
         Case {
             path: self.path,
+            magazine_depth: self.magazine_depth,
             threads: self.threads.clone(),
         }
     }
@@ -283,6 +291,7 @@ mod tests {
             .collect();
         let mut tree = ScriptTree::new(
             CallPath::Magazines,
+            None,
             vec![ops.clone()],
             ShrinkBudget::new(None),
         );

@@ -82,6 +82,12 @@ pub(super) enum Shape {
     /// which lands part way through the batch a refill asks for), and from the start,
     /// half the time, every `N`th request or every request above a size.
     OutOfMemory,
+    /// Two near sizes (one size class of many a policy's) made in a run and freed in a
+    /// run, in turn, the upstream refusing a request now and then: the host's magazines
+    /// give a run's blocks back to the policy, and the next run of the other size asks
+    /// for them in batches, so a refusal lands part way through a batch the policy's
+    /// lists began.
+    Tides(u64, u64),
 }
 
 /// Half the sequences are the general mix; the shapes share the rest, running out of
@@ -91,7 +97,18 @@ pub(super) enum Shape {
 /// megabytes at most.
 pub(super) fn draw_shape(rng: &mut TestRng) -> Shape {
     match rng.random_range(0..20u32) {
-        0..10 => Shape::Mixed,
+        0..8 => Shape::Mixed,
+        8..10 => {
+            // Sizes 16 or 32 bytes apart: in one class of a policy whose classes are
+            // 32 bytes or wider, more often than not.
+            let a = 16 * rng.random_range(2..=32u64);
+            let apart = 16 * rng.random_range(1..=2u64);
+            let b = match rng.random_bool(0.5) {
+                true => a + apart,
+                false => a - apart,
+            };
+            Shape::Tides(a, b)
+        }
         10..13 => Shape::OutOfMemory,
         13..15 => Shape::Burst(boundary_size(rng, 16)),
         15..17 => Shape::Alternating(boundary_size(rng, 16), boundary_size(rng, 16)),
@@ -129,6 +146,9 @@ pub(super) fn draw_calloc(rng: &mut TestRng, block: BlockId) -> Op {
 pub(super) struct Drawing {
     next: BlockId,
     live: Vec<BlockId>,
+    /// [`Shape::Tides`]: making blocks (not freeing them), and the runs made so far.
+    filling: bool,
+    runs: u32,
 }
 
 impl Drawing {
@@ -189,6 +209,26 @@ pub(super) fn draw_op(rng: &mut TestRng, drawing: &mut Drawing, shape: Shape) ->
                     size,
                 },
                 _ => Op::Trim,
+            }
+        }
+        Shape::Tides(a, b) => {
+            // The next request refused: in a run that draws on the lists, the first
+            // request upstream is the batch the lists ran short in.
+            if roll < 6 {
+                return Op::OomAfter { requests: 0 };
+            }
+            if drawing.live.is_empty() && !drawing.filling {
+                drawing.filling = true;
+                drawing.runs += 1;
+            } else if drawing.filling && drawing.live.len() >= rng.random_range(6..=24) {
+                drawing.filling = false;
+            }
+            match drawing.filling {
+                true => Op::Malloc {
+                    size: if drawing.runs.is_multiple_of(2) { a } else { b },
+                    block: drawing.make(),
+                },
+                false => free(drawing, rng),
             }
         }
         Shape::ReallocChain => match (roll, drawing.live.last()) {
@@ -337,11 +377,30 @@ impl Strategy for Scripts {
                 }
             })
             .collect();
+        // Drawn after the operations, so that a seed names the same operations it did.
+        let magazine_depth = match path {
+            CallPath::Magazines => draw_magazine_depth(rng),
+            _ => None,
+        };
         Ok(ScriptTree::new(
             path,
+            magazine_depth,
             threads,
             ShrinkBudget::new(self.shrink_time),
         ))
+    }
+}
+
+/// Through the magazines, half the cases with magazines shallower than production's: 8
+/// or 16 blocks, whose refills (1, 2, then 2 or 4 blocks) and spills (4 or 8 blocks)
+/// come every few operations and leave a policy's own lists part full when the next
+/// batch comes, so that an out-of-memory refusal lands part way through a batch the
+/// lists began. Production's 64 spill only past 64 frees of one size.
+fn draw_magazine_depth(rng: &mut TestRng) -> Option<u8> {
+    match rng.random_range(0..4u32) {
+        0 => Some(8),
+        1 => Some(16),
+        _ => None,
     }
 }
 

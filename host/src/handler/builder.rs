@@ -11,7 +11,7 @@ use crate::link::{Limits, LinkStart, Upstream};
 use crate::memhandler::Stats;
 use crate::runtime::{Policy, Runtime};
 use crate::system::{Adversary, SystemMemory};
-use allocbox_ledger::cache::Caches;
+use allocbox_ledger::cache::{Caches, MAGAZINE_DEPTH};
 
 /// Builds a [`Handler`] from policies, top of the chain first.
 #[derive(Debug, Clone)]
@@ -22,6 +22,7 @@ pub struct HandlerBuilder {
     pub(super) host_memory_limit: u64,
     quarantine: u64,
     magazines: bool,
+    magazine_depth: usize,
     checked: bool,
     adversary: Option<Arc<Adversary>>,
     fallback: Option<Arc<Handler>>,
@@ -43,6 +44,7 @@ impl HandlerBuilder {
             host_memory_limit: u64::MAX,
             quarantine: 0,
             magazines: true,
+            magazine_depth: MAGAZINE_DEPTH,
             checked: false,
             adversary: None,
             fallback: None,
@@ -90,6 +92,15 @@ impl HandlerBuilder {
     /// `batch`. Default: true.
     pub fn magazines(mut self, on: bool) -> Self {
         self.magazines = on;
+        self
+    }
+
+    /// The most blocks one magazine holds: [`MAGAZINE_DEPTH`] unless the contract
+    /// checker asks for shallower ones, whose smaller, more frequent batches (refills
+    /// of 1, 2, then 2 or 4 blocks; 4 or 8 given back at once) leave a policy's own
+    /// lists part full when the next batch comes.
+    pub fn magazine_depth(mut self, most: usize) -> Self {
+        self.magazine_depth = most.clamp(1, MAGAZINE_DEPTH);
         self
     }
 
@@ -226,7 +237,8 @@ impl HandlerBuilder {
                     failure: None,
                     rerouted: HashSet::new(),
                 },
-                self.magazines && (info.batch || observed.is_some()),
+                (self.magazines && (info.batch || observed.is_some()))
+                    .then_some(self.magazine_depth),
                 fork_patience,
             ),
             info,

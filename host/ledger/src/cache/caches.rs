@@ -54,9 +54,10 @@ pub struct Caches<C> {
 }
 
 impl<C: Books> Caches<C> {
-    /// `books` with one cache per calling thread, each with magazines if `magazines`.
-    /// A `fork` waits up to `fork_patience` for other threads to leave their calls.
-    pub fn new(books: C, magazines: bool, fork_patience: Duration) -> Arc<Self> {
+    /// `books` with one cache per calling thread, each with magazines at most
+    /// `magazines` blocks deep (none if `None`). A `fork` waits up to `fork_patience`
+    /// for other threads to leave their calls.
+    pub fn new(books: C, magazines: Option<usize>, fork_patience: Duration) -> Arc<Self> {
         let caches = Arc::new_cyclic(|this| Caches {
             books: Mutex::new(books),
             waiting: Waiting::default(),

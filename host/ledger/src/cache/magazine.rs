@@ -14,7 +14,7 @@ pub const MAGAZINE_TABLE_SIZE: u64 = 1024;
 /// blocks and a 64 KiB one 4.
 const MAGAZINE_BYTES: u64 = 256 << 10;
 /// Blocks a magazine holds at most before half of them are given back in one `free-many`.
-const MAGAZINE_DEPTH: usize = 64;
+pub const MAGAZINE_DEPTH: usize = 64;
 const MAGAZINE_MIN_DEPTH: usize = 4;
 /// The most blocks fetched with one `malloc-many` when a magazine runs empty.
 const MAGAZINE_REFILL: u32 = 16;
@@ -47,10 +47,11 @@ pub struct Magazine {
 }
 
 impl Magazine {
-    fn new(size: u64) -> Self {
+    /// A magazine for `size`, at most `most` blocks deep.
+    fn new(size: u64, most: usize) -> Self {
         Magazine {
             blocks: Vec::new(),
-            depth: magazine_depth(size),
+            depth: magazine_depth(size).min(most.max(1)),
             next_refill: 1,
         }
     }
@@ -58,7 +59,8 @@ impl Magazine {
     /// How many blocks to ask the policy for now; grows the next refill.
     pub fn refill_count(&mut self, size: u64) -> u32 {
         let count = self.next_refill;
-        self.next_refill = (count * 2).min(magazine_refill(size));
+        let most = (self.depth as u32 / 4).max(1);
+        self.next_refill = (count * 2).min(magazine_refill(size)).min(most);
         count
     }
 }
@@ -73,6 +75,8 @@ pub struct Magazines {
     mid: FastMap<u64, Magazine>,
     /// Bytes in all magazines' blocks.
     pub cached_bytes: u64,
+    /// The deepest a magazine is ([`MAGAZINE_DEPTH`] but for the contract checker's).
+    most: usize,
 }
 
 impl Default for Magazines {
@@ -83,14 +87,21 @@ impl Default for Magazines {
 
 impl Magazines {
     pub fn new() -> Self {
+        Magazines::at_most(MAGAZINE_DEPTH)
+    }
+
+    /// Magazines of at most `most` blocks each: the contract checker's shallower ones
+    /// give a policy back and ask it for blocks in smaller batches, more often.
+    pub fn at_most(most: usize) -> Self {
         Magazines {
             small: (0..=MAGAZINE_TABLE_SIZE)
-                .map(|s| Magazine::new(s.max(1)))
+                .map(|s| Magazine::new(s.max(1), most))
                 .collect::<Box<[_]>>()
                 .try_into()
                 .expect("one magazine per size up to the table's"),
             mid: FastMap::default(),
             cached_bytes: 0,
+            most,
         }
     }
 
@@ -125,7 +136,10 @@ impl Magazines {
     /// over more instruction-cache lines.
     #[inline(never)]
     fn of_mid_size(&mut self, size: u64) -> &mut Magazine {
-        self.mid.entry(size).or_insert_with(|| Magazine::new(size))
+        let most = self.most;
+        self.mid
+            .entry(size)
+            .or_insert_with(|| Magazine::new(size, most))
     }
 
     /// Every non-empty magazine's blocks, emptying them, with their size, smallest size
@@ -171,6 +185,25 @@ mod tests {
         assert_eq!(magazine_refill(16), MAGAZINE_REFILL);
         assert_eq!(magazine_refill(16 << 10), 4);
         assert_eq!(magazine_refill(64 << 10), 1);
+    }
+
+    #[test]
+    fn a_shallow_magazine_refills_and_holds_in_smaller_batches() {
+        let mut shallow = Magazines::at_most(8);
+        let magazine = shallow.of_size(64);
+        assert_eq!(magazine.depth, 8);
+        let refills: Vec<u32> = (0..4).map(|_| magazine.refill_count(64)).collect();
+        assert_eq!(refills, [1, 2, 2, 2], "a quarter of its depth at most");
+        assert_eq!(
+            shallow.of_size(60_000).depth,
+            MAGAZINE_MIN_DEPTH,
+            "never deeper"
+        );
+        let mut production = Magazines::new();
+        let refills: Vec<u32> = (0..6)
+            .map(|_| production.of_size(64).refill_count(64))
+            .collect();
+        assert_eq!(refills, [1, 2, 4, 8, 16, 16]);
     }
 
     #[test]

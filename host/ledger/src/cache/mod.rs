@@ -69,7 +69,8 @@ pub use caches::{Books, Caches, Locked};
 pub use counts::Counts;
 pub use lent::Lent;
 pub use magazine::{
-    MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, MAGAZINES_THREAD_BYTES, Magazine, Magazines,
+    MAGAZINE_DEPTH, MAGAZINE_MAX_SIZE, MAGAZINE_TABLE_SIZE, MAGAZINES_THREAD_BYTES, Magazine,
+    Magazines,
 };
 pub use slot::{CacheGuard, Mine, Slot, Unreachable};
 pub use thread::{Reach, ThreadCache};

@@ -24,7 +24,8 @@ pub struct Slots {
     primary: OnceLock<Slot>,
     local: ThreadLocal<Slot>,
     next_id: AtomicU32,
-    magazines: bool,
+    /// The deepest a magazine may be; `None`: no magazines.
+    magazines: Option<usize>,
     /// `magazines` until the chain fails: from then on no block enters a magazine. One
     /// flag for the hot path to read; only read there, so the line stays shared, not
     /// bounced.
@@ -32,7 +33,7 @@ pub struct Slots {
 }
 
 impl Slots {
-    pub fn new(magazines: bool) -> Self {
+    pub fn new(magazines: Option<usize>) -> Self {
         barrier::prepare();
         Slots {
             primary_owner: AtomicUsize::new(0),
@@ -40,7 +41,7 @@ impl Slots {
             local: ThreadLocal::new(),
             next_id: AtomicU32::new(1),
             magazines,
-            serving: AtomicBool::new(magazines),
+            serving: AtomicBool::new(magazines.is_some()),
         }
     }
 
@@ -94,7 +95,7 @@ impl Slots {
         Slot::new(
             id,
             ThreadCache {
-                magazines: self.magazines.then(Magazines::new),
+                magazines: self.magazines.map(Magazines::at_most),
                 ..ThreadCache::default()
             },
         )
@@ -135,7 +136,7 @@ mod tests {
 
     #[test]
     fn the_first_thread_takes_the_primary_slot_and_every_other_thread_its_own() {
-        let slots = Slots::new(true);
+        let slots = Slots::new(Some(crate::cache::magazine::MAGAZINE_DEPTH));
         let first = slots.mine().id();
         assert_eq!(slots.mine().id(), first, "found again, not made again");
         if thread_pointer().is_some() {
@@ -171,7 +172,7 @@ mod tests {
 
     #[test]
     fn a_race_for_the_primary_slot_has_one_winner() {
-        let slots = Slots::new(true);
+        let slots = Slots::new(Some(crate::cache::magazine::MAGAZINE_DEPTH));
         let start = std::sync::Barrier::new(4);
         let ids: Vec<CacheId> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..4)

@@ -35,7 +35,11 @@ fn keep_and_lend_last(caches: &Caches<GivenBack>, blocks: &[u64]) {
 
 #[test]
 fn a_thread_that_ends_gives_its_magazines_and_its_lent_blocks_back() {
-    let caches = Caches::new(GivenBack::default(), true, Duration::from_secs(1));
+    let caches = Caches::new(
+        GivenBack::default(),
+        Some(crate::cache::MAGAZINE_DEPTH),
+        Duration::from_secs(1),
+    );
     // Joined: a scope's end waits for the thread's closure, not its exit, where
     // the thread-local destructor that gives the cache back runs.
     std::thread::scope(|s| {
@@ -54,7 +58,11 @@ fn a_thread_that_ends_gives_its_magazines_and_its_lent_blocks_back() {
 
 #[test]
 fn a_thread_that_inherits_an_ended_threads_slot_starts_empty_and_is_given_back_too() {
-    let caches = Caches::new(GivenBack::default(), true, Duration::from_secs(1));
+    let caches = Caches::new(
+        GivenBack::default(),
+        Some(crate::cache::MAGAZINE_DEPTH),
+        Duration::from_secs(1),
+    );
     // The primary slot goes to this thread; the others' slots are reused as they end.
     keep_and_lend_last(&caches, &[0x100]);
     for round in 0..3u64 {
@@ -92,7 +100,11 @@ fn a_thread_that_inherits_an_ended_threads_slot_starts_empty_and_is_given_back_t
 fn threads_freeing_each_others_blocks_keep_every_block_in_one_place() {
     const THREADS: u64 = 4;
     let rounds: u64 = if cfg!(miri) { 40 } else { 3000 };
-    let caches = Caches::new(GivenBack::default(), true, Duration::from_secs(1));
+    let caches = Caches::new(
+        GivenBack::default(),
+        Some(crate::cache::MAGAZINE_DEPTH),
+        Duration::from_secs(1),
+    );
     let mailboxes: Vec<std::sync::Mutex<Vec<(u64, CacheId)>>> =
         (0..THREADS).map(|_| Default::default()).collect();
     let stop = AtomicBool::new(false);
@@ -202,7 +214,11 @@ fn threads_freeing_each_others_blocks_keep_every_block_in_one_place() {
 /// claim of its cache waited for good.
 #[test]
 fn a_child_forked_as_an_owner_met_the_fork_s_claim_gives_that_owner_s_cache_back() {
-    let caches = Caches::new(GivenBack::default(), true, Duration::from_secs(1));
+    let caches = Caches::new(
+        GivenBack::default(),
+        Some(crate::cache::MAGAZINE_DEPTH),
+        Duration::from_secs(1),
+    );
     let (kept, keep_alive) = (std::sync::Barrier::new(2), std::sync::Barrier::new(2));
     std::thread::scope(|s| {
         let owner = s.spawn(|| {
@@ -230,7 +246,11 @@ fn a_child_forked_as_an_owner_met_the_fork_s_claim_gives_that_owner_s_cache_back
 #[test]
 #[cfg_attr(miri, ignore = "four million yields")]
 fn a_claim_on_a_cache_whose_owner_stopped_on_its_fast_path_ends_stuck() {
-    let caches = Caches::new(GivenBack::default(), true, Duration::from_secs(1));
+    let caches = Caches::new(
+        GivenBack::default(),
+        Some(crate::cache::MAGAZINE_DEPTH),
+        Duration::from_secs(1),
+    );
     let mut mine = caches.mine();
     let id = mine.id();
     // As an owner whose thread stopped mid-path would: in, and never out.

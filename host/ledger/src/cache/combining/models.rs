@@ -24,7 +24,7 @@ impl Books for Count {
 }
 
 fn caches() -> std::sync::Arc<Caches<Count>> {
-    Caches::new(Count::default(), false, Duration::from_secs(1))
+    Caches::new(Count::default(), None, Duration::from_secs(1))
 }
 
 /// Count one request and answer with its place in the order served. It gives way

@@ -19,7 +19,7 @@ impl Books for Tally {
 }
 
 fn caches() -> std::sync::Arc<Caches<Tally>> {
-    Caches::new(Tally::default(), false, Duration::from_secs(1))
+    Caches::new(Tally::default(), None, Duration::from_secs(1))
 }
 
 /// One request: count it, and answer with its place in the order served.
