@@ -30,6 +30,21 @@ pub fn counting_events<R>(prefix: &str, len: u64, done: &AtomicU64, work: impl F
         "{prefix} [{bar:30}] {human_pos}/{human_len} events, {msg}, {eta} left",
         prefix,
     );
+    drawn_while(&bar, work, |bar| {
+        let now = done.load(Ordering::Relaxed).min(len);
+        bar.set_position(now);
+        let rate = now as f64 / bar.elapsed().as_secs_f64().max(1e-9);
+        bar.set_message(format!("{:.1} M/s", rate / 1e6));
+    })
+}
+
+/// Runs `work` while another thread calls `update` on `bar` every [`TICK`]; the bar is
+/// cleared at the end. A hidden bar (standard error is no terminal) costs nothing.
+fn drawn_while<R>(
+    bar: &ProgressBar,
+    work: impl FnOnce() -> R,
+    update: impl Fn(&ProgressBar) + Sync,
+) -> R {
     if bar.is_hidden() {
         return work();
     }
@@ -37,10 +52,7 @@ pub fn counting_events<R>(prefix: &str, len: u64, done: &AtomicU64, work: impl F
     let result = std::thread::scope(|s| {
         s.spawn(|| {
             while !finished.load(Ordering::Relaxed) {
-                let now = done.load(Ordering::Relaxed).min(len);
-                bar.set_position(now);
-                let rate = now as f64 / bar.elapsed().as_secs_f64().max(1e-9);
-                bar.set_message(format!("{:.1} M/s", rate / 1e6));
+                update(bar);
                 std::thread::sleep(TICK);
             }
         });
@@ -61,24 +73,10 @@ pub fn counting_unknown<R>(message: &str, done: &AtomicU64, work: impl FnOnce() 
                 .expect("the templates here are valid"),
         )
         .with_message(message.to_string());
-    if spinner.is_hidden() {
-        return work();
-    }
-    let finished = AtomicBool::new(false);
-    let result = std::thread::scope(|s| {
-        s.spawn(|| {
-            while !finished.load(Ordering::Relaxed) {
-                spinner.set_position(done.load(Ordering::Relaxed));
-                spinner.tick();
-                std::thread::sleep(TICK);
-            }
-        });
-        let result = work();
-        finished.store(true, Ordering::Relaxed);
-        result
-    });
-    spinner.finish_and_clear();
-    result
+    drawn_while(&spinner, work, |spinner| {
+        spinner.set_position(done.load(Ordering::Relaxed));
+        spinner.tick();
+    })
 }
 
 /// Runs `work` under a spinner saying what it does (for work with no count to show).

@@ -60,8 +60,8 @@ impl Beside {
 enum Source<'a> {
     Text(TextEvents<Box<dyn BufRead + 'a>>),
     Binary(Box<BinaryEvents>),
-    /// A form read whole (a PyTorch snapshot, bounded in its size; an RMM log), given
-    /// event by event.
+    /// A form read whole (a PyTorch snapshot, bounded in its size), given event by
+    /// event.
     Loaded(std::vec::IntoIter<Recorded>),
 }
 
@@ -142,10 +142,7 @@ impl<'a> TraceReader<'a> {
         cut_short: Rc<std::cell::Cell<bool>>,
     ) -> Result<Self, TraceError> {
         let mut text = TextEvents::new(input, cut_short);
-        // An RMM log is known by its first line, and read whole.
-        if let Some(trace) = text.rmm()? {
-            return TraceReader::loaded(trace);
-        }
+        text.know_dialect()?;
         Ok(TraceReader::with(Source::Text(text)))
     }
 

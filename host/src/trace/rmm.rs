@@ -6,13 +6,17 @@
 //! Every event is of GPU 0 (a log is one device's resource), a deallocation carries its
 //! stream, threads are numbered from 1 in the order they first appear, blocks by the
 //! order they are made (as the binary reader numbers addresses), and times are
-//! nanoseconds since the first row when the log's times are seconds since the epoch.
+//! nanoseconds since the first row when its time is seconds since the epoch (a later
+//! row whose time is not keeps its predecessor's). Read row by row, holding the live
+//! blocks: a log of any length.
 
 use std::collections::HashMap;
 use std::io::BufRead;
 
+use super::reader::Recorded;
 use super::text::Lines;
-use super::{Event, EventOp, Trace, TraceError, UNKNOWN_ID};
+use super::{Event, EventOp, TraceError, UNKNOWN_ID};
+use crate::fasthash::FastMap;
 
 const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
 
@@ -21,18 +25,55 @@ pub(super) fn is_header(line: &str) -> bool {
     line.trim_start_matches('\u{feff}').replace(' ', "") == HEADER
 }
 
-/// The rows after the header, as a trace of GPU 0's memory.
-pub(super) fn parse<R: BufRead>(lines: &mut Lines<R>) -> Result<Trace, TraceError> {
-    let mut trace = Trace::default();
-    let mut threads: HashMap<u64, u32> = HashMap::new();
-    let mut ids: HashMap<u64, u64> = HashMap::new();
-    let mut next_id = 1;
-    let mut first_time: Option<f64> = None;
-    let mut times_kept = true;
-    while let Some((n, line)) = lines.next_line()? {
-        if line.is_empty() {
-            continue;
+/// The most of the log's threads numbered each on its own; the rest share the last
+/// number (a log of a job's threads has a few dozen).
+const MAX_THREADS: usize = 1 << 16;
+
+/// The rows after the header read one at a time, as events of GPU 0's memory: holding
+/// the live blocks' addresses and the threads' numbers.
+#[derive(Debug)]
+pub(super) struct RmmEvents {
+    threads: HashMap<u64, u32>,
+    ids: FastMap<u64, u64>,
+    next_id: u64,
+    /// The first row's time, when it is seconds since the epoch (as RMM writes them):
+    /// a log whose first time is not has no times.
+    first_time: Option<Option<f64>>,
+    /// The last time given: a row whose time does not read keeps it.
+    time: Option<u64>,
+}
+
+impl Default for RmmEvents {
+    fn default() -> Self {
+        RmmEvents {
+            threads: HashMap::new(),
+            ids: FastMap::default(),
+            next_id: 1,
+            first_time: None,
+            time: None,
         }
+    }
+}
+
+impl RmmEvents {
+    /// The next row's event; `None` at the log's end.
+    pub(super) fn next<R: BufRead>(
+        &mut self,
+        lines: &mut Lines<R>,
+    ) -> Result<Option<Recorded>, TraceError> {
+        while let Some((n, line)) = lines.next_line()? {
+            if line.is_empty() {
+                continue;
+            }
+            if let Some(recorded) = self.row(n, line)? {
+                return Ok(Some(recorded));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Row `n`'s event, `None` for a row that made no block.
+    fn row(&mut self, n: u32, line: &str) -> Result<Option<Recorded>, TraceError> {
         let bad = |message: String| TraceError::Syntax { line: n, message };
         let fields: Vec<&str> = line.split(',').map(str::trim).collect();
         let [thread, time, action, pointer, size, stream] = fields[..] else {
@@ -45,7 +86,7 @@ pub(super) fn parse<R: BufRead>(lines: &mut Lines<R>) -> Result<Trace, TraceErro
             "allocate" => EventOp::Malloc,
             "deallocate" | "free" => EventOp::Free,
             // A failed allocation made no block.
-            "allocate failure" | "allocate_failure" => continue,
+            "allocate failure" | "allocate_failure" => return Ok(None),
             other => {
                 return Err(bad(format!(
                     "`{}` is no action of an RMM log: allocate or deallocate",
@@ -71,41 +112,44 @@ pub(super) fn parse<R: BufRead>(lines: &mut Lines<R>) -> Result<Trace, TraceErro
             number("size", size)?,
             number("stream", stream)?,
         );
-        let count = threads.len() as u32;
-        let thread = *threads.entry(thread).or_insert(count + 1);
+        let count = self.threads.len() as u32;
+        let thread = match self.threads.get(&thread) {
+            Some(&number) => number,
+            None if self.threads.len() < MAX_THREADS => {
+                self.threads.insert(thread, count + 1);
+                count + 1
+            }
+            None => count,
+        };
         let id = match op {
-            EventOp::Free => ids.remove(&pointer).unwrap_or(UNKNOWN_ID),
+            EventOp::Free => self.ids.remove(&pointer).unwrap_or(UNKNOWN_ID),
             _ => {
-                next_id += 1;
-                ids.insert(pointer, next_id - 1);
-                next_id - 1
+                self.next_id += 1;
+                self.ids.insert(pointer, self.next_id - 1);
+                self.next_id - 1
             }
         };
-        // Seconds since the epoch, as RMM writes them; another clock's times are left out.
-        match (time.parse::<f64>(), times_kept) {
-            (Ok(seconds), true) if seconds.is_finite() => {
-                let first = *first_time.get_or_insert(seconds);
-                trace.times.push(((seconds - first).max(0.0) * 1e9) as u64);
-            }
-            _ => {
-                times_kept = false;
-                trace.times.clear();
-            }
+        let seconds = time.parse::<f64>().ok().filter(|s| s.is_finite());
+        if let Some(first) = *self.first_time.get_or_insert(seconds)
+            && let Some(seconds) = seconds
+        {
+            self.time = Some(((seconds - first).max(0.0) * 1e9) as u64);
         }
-        trace.streams.push((op == EventOp::Free).then_some(stream));
-        trace.events.push(Event {
+        let event = Event {
             op,
             id,
             size,
             thread,
             line: n,
             device: Some(0),
-        });
+        };
+        Ok(Some(Recorded {
+            event,
+            time: self.time,
+            site: None,
+            stream: (op == EventOp::Free).then_some(stream),
+        }))
     }
-    if trace.streams.iter().all(Option::is_none) {
-        trace.streams.clear();
-    }
-    Ok(trace)
 }
 
 #[cfg(test)]
@@ -136,6 +180,17 @@ mod tests {
         );
         assert_eq!(trace.times, [0, 250_000_000, 1_000_000_000]);
         assert_eq!(trace.streams, [None, None, Some(0x7f8a_3800_1020)]);
+    }
+
+    #[test]
+    fn times_are_kept_when_the_first_row_s_is_seconds_and_a_row_without_keeps_the_last() {
+        let header = "Thread,Time,Action,Pointer,Size,Stream\n";
+        let rows = "1,100.5,allocate,0x10,8,0\n1,later,allocate,0x20,8,0\n1,101.0,free,0x10,8,0\n";
+        let trace = parse_trace_marked(format!("{header}{rows}").as_bytes()).unwrap();
+        assert_eq!(trace.times, [0, 0, 500_000_000]);
+        let rows = "1,12:00:01,allocate,0x10,8,0\n1,100.5,free,0x10,8,0\n";
+        let trace = parse_trace_marked(format!("{header}{rows}").as_bytes()).unwrap();
+        assert!(trace.times.is_empty(), "another clock's: {:?}", trace.times);
     }
 
     #[test]

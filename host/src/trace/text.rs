@@ -166,6 +166,8 @@ impl<R: BufRead> Lines<R> {
 /// come. Comment lines before the first event are the file's header.
 pub(super) struct TextEvents<R> {
     lines: Lines<R>,
+    /// A log of RMM's logging adaptor, read as its dialect.
+    rmm: Option<super::rmm::RmmEvents>,
     /// The time of the last event that had one: an event without one has it.
     time: Option<u64>,
 }
@@ -176,6 +178,7 @@ impl<R: BufRead> TextEvents<R> {
     pub(super) fn new(input: R, cut_short: Rc<Cell<bool>>) -> Self {
         TextEvents {
             lines: Lines::new(input, cut_short),
+            rmm: None,
             time: None,
         }
     }
@@ -185,22 +188,24 @@ impl<R: BufRead> TextEvents<R> {
         self.lines.cut_short.get()
     }
 
-    /// A log of RMM's logging adaptor (its CSV header first), read whole as its dialect
-    /// (`trace/rmm.rs`); `None`, reading nothing, for any other text.
-    pub(super) fn rmm(&mut self) -> Result<Option<Trace>, TraceError> {
-        let is_rmm = match self.lines.next_line()? {
-            Some((_, first)) => super::rmm::is_header(first),
-            None => return Ok(None),
-        };
-        if !is_rmm {
-            self.lines.again = true;
-            return Ok(None);
+    /// Read the first line: a log of RMM's logging adaptor (its CSV header first) is
+    /// read as its dialect (`trace/rmm.rs`) from here on; any other text's first line
+    /// is read again by [`TextEvents::next`].
+    pub(super) fn know_dialect(&mut self) -> Result<(), TraceError> {
+        if let Some((_, first)) = self.lines.next_line()? {
+            match super::rmm::is_header(first) {
+                true => self.rmm = Some(super::rmm::RmmEvents::default()),
+                false => self.lines.again = true,
+            }
         }
-        super::rmm::parse(&mut self.lines).map(Some)
+        Ok(())
     }
 
     /// The next event, the site records and comments before it put `beside`.
     pub(super) fn next(&mut self, beside: &mut Beside) -> Result<Option<Recorded>, TraceError> {
+        if let Some(rmm) = &mut self.rmm {
+            return rmm.next(&mut self.lines);
+        }
         loop {
             let Some((n, text)) = self.lines.next_line()? else {
                 return Ok(None);
