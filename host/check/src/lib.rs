@@ -12,14 +12,17 @@
 //! case), `strategy` (drawing scripts), `shrink` (shrinking a failing one), `pattern`
 //! (the bytes every block holds), `model` (the live blocks and their bytes), `client`
 //! (one client thread's calls and checks), `runner` (a script against a fresh handler),
-//! `target` (the handlers a check drives), `verdict` (options and findings), `seeds`
-//! (failing seeds kept). Each uses only those after it here (`tests/layers.rs`):
+//! `verdict` (options and findings), `seeds` (failing seeds kept), `build` (an author's
+//! policy crate built for the checker). Each uses only those after it here
+//! (`tests/layers.rs`):
 //!
-//! Module order: `runner` > `client` > `model` > `strategy` > `shrink` > `verdict` > `target` > `pattern` > `script` > `seeds`
+//! Module order: `runner` > `client` > `model` > `strategy` > `shrink` > `verdict` > `pattern` > `script` > `seeds` > `build`
 //!
 //! ```no_run
-//! // In a policy author's own `cargo test`:
-//! allocbox_check::assert_contract("target/wasm32-wasip2/release/my_policy.wasm", &[]);
+//! // In a policy author's own `cargo test` (`tests/contract.rs`):
+//! let wasm = allocbox_check::build_policy(env!("CARGO_MANIFEST_DIR"), env!("CARGO_PKG_NAME"))
+//!     .unwrap_or_else(|e| panic!("{e}"));
+//! allocbox_check::assert_contract(&wasm, &[]);
 //! ```
 
 use std::path::Path;
@@ -32,6 +35,7 @@ use allocbox::Limits;
 use allocbox::LoadError;
 use allocbox::{Policy, Runtime};
 
+mod build;
 mod client;
 mod model;
 mod pattern;
@@ -42,6 +46,7 @@ mod shrink;
 mod strategy;
 mod verdict;
 
+pub use build::{BuildError, build_policy};
 use runner::Subject;
 use script::Case;
 pub use script::{CallPath, Op, SCRIPT_NOTATION, Script};

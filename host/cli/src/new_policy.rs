@@ -273,8 +273,33 @@ const TEMPLATE_LIB: &str = include_str!("../../../guest-handlers/templates/rust/
 /// The toolchain allocbox and its SDK are built and tested with.
 const TOOLCHAIN: &str = include_str!("../../../rust-toolchain.toml");
 
+/// The checker as a new Rust project's dev-dependency: the allocbox checkout this
+/// command was built from, when it is still there; else the repository.
+fn checker_dependency() -> String {
+    let checkout = Path::new(env!("CARGO_MANIFEST_DIR")).join("../check");
+    match checkout.canonicalize() {
+        Ok(path) if path.join("Cargo.toml").is_file() => {
+            format!("{{ path = \"{}\" }}", path.display())
+        }
+        _ => format!("{{ git = \"{}\" }}", env!("CARGO_PKG_REPOSITORY")),
+    }
+}
+
+/// A new Rust project's `cargo test` of the whole contract.
+const CONTRACT_TEST: &str = r#"//! The whole handler contract, checked as a default `allocbox check` checks it: the
+//! policy is built for wasm32-wasip2 first, so the test checks this source.
+
+#[test]
+fn keeps_the_handler_contract() {
+    let wasm = allocbox_check::build_policy(env!("CARGO_MANIFEST_DIR"), env!("CARGO_PKG_NAME"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    allocbox_check::assert_contract(&wasm, &[]);
+}
+"#;
+
 fn rust_project(name: &str) -> Vec<(String, String)> {
     let wasm = rust_wasm_path(name);
+    let checker = checker_dependency();
     let cargo_toml = format!(
         r#"[package]
 name = "{name}"
@@ -289,6 +314,15 @@ crate-type = ["cdylib"]
 [dependencies]
 # The policy SDK, vendored: a trait to implement and an export macro.
 allocbox-policy = {{ path = "allocbox-policy" }}
+
+# `cargo test` checks the whole handler contract (`tests/contract.rs`) with allocbox's
+# checker, built for this machine the first time (several minutes: wasmtime).
+[dev-dependencies]
+allocbox-check = {checker}
+
+# The checker runs thousands of cases: its code optimised, as in allocbox's own tests.
+[profile.dev.package."*"]
+opt-level = 2
 
 # Small and fast: one codegen unit, whole-program LTO, no unwinding machinery. Debug
 # info goes; the name section (function names in a trap's backtrace) and the producers
@@ -359,16 +393,18 @@ mod tests {{
 }}
 ```
 
-The whole contract is tested from the host side: a test crate with a dev-dependency on
-`allocbox-check` (a path or git dependency on an allocbox checkout, crate
-`host/check`) runs, after the build,
+`cargo test` also checks the whole contract (`tests/contract.rs`), as a default
+`allocbox check` does (the same depth, counted in cases, from a fixed seed): it builds the
+policy for wasm32-wasip2 into `target/contract/`, then
 
 ```rust
-#[test]
-fn keeps_the_handler_contract() {{
-    allocbox_check::assert_contract("{wasm}", &[]);
-}}
+allocbox_check::assert_contract(&wasm, &[]);
 ```
+
+panics with the broken rule and the shrunk script if any rule breaks. `allocbox-check` is
+a dev-dependency on the allocbox checkout this project was made from (`Cargo.toml`; a
+`git` dependency on its repository works as well); the first `cargo test` builds it,
+wasmtime and all, which takes several minutes.
 
 ## Layout
 
@@ -382,6 +418,7 @@ fn keeps_the_handler_contract() {{
         ("Cargo.toml".to_string(), cargo_toml),
         ("src/lib.rs".to_string(), TEMPLATE_LIB.to_string()),
         ("rust-toolchain.toml".to_string(), toolchain),
+        ("tests/contract.rs".to_string(), CONTRACT_TEST.to_string()),
         ("README.md".to_string(), readme),
         (".gitignore".to_string(), "/target\n".to_string()),
     ];

@@ -218,6 +218,28 @@ fn the_rust_readme_names_the_checker_as_the_main_readme_does() {
     assert!(main.contains("allocbox_check::assert_contract("));
 }
 
+/// A new Rust project's `cargo test` builds the policy and checks the whole contract:
+/// the test is there and the checker is its dev-dependency.
+#[test]
+fn a_new_rust_project_checks_its_contract_in_its_own_cargo_test() {
+    let files = rust_project("probe");
+    let file = |name: &str| {
+        &files
+            .iter()
+            .find(|(f, _)| f == name)
+            .unwrap_or_else(|| panic!("no {name}"))
+            .1
+    };
+    let test = file("tests/contract.rs");
+    assert!(test.contains("allocbox_check::build_policy(env!(\"CARGO_MANIFEST_DIR\")"));
+    assert!(test.contains("allocbox_check::assert_contract(&wasm, &[])"));
+    let cargo = file("Cargo.toml");
+    assert!(
+        cargo.contains("[dev-dependencies]\nallocbox-check = { path = \""),
+        "{cargo}"
+    );
+}
+
 /// A file added to the SDK's sources is vendored into every new Rust project: the
 /// project builds only with all of them.
 #[test]
