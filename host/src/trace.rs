@@ -1,10 +1,13 @@
-//! Allocation traces, read in either form here: the text form of
-//! `shared/traces/README.md` (`op id size thread`, one event a line, `trace/text.rs`);
-//! the binary form recordings write (`trace/binary.rs`); any handler's calls watched
+//! Allocation traces: read event by event in any form through one reader
+//! (`trace/reader.rs`, holding what the program held at once, never the whole trace):
+//! the text form of `shared/traces/README.md` (`op id size thread`, one event a line,
+//! `trace/text.rs`, and RMM's log, `trace/rmm.rs`), the binary form recordings write
+//! (`trace/binary.rs`), a PyTorch snapshot (`trace/torch_snapshot.rs`); written in
+//! either form through one sink (`trace/write.rs`); any handler's calls watched
 //! (`trace/watched.rs`) and recorded (`trace/record.rs`); a trace replayed through any
 //! handler, naming the event that fails (`trace/replay.rs`); [`timeline`], which
-//! replays one for a report, event by event; and [`by_site`], its live bytes by the
-//! program's line.
+//! replays one for a report, event by event, its times counted in bounded memory
+//! (`trace/latency.rs`); and [`by_site`], its live bytes by the program's line.
 
 mod binary;
 pub mod by_site;

@@ -837,3 +837,65 @@ fn assert_contract_checks_as_deep_as_a_default_check_counted_in_cases() {
     assert!(report.cases >= 1000, "{} cases", report.cases);
     allocbox_check::assert_contract(allocbox_artifacts::SIZE_CLASSES.path(), &[]);
 }
+
+/// Issue 60: a policy that lends no freed block again until a trim breaks no rule, but a
+/// program that never trims grows without bound under it. `check` passes it and says
+/// so, beside what it held against its client's bytes; a policy that reuses is not
+/// warned of.
+#[test]
+fn a_policy_that_reuses_nothing_until_trimmed_passes_with_a_warning_that_it_grows() {
+    let options = CheckOptions {
+        cases: 64,
+        rounds: Some(4),
+        ..options()
+    };
+    let broken = load(&allocbox_artifacts::BROKEN);
+    let hoarding = check::check(
+        Runtime::shared(),
+        &broken,
+        &[("fault", "never-reuses")],
+        &options,
+    )
+    .unwrap();
+    assert!(hoarding.passed(), "{:?}", hoarding.failure);
+    let held = hoarding.holdings;
+    assert!(held.grows_between_trims(), "{held:?}");
+    let (most, client) = held.most_beyond.expect("sampled");
+    assert!(most > client, "{held:?}");
+    let reusing = check::check(
+        Runtime::shared(),
+        &load(&allocbox_artifacts::SIZE_CLASSES),
+        &[],
+        &options,
+    )
+    .unwrap();
+    assert!(reusing.passed());
+    assert!(
+        !reusing.holdings.grows_between_trims(),
+        "{:?}",
+        reusing.holdings
+    );
+    assert!(reusing.holdings.stretches > 0, "{:?}", reusing.holdings);
+    // The command says both, beside its verdict.
+    let dir = tempdir("never-reuses");
+    let wasm = allocbox_artifacts::BROKEN.path().to_string();
+    let (code, out) = allocbox_cli(
+        &[
+            "check",
+            &wasm,
+            "-c",
+            "fault=never-reuses",
+            "--cases",
+            "256",
+            "--seed",
+            "1",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("  held: at most "), "{out}");
+    assert!(
+        out.contains("warning: between trims it kept nearly every byte its client freed"),
+        "{out}"
+    );
+}

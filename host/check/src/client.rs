@@ -8,6 +8,7 @@ use allocbox::gpu::Placement;
 use allocbox::{Adversary, Error, Rule, WasmHook};
 use allocbox_ledger::fasthash::FastMap;
 
+use super::holdings::Holdings;
 use super::model::Live;
 use super::pattern::PERIOD;
 use super::script::{BlockId, Op};
@@ -69,6 +70,14 @@ pub(super) struct Client<'h> {
     /// Where the rotating look at live blocks goes on from.
     pub(super) next_look: usize,
     pub(super) ran: Vec<Op>,
+    /// Bytes the client was lent since the last trim (blocks made, and blocks resized,
+    /// at their new size).
+    asked: u64,
+    /// Bytes the client freed since the last trim.
+    freed: u64,
+    /// What the policy held beside this client's bytes, sampled before each trim (one
+    /// client thread's cases only: the handler's holdings are every thread's).
+    pub(super) holdings: Holdings,
 }
 
 // SAFETY: the raw block pointers are owned by this client alone (each thread has its own
@@ -93,6 +102,9 @@ impl<'h> Client<'h> {
             next_phase: thread * 67,
             next_look: 0,
             ran: Vec::new(),
+            asked: 0,
+            freed: 0,
+            holdings: Holdings::default(),
         }
     }
 
@@ -142,6 +154,7 @@ impl<'h> Client<'h> {
         };
         let phase = self.phase();
         block.fill(phase);
+        self.asked += size as u64;
         self.named.insert(name, self.live.len());
         self.live.push(block);
     }
@@ -149,6 +162,19 @@ impl<'h> Client<'h> {
     /// Where the block named `name` is in `live`, if it is live.
     fn slot(&self, name: BlockId) -> Option<usize> {
         self.named.get(&name).copied()
+    }
+
+    /// What the policy holds beside this client's bytes now, when this is the case's
+    /// one client thread; the stretch since the last trim ends here.
+    pub(super) fn sample_holdings(&mut self) {
+        if self.mailboxes.len() != 1 {
+            return;
+        }
+        if let Ok((_, held)) = self.handler.held_from_host() {
+            let live = self.live.iter().map(|b| b.size as u64).sum();
+            self.holdings.sample(held, live, self.asked, self.freed);
+        }
+        (self.asked, self.freed) = (0, 0);
     }
 
     /// Run one operation; an operation on a block that is not live is skipped (and not
@@ -225,6 +251,7 @@ impl<'h> Client<'h> {
                             }));
                         }
                         self.live[slot] = moved;
+                        self.asked += size;
                         let phase = self.phase();
                         self.live[slot].fill(phase);
                     }
@@ -259,6 +286,7 @@ impl<'h> Client<'h> {
             }
             Op::Trim => {
                 self.ran.push(Op::Trim);
+                self.sample_holdings();
                 h.trim().map_err(err)?;
                 // What a policy gives back must not be under a live block.
                 for block in &self.live {
@@ -283,6 +311,7 @@ impl<'h> Client<'h> {
             );
         }
         let block = self.forget(slot);
+        self.freed += block.size as u64;
         self.give_back(&block)
     }
 

@@ -12,11 +12,12 @@
 //! case), `strategy` (drawing scripts), `shrink` (shrinking a failing one), `pattern`
 //! (the bytes every block holds), `model` (the live blocks and their bytes), `client`
 //! (one client thread's calls and checks), `runner` (a script against a fresh handler),
-//! `verdict` (options and findings), `seeds` (failing seeds kept), `build` (an author's
+//! `verdict` (options and findings), `holdings` (what the policy held beside its
+//! client's bytes), `seeds` (failing seeds kept), `build` (an author's
 //! policy crate built for the checker). Each uses only those after it here
 //! (`tests/layers.rs`):
 //!
-//! Module order: `runner` > `client` > `model` > `strategy` > `shrink` > `verdict` > `pattern` > `script` > `seeds` > `build`
+//! Module order: `runner` > `client` > `model` > `strategy` > `shrink` > `verdict` > `holdings` > `pattern` > `script` > `seeds` > `build`
 //!
 //! ```no_run
 //! // In a policy author's own `cargo test` (`tests/contract.rs`):
@@ -37,6 +38,7 @@ use allocbox::{Policy, Runtime};
 
 mod build;
 mod client;
+mod holdings;
 mod model;
 mod pattern;
 mod runner;
@@ -47,6 +49,7 @@ mod strategy;
 mod verdict;
 
 pub use build::{BuildError, build_policy};
+pub use holdings::{Holdings, REUSE_SPAN};
 use runner::Subject;
 use script::Case;
 pub use script::{CallPath, Op, SCRIPT_NOTATION, Script};
@@ -285,6 +288,7 @@ pub fn check(
             .ungranted
             .into_inner()
             .unwrap_or_else(|p| p.into_inner()),
+        holdings: (subject.tally.holdings.into_inner()).unwrap_or_else(|p| p.into_inner()),
         failure,
         shrink_stopped_early,
         time_to_failure,

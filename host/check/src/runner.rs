@@ -10,6 +10,7 @@ use allocbox::{Adversary, DeviceHandler, Handler, HandlerBuilder, Limits, LoadEr
 use allocbox::{Policy, Runtime, ShardedHandler, WasmHook};
 
 use super::client::{Client, Mailboxes};
+use super::holdings::Holdings;
 use super::script::{CallPath, Case, Op, Script};
 use super::verdict::{Finding, Tally};
 use allocbox::PolicyHandler;
@@ -193,6 +194,11 @@ impl Subject<'_> {
             self.tally.waited.fetch_add(1, Ordering::Relaxed);
         }
         for (thread, ran) in results.into_iter().enumerate() {
+            self.tally
+                .holdings
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .merge(ran.holdings);
             turns.extend(ran.tickets.iter().map(|&ticket| (ticket, thread)));
             script.threads.push(ran.ops);
             finding = finding.or(ran.finding);
@@ -250,6 +256,8 @@ pub(super) struct Ran {
     unfinished: bool,
     /// A call waited past its limit behind other client threads' calls.
     waited: bool,
+    /// What the policy held beside this thread's bytes ([`Client::holdings`]).
+    holdings: Holdings,
 }
 
 /// [`allocbox::Error::kind`] of a call that waited for other threads' calls past its
@@ -275,6 +283,7 @@ pub(super) fn run_client(
                 finding: None,
                 unfinished: true,
                 waited: false,
+                holdings: Holdings::default(),
             };
         }
         let ticket = clock.fetch_add(1, Ordering::Relaxed);
@@ -290,6 +299,8 @@ pub(super) fn run_client(
     }
     let mut unfinished = false;
     if finding.is_none() {
+        // The case's end is where a trim would come next.
+        client.sample_holdings();
         match client.free_all_by(deadline) {
             Ok(all) => unfinished = !all,
             Err(found) => finding = Some(found),
@@ -305,6 +316,7 @@ pub(super) fn run_client(
             finding: None,
             unfinished: true,
             waited,
+            holdings: Holdings::default(),
         };
     }
     // After a failure the rest are released host-side, so nothing leaks here either.
@@ -317,6 +329,7 @@ pub(super) fn run_client(
         finding,
         unfinished,
         waited,
+        holdings: client.holdings,
     }
 }
 

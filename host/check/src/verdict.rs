@@ -9,6 +9,7 @@ use std::time::Duration;
 use allocbox::mapped::KindGrant;
 use allocbox::{Adversary, Error, Limits, Rule, WasmHook};
 
+use super::holdings::Holdings;
 use super::script::Script;
 
 /// A broken rule, found by running a script.
@@ -201,6 +202,9 @@ pub struct CheckReport {
     /// ([`allocbox::Grants::memory`]), by kind, over every case: the paths that would have used
     /// them ran only as refusals, untested.
     pub ungranted: Vec<(KindGrant, u64)>,
+    /// What the policy held from the host beside its client's bytes, before each trim
+    /// and at each case's end, over the cases of one client thread.
+    pub holdings: Holdings,
     /// The first broken rule, with the shrunk script that shows it.
     pub failure: Option<(Finding, Script)>,
     /// Shrinking the failure ran out of time ([`CheckOptions::shrink_time`]): the script
@@ -259,6 +263,8 @@ pub(super) struct Tally {
     /// The fewest instances a `per-thread` case started: fewer than its threads when
     /// the guest memory budget split further leaves an instance too little to start in.
     pub(super) fewest_instances: std::sync::Mutex<Option<usize>>,
+    /// What the policy held beside its client's bytes ([`CheckReport::holdings`]).
+    pub(super) holdings: std::sync::Mutex<Holdings>,
 }
 
 impl Tally {

@@ -166,6 +166,7 @@ fn text_report(
                 counter_list(&report.counters, report.counters_left_out)
             );
         }
+        out += &held_lines(&report.holdings);
         out += &not_tested(report);
         return out;
     };
@@ -192,6 +193,33 @@ fn text_report(
     }
     out += &format!("  ({totals}, shrinking included)\n");
     out += &not_tested(report);
+    out
+}
+
+/// What the policy held beside its client's bytes, and a warning when it reused none of
+/// what was freed between trims.
+fn held_lines(holdings: &check::Holdings) -> String {
+    let Some((held, live)) = holdings.most_beyond else {
+        return String::new();
+    };
+    let bytes = crate::report::bytes;
+    let mut out = format!(
+        "  held: at most {} beyond its client's bytes, before a trim or at a case's end ({} \
+         from the host while the client held {})\n",
+        bytes(held.saturating_sub(live)),
+        bytes(held),
+        bytes(live)
+    );
+    if holdings.grows_between_trims() {
+        out += &format!(
+            "  warning: between trims it kept nearly every byte its client freed ({n} of {n} \
+             stretches of {} or more freed): freed blocks are not lent again until a trim, \
+             so a program that never trims grows without bound under it (no rule is \
+             broken)\n",
+            bytes(check::REUSE_SPAN),
+            n = holdings.stretches,
+        );
+    }
     out
 }
 
@@ -288,6 +316,10 @@ fn json_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> serde
         "seed": report.seed,
         "budget_refusals": report.budget_refusals,
         "budget_refusals_held": report.budget_refusals_held,
+        "held_most_beyond_client": report.holdings.most_beyond.map(|(held, live)| {
+            serde_json::json!({"held": held, "client": live})
+        }),
+        "grows_between_trims": report.holdings.grows_between_trims(),
         "injected_refusals": report.injected_refusals,
         "cross_thread_frees": report.cross_thread_frees,
         "instances_shared": report.instances_shared,

@@ -4,8 +4,10 @@
 //! Where each part lives: `grammar` (every subcommand's clap definition), `run_command`
 //! (`run`'s arguments parsed for the Python package, which runs the program),
 //! `check_command` (`check`, `replay`), `trace_command` (`replay-trace`, `report`),
-//! `convert` (`trace-convert`), `inspect`, `new_policy` (`allocbox new`), `named`
-//! (policies and hooks named on the command line), `report` (the HTML page), `progress`,
+//! `device_report` (a report's GPU parts), `convert` (`trace-convert`), `inspect`,
+//! `new_policy` (`allocbox new`), `named` (policies and hooks named on the command line),
+//! `survey` (a trace read in passes: the first, then one per replay), `report` (the HTML
+//! page), `progress`,
 //! `outcome` (exit status and printing), `arguments` (the values options take). Each
 //! uses only those after it here (`tests/layers.rs`):
 //!

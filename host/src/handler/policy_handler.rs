@@ -47,9 +47,15 @@ pub trait PolicyHandler: MemHandler {
     fn block_size(&self, ptr: NonNull<u8>) -> Option<usize>;
     /// Misuse by the client that the policies reported since this was last asked.
     fn take_client_misuse(&self) -> Result<Vec<ClientMisuse>, Error>;
+    /// What the chains hold from the host's memory, `(blocks, bytes)`, regions mapped
+    /// included: beside the client's bytes, what the policies keep.
+    fn held_from_host(&self) -> Result<(usize, u64), Error>;
 }
 
 impl PolicyHandler for Handler {
+    fn held_from_host(&self) -> Result<(usize, u64), Error> {
+        Handler::held_from_host(self)
+    }
     fn placement(&self) -> Placement {
         Handler::placement(self)
     }
@@ -133,6 +139,9 @@ impl MemHandler for DeviceHandler {
 }
 
 impl PolicyHandler for DeviceHandler {
+    fn held_from_host(&self) -> Result<(usize, u64), Error> {
+        self.handler().held_from_host()
+    }
     fn placement(&self) -> Placement {
         self.handler().placement()
     }

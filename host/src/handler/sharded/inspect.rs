@@ -53,6 +53,15 @@ impl PolicyHandler for ShardedHandler {
         self.started().try_for_each(Handler::trim)
     }
 
+    /// Every chain's, summed.
+    fn held_from_host(&self) -> Result<(usize, u64), Error> {
+        self.reachable()?;
+        self.started().try_fold((0, 0), |(blocks, bytes), shard| {
+            let (b, n) = shard.held_from_host()?;
+            Ok((blocks + b, bytes + n))
+        })
+    }
+
     /// [`Handler::leak_check`] of every shard, after every queued free was given back.
     fn leak_check(&self) -> Result<(), Error> {
         self.reachable()?;
