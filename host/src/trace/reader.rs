@@ -205,8 +205,10 @@ impl<'a> TraceReader<'a> {
             site_table: beside.site_table,
             ..Trace::default()
         };
-        if let Source::Text(text) = &self.source {
-            trace.cut_short |= text.cut_short();
+        match &self.source {
+            Source::Text(text) => trace.cut_short |= text.cut_short(),
+            Source::Binary(binary) => trace.cut_short |= binary.cut_short(),
+            Source::Loaded(_) => {}
         }
         trace.marks = std::mem::take(&mut beside.marks);
         trace.marks_left_out = beside.keeper.marks_left_out();

@@ -508,6 +508,11 @@ impl BinaryEvents {
         }
     }
 
+    /// Whether the stream ended before its trace's end (a killed recording).
+    pub(crate) fn cut_short(&self) -> bool {
+        self.cut_short
+    }
+
     /// The next event in the recording's order; `None` at the end.
     pub(crate) fn next(&mut self, beside: &mut Beside) -> Result<Option<Recorded>, TraceError> {
         beside.cut_short |= self.cut_short;
