@@ -128,6 +128,84 @@ fn streams(trace: &Trace) -> Vec<Option<u64>> {
         .collect()
 }
 
+/// `trace` written as a recording writes it, but each thread's chunk ended every `per`
+/// calls, and the chunks of different threads in the file in an order drawn from
+/// `order` (each thread's own in order): a file far out of the recording's order.
+fn scattered(trace: &Trace, per: usize, order: &[bool]) -> Vec<u8> {
+    let flags = if trace.times.is_empty() { 0 } else { TIMES }
+        | if trace.sites.is_empty() { 0 } else { SITES };
+    let mut encoders: std::collections::BTreeMap<u32, (ChunkEncoder, usize)> = Default::default();
+    let mut chunks: std::collections::BTreeMap<u32, Vec<Vec<u8>>> = Default::default();
+    let mut marks = trace.marks.iter().peekable();
+    for (at, event) in trace.events.iter().enumerate() {
+        let seq = 4 * at as u64 + 4;
+        let (encoder, calls) = encoders
+            .entry(event.thread)
+            .or_insert_with(|| (ChunkEncoder::new(event.thread, flags), 0));
+        while let Some(mark) = marks.next_if(|m| m.at <= at as u64) {
+            encoder.mark(seq - 3, &mark.text);
+        }
+        let (old, new) = match event.op {
+            EventOp::Malloc | EventOp::Calloc => (0, event.id),
+            EventOp::Realloc => (event.id, event.id),
+            EventOp::Free => (event.id, 0),
+        };
+        encoder.call(Call {
+            op: event.op,
+            seq: seq - 2,
+            done: seq - 1,
+            old,
+            new,
+            size: event.size,
+            time: trace.times.get(at).copied().unwrap_or(0),
+            site: trace
+                .sites
+                .get(at)
+                .and_then(|n| trace.site_table.get(n))
+                .cloned(),
+            device: event.device,
+            stream: trace.streams.get(at).copied().flatten(),
+        });
+        *calls += 1;
+        if *calls == per {
+            *calls = 0;
+            chunks
+                .entry(event.thread)
+                .or_default()
+                .extend(encoder.take());
+        }
+    }
+    for (thread, (mut encoder, _)) in encoders {
+        chunks.entry(thread).or_default().extend(encoder.take());
+    }
+    // Marks after the last event: on a chunk of their own.
+    if marks.peek().is_some() {
+        let mut encoder = ChunkEncoder::new(1, flags);
+        for mark in marks {
+            encoder.mark(4 * trace.events.len() as u64 + 1, &mark.text);
+        }
+        chunks.entry(u32::MAX).or_default().extend(encoder.take());
+    }
+    let mut queues: Vec<std::collections::VecDeque<Vec<u8>>> =
+        chunks.into_values().map(Into::into).collect();
+    let mut bytes = header(flags).to_vec();
+    let mut stream = compressor(&mut bytes).unwrap();
+    let mut draw = order.iter().cycle();
+    while queues.iter().any(|q| !q.is_empty()) {
+        // Each thread's next chunk waits or goes, as drawn; one always goes.
+        let mut went = false;
+        for queue in queues.iter_mut() {
+            if !queue.is_empty() && (*draw.next().unwrap_or(&true) || !went) {
+                stream.write_all(&queue.pop_front().unwrap()).unwrap();
+                went = true;
+            }
+        }
+    }
+    stream.write_all(&END).unwrap();
+    stream.finish().unwrap();
+    bytes
+}
+
 proptest! {
     #[test]
     fn a_trace_written_binary_reads_back_with_every_event_mark_time_and_site(trace in traces()) {
@@ -573,5 +651,33 @@ fn the_documented_tables_name_every_item_and_field_a_writer_writes() {
             page.contains(&format!("`{key}")),
             "field `{key}` is not described"
         );
+    }
+}
+
+proptest! {
+    /// Read from a file, chunks far out of order are put back in order by the decoders
+    /// that read ahead, as when the whole file is held.
+    #[test]
+    fn a_file_whose_chunks_are_scattered_reads_as_the_trace_it_was(
+        trace in traces(),
+        per in 1usize..8,
+        order in proptest::collection::vec(any::<bool>(), 1..16),
+    ) {
+        let bytes = scattered(&trace, per, &order);
+        let held = read_binary(&bytes).unwrap();
+        let path = std::env::temp_dir().join(format!(
+            "allocbox-scattered-{}-{:?}.abt",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::write(&path, &bytes).unwrap();
+        let read = TraceReader::open(&path).and_then(TraceReader::read_all);
+        std::fs::remove_file(&path).unwrap();
+        let read = read.unwrap();
+        prop_assert_eq!(calls(&read), calls(&trace));
+        prop_assert_eq!(&read.events, &held.events);
+        prop_assert_eq!(&read.marks, &trace.marks);
+        prop_assert_eq!(&read.times, &trace.times);
+        prop_assert_eq!(streams(&read), streams(&trace));
     }
 }
