@@ -31,6 +31,12 @@ pub(crate) fn is_binary(input: &mut impl BufRead) -> io::Result<bool> {
 /// again from the file's start (time, not memory).
 const MAX_DECODERS: usize = 16;
 
+/// How many times over the decoders may read a file's chunks in all: a recording's
+/// file is read about twice (once in order, once ahead for the chunks of threads that
+/// waited). A file whose chunks run against the recording's order (the last written
+/// first, and so on) would otherwise be read once for each of its chunks.
+const MAX_READS_OVER: u64 = 32;
+
 /// The most bytes of chunks held at once: the chunks of every thread writing at one
 /// point of the recording, far below this for any program; a file whose chunks all
 /// overlap (not a recorder's) is refused here rather than held whole.
@@ -71,6 +77,8 @@ enum Chunks {
     File {
         file: Arc<File>,
         cursors: Vec<FileCursor>,
+        /// Bytes of chunks the decoders may still read ([`MAX_READS_OVER`]).
+        left: u64,
     },
     /// A trace read from a stream that cannot be read twice: its chunks held, as many
     /// as it has.
@@ -80,9 +88,13 @@ enum Chunks {
 impl Chunks {
     /// Chunk `index`'s bytes.
     fn read(&mut self, index: usize) -> Result<Vec<u8>, TraceError> {
-        let (file, cursors) = match self {
+        let (file, cursors, left) = match self {
             Chunks::Held(chunks) => return Ok(std::mem::take(&mut chunks[index])),
-            Chunks::File { file, cursors } => (file, cursors),
+            Chunks::File {
+                file,
+                cursors,
+                left,
+            } => (file, cursors, left),
         };
         // The decoder furthest on that has not passed it; a new one if none.
         let found = cursors
@@ -116,6 +128,13 @@ impl Chunks {
             let number = cursor.next as u64 + 1;
             let (_, length) = read_frame(&mut cursor.stream, number, &mut false)?
                 .ok_or_else(|| chunk_error(number, "the file changed while it was read"))?;
+            *left = left.checked_sub(length as u64 + 2).ok_or_else(|| {
+                format_error(&format!(
+                    "the file's chunks run against the order of its calls past what a \
+                     recorder writes: putting them in order would read the file more than \
+                     {MAX_READS_OVER} times over (is this file a recording?)"
+                ))
+            })?;
             bytes.resize(length, 0);
             cursor.stream.read_exact(&mut bytes)?;
             cursor.next += 1;
@@ -445,10 +464,14 @@ impl BinaryEvents {
         let file = Arc::new(file);
         let (flags, mut stream) = decoder(file.clone())?;
         let mut cut_short = false;
-        let infos = index(&mut stream, &mut cut_short, |_, _| ())?;
+        let mut bytes = 0u64;
+        let infos = index(&mut stream, &mut cut_short, |_, chunk| {
+            bytes += chunk.len() as u64 + 2;
+        })?;
         let chunks = Chunks::File {
             file,
             cursors: Vec::new(),
+            left: bytes.saturating_mul(MAX_READS_OVER).saturating_add(1 << 20),
         };
         Ok(BinaryEvents::with(flags, chunks, infos, cut_short))
     }

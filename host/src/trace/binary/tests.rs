@@ -357,6 +357,45 @@ fn a_thread_s_early_chunk_written_last_is_read_first_holding_only_the_chunks_tha
     );
 }
 
+/// A file whose chunks run against the order of their calls (the last written holds the
+/// first call, and so on) would take a decoder restarted from the file's start for each
+/// chunk: the time of its size squared. It is refused once the decoders have read it 32
+/// times over, in a line.
+#[test]
+fn a_file_of_chunks_in_reverse_order_is_refused_within_a_bounded_reading() {
+    let chunks = 2000u64;
+    let path = std::env::temp_dir().join(format!("allocbox-reversed-{}.abt", std::process::id()));
+    let mut file = std::fs::File::create(&path).unwrap();
+    file.write_all(&header(0)).unwrap();
+    let mut stream = compressor(file).unwrap();
+    for at in 0..chunks {
+        let thread = at as u32 + 1;
+        let mut encoder = ChunkEncoder::new(thread, 0);
+        encoder.call(Call {
+            op: EventOp::Malloc,
+            seq: 2 * (chunks - at),
+            done: 2 * (chunks - at),
+            old: 0,
+            new: 0x1000 * (at + 1),
+            size: 8,
+            time: 0,
+            site: None,
+            device: None,
+            stream: None,
+        });
+        stream.write_all(&encoder.take().unwrap()).unwrap();
+    }
+    stream.write_all(&END).unwrap();
+    stream.finish().unwrap();
+    let read = TraceReader::open(&path).and_then(TraceReader::read_all);
+    std::fs::remove_file(&path).unwrap();
+    let error = read.unwrap_err().to_string();
+    assert!(
+        error.contains("more than 32 times over") && !error.contains('\n'),
+        "{error}"
+    );
+}
+
 #[test]
 fn a_recording_cut_short_reads_up_to_its_last_whole_chunk_and_says_so() {
     let mut trace = Trace::default();
