@@ -650,7 +650,7 @@ fn a_trace_naming_more_gpus_than_a_report_draws_is_refused_in_one_line() {
     );
     assert_eq!(code, 2, "{out}");
     assert!(
-        out.contains("names 65 GPUs, past the 64 a report draws"),
+        out.contains("names more than 64 GPUs, past the 64 a command reads"),
         "{out}"
     );
 }

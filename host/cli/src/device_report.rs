@@ -13,15 +13,12 @@ use allocbox::mapped::KindGrant;
 use allocbox::trace::leak_after_replay;
 use allocbox::trace::timeline::{Replayed, Timeline, chain_held, timeline_counted};
 use allocbox::{HandlerBuilder, Limits, Runtime, WasmHook};
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 
 use crate::named::{hook_report, load_hook, observed};
 use crate::progress;
 use crate::report::{self, Memory};
 use crate::survey::Survey;
-
-/// The most GPUs a report draws a part for: each is a replay of its own per policy.
-const MAX_GPUS: usize = 64;
 
 /// What the device policies of a report are and the GPU they run on.
 pub(crate) struct DevicePolicies {
@@ -77,16 +74,9 @@ pub(crate) fn gpu_parts(
     hook: Option<&Path>,
     limits: &Limits,
 ) -> Result<Vec<GpuPart>> {
+    // At most `survey::MAX_GPUS`: the survey refuses a trace naming more.
     let gpus = found.gpus();
     let trace_name = found.path.clone();
-    if gpus.len() > MAX_GPUS {
-        bail!(
-            "{} names {} GPUs, past the {MAX_GPUS} a report draws (a machine has far fewer: \
-             is this file a trace?)",
-            trace_name.display(),
-            gpus.len()
-        );
-    }
     let mut parts = Vec::new();
     for gpu in gpus {
         // The program's lines behind the GPU's bytes, when the recording says which.
@@ -114,7 +104,7 @@ pub(crate) fn gpu_parts(
         let part = report::render_part(
             &name,
             &timelines,
-            &placement.marks,
+            &found.marks(Some(gpu)),
             &recorded,
             Memory::Gpu(gpu),
         );
@@ -153,8 +143,8 @@ fn gpu_timeline(
         .with_context(|| format!("device policy `{policy}`"))?;
     let done = AtomicU64::new(0);
     let label = format!("GPU {gpu}: {policy}");
-    let placement = &found.placements[&Some(gpu)];
-    let len = placement.events;
+    let len = found.placements[&Some(gpu)].events;
+    let marks = found.marks(Some(gpu));
     let mut pass = found.pass(Some(gpu))?;
     let mut timeline = progress::counting_events(&label, len, &done, || {
         observed(&handler, hook, |watched| {
@@ -162,7 +152,7 @@ fn gpu_timeline(
             let replayed = Replayed {
                 events: pass.events(),
                 len,
-                marks: &placement.marks,
+                marks: &marks,
             };
             timeline_counted(policy, watched, held, replayed, &done)
         })

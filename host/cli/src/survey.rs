@@ -15,6 +15,10 @@ use anyhow::{Context, Result};
 use crate::progress;
 use crate::report::TimeAxis;
 
+/// The most GPUs a trace may name: each is a part of a report, replayed per policy, and
+/// a survey keeps each one's counts and marks (a machine has far fewer).
+pub(crate) const MAX_GPUS: usize = 64;
+
 /// The most threads counted one by one; past them, "at least".
 const MAX_THREADS_COUNTED: usize = 1 << 16;
 
@@ -22,8 +26,9 @@ const MAX_THREADS_COUNTED: usize = 1 << 16;
 #[derive(Debug, Default)]
 pub(crate) struct Placement {
     pub(crate) events: u64,
-    /// The trace's marks, each where it falls among this placement's events.
-    pub(crate) marks: Vec<Mark>,
+    /// Where each of the trace's marks falls among this placement's events (its text is
+    /// the trace's, kept once: [`Survey::marks`]).
+    mark_at: Vec<u64>,
     pub(crate) times: TimeAxis,
     threads: HashSet<u32>,
     last_thread: Option<u32>,
@@ -74,6 +79,20 @@ impl Survey {
         self.placements
             .get(&None)
             .unwrap_or_else(|| EMPTY.get_or_init(Placement::default))
+    }
+
+    /// The trace's marks, each where it falls among `placement`'s events.
+    pub(crate) fn marks(&self, placement: Option<u16>) -> Vec<Mark> {
+        let at = self
+            .placements
+            .get(&placement)
+            .map_or(&[][..], |p| &p.mark_at[..]);
+        (self.trace.marks.iter().zip(at))
+            .map(|(mark, &at)| Mark {
+                at,
+                text: mark.text.clone(),
+            })
+            .collect()
     }
 
     /// The GPUs whose memory the trace has events of, in order.
@@ -181,18 +200,26 @@ fn first_pass(path: &Path, done: &AtomicU64) -> Result<Survey, TraceError> {
         placements: &mut BTreeMap<Option<u16>, Placement>,
         marks_placed: &mut usize,
     ) {
-        for mark in &reader.marks()[*marks_placed..] {
-            for placement in placements.values_mut() {
-                placement.marks.push(Mark {
-                    at: placement.events,
-                    text: mark.text.clone(),
-                });
-            }
+        let new = reader.marks().len() - *marks_placed;
+        for placement in placements.values_mut() {
+            let at = placement.events;
+            placement.mark_at.extend(std::iter::repeat_n(at, new));
         }
         *marks_placed = reader.marks().len();
     }
     while let Some(recorded) = reader.next_event()? {
         place_marks(&reader, &mut placements, &mut marks_placed);
+        let gpus = placements.keys().filter(|p| p.is_some()).count();
+        if recorded.event.device.is_some()
+            && !placements.contains_key(&recorded.event.device)
+            && gpus >= MAX_GPUS
+        {
+            return Err(TraceError::Format(format!(
+                "{} names more than {MAX_GPUS} GPUs, past the {MAX_GPUS} a command reads (a \
+                 machine has far fewer: is this file a trace?)",
+                path.display()
+            )));
+        }
         if left_out_at.is_none() && reader.marks_left_out() > 0 {
             left_out_at = Some(
                 placements
@@ -205,13 +232,7 @@ fn first_pass(path: &Path, done: &AtomicU64) -> Result<Survey, TraceError> {
             .entry(recorded.event.device)
             .or_insert_with(|| Placement {
                 // A placement met late has every mark so far before its first event.
-                marks: reader.marks()[..marks_placed]
-                    .iter()
-                    .map(|m| Mark {
-                        at: 0,
-                        text: m.text.clone(),
-                    })
-                    .collect(),
+                mark_at: vec![0; marks_placed],
                 ..Placement::default()
             });
         placement.add(&recorded);
@@ -221,16 +242,13 @@ fn first_pass(path: &Path, done: &AtomicU64) -> Result<Survey, TraceError> {
     }
     place_marks(&reader, &mut placements, &mut marks_placed);
     let trace = reader.finish();
-    if let Some(sum) = trace.marks.get(marks_placed) {
+    if trace.marks.len() > marks_placed {
         for (p, placement) in &mut placements {
             let at = left_out_at
                 .as_ref()
                 .and_then(|at| at.get(p).copied())
                 .unwrap_or(0);
-            placement.marks.push(Mark {
-                at,
-                text: sum.text.clone(),
-            });
+            placement.mark_at.push(at);
         }
     }
     Ok(Survey {
@@ -386,7 +404,7 @@ mod tests {
             let mut alone = allocbox::trace::parse_trace_marked(text.as_bytes()).unwrap();
             alone.keep_placement(placement);
             assert_eq!(part.events, alone.events.len() as u64, "{placement:?}");
-            assert_eq!(part.marks, alone.marks, "{placement:?}");
+            assert_eq!(found.marks(placement), alone.marks, "{placement:?}");
         }
         assert_eq!(found.events(), whole.events.len() as u64);
         assert_eq!(found.trace.marks, whole.marks);

@@ -325,7 +325,7 @@ fn report_trace(args: &ReportArgs, trace: &Path) -> Result<(TraceReport, Vec<Gpu
     // taken from the first replay's pass.
     let mut at_peak = found.at_peak(None);
     let host = found.host();
-    let (len, marks) = (host.events, host.marks.clone());
+    let (len, marks) = (host.events, found.marks(None));
     let mut timelines = Vec::new();
     let mut hook_reports = String::new();
     let mut hook_failed = false;
@@ -398,7 +398,7 @@ fn report_trace(args: &ReportArgs, trace: &Path) -> Result<(TraceReport, Vec<Gpu
     let part = report::render_part(
         &trace.display().to_string(),
         &timelines,
-        &host.marks,
+        &marks,
         &recorded,
         report::Memory::Host,
     );
