@@ -174,48 +174,6 @@ pub struct Trace {
     pub sites_left_out: u64,
 }
 
-impl Trace {
-    /// The GPUs whose memory the trace's events are of, in order.
-    pub fn gpus(&self) -> std::collections::BTreeSet<u16> {
-        self.events.iter().filter_map(|e| e.device).collect()
-    }
-
-    /// Keep only the events of `device`'s memory (`None`: the host's), with their
-    /// times, sites and streams (marks keep their place among the rest): what replaying
-    /// through a handler of that memory needs. Returns how many were taken out.
-    pub fn keep_placement(&mut self, device: Option<u16>) -> usize {
-        let kept: Vec<bool> = self.events.iter().map(|e| e.device == device).collect();
-        let taken = kept.iter().filter(|&&kept| !kept).count();
-        if taken == 0 {
-            return 0;
-        }
-        // Each mark moves back by the events taken out before it.
-        let mut before = vec![0u64; kept.len() + 1];
-        for (at, &kept) in kept.iter().enumerate() {
-            before[at + 1] = before[at] + u64::from(!kept);
-        }
-        for mark in &mut self.marks {
-            let at = (mark.at as usize).min(kept.len());
-            mark.at -= before[at];
-        }
-        fn keep<T>(values: &mut Vec<T>, kept: &[bool]) {
-            let mut at = 0;
-            values.retain(|_| {
-                at += 1;
-                kept.get(at - 1).copied().unwrap_or(true)
-            });
-        }
-        keep(&mut self.events, &kept);
-        keep(&mut self.times, &kept);
-        keep(&mut self.sites, &kept);
-        keep(&mut self.streams, &kept);
-        if self.streams.iter().all(Option::is_none) {
-            self.streams.clear();
-        }
-        taken
-    }
-}
-
 /// The longest line a trace may have, its end of line aside: an event is a few dozen
 /// bytes, a site record a path and a function's name. A longer line (a file that is no
 /// trace, or a compressed one that expands without end) is refused when it is reached,
@@ -299,26 +257,6 @@ impl fmt::Display for Event {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_trace_of_host_and_gpu_memory_splits_by_placement_with_times_marks_and_streams() {
-        let text = "m 1 8 1 t=1\nm 1 256 1 t=2 d=0\n# phase\nf 1 256 1 t=3 d=0 q=7\nf 1 8 1 t=4\n";
-        let mut trace = parse_trace_marked(text.as_bytes()).unwrap();
-        assert_eq!(trace.streams, [None, None, Some(7), None]);
-        let whole = parse_trace_marked(text.as_bytes()).unwrap();
-        assert_eq!(trace.keep_placement(None), 2);
-        let ops: Vec<(EventOp, u64)> = trace.events.iter().map(|e| (e.op, e.size)).collect();
-        assert_eq!(ops, [(EventOp::Malloc, 8), (EventOp::Free, 8)]);
-        assert_eq!(trace.times, [1, 4]);
-        assert_eq!(trace.marks[0].at, 1, "the mark stays after the host malloc");
-        assert!(trace.streams.is_empty());
-        let mut gpu = whole;
-        assert_eq!(gpu.gpus().into_iter().collect::<Vec<_>>(), [0]);
-        assert_eq!(gpu.keep_placement(Some(0)), 2);
-        assert_eq!(gpu.times, [2, 3]);
-        assert_eq!(gpu.streams, [None, Some(7)]);
-        assert_eq!(gpu.marks[0].at, 1, "the mark stays after the GPU's malloc");
-    }
 
     #[test]
     fn every_member_of_a_gzip_trace_is_read() {

@@ -385,28 +385,52 @@ impl Drop for Pass {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use allocbox::trace::EventOp;
 
     #[test]
-    fn each_placement_s_marks_stand_where_they_fall_among_its_own_events_as_if_kept_alone() {
+    fn each_placement_s_events_marks_times_and_streams_are_its_own() {
         let text = "m 1 8 1 t=1\n# first\nm 1 256 1 t=2 d=0\n# second\nf 1 256 1 t=3 d=0 q=7\n\
                     m 2 16 1 t=4\n# third\nm 2 512 1 t=5 d=1\nf 1 8 1\n# last\n";
         let path = std::env::temp_dir().join(format!("allocbox-survey-{}.txt", std::process::id()));
         std::fs::write(&path, text).unwrap();
-        let found = first_pass(&path, &AtomicU64::new(0));
-        let whole = allocbox::trace::read_trace_marked(&path);
-        std::fs::remove_file(&path).unwrap();
-        let (found, whole) = (found.unwrap(), whole.unwrap());
+        let found = first_pass(&path, &AtomicU64::new(0)).unwrap();
         assert_eq!(
             found.placements.keys().copied().collect::<Vec<_>>(),
             [None, Some(0), Some(1)]
         );
-        for (&placement, part) in &found.placements {
-            let mut alone = allocbox::trace::parse_trace_marked(text.as_bytes()).unwrap();
-            alone.keep_placement(placement);
-            assert_eq!(part.events, alone.events.len() as u64, "{placement:?}");
-            assert_eq!(found.marks(placement), alone.marks, "{placement:?}");
-        }
-        assert_eq!(found.events(), whole.events.len() as u64);
-        assert_eq!(found.trace.marks, whole.marks);
+        let counts: Vec<u64> = found.placements.values().map(|p| p.events).collect();
+        assert_eq!(counts, [3, 2, 1]);
+        assert_eq!(found.events(), 6);
+        // Each mark stands after the placement's events before it; a placement met
+        // late has the marks before its first event at 0.
+        let at = |placement| -> Vec<(u64, String)> {
+            found
+                .marks(placement)
+                .into_iter()
+                .map(|m| (m.at, m.text))
+                .collect()
+        };
+        let marks = |at: [u64; 4]| -> Vec<(u64, String)> {
+            at.into_iter()
+                .zip(["first", "second", "third", "last"])
+                .map(|(at, text)| (at, text.to_string()))
+                .collect()
+        };
+        assert_eq!(at(None), marks([1, 1, 2, 3]));
+        assert_eq!(at(Some(0)), marks([0, 1, 2, 2]));
+        assert_eq!(at(Some(1)), marks([0, 0, 0, 1]));
+        // An event without a time has its predecessor's, whichever placement made it.
+        let host = found.host();
+        assert_eq!(
+            (host.times.at(1), host.times.at(2), host.times.at(3)),
+            (Some(1), Some(4), Some(5))
+        );
+        // A pass gives the placement's events alone, with their streams.
+        let mut pass = found.pass(Some(0)).unwrap();
+        let gpu: Vec<(EventOp, Option<u64>)> =
+            pass.by_ref().map(|r| (r.event.op, r.stream)).collect();
+        pass.finish().unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(gpu, [(EventOp::Malloc, None), (EventOp::Free, Some(7))]);
     }
 }

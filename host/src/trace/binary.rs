@@ -15,6 +15,7 @@ use std::sync::Arc;
 use super::write::TraceSink;
 use super::{EventOp, MAX_MARK_BYTES, MAX_NAME_BYTES, Recorded, Site, Trace};
 
+mod chunk;
 mod read;
 pub(crate) use read::{BinaryEvents, is_binary};
 
@@ -70,6 +71,34 @@ pub(crate) struct Call {
     pub device: Option<u16>,
     /// For a free of GPU memory, the stream whose work it waited for.
     pub stream: Option<u64>,
+}
+
+impl Call {
+    /// The `at`-th event of a trace written anew (`trace-convert`), as a recorder's call:
+    /// each event takes four numbers (a mark before it, then the two sides of a
+    /// realloc), and its id stands for its block's address, so a reader numbers the
+    /// blocks again in the order they are made.
+    fn of(recorded: &Recorded, site: Option<&Site>, at: u64) -> Call {
+        let event = &recorded.event;
+        let seq = 4 * at + 4;
+        let (old, new) = match event.op {
+            EventOp::Malloc | EventOp::Calloc => (0, event.id),
+            EventOp::Realloc => (event.id, event.id),
+            EventOp::Free => (event.id, 0),
+        };
+        Call {
+            op: event.op,
+            seq: seq - 2,
+            done: seq - 1,
+            old,
+            new,
+            size: event.size,
+            time: recorded.time.unwrap_or(0),
+            site: site.cloned(),
+            device: event.device,
+            stream: recorded.stream,
+        }
+    }
 }
 
 /// One thread's calls, encoded into chunks that stand alone (each number written as the
@@ -329,28 +358,11 @@ impl<W: Write> TraceSink for BinarySink<W> {
     }
 
     fn event(&mut self, recorded: &Recorded, site: Option<&Site>) -> io::Result<()> {
-        let event = &recorded.event;
-        let seq = 4 * self.events + 4;
+        let call = Call::of(recorded, site, self.events);
         self.events += 1;
-        self.last_thread = event.thread;
-        let (old, new) = match event.op {
-            EventOp::Malloc | EventOp::Calloc => (0, event.id),
-            EventOp::Realloc => (event.id, event.id),
-            EventOp::Free => (event.id, 0),
-        };
-        let encoder = self.encoder(event.thread);
-        encoder.call(Call {
-            op: event.op,
-            seq: seq - 2,
-            done: seq - 1,
-            old,
-            new,
-            size: event.size,
-            time: recorded.time.unwrap_or(0),
-            site: site.cloned(),
-            device: event.device,
-            stream: recorded.stream,
-        });
+        self.last_thread = recorded.event.thread;
+        let encoder = self.encoder(recorded.event.thread);
+        encoder.call(call);
         if encoder.full() {
             let chunk = encoder.take().unwrap_or_default();
             self.stream.write_all(&chunk)?;

@@ -145,27 +145,14 @@ fn scattered(trace: &Trace, per: usize, order: &[bool]) -> Vec<u8> {
         while let Some(mark) = marks.next_if(|m| m.at <= at as u64) {
             encoder.mark(seq - 3, &mark.text);
         }
-        let (old, new) = match event.op {
-            EventOp::Malloc | EventOp::Calloc => (0, event.id),
-            EventOp::Realloc => (event.id, event.id),
-            EventOp::Free => (event.id, 0),
-        };
-        encoder.call(Call {
-            op: event.op,
-            seq: seq - 2,
-            done: seq - 1,
-            old,
-            new,
-            size: event.size,
-            time: trace.times.get(at).copied().unwrap_or(0),
-            site: trace
-                .sites
-                .get(at)
-                .and_then(|n| trace.site_table.get(n))
-                .cloned(),
-            device: event.device,
+        let recorded = Recorded {
+            event: *event,
+            time: trace.times.get(at).copied(),
+            site: None,
             stream: trace.streams.get(at).copied().flatten(),
-        });
+        };
+        let site = trace.sites.get(at).and_then(|n| trace.site_table.get(n));
+        encoder.call(Call::of(&recorded, site, at as u64));
         *calls += 1;
         if *calls == per {
             *calls = 0;
@@ -243,7 +230,24 @@ proptest! {
             true => bytes.extend(zstd::bulk::compress(&body, 1).unwrap()),
             false => bytes.extend(&body),
         }
-        let _ = read_binary(&bytes[..]);
+        let held = read_binary(&bytes[..]);
+        // From a file, through the decoders that read ahead: the same answer.
+        let path = std::env::temp_dir().join(format!(
+            "allocbox-any-bytes-{}-{:?}.abt",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        std::fs::write(&path, &bytes).unwrap();
+        let read = TraceReader::open(&path).and_then(TraceReader::read_all);
+        std::fs::remove_file(&path).unwrap();
+        match (held, read) {
+            (Ok(held), Ok(read)) => {
+                prop_assert_eq!(held.events, read.events);
+                prop_assert_eq!(held.marks, read.marks);
+            }
+            (Err(_), Err(_)) => {}
+            (held, read) => prop_assert!(false, "held {:?}, from a file {:?}", held.err(), read.err()),
+        }
     }
 }
 
@@ -554,7 +558,7 @@ fn a_number_past_64_bits_is_refused_in_the_framing_and_in_a_chunk() {
         .enumerate()
     {
         assert_eq!(
-            read::varint_step(&mut value, 7 * at as u32, byte),
+            chunk::varint_step(&mut value, 7 * at as u32, byte),
             Ok(at == 9)
         );
     }
