@@ -229,15 +229,16 @@ impl Handler {
     /// magazine for `size`, lent and counted as `malloc` would, or `None` (nothing
     /// changed) when this path cannot serve it; `malloc` can. It calls nothing, so a
     /// caller that inlines it and keeps its own slow path (`malloc`) out of line, as
-    /// the NumPy bridge does, runs a hit with no stack frame. It serves the first
-    /// thread to use the handler, sizes up to 1 KiB, while few blocks are lent.
+    /// the NumPy bridge does, runs a hit with no stack frame. It serves the threads
+    /// that find their cache by thread pointer (the first 32 to use the handler), sizes
+    /// up to 1 KiB, while few blocks are lent.
     #[inline]
     pub fn malloc_from_magazine(&self, size: usize) -> Option<NonNull<u8>> {
         let size = (size as u64).max(1);
         if !self.caches.keeps_magazines() || size > MAGAZINE_TABLE_SIZE || self.observed.is_some() {
             return None;
         }
-        let mut mine = self.caches.primary()?;
+        let mut mine = self.caches.mine_by_pointer()?;
         mine.try_with(|c| {
             let addr = c.take::<{ Reach::IN_PLACE }>(size)?;
             c.counts.mallocs += 1;

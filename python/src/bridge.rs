@@ -12,7 +12,7 @@ use allocbox::trace::{EventOp, Recorder, Served, Watcher};
 use allocbox::{Error, Handler, PolicyHandler};
 
 use crate::diagnosis;
-use crate::nrt_lending::NrtLending;
+use crate::nrt_lending::{Lender, NrtFunctions, NrtLending};
 
 /// The context behind a capsule: the handler and what went wrong inside callbacks,
 /// where no Python exception can be raised (NumPy sees NULL and raises MemoryError).
@@ -25,18 +25,20 @@ pub(crate) struct Bridge {
     /// The recording `handler` is, when `direct` is the handler it records: a block
     /// served from a magazine is written to the trace here.
     recording: Option<Arc<Recorder>>,
-    pub(crate) failures: Mutex<Vec<Error>>,
+    /// Shared with the bridge that lends to Numba for this one (see [`Bridge::nrt_lender`]).
+    pub(crate) failures: Arc<Mutex<Vec<Error>>>,
     /// Set when a callback panicked: the handler's books may be half-updated, so from
     /// then on every request is refused (NULL) and frees are left to the handler's drop,
     /// which releases all its memory once no array holds the capsule.
-    pub(crate) panicked: OnceLock<String>,
+    pub(crate) panicked: Arc<OnceLock<String>>,
     /// The wasm chain when one of its policies diagnoses its client
     /// ([`PolicyHandler::diagnoses`]): every block's allocation site is recorded, and the
     /// misuse its policies report becomes a warning.
     diagnosing: Option<Arc<dyn PolicyHandler>>,
-    /// What Numba's runtime lends through (`numba_route`), made on first use: it points
-    /// back to this bridge, whose address is fixed once it is in its `Arc`.
-    nrt: OnceLock<NrtLending>,
+    /// What Numba's runtime lends through (`numba_route`), made on first use: a bridge
+    /// over the same handler, which lives on after this one until Numba has freed
+    /// every block it lent.
+    nrt: OnceLock<NrtLending<Bridge>>,
 }
 
 impl Bridge {
@@ -45,16 +47,29 @@ impl Bridge {
             handler,
             direct,
             recording: None,
-            failures: Mutex::new(Vec::new()),
-            panicked: OnceLock::new(),
+            failures: Arc::default(),
+            panicked: Arc::default(),
             diagnosing: None,
             nrt: OnceLock::new(),
         }
     }
 
-    /// What Numba's runtime lends through, made by `make` on first use.
-    pub(crate) fn nrt_lending(&self, make: impl FnOnce() -> NrtLending) -> &NrtLending {
-        self.nrt.get_or_init(make)
+    /// What Numba's runtime lends through, made on first use with `functions`.
+    pub(crate) fn nrt_lender(&self, functions: impl FnOnce() -> NrtFunctions) -> &Lender<Bridge> {
+        self.nrt
+            .get_or_init(|| {
+                let owner = Bridge {
+                    handler: self.handler.clone(),
+                    direct: self.direct.clone(),
+                    recording: self.recording.clone(),
+                    failures: self.failures.clone(),
+                    panicked: self.panicked.clone(),
+                    diagnosing: self.diagnosing.clone(),
+                    nrt: OnceLock::new(),
+                };
+                NrtLending::new(owner, self.handler.alignment(), functions())
+            })
+            .lender()
     }
 
     /// A bridge whose handler is `recording`, over the `direct` handler given to

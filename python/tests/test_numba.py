@@ -203,6 +203,24 @@ def test_an_array_outlives_the_policy_object_that_made_it():
     gc.collect()
 
 
+def test_arrays_outlive_their_dropped_policy_and_are_freed_on_other_threads():
+    # What keeps a policy alive for its Numba arrays is counted per thread: arrays made
+    # on Numba's workers and here, freed on other threads after the policy is gone.
+    x = np.arange(1000.0)
+    with allocbox.use(allocbox.load("size-classes")):
+        kept = [double(x) for _ in range(8)] + [row_sums(64, 8) for _ in range(8)]
+    gc.collect()
+    for a in kept[:8]:
+        np.testing.assert_array_equal(a, x * 2)
+    freers = [threading.Thread(target=lambda part=kept[i::4]: part.clear()) for i in range(4)]
+    kept = None
+    for t in freers:
+        t.start()
+    for t in freers:
+        t.join()
+    gc.collect()
+
+
 def test_many_small_and_64_kib_arrays_in_a_loop_balance(size_classes):
     with allocbox.use(size_classes):
         assert churn(2000, 8) == sum(range(2000))

@@ -11,12 +11,13 @@
 //! Each module uses only those after it here (`tests/layers.rs`; the caches' own files
 //! have an order of their own, in `cache/mod.rs`):
 //!
-//! Module order: `cache` > `ledger` > `platform` > `sync` > `fasthash` > `counting_alloc`
+//! Module order: `cache` > `ledger` > `by_thread` > `platform` > `sync` > `fasthash` > `counting_alloc`
 
 // Under loom and Miri there is no fork (no `pthread_atfork`) and, under loom, no thread
 // exit: the code for them is built but never reached.
 #![cfg_attr(any(miri, allocbox_loom), allow(dead_code))]
 
+pub mod by_thread;
 pub mod cache;
 #[cfg(test)]
 mod counting_alloc;

@@ -70,7 +70,7 @@ impl Handler {
         if !self.caches.keeps_magazines() || self.observed.is_some() {
             return false;
         }
-        let Some(mut mine) = self.caches.primary() else {
+        let Some(mut mine) = self.caches.mine_by_pointer() else {
             return false;
         };
         mine.try_with(|c| c.put_back::<{ Reach::IN_PLACE }>(ptr.as_ptr() as u64, said))

@@ -5,13 +5,14 @@
 //! MemInfo remembers its maker and Numba's unsized free reaches it.
 //!
 //! NRT puts a MemInfo header and the data in one block from the allocator and frees it
-//! with no size: the handler's ledger supplies it ([`MemHandler::free_unsized`]). Each
-//! block holds one reference to its bridge, as each NumPy array holds its handler's
-//! capsule, so a block outlives a policy that was changed or dropped.
+//! with no size: the handler's ledger supplies it ([`MemHandler::free_unsized`]). A
+//! bridge's blocks keep what it lends through alive (`nrt_lending`), as each NumPy
+//! array holds its handler's capsule, so a block outlives a policy that was changed or
+//! dropped.
 
 use std::ffi::c_void;
 use std::ptr::NonNull;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock};
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::ffi;
@@ -20,48 +21,38 @@ use pyo3::sync::MutexExt;
 
 use super::blocks;
 use crate::bridge::{Bridge, bridge_malloc};
-use crate::nrt_lending::{NrtAllocator, NrtLending, aligned_start, lock};
+use crate::nrt_lending::{Lender, NrtAllocator, NrtFunctions, aligned_start, lock};
 use crate::numpy_api::{bridge_in, get_handler_fn};
 
 type NrtMalloc = unsafe extern "C" fn(usize, *mut c_void) -> *mut c_void;
 
-/// What `bridge` lends to Numba's runtime through; `bridge` must live in an `Arc`
-/// (every bridge of a policy or capsule does): each block takes a reference to it.
-fn lending(bridge: &Bridge) -> &NrtLending {
-    bridge.nrt_lending(|| {
-        let allocator = NrtAllocator {
-            malloc: nrt_malloc,
-            realloc: nrt_realloc,
-            free: nrt_free,
-            opaque: std::ptr::from_ref(bridge).cast_mut().cast(),
-        };
-        NrtLending::new(allocator, bridge.handler.alignment())
+/// What `bridge` lends to Numba's runtime through.
+fn lending(bridge: &Bridge) -> &Lender<Bridge> {
+    bridge.nrt_lender(|| NrtFunctions {
+        malloc: nrt_malloc,
+        realloc: nrt_realloc,
+        free: nrt_free,
     })
 }
 
-/// The `Bridge` an allocator's opaque pointer names.
+/// The `Lender` an allocator's opaque pointer names.
 ///
 /// # Safety
-/// `opaque` came from [`lending`] and its bridge is alive: NRT passes the
-/// opaque pointer of the allocator a live block was made by, and the block holds a
-/// reference to the bridge.
-unsafe fn bridge_of<'a>(opaque: *mut c_void) -> &'a Bridge {
+/// `opaque` came from [`lending`] and its lender is alive: NRT passes the opaque
+/// pointer of the allocator a live block was made by, and a lender lives until its
+/// last block is back.
+unsafe fn lender_of<'a>(opaque: *mut c_void) -> &'a Lender<Bridge> {
     // SAFETY: the caller's contract.
-    unsafe { &*opaque.cast::<Bridge>().cast_const() }
+    unsafe { &*opaque.cast::<Lender<Bridge>>().cast_const() }
 }
 
 unsafe extern "C" fn nrt_malloc(size: usize, opaque: *mut c_void) -> *mut c_void {
     // SAFETY: NRT passes back the opaque pointer of our allocator, whose bridge the
     // calling shim holds alive for the call.
-    let bridge = unsafe { bridge_of(opaque) };
-    // SAFETY: `opaque` is the live bridge (see above).
-    let block = lending(bridge).lend(size, |n| unsafe { bridge_malloc(opaque, n) });
-    if !block.is_null() {
-        // SAFETY: the bridge lives in an Arc (see `lending`); the block
-        // holds this reference until `nrt_free`.
-        unsafe { Arc::increment_strong_count(opaque.cast::<Bridge>().cast_const()) };
-    }
-    block
+    let lender = unsafe { lender_of(opaque) };
+    let ctx = std::ptr::from_ref(&lender.owner).cast_mut().cast();
+    // SAFETY: `ctx` is the lender's bridge, alive (see above).
+    lender.lend(size, |n| unsafe { bridge_malloc(ctx, n) })
 }
 
 /// NRT never resizes a MemInfo's block (only its separately allocated "varsize" data,
@@ -74,14 +65,14 @@ unsafe extern "C" fn nrt_free(ptr: *mut c_void, opaque: *mut c_void) {
     // SAFETY: callable on any thread, with or without the GIL.
     unsafe { PyTraceMalloc_Untrack(TRACEMALLOC_DOMAIN, ptr as usize) };
     // SAFETY: NRT frees a block with the opaque pointer of the allocator that made it;
-    // the block's reference keeps the bridge alive until the line after.
-    let bridge = unsafe { bridge_of(opaque) };
-    let Some(block) = NonNull::new(lending(bridge).block_of(ptr).cast::<u8>()) else {
+    // the block keeps its lender alive until `given_back`.
+    let lender = unsafe { lender_of(opaque) };
+    let Some(block) = NonNull::new(lender.block_of(ptr).cast::<u8>()) else {
         return;
     };
-    bridge.free_unsized(block);
-    // SAFETY: the reference `nrt_malloc` took for this block.
-    unsafe { Arc::decrement_strong_count(opaque.cast::<Bridge>().cast_const()) };
+    lender.owner.free_unsized(block);
+    // SAFETY: the lender lent this block, now back; nothing here touches it after.
+    unsafe { Lender::given_back(opaque.cast::<Lender<Bridge>>().cast_const()) };
 }
 
 /// NRT's MemInfo header (numba/core/runtime/nrt.cpp), which `allocate_external` puts
@@ -423,9 +414,9 @@ pub(crate) fn numba_maker(meminfo: &Bound<'_, PyAny>) -> PyResult<Option<String>
     if !std::ptr::fn_addr_eq(allocator.malloc, nrt_malloc as NrtMalloc) {
         return Ok(None);
     }
-    // SAFETY: ours: the opaque pointer is its bridge, alive (see above).
-    let bridge = unsafe { bridge_of(allocator.opaque) };
+    // SAFETY: ours: the opaque pointer is its lender, alive (see above).
+    let lender = unsafe { lender_of(allocator.opaque) };
     Ok(Some(
-        crate::numpy_api::numpy_name(bridge.handler.name()).to_string(),
+        crate::numpy_api::numpy_name(lender.owner.handler.name()).to_string(),
     ))
 }

@@ -79,10 +79,11 @@ impl<C: Books> Caches<C> {
         self.slots.mine()
     }
 
-    /// The calling thread's cache when it is the primary one: see [`Slots::primary`].
+    /// The calling thread's cache when it finds it by its thread pointer: see
+    /// [`Slots::mine_by_pointer`].
     #[inline(always)]
-    pub fn primary(&self) -> Option<Mine<'_>> {
-        self.slots.primary()
+    pub fn mine_by_pointer(&self) -> Option<Mine<'_>> {
+        self.slots.mine_by_pointer()
     }
 
     /// Whether blocks may go into magazines: false once the books failed (see

@@ -19,8 +19,9 @@ const MAGAZINE_MIN_DEPTH: usize = 4;
 /// The most blocks fetched with one `malloc-many` when a magazine runs empty.
 const MAGAZINE_REFILL: u32 = 16;
 /// Bytes all magazines of one thread cache may hold together; past it, frees go to the
-/// policy. Thread ids are reused, so a handler has at most one more cache (the primary
-/// one, see [`Slots`]) than threads ever ran on it at once.
+/// policy. Thread ids and pointers are reused, so a handler has at most
+/// [`crate::by_thread::NAMED`] more caches (places of exited threads, given back empty)
+/// than threads ever ran on it at once.
 pub const MAGAZINES_THREAD_BYTES: u64 = 16 << 20;
 
 /// How many blocks of `size` bytes a magazine holds before it spills.

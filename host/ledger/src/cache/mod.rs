@@ -35,12 +35,13 @@
 //! SeqCst fences elsewhere, under Miri and under loom). A claimer that waits
 //! through `CLAIM_YIELDS` yields ends with `Unreachable::Stuck` instead of spinning
 //! under the lock. A thread finds its own cache by its thread pointer (the first
-//! thread to use a handler, `Slots::primary`) or through a `ThreadLocal`; a slot is
+//! 32 threads to use a handler, `Slots::mine_by_pointer`, `by_thread.rs`) or through a
+//! `ThreadLocal`; a slot is
 //! reused only by a thread that took over a dead thread's pointer or id, never
 //! shared by two live threads. `malloc` and `free` try the calling thread's
 //! magazine on the full path (`Reach::FULL`); `Handler::malloc_from_magazine` /
 //! `free_to_magazine` are the commonest hits alone and call nothing
-//! (`Reach::IN_PLACE`: the primary slot, table sizes, the recent array, spare
+//! (`Reach::IN_PLACE`: a slot found by thread pointer, table sizes, the recent array, spare
 //! capacity, no claim), so the NumPy bridge inlines them with no stack frame and
 //! calls `malloc` / `free` for the rest. `cache/models.rs` holds the loom models of
 //! the claim protocol. Flat combining (`cache/combining.rs`, `Caches::combine`): a

@@ -63,7 +63,7 @@ fn a_thread_that_inherits_an_ended_threads_slot_starts_empty_and_is_given_back_t
         Some(crate::cache::MAGAZINE_DEPTH),
         Duration::from_secs(1),
     );
-    // The primary slot goes to this thread; the others' slots are reused as they end.
+    // This thread keeps its slot; the others' slots are reused as they end.
     keep_and_lend_last(&caches, &[0x100]);
     for round in 0..3u64 {
         let base = 0x10_000 * (round + 1);
