@@ -137,6 +137,36 @@ fn a_miss_for_a_larger_block_gives_back_the_smaller_cached_ones_first() {
     assert_eq!(h.held_from_host().unwrap(), (0, 0));
 }
 
+#[test]
+fn a_request_the_overhead_budget_refuses_is_asked_again_after_the_large_cache_is_given_back() {
+    const MIB: usize = 1 << 20;
+    let h = HandlerBuilder::new(Runtime::shared())
+        .limits(allocbox::Limits {
+            overhead: 2 * MIB as u64,
+            ..allocbox::Limits::default()
+        })
+        .link_with(
+            &load(&allocbox_artifacts::SIZE_CLASSES),
+            &[("large-cache", "4")],
+        )
+        .build()
+        .unwrap();
+    let first = h.malloc(3 * MIB).unwrap().unwrap();
+    h.free(Some(first), 3 * MIB).unwrap();
+    assert_eq!(h.held_from_host().unwrap(), (1, 3 << 20), "kept, idle");
+    // A zeroed block never comes from the cache: with the kept one beside it the
+    // policy would hold 3 MiB beyond its client's, over the budget of 2.
+    let zeroed = h.calloc(3 * MIB, 1).unwrap();
+    assert!(zeroed.is_some(), "served once the kept block went back");
+    assert_eq!(h.held_from_host().unwrap(), (1, 3 << 20));
+    // And a malloc of another size likewise.
+    h.free(zeroed, 3 * MIB).unwrap();
+    let other = h.malloc(4 * MIB).unwrap();
+    assert!(other.is_some());
+    h.free(other, 4 * MIB).unwrap();
+    assert!(h.failure().is_none());
+}
+
 /// A chain of `uppers` (top first) over a `broken` policy whose `malloc(13)` never
 /// returns, under a 100 ms call limit; magazines on or off.
 fn over_a_looping_link(

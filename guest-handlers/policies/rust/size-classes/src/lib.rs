@@ -8,7 +8,8 @@
 //! size over and over, and a reused block skips the kernel's page faults (NumPy's default
 //! handler does not do this). A miss for a larger size first gives back the smaller
 //! blocks kept: held idle, they made NumPy's 8-32 MiB bench slower than the default
-//! handler (1.02-1.06x) although it faulted less; given back, 0.88-0.90x.
+//! handler (1.02-1.06x) although it faulted less; given back, 0.88-0.90x. A request
+//! upstream refuses is asked again after every large block kept is given back.
 //!
 //! Every cached block is a whole upstream block of exactly its bucket's size (it was got
 //! upstream with that size, and the sized-free rule means it comes back with it), so
@@ -104,6 +105,25 @@ impl SizeClasses {
     fn with<R>(&self, f: impl FnOnce(&mut Cache) -> R) -> R {
         f(&mut self.cache.borrow_mut())
     }
+
+    /// A block from `get` (an upstream request), asked again once the large blocks kept
+    /// are given back when upstream had none: what the cache holds idle counts against
+    /// the host's overhead budget, and a second 1 GiB `np.zeros` was refused while the
+    /// first one's block sat here (calloc never reuses a kept block).
+    fn or_after_giving_back_large(&self, get: impl Fn() -> u64) -> u64 {
+        let block = get();
+        if block != 0 {
+            return block;
+        }
+        let kept = self.with(|c| std::mem::take(&mut c.large));
+        if kept.is_empty() {
+            return 0;
+        }
+        for (size, ptr) in kept {
+            upstream::free(ptr, size);
+        }
+        get()
+    }
 }
 
 /// A count of at most `max`, for `config.get_with`.
@@ -153,7 +173,7 @@ impl Policy for SizeClasses {
         for (ptr, size) in stale {
             upstream::free(ptr, size);
         }
-        hit.unwrap_or_else(|| upstream::malloc(size))
+        hit.unwrap_or_else(|| self.or_after_giving_back_large(|| upstream::malloc(size)))
     }
 
     fn calloc(&self, nelem: u64, elsize: u64) -> u64 {
@@ -166,7 +186,7 @@ impl Policy for SizeClasses {
             return bytes::zeroed(ptr, size);
         }
         // Upstream handles an overflowing product too (it returns 0).
-        upstream::calloc(nelem, elsize)
+        self.or_after_giving_back_large(|| upstream::calloc(nelem, elsize))
     }
 
     fn realloc(&self, ptr: u64, old_size: u64, new_size: u64) -> u64 {
