@@ -15,8 +15,9 @@ does anything), and "process-wide" the last policy again, placing every array
 under `allocbox.numba.use` (process-wide: no question to NumPy per array; what
 `allocbox run` does). A second table runs a `prange` loop making arrays on every one of
 Numba's workers at once, at 2 threads and at 16 (`NUMBA_NUM_THREADS`, 16 unless set),
-under Numba's own allocator, `system` asked on every call (`magazines=False`), the
-same with an instance per thread (`per_thread=True`), and `system` with magazines.
+under Numba's own allocator, `system` asked on every call by one instance
+(`magazines=False, per_thread=False`), the same with an instance per thread (what
+`magazines=False` gives by default), and `system` with magazines.
 Build the extension with `maturin develop --release` first: a debug build measures
 unoptimised host code.
 """
@@ -122,7 +123,7 @@ def main():
         results = [base, *medians(work, handlers)]
         cells = [f"{t * 1e3:8.1f}ms {t / base:5.2f}x" for t in results]
         print(f"{label:<34}" + "".join(f"{c:>17}" for c in cells))
-    per_call = allocbox.load(GUESTS / "policy_system.wasm", magazines=False)
+    per_call = allocbox.load(GUESTS / "policy_system.wasm", magazines=False, per_thread=False)
     per_thread = allocbox.load(GUESTS / "policy_system.wasm", per_thread=True)
     magazines = allocbox.load(GUESTS / "policy_system.wasm")
     parallel = [

@@ -137,15 +137,16 @@ def load(source, config=None, *, record=None, record_sites=False, **limits):
     e.g.
     `load("guard", {"sample": "1"}, grant=["guarded"])`. `magazines=False` asks the
     policy on every call even when it declares `batch` (by default the host then keeps
-    per-thread magazines of blocks it placed); many threads still share it at the
-    throughput of one, served in turn by whichever thread is inside it.
-    `per_thread=True` gives each thread that calls it an instance of its own (up to one
-    per core, then threads share them; `Policy.instances` counts them) when every
-    policy of the chain says its state is per instance (`system`, `size-classes`,
-    `arena`, `aligned`), each asked on every call and the bounds shared evenly between
-    them; an array freed on another thread goes back to the instance that made it. A
-    chain with a policy that does not say so, or that diagnoses its client (`guard`),
-    is loaded as without `per_thread`: one instance, `Policy.instances` 1."""
+    per-thread magazines of blocks it placed). A chain asked on every call gives each
+    thread that calls it an instance of its own (up to one per core, then threads
+    share them; `Policy.instances` counts them) when every policy of the chain says its
+    state is per instance (`system`, `size-classes`, `arena`, `aligned`), each asked
+    on every call and the bounds shared evenly between them; an array freed on another
+    thread goes back to the instance that made it. Threads then run at once instead of
+    in turn, for about a tenth more per call on one thread: `per_thread=False` keeps one
+    instance, `per_thread=True` asks for instances even beside magazines. A chain with
+    a policy that does not say so, or that diagnoses its client (`guard`), is loaded
+    with one instance, `Policy.instances` 1."""
     item = (source, {str(k): str(v) for k, v in config.items()}) if config else source
     return load_chain(item, record=record, record_sites=record_sites, **limits)
 

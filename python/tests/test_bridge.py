@@ -370,10 +370,13 @@ def test_realloc_without_the_gil_from_many_threads(size_classes):
     assert size_classes.stats()["reallocs"] >= 800
 
 
-def test_a_policy_asked_on_every_call_serves_eight_threads_and_counts_every_array():
+@pytest.mark.parametrize("per_thread", [False, None])
+def test_a_policy_asked_on_every_call_serves_eight_threads_and_counts_every_array(per_thread):
     """`magazines=False`: no per-thread magazines, so every array of every thread is a
-    call of the one instance, the threads' calls served in turn by whichever is inside."""
-    per_call = allocbox.load("system", magazines=False)
+    call of the policy: of the one instance, the threads' calls served in turn by
+    whichever is inside (`per_thread=False`), or of each thread's own (the default for
+    a policy that says its state is per instance, as `system` does)."""
+    per_call = allocbox.load("system", magazines=False, per_thread=per_thread)
     errors = []
 
     def work():
@@ -395,6 +398,14 @@ def test_a_policy_asked_on_every_call_serves_eight_threads_and_counts_every_arra
     stats = per_call.stats()
     assert stats["mallocs"] + stats["callocs"] >= 8 * 500, stats
     assert stats["live_blocks"] == 0, stats
+    cores = len(os.sched_getaffinity(0))
+    assert per_call.instances == (1 if per_thread is False else min(8, cores)), per_call.instances
+
+
+def test_a_policy_with_magazines_or_that_diagnoses_keeps_one_instance_by_default():
+    assert allocbox.load("size-classes").instances == 1
+    guard = allocbox.load("guard", magazines=False, grant=["guarded"])
+    assert guard.instances == 1
 
 
 def test_a_per_thread_policy_takes_back_arrays_freed_on_other_threads():
