@@ -234,17 +234,29 @@ impl Handler {
     /// up to 1 KiB, while few blocks are lent.
     #[inline]
     pub fn malloc_from_magazine(&self, size: usize) -> Option<NonNull<u8>> {
-        let size = (size as u64).max(1);
+        self.take_in_place::<false>((size as u64).max(1))
+    }
+
+    /// [`Handler::malloc_from_magazine`] for a `calloc`: the block zeroed, counted as
+    /// `calloc` would; `None` also for a product that overflows (`calloc` says so).
+    #[inline]
+    pub fn calloc_from_magazine(&self, nelem: usize, elsize: usize) -> Option<NonNull<u8>> {
+        let size = nelem.checked_mul(elsize)?;
+        self.take_in_place::<true>((size as u64).max(1))
+    }
+
+    #[inline(always)]
+    fn take_in_place<const ZEROED: bool>(&self, size: u64) -> Option<NonNull<u8>> {
         if !self.caches.keeps_magazines() || size > MAGAZINE_TABLE_SIZE || self.observed.is_some() {
             return None;
         }
         let mut mine = self.caches.mine_by_pointer()?;
-        mine.try_with(|c| {
+        let addr = mine.try_with(|c| {
             let addr = c.take::<{ Reach::IN_PLACE }>(size)?;
-            c.counts.mallocs += 1;
+            count_request::<ZEROED>(&mut c.counts);
             Some(addr)
-        })?
-        .and_then(to_ptr)
+        })??;
+        to_ptr(zeroed_if::<ZEROED>(addr, size))
     }
 
     /// A request the calling thread's magazine could not serve, and which way its

@@ -250,6 +250,19 @@ pub(crate) unsafe extern "C" fn bridge_calloc(
 ) -> *mut c_void {
     // SAFETY: as in `bridge_malloc`.
     let b = unsafe { bridge(ctx) };
+    if let Some(h) = &b.direct
+        && let Some(block) = b.guard(None, || h.calloc_from_magazine(nelem, elsize))
+    {
+        let size = nelem * elsize;
+        b.record(Served::lent(EventOp::Calloc, Some(block), size));
+        b.tell_hook(std::ptr::null_mut(), block.as_ptr().cast(), size);
+        return block.as_ptr().cast();
+    }
+    calloc_slowly(b, nelem, elsize)
+}
+
+#[inline(never)]
+fn calloc_slowly(b: &Bridge, nelem: usize, elsize: usize) -> *mut c_void {
     let block = b.block(|| b.handler.calloc(nelem, elsize));
     b.diagnose(
         std::ptr::null_mut(),

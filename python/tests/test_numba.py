@@ -179,6 +179,7 @@ def test_numba_use_places_every_thread_s_arrays_and_an_allocbox_use_block_inside
 def test_an_array_outlives_a_change_of_policy_and_is_freed_by_its_maker(size_classes):
     other = allocbox.load("system")
     x = np.arange(100.0)
+    double(x)  # compiled before either policy counts (run alone, it compiles here)
     with allocbox.use(size_classes):
         b = double(x)
     with allocbox.use(other):
@@ -218,6 +219,30 @@ def test_arrays_outlive_their_dropped_policy_and_are_freed_on_other_threads():
         t.start()
     for t in freers:
         t.join()
+    gc.collect()
+
+
+@pytest.mark.parametrize("block", ["use", "numba.use"])
+def test_tracemalloc_sees_a_numba_array_a_policy_made_at_the_line_that_made_it(size_classes, block):
+    import tracemalloc
+
+    opened = allocbox.use if block == "use" else allocbox.numba.use
+    x = np.arange(5000.0)
+    double(x)  # compiled before tracing
+    tracemalloc.start()
+    try:
+        with opened(size_classes):
+            made = double(x); line = sys._getframe().f_lineno  # noqa: E702 - one line
+        snapshot = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    here = [
+        stat.size
+        for stat in snapshot.statistics("lineno")
+        if stat.traceback[0].filename == __file__ and stat.traceback[0].lineno == line
+    ]
+    assert here and max(here) >= made.nbytes, here
+    del made
     gc.collect()
 
 

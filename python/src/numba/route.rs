@@ -126,6 +126,15 @@ unsafe extern "C" {
     fn PyTraceMalloc_Untrack(domain: std::ffi::c_uint, ptr: usize) -> std::ffi::c_int;
 }
 
+/// Whether `tracemalloc` is tracing, asked without the GIL: untracking a block from
+/// any thread answers -2 when it is not (CPython 3.11 and later check that first), and
+/// no block lies at address 0. A few instructions, where asking whether this thread
+/// holds the GIL (which tracking needs) took fifty on every array.
+fn tracing() -> bool {
+    // SAFETY: callable on any thread, with or without the GIL.
+    unsafe { PyTraceMalloc_Untrack(TRACEMALLOC_DOMAIN, 0) != -2 }
+}
+
 /// The `tracemalloc` domain of Numba's own blocks (they come from `PyMem_RawMalloc`),
 /// so that a snapshot shows a Numba array's block at the Python line that made it
 /// whichever allocator placed it.
@@ -294,17 +303,18 @@ fn route_alloc(size: usize, align: u32, safe: bool) -> *mut MemInfo {
     if blocks::nothing_held() {
         return own();
     }
-    // SAFETY: `PyGILState_Check` may be called from any thread.
-    let with_python = unsafe { PyGILState_Check() } == 1;
     if let Some(mi) =
         blocks::with_process_wide(|bridge| alloc_through(route, bridge, size, align, safe))
     {
-        if with_python && !mi.is_null() {
+        // SAFETY: `PyGILState_Check` may be called from any thread.
+        if !mi.is_null() && tracing() && unsafe { PyGILState_Check() } == 1 {
             // SAFETY: this thread is attached to Python, so tracemalloc has nothing to wait for.
             unsafe { PyTraceMalloc_Track(TRACEMALLOC_DOMAIN, mi as usize, block_size(mi)) };
         }
         return mi;
     }
+    // SAFETY: `PyGILState_Check` may be called from any thread.
+    let with_python = unsafe { PyGILState_Check() } == 1;
     if with_python {
         // SAFETY: this thread is attached to Python; NumPy's `PyDataMem_GetHandler` returns a
         // new reference (or NULL with an exception set).
