@@ -29,7 +29,9 @@ const PROBES: usize = 4;
 pub struct ByThread<T: Send> {
     /// The thread pointer each named place belongs to; 0 while it is no one's.
     owners: [AtomicUsize; NAMED],
-    named: [OnceLock<T>; NAMED],
+    /// Boxed, so that what holds a `ByThread` (a handler's caches, 32 slots of a few
+    /// hundred bytes) stays small.
+    named: Box<[OnceLock<T>; NAMED]>,
     others: ThreadLocal<T>,
 }
 
@@ -37,7 +39,7 @@ impl<T: Send> Default for ByThread<T> {
     fn default() -> Self {
         ByThread {
             owners: std::array::from_fn(|_| AtomicUsize::new(0)),
-            named: std::array::from_fn(|_| OnceLock::new()),
+            named: Box::new(std::array::from_fn(|_| OnceLock::new())),
             others: ThreadLocal::new(),
         }
     }

@@ -11,7 +11,7 @@
 //! Each module uses only those after it here (`tests/layers.rs`; the caches' own files
 //! have an order of their own, in `cache/mod.rs`):
 //!
-//! Module order: `cache` > `ledger` > `by_thread` > `platform` > `sync` > `fasthash` > `counting_alloc`
+//! Module order: `cache` > `ledger` > `published` > `by_thread` > `platform` > `sync` > `fasthash` > `counting_alloc`
 
 // Under loom and Miri there is no fork (no `pthread_atfork`) and, under loom, no thread
 // exit: the code for them is built but never reached.
@@ -24,4 +24,5 @@ mod counting_alloc;
 pub mod fasthash;
 pub mod ledger;
 pub mod platform;
+pub mod published;
 mod sync;

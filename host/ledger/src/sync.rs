@@ -246,3 +246,17 @@ mod imp {
 }
 
 pub(crate) use imp::*;
+
+/// A value on cache lines of its own: one that threads write often, kept from sharing a
+/// line with what every call reads (each write would take the line from every reader).
+#[derive(Debug, Default)]
+#[repr(align(128))]
+pub(crate) struct OwnLine<T>(pub(crate) T);
+
+impl<T> std::ops::Deref for OwnLine<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}

@@ -16,6 +16,8 @@ impl Handler {
     #[inline]
     pub fn free(&self, ptr: Option<NonNull<u8>>, size: usize) -> Result<(), Error> {
         match ptr {
+            // The commonest frees first, on the path that builds no `Result`.
+            Some(ptr) if self.free_to_magazine(ptr, size) => Ok(()),
             Some(ptr) => self.give_back(ptr, Some(size as u64)).map(drop),
             None => Ok(()),
         }

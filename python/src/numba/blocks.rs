@@ -4,10 +4,10 @@
 //! and `allocbox.numba.use`'s process-wide blocks. Every count here is read on every
 //! array; what they protect is said beside each.
 
-use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 
+use allocbox_ledger::published::Published;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
@@ -18,8 +18,11 @@ use crate::policy::Policy;
 /// The handlers Numba's threads that run no Python use (`parallel=True` workers, and
 /// `nogil` functions): the one of the innermost block open in the process, an
 /// `allocbox.use` block or an `allocbox.numba.use` one (`None`: Numba's own allocator),
-/// each entry by the token its block holds.
+/// each entry by the token its block holds. Changed only with the interpreter let go
+/// (see [`publish`]).
 static WITHOUT_PYTHON: Mutex<Vec<(u64, Option<Arc<Bridge>>)>> = Mutex::new(Vec::new());
+/// [`WITHOUT_PYTHON`]'s innermost bridge, read on every such array.
+static WITHOUT_PYTHON_INNERMOST: LazyLock<Published<Bridge>> = LazyLock::new(Published::default);
 
 /// Whether any allocbox handler may be current anywhere: each open block holds one,
 /// and `set_handler` with a handler holds one for good ([`numba_route_hold`]: the
@@ -38,18 +41,9 @@ static CONTEXT_HOLDS: AtomicUsize = AtomicUsize::new(0);
 static PROCESS_WIDE: Mutex<Vec<(u64, Arc<Bridge>)>> = Mutex::new(Vec::new());
 /// How many [`PROCESS_WIDE`] holds: read without its lock on every array.
 static PROCESS_WIDE_OPEN: AtomicUsize = AtomicUsize::new(0);
-/// Changed, under [`PROCESS_WIDE`]'s lock, whenever its innermost block may have:
-/// a thread's [`PROCESS_WIDE_HERE`] is the innermost while it matches. From 1, so that
-/// a thread's first look (at 0) always reads the list.
-static PROCESS_WIDE_GENERATION: AtomicU64 = AtomicU64::new(1);
-
-thread_local! {
-    /// This thread's reference to the innermost process-wide block's bridge, and
-    /// [`PROCESS_WIDE_GENERATION`] when it was taken: the reference keeps the bridge
-    /// alive while this thread lends through it, with no count touched per array.
-    static PROCESS_WIDE_HERE: RefCell<(u64, Option<Arc<Bridge>>)> =
-        const { RefCell::new((0, None)) };
-}
+/// [`PROCESS_WIDE`]'s innermost bridge, read on every array it places: no count per
+/// array, no thread-local variable (a call into the dynamic linker in this library).
+static PROCESS_WIDE_INNERMOST: LazyLock<Published<Bridge>> = LazyLock::new(Published::default);
 
 /// No allocbox handler can be current: Numba's own allocator places the array.
 #[inline]
@@ -65,33 +59,41 @@ pub(crate) fn with_process_wide<R>(f: impl FnOnce(&Bridge) -> R) -> Option<R> {
     {
         return None;
     }
-    let generation = PROCESS_WIDE_GENERATION.load(Ordering::Acquire);
-    PROCESS_WIDE_HERE.with(|here| {
-        if here.borrow().0 != generation {
-            let innermost = {
-                let open = lock(&PROCESS_WIDE);
-                let now = PROCESS_WIDE_GENERATION.load(Ordering::Relaxed);
-                (now, open.last().map(|(_, bridge)| bridge.clone()))
-            };
-            let ended = match here.try_borrow_mut() {
-                Ok(mut cached) => std::mem::replace(&mut *cached, innermost),
-                // Re-entered from inside `f` (an event hook that makes a Numba array):
-                // served by the fresh reference, kept by the outer call's next look.
-                Err(_) => return innermost.1.as_deref().map(f),
-            };
-            // Dropped after the lock and the borrow: the last reference to a bridge
-            // ends its handler.
-            drop(ended);
-        }
-        here.borrow().1.as_deref().map(f)
-    })
+    PROCESS_WIDE_INNERMOST.read(|bridge| bridge.map(f))
 }
 
-/// The bridge of the innermost block open in the process, for a thread that runs no
-/// Python.
-pub(crate) fn without_python() -> Option<Arc<Bridge>> {
-    let open = lock(&WITHOUT_PYTHON);
-    open.last().and_then(|(_, bridge)| bridge.clone())
+/// `f` with the bridge of the innermost block open in the process, for a thread that
+/// runs no Python; `None` when there is none or it is Numba's own allocator.
+pub(crate) fn with_innermost_without_python<R>(f: impl FnOnce(&Bridge) -> R) -> Option<R> {
+    WITHOUT_PYTHON_INNERMOST.read(|bridge| bridge.map(f))
+}
+
+/// Change the lists with `change`, then make each list's innermost bridge the one its
+/// readers see. Done with the interpreter let go: a replaced bridge comes back only once
+/// no array's allocation reads it, and one may be running an event hook, which needs
+/// the interpreter. The lists' locks are held throughout, so writers take turns and the
+/// last lists are what is published. What comes back (what `change` answers, and the
+/// replaced bridges) is dropped after the locks: the last reference to a bridge ends
+/// its handler.
+fn change_lists<R: Send>(
+    py: Python<'_>,
+    change: impl FnOnce(&mut Vec<(u64, Option<Arc<Bridge>>)>, &mut Vec<(u64, Arc<Bridge>)>) -> R + Send,
+) -> (R, Vec<Arc<Bridge>>) {
+    py.detach(|| {
+        let mut without_python = lock(&WITHOUT_PYTHON);
+        let mut process_wide = lock(&PROCESS_WIDE);
+        let answer = change(&mut without_python, &mut process_wide);
+        let mut replaced = Vec::new();
+        let innermost = without_python.last().and_then(|(_, b)| b.clone());
+        if !WITHOUT_PYTHON_INNERMOST.holds(innermost.as_deref()) {
+            replaced.extend(WITHOUT_PYTHON_INNERMOST.replace(innermost));
+        }
+        let innermost = process_wide.last().map(|(_, b)| b.clone());
+        if !PROCESS_WIDE_INNERMOST.holds(innermost.as_deref()) {
+            replaced.extend(PROCESS_WIDE_INNERMOST.replace(innermost));
+        }
+        (answer, replaced)
+    })
 }
 
 /// `set_handler` installed a handler that may be one of allocbox's: the route asks NumPy
@@ -137,42 +139,35 @@ fn next_token() -> u64 {
 pub(crate) fn numba_threads_use(handler: &Bound<'_, PyAny>) -> u64 {
     let bridge = bridge_of_handler(handler);
     let token = next_token();
-    let mut open = lock(&WITHOUT_PYTHON);
-    open.push((token, bridge));
+    let ((), replaced) = change_lists(handler.py(), |without_python, _| {
+        without_python.push((token, bridge));
+    });
     CONTEXT_HOLDS.fetch_add(1, Ordering::Relaxed);
     HOLDS.fetch_add(1, Ordering::Relaxed);
+    drop(replaced);
     token
 }
 
 /// The block that [`numba_threads_use`] or [`numba_process_wide_use`] opened with
 /// `token` is over.
 #[pyfunction]
-pub(crate) fn numba_threads_done(token: u64) {
-    let ended: Vec<_> = {
-        let mut open = lock(&WITHOUT_PYTHON);
-        let at = open.iter().position(|(t, _)| *t == token);
-        at.map(|at| open.remove(at)).into_iter().collect()
-    };
-    if ended.is_empty() {
-        return;
+pub(crate) fn numba_threads_done(py: Python<'_>, token: u64) {
+    let ((ended, process_wide), replaced) = change_lists(py, |without_python, process_wide| {
+        let at = without_python.iter().position(|(t, _)| *t == token);
+        let ended: Vec<_> = at.map(|at| without_python.remove(at)).into_iter().collect();
+        let at = process_wide.iter().position(|(t, _)| *t == token);
+        let process_wide: Vec<_> = at.map(|at| process_wide.remove(at)).into_iter().collect();
+        (ended, process_wide)
+    });
+    if !ended.is_empty() {
+        match process_wide.is_empty() {
+            true => CONTEXT_HOLDS.fetch_sub(1, Ordering::Relaxed),
+            false => PROCESS_WIDE_OPEN.fetch_sub(1, Ordering::Relaxed),
+        };
+        HOLDS.fetch_sub(1, Ordering::Relaxed);
     }
-    let process_wide: Vec<_> = {
-        let mut open = lock(&PROCESS_WIDE);
-        let at = open.iter().position(|(t, _)| *t == token);
-        let ended: Vec<_> = at.map(|at| open.remove(at)).into_iter().collect();
-        if !ended.is_empty() {
-            PROCESS_WIDE_OPEN.fetch_sub(1, Ordering::Relaxed);
-            PROCESS_WIDE_GENERATION.fetch_add(1, Ordering::Release);
-        }
-        ended
-    };
-    if process_wide.is_empty() {
-        CONTEXT_HOLDS.fetch_sub(1, Ordering::Relaxed);
-    }
-    HOLDS.fetch_sub(1, Ordering::Relaxed);
-    // Dropped after the locks: the last reference to a bridge ends its handler, which
-    // must not keep Numba's workers from the lists meanwhile.
-    drop((ended, process_wide));
+    // After the locks: the last reference to a bridge ends its handler.
+    drop((ended, process_wide, replaced));
 }
 
 /// Make `handler` place every array Numba's compiled code makes in the process, on any
@@ -189,13 +184,12 @@ pub(crate) fn numba_process_wide_use(handler: &Bound<'_, PyAny>) -> PyResult<u64
         )));
     };
     let token = next_token();
-    lock(&WITHOUT_PYTHON).push((token, Some(bridge.clone())));
-    {
-        let mut open = lock(&PROCESS_WIDE);
-        open.push((token, bridge));
-        PROCESS_WIDE_OPEN.fetch_add(1, Ordering::Relaxed);
-        PROCESS_WIDE_GENERATION.fetch_add(1, Ordering::Release);
-    }
+    let ((), replaced) = change_lists(handler.py(), |without_python, process_wide| {
+        without_python.push((token, Some(bridge.clone())));
+        process_wide.push((token, bridge));
+    });
+    PROCESS_WIDE_OPEN.fetch_add(1, Ordering::Relaxed);
     HOLDS.fetch_add(1, Ordering::Relaxed);
+    drop(replaced);
     Ok(token)
 }

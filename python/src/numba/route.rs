@@ -341,10 +341,8 @@ fn route_alloc(size: usize, align: u32, safe: bool) -> *mut MemInfo {
         unsafe { ffi::Py_DECREF(capsule) };
         return mi;
     }
-    match blocks::without_python() {
-        Some(bridge) => alloc_through(route, &bridge, size, align, safe),
-        None => own(),
-    }
+    blocks::with_innermost_without_python(|bridge| alloc_through(route, bridge, size, align, safe))
+        .unwrap_or_else(own)
 }
 
 /// An aligned MemInfo from `bridge`'s allocator: NRT's own external allocation (which

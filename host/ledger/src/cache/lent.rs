@@ -61,9 +61,14 @@ impl Lent {
         self.older.remove(&addr)
     }
 
-    /// The array place that records `addr`.
+    /// The array place that records `addr`: the last one put first, as a temporary
+    /// freed right after it was taken is, then the others.
     #[inline(always)]
     pub(super) fn recent_place(&self, addr: u64) -> Option<usize> {
+        let last = self.next.wrapping_sub(1) % RECENT;
+        if self.recent[last].0 == addr {
+            return Some(last);
+        }
         self.recent.iter().position(|&(a, _)| a == addr)
     }
 

@@ -17,8 +17,10 @@ pub(super) const SERVED: u32 = 3;
 pub(super) const YOURS: u32 = 4;
 
 /// Requests waiting for the books: a stack of [`Request`]s, each on its thread's stack,
-/// pushed by their threads and taken whole by whoever holds the books.
+/// pushed by their threads and taken whole by whoever holds the books. On a line of its
+/// own (see `Caches`).
 #[derive(Debug)]
+#[repr(align(128))]
 pub(super) struct Waiting<C> {
     top: AtomicPtr<Request<C>>,
 }
