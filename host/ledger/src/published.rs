@@ -15,7 +15,7 @@
 //! about a sixth of an array's instructions.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 
 use crate::by_thread::ByThread;
 use crate::platform::barrier;
@@ -32,14 +32,30 @@ pub struct Published<T: Send + Sync> {
     retired: std::sync::Mutex<Vec<Arc<T>>>,
 }
 
-/// Whether a thread is reading, on a line of its own: written only by that thread.
+/// Whether a thread is reading, on a line of its own: written only by that thread. 0
+/// when it is not, else the [`forks`] count when it began plus one: a forked child
+/// lacks every thread but the one that forked, and a mark its parent's threads left
+/// must not keep the child's writer waiting.
 #[derive(Debug, Default)]
 #[repr(align(128))]
-struct Reading(AtomicBool);
+struct Reading(AtomicU64);
+
+/// What a thread marks while it reads, in this process.
+#[inline(always)]
+fn reading_mark() -> u64 {
+    #[cfg(not(allocbox_loom))]
+    let forks = crate::platform::fork::generation();
+    #[cfg(allocbox_loom)]
+    let forks = 0;
+    forks + 1
+}
 
 impl<T: Send + Sync> Default for Published<T> {
     fn default() -> Self {
         barrier::prepare();
+        // So that a forked child tells its parent's marks from its own.
+        #[cfg(not(allocbox_loom))]
+        crate::platform::fork::count_forks();
         Published {
             current: AtomicPtr::new(std::ptr::null_mut()),
             readers: ByThread::default(),
@@ -54,19 +70,20 @@ impl<T: Send + Sync> Published<T> {
     #[inline]
     pub fn read<R>(&self, f: impl FnOnce(Option<&T>) -> R) -> R {
         let mark = &self.readers.get_or(Reading::default).0;
-        if mark.load(Ordering::Relaxed) {
+        let reading = reading_mark();
+        if mark.load(Ordering::Relaxed) == reading {
             // SAFETY: this thread's outer read keeps the value from being freed.
             return f(unsafe { self.current.load(Ordering::Acquire).as_ref() });
         }
-        mark.store(true, Ordering::Relaxed);
+        mark.store(reading, Ordering::Relaxed);
         barrier::light();
         /// Unmarks however `f` ends, so that a writer never waits for good.
-        struct Done<'a>(&'a AtomicBool);
+        struct Done<'a>(&'a AtomicU64);
         impl Drop for Done<'_> {
             #[inline(always)]
             fn drop(&mut self) {
                 // Release: a writer that sees this clear sees every use of the value done.
-                self.0.store(false, Ordering::Release);
+                self.0.store(0, Ordering::Release);
             }
         }
         let _done = Done(mark);
@@ -90,11 +107,12 @@ impl<T: Send + Sync> Published<T> {
         let old = self.current.swap(new, Ordering::AcqRel);
         barrier::heavy();
         let mine = self.readers.get().map(std::ptr::from_ref);
+        let reading = reading_mark();
         for reader in self.readers.iter() {
             if Some(std::ptr::from_ref(reader)) == mine {
                 continue;
             }
-            while reader.0.load(Ordering::Acquire) {
+            while reader.0.load(Ordering::Acquire) == reading {
                 yield_now();
             }
         }
@@ -103,7 +121,7 @@ impl<T: Send + Sync> Published<T> {
         let old = (!old.is_null()).then(|| unsafe { Arc::from_raw(old.cast_const()) });
         let reading_here = mine.is_some_and(|r| {
             // SAFETY: this thread's own line, alive as long as `self`.
-            unsafe { &*r }.0.load(Ordering::Relaxed)
+            unsafe { &*r }.0.load(Ordering::Relaxed) == reading
         });
         let mut retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
         if reading_here {
@@ -130,7 +148,7 @@ impl<T: Send + Sync> Drop for Published<T> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::AtomicU64;
+    use std::sync::atomic::AtomicBool;
 
     use super::*;
 
@@ -184,6 +202,27 @@ mod tests {
         drop(published.replace(None));
         let replacements = if cfg!(miri) { 20 } else { 2000 };
         assert_eq!(dropped.load(Ordering::SeqCst), replacements);
+    }
+
+    #[test]
+    fn a_mark_left_by_a_thread_of_the_parent_process_keeps_no_writer_waiting() {
+        let dropped = Arc::new(AtomicU64::new(0));
+        let published: Published<Value> = Published::default();
+        drop(published.replace(Some(value(&dropped))));
+        // Another thread's line, marked as a reader of the process before a fork marks
+        // it (a thread a forked child does not have) ...
+        std::thread::scope(|s| {
+            s.spawn(|| published.read(|_| ()));
+        });
+        let other = published
+            .readers
+            .iter()
+            .next()
+            .expect("the other thread's line");
+        other.0.store(reading_mark() + 1, Ordering::Relaxed);
+        // ... is not waited for: this returns.
+        assert!(published.replace(None).is_some());
+        assert_eq!(dropped.load(Ordering::SeqCst), 1);
     }
 
     #[test]

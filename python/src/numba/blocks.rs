@@ -19,7 +19,7 @@ use crate::policy::Policy;
 /// `nogil` functions): the one of the innermost block open in the process, an
 /// `allocbox.use` block or an `allocbox.numba.use` one (`None`: Numba's own allocator),
 /// each entry by the token its block holds. Changed only with the interpreter let go
-/// (see [`publish`]).
+/// (see [`change_lists`]).
 static WITHOUT_PYTHON: Mutex<Vec<(u64, Option<Arc<Bridge>>)>> = Mutex::new(Vec::new());
 /// [`WITHOUT_PYTHON`]'s innermost bridge, read on every such array.
 static WITHOUT_PYTHON_INNERMOST: LazyLock<Published<Bridge>> = LazyLock::new(Published::default);
