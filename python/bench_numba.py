@@ -30,6 +30,9 @@ import sys
 # Numba's pool has this many workers at most, fixed when it starts: 16, so that the
 # parallel rows can oversubscribe a small machine.
 os.environ.setdefault("NUMBA_NUM_THREADS", "16")
+# OpenBLAS starts a thread per core that spins after each call; on a 2-core machine
+# they took 40% of a short profile's samples from the workloads, which use no BLAS.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numba  # noqa: E402 - after its thread count
 import numpy as np
