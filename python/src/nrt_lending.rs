@@ -17,8 +17,8 @@
 //! lender goes to the orphans, which are freed once their lines sum to zero. Each line
 //! only falls from then on, so a sum of zero read at any moment means the last block is
 //! back. Who sees it: a thread giving a block back writes its line, then (a light
-//! barrier between) reads whether any orphan waits; the bridge's drop says one waits,
-//! then (a heavy barrier between) sums the lines. The pair orders memory as two full
+//! barrier between) reads whether an orphan with its lender's bit waits; the bridge's
+//! drop sets that bit, then (a heavy barrier between) sums the lines. The pair orders memory as two full
 //! fences would, so either the freer sees the orphan and sums under the orphans' lock
 //! itself, or the drop's sum sees the freer's line: the last sum taken sees every line's
 //! last value and frees the lender. A thread's line store is the last it touches of a
@@ -28,7 +28,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicIsize, AtomicU64, AtomicUsize, Ordering};
 
 use allocbox_ledger::by_thread::ByThread;
 use allocbox_ledger::platform::barrier;
@@ -62,6 +62,8 @@ pub(crate) struct Lender<B> {
     /// found by thread pointer: a thread-local variable in a shared library (this one)
     /// costs a call into the dynamic linker, most of what counting a block cost.
     out: ByThread<Line>,
+    /// This lender's bit of [`ORPHANED`], one of 64 lenders share.
+    bit: u64,
 }
 
 /// One thread's count, on a cache line of its own: written only by its thread.
@@ -124,12 +126,12 @@ impl<B> Lender<B> {
     pub(crate) unsafe fn given_back(this: *const Self) {
         // SAFETY: the caller's contract: the lender is alive until its line says the
         // block is back.
-        let line = unsafe { &(*this).out.get_or(Line::default).0 };
+        let (line, bit) = unsafe { (&(*this).out.get_or(Line::default).0, (*this).bit) };
         // Release: whoever reads this and frees the lender does so after every access
         // of this thread's to it.
         line.store(line.load(Ordering::Relaxed) - 1, Ordering::Release);
         barrier::light();
-        if WAITING.load(Ordering::Relaxed) != 0 {
+        if ORPHANED.load(Ordering::Relaxed) & bit != 0 {
             reap();
         }
     }
@@ -174,6 +176,7 @@ impl<B: Send + Sync + 'static> NrtLending<B> {
             owner,
             moved: (!aligned).then(|| Mutex::new(HashMap::new())),
             out: ByThread::default(),
+            bit: 1 << (NEXT_BIT.fetch_add(1, Ordering::Relaxed) % u64::BITS as usize),
         }));
         // SAFETY: just made, and no one else has it yet.
         unsafe { (*lender).allocator.opaque = lender.cast() };
@@ -193,7 +196,7 @@ impl<B: Send + Sync + 'static> Drop for NrtLending<B> {
         {
             let mut orphans = lock(&ORPHANS);
             orphans.push(Orphaned(orphan));
-            WAITING.store(orphans.len(), Ordering::Relaxed);
+            ORPHANED.store(bits_of(&orphans), Ordering::Relaxed);
         }
         barrier::heavy();
         reap();
@@ -203,11 +206,15 @@ impl<B: Send + Sync + 'static> Drop for NrtLending<B> {
 /// A lender whose bridge is gone, kept until its last block is back.
 trait Orphan: Send + Sync {
     fn blocks_out(&self) -> isize;
+    fn bit(&self) -> u64;
 }
 
 impl<B: Send + Sync> Orphan for Lender<B> {
     fn blocks_out(&self) -> isize {
         Lender::blocks_out(self)
+    }
+    fn bit(&self) -> u64 {
+        self.bit
     }
 }
 
@@ -220,8 +227,19 @@ unsafe impl Send for Orphaned {}
 
 /// Lenders whose bridges are gone and whose blocks are not all back.
 static ORPHANS: Mutex<Vec<Orphaned>> = Mutex::new(Vec::new());
-/// How many [`ORPHANS`] there are, read by every block given back.
-static WAITING: AtomicUsize = AtomicUsize::new(0);
+/// The bits of the lenders among [`ORPHANS`], read by every block given back: a lender
+/// whose bit is clear has no orphan to look for, so an orphan whose arrays live on for
+/// good sends only the frees of the lenders that share its bit (one in 64) to the lock.
+static ORPHANED: AtomicU64 = AtomicU64::new(0);
+/// Where the next lender's bit is.
+static NEXT_BIT: AtomicUsize = AtomicUsize::new(0);
+
+/// The bits of `orphans`; under the orphans' lock, so that two writers never cross.
+fn bits_of(orphans: &[Orphaned]) -> u64 {
+    // SAFETY: an orphan in the list is alive (it is freed only after leaving it).
+    let bits = orphans.iter().map(|o| unsafe { o.0.as_ref() }.bit());
+    bits.fold(0, |all, bit| all | bit)
+}
 
 /// Free every orphan whose blocks are all back.
 #[cold]
@@ -232,7 +250,7 @@ fn reap() {
         let ended = orphans
             .extract_if(.., |o| unsafe { o.0.as_ref() }.blocks_out() == 0)
             .collect();
-        WAITING.store(orphans.len(), Ordering::Relaxed);
+        ORPHANED.store(bits_of(&orphans), Ordering::Relaxed);
         ended
     };
     // Freed after the lock: the last reference to a bridge ends its handler.
