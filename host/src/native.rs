@@ -32,8 +32,9 @@ pub struct NumpyDefault {
 
 #[derive(Debug)]
 struct Inner {
-    /// `cache[size]`: freed blocks of exactly `size` usable bytes or more.
-    cache: Vec<Vec<usize>>,
+    /// `cache[size]`: freed blocks of exactly `size` usable bytes or more, each with its
+    /// usable size, read as it was freed, so that a hit calls nothing.
+    cache: Vec<Vec<(usize, u64)>>,
     stats: Stats,
 }
 
@@ -53,27 +54,36 @@ impl NumpyDefault {
         }
     }
 
-    fn take_cached(&self, size: usize) -> Option<NonNull<u8>> {
+    /// A cached block of `size` bytes, lent and counted as a `calloc` or a `malloc`
+    /// under one lock; `None` (nothing counted) when there is none.
+    fn take_cached(&self, size: usize, calloc: bool) -> Option<NonNull<u8>> {
         if size >= NBUCKETS {
             return None;
         }
         let mut inner = self.inner.lock();
-        let addr = inner.cache[size].pop()?;
+        let (addr, usable) = inner.cache[size].pop()?;
         inner.stats.magazine_hits += 1;
+        count_request(&mut inner.stats, calloc);
+        inner.stats.lend(usable);
         NonNull::new(addr as *mut u8)
     }
 
+    /// Count a request the C library answered with `got`.
     fn count_new(&self, calloc: bool, got: Option<NonNull<u8>>) {
+        let usable = got.map(usable_size);
         let mut inner = self.inner.lock();
-        if calloc {
-            inner.stats.callocs += 1;
-        } else {
-            inner.stats.mallocs += 1;
-        }
-        match got {
-            Some(p) => inner.stats.lend(usable_size(p)),
+        count_request(&mut inner.stats, calloc);
+        match usable {
+            Some(usable) => inner.stats.lend(usable),
             None => inner.stats.failed += 1,
         }
+    }
+}
+
+fn count_request(stats: &mut Stats, calloc: bool) {
+    match calloc {
+        true => stats.callocs += 1,
+        false => stats.mallocs += 1,
     }
 }
 
@@ -90,11 +100,14 @@ impl MemHandler for NumpyDefault {
     }
 
     fn malloc(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
-        let got = self.take_cached(size).or_else(|| {
-            // SAFETY: plain C malloc; a zero size gives a unique pointer or null.
-            let p = NonNull::new(unsafe { libc::malloc(size.max(1)) }.cast::<u8>());
-            p.inspect(|&p| advise_huge_pages(p, size))
-        });
+        if let Some(p) = self.take_cached(size, false) {
+            return Ok(Some(p));
+        }
+        // SAFETY: plain C malloc; a zero size gives a unique pointer or null.
+        let got = NonNull::new(unsafe { libc::malloc(size.max(1)) }.cast::<u8>());
+        if let Some(p) = got {
+            advise_huge_pages(p, size);
+        }
         self.count_new(false, got);
         Ok(got)
     }
@@ -104,19 +117,16 @@ impl MemHandler for NumpyDefault {
             self.count_new(true, None);
             return Ok(None);
         };
-        let got = match self.take_cached(size) {
-            Some(p) => {
-                // SAFETY: a cached block has at least `size` usable bytes (see `free`).
-                unsafe { std::ptr::write_bytes(p.as_ptr(), 0, size) };
-                Some(p)
-            }
-            None => {
-                // SAFETY: plain C calloc; the product was checked for overflow above.
-                let p =
-                    NonNull::new(unsafe { libc::calloc(nelem.max(1), elsize.max(1)) }.cast::<u8>());
-                p.inspect(|&p| advise_huge_pages(p, size))
-            }
-        };
+        if let Some(p) = self.take_cached(size, true) {
+            // SAFETY: a cached block has at least `size` usable bytes (see `free`).
+            unsafe { std::ptr::write_bytes(p.as_ptr(), 0, size) };
+            return Ok(Some(p));
+        }
+        // SAFETY: plain C calloc; the product was checked for overflow above.
+        let got = NonNull::new(unsafe { libc::calloc(nelem.max(1), elsize.max(1)) }.cast::<u8>());
+        if let Some(p) = got {
+            advise_huge_pages(p, size);
+        }
         self.count_new(true, got);
         Ok(got)
     }
@@ -149,15 +159,15 @@ impl MemHandler for NumpyDefault {
         let Some(ptr) = ptr else {
             return Ok(());
         };
+        let usable = usable_size(ptr);
         let mut inner = self.inner.lock();
         inner.stats.frees += 1;
-        let usable = usable_size(ptr);
         inner.stats.take_back(usable);
         // NumPy sometimes frees with a size larger than the block (it reallocs and
         // frees with the original size); caching such a block under that size would
         // hand out too few bytes later, so the C library's own record decides.
         if size < NBUCKETS && size as u64 <= usable && inner.cache[size].len() < NCACHE {
-            inner.cache[size].push(ptr.as_ptr() as usize);
+            inner.cache[size].push((ptr.as_ptr() as usize, usable));
             return Ok(());
         }
         drop(inner);
@@ -182,7 +192,7 @@ impl MemHandler for NumpyDefault {
 impl Drop for NumpyDefault {
     fn drop(&mut self) {
         for bucket in &mut self.inner.get_mut().cache {
-            for addr in bucket.drain(..) {
+            for (addr, _) in bucket.drain(..) {
                 // SAFETY: cached blocks came from C malloc and are owned by the cache.
                 unsafe { libc::free(addr as *mut libc::c_void) };
             }
