@@ -18,11 +18,11 @@
 //! only falls from then on, so a sum of zero read at any moment means the last block is
 //! back. Who sees it: a thread giving a block back writes its line, then (a light
 //! barrier between) reads whether an orphan with its lender's bit waits; the bridge's
-//! drop sets that bit, then (a heavy barrier between) sums the lines. The pair orders memory as two full
-//! fences would, so either the freer sees the orphan and sums under the orphans' lock
-//! itself, or the drop's sum sees the freer's line: the last sum taken sees every line's
-//! last value and frees the lender. A thread's line store is the last it touches of a
-//! lender, so a lender freed by another thread is never touched again.
+//! drop sets that bit, then (a heavy barrier between) sums the lines. The pair orders
+//! memory as two full fences would, so either the freer sees the orphan and sums under
+//! the orphans' lock itself, or the drop's sum sees the freer's line: the last sum taken
+//! sees every line's last value and frees the lender. A thread's line store is the last
+//! it touches of a lender, so a lender freed by another thread is never touched again.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
