@@ -206,6 +206,14 @@ impl Handler {
         if let Some(block) = self.malloc_from_magazine(size) {
             return Ok(Some(block));
         }
+        self.malloc_past_magazine(size)
+    }
+
+    /// [`Handler::malloc`] for a caller that has just tried
+    /// [`Handler::malloc_from_magazine`] (the NumPy bridge): the rest of the path, so
+    /// that a miss does not look up the thread's cache in place twice.
+    #[inline]
+    pub fn malloc_past_magazine(&self, size: usize) -> Result<Option<NonNull<u8>>, Error> {
         self.lend::<false>((size as u64).max(1))
     }
 

@@ -79,6 +79,13 @@ impl Bridge {
         self
     }
 
+    /// The handler itself when nothing records it: then `handler` is `direct`, and the
+    /// paths past the magazine may be called on it directly.
+    #[inline(always)]
+    fn unrecorded_direct(&self) -> Option<&Handler> {
+        self.direct.as_deref().filter(|_| self.recording.is_none())
+    }
+
     /// Where a free served from a magazine falls in the recording (taken before the
     /// block can be handed to another thread); 0 when nothing is recorded.
     #[inline(always)]
@@ -237,7 +244,11 @@ pub(crate) unsafe extern "C" fn bridge_malloc(ctx: *mut c_void, size: usize) -> 
 /// Out of line, so that the magazine hit above stays short.
 #[inline(never)]
 fn malloc_slowly(b: &Bridge, size: usize) -> *mut c_void {
-    let block = b.block(|| b.handler.malloc(size));
+    let block = b.block(|| match b.unrecorded_direct() {
+        // The in-place hit was just tried: not again.
+        Some(h) => h.malloc_past_magazine(size),
+        None => b.handler.malloc(size),
+    });
     b.diagnose(std::ptr::null_mut(), None, block, size);
     b.tell_hook(std::ptr::null_mut(), block, size);
     block
@@ -320,7 +331,7 @@ impl Bridge {
     pub(crate) fn free_unsized(&self, block: NonNull<u8>) {
         let ptr = block.as_ptr().cast::<c_void>();
         // A recording needs the size, which the handler's own path tells it.
-        if let Some(h) = self.direct.as_ref().filter(|_| self.recording.is_none())
+        if let Some(h) = self.unrecorded_direct()
             && self.guard(false, || h.free_unsized_to_magazine(block))
         {
             self.tell_hook(ptr, std::ptr::null_mut(), 0);
@@ -341,7 +352,12 @@ impl Bridge {
 #[inline(never)]
 fn free_slowly(b: &Bridge, block: Option<NonNull<u8>>, size: usize) {
     b.guard((), || {
-        if let Err(e) = b.handler.free(block, size) {
+        let freed = match (b.unrecorded_direct(), block) {
+            // The in-place hit was just tried: not again.
+            (Some(h), Some(block)) => h.free_past_magazine(block, size),
+            _ => b.handler.free(block, size),
+        };
+        if let Err(e) = freed {
             b.note(e);
         }
     });

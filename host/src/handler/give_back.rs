@@ -18,9 +18,17 @@ impl Handler {
         match ptr {
             // The commonest frees first, on the path that builds no `Result`.
             Some(ptr) if self.free_to_magazine(ptr, size) => Ok(()),
-            Some(ptr) => self.give_back(ptr, Some(size as u64)).map(drop),
+            Some(ptr) => self.free_past_magazine(ptr, size),
             None => Ok(()),
         }
+    }
+
+    /// [`Handler::free`] for a caller that has just tried [`Handler::free_to_magazine`]
+    /// (the NumPy bridge): the rest of the path, so that a miss does not look up the
+    /// thread's cache in place twice.
+    #[inline]
+    pub fn free_past_magazine(&self, ptr: NonNull<u8>, size: usize) -> Result<(), Error> {
+        self.give_back(ptr, Some(size as u64)).map(drop)
     }
 
     /// Give back a block whose client does not say its size (Numba's runtime frees so):
