@@ -113,6 +113,13 @@ impl raw::allocbox::policy::memory::Host for RawHost {
     fn page_size(&mut self, _pages: raw::allocbox::policy::memory::Pages) -> u64 {
         4096
     }
+    fn map_gpu(
+        &mut self,
+        _size: u64,
+        _kind: raw::allocbox::policy::memory::GpuKind,
+    ) -> Result<u64, raw::allocbox::policy::memory::Refusal> {
+        Err(raw::allocbox::policy::memory::Refusal::NotGranted)
+    }
     fn map_pinned(&mut self, _size: u64) -> Result<u64, raw::allocbox::policy::memory::Refusal> {
         Err(raw::allocbox::policy::memory::Refusal::NotGranted)
     }

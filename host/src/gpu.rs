@@ -14,8 +14,8 @@
 //! `Placement` (host memory, or GPU `n` for a `DeviceHandler`), and so has every
 //! stretch of memory a link holds: an upstream block is in its upstream's placement
 //! (the host's memory is host memory; a link below serves the same client), a
-//! region in its own (`map-device` regions are GPU memory, `map-pinned` host
-//! memory). An answer must lie in memory of the link's placement
+//! region in its own (`map-gpu`'s `device` regions are GPU memory, its `pinned`
+//! ones host memory). An answer must lie in memory of the link's placement
 //! (`Rule::WrongMemory`), a `bytes` access in host memory (`Rule::DeviceBytes`); a
 //! clearance carries the placement it was found in, so the fast paths keep both
 //! rules. Device memory is mapped only in a device handler, whose `calloc` and
@@ -32,6 +32,10 @@ mod stand_in;
 use std::sync::Arc;
 
 pub use stand_in::StandIn;
+
+use crate::kind::KindGrant;
+#[cfg(doc)]
+use crate::kind::MadeBy;
 
 /// Where a handler's blocks live: in host memory, or on a GPU, which the host never
 /// reads or writes.
@@ -81,28 +85,30 @@ pub(crate) trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
     /// Memory on `device`: `(free, total)` bytes; an error when there is no such device.
     fn memory(&self, device: u32) -> Result<(u64, u64), GpuError>;
-    /// `size` bytes of memory on `device`, aligned to at least [`DEVICE_ALIGNMENT`].
-    fn alloc(&self, device: u32, size: u64) -> Result<u64, GpuError>;
+    /// `size` bytes of `kind` (a kind the driver makes: [`MadeBy::Driver`]) on
+    /// `device`, aligned to at least [`DEVICE_ALIGNMENT`].
+    fn alloc(&self, kind: KindGrant, device: u32, size: u64) -> Result<u64, GpuError>;
     /// Give back memory `alloc` answered.
     ///
     /// # Safety
     ///
-    /// `addr` was answered by `alloc` on `device`, is given back once, and nothing
-    /// uses it afterwards.
-    unsafe fn free(&self, device: u32, addr: u64);
-    /// Register `[addr, addr+len)` of host memory with the driver (pinned).
+    /// `addr` was answered by `alloc` for `kind` on `device`, is given back once, and
+    /// nothing uses it afterwards.
+    unsafe fn free(&self, kind: KindGrant, device: u32, addr: u64);
+    /// Register `[addr, addr+len)` of host memory with the driver as `kind` (a kind made
+    /// of host pages: [`MadeBy::HostRegistered`]).
     ///
     /// # Safety
     ///
     /// The range is mapped host memory the caller owns, page-aligned, and stays mapped
     /// until `unregister`.
-    unsafe fn register(&self, addr: u64, len: u64) -> Result<(), GpuError>;
+    unsafe fn register(&self, kind: KindGrant, addr: u64, len: u64) -> Result<(), GpuError>;
     /// Undo `register`.
     ///
     /// # Safety
     ///
-    /// `addr` starts a range `register` registered, unregistered once.
-    unsafe fn unregister(&self, addr: u64);
+    /// `addr` starts a range `register` registered as `kind`, unregistered once.
+    unsafe fn unregister(&self, kind: KindGrant, addr: u64);
     /// An event on `stream` of `device`, after the work queued on it so far.
     fn record(&self, device: u32, stream: Stream) -> Result<Event, GpuError>;
     /// Has the work before `event` finished? A driver error counts as not finished: the

@@ -7,6 +7,7 @@ pub mod gpu;
 mod handler;
 mod hook;
 pub mod input;
+mod kind;
 mod link;
 pub mod mapped;
 mod memhandler;

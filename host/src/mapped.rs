@@ -16,10 +16,46 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use parking_lot::Mutex;
 
 mod gpu;
-mod kind;
 
-pub(crate) use gpu::{map_device, map_pinned};
-pub use kind::{Guard, Kind, KindGrant, KindGrants, Numa, Pages, UnknownGrant, kind_list};
+pub use crate::kind::{
+    GpuRow, Guard, Kind, KindGrant, KindGrants, KindRow, MadeBy, Maps, Numa, Pages, Share,
+    kind_list,
+};
+pub(crate) use gpu::map_gpu;
+
+/// A grant name that is none of [`KindGrant::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "`{given}` is not a kind of memory allocbox can grant: use {}",
+    kind_list()
+)]
+pub struct UnknownGrant {
+    pub given: String,
+}
+
+impl std::str::FromStr for KindGrant {
+    type Err = UnknownGrant;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        KindGrant::ALL
+            .into_iter()
+            .find(|g| g.name() == s)
+            .ok_or_else(|| UnknownGrant {
+                given: crate::untrusted::escape(s),
+            })
+    }
+}
+
+impl KindGrants {
+    /// Grants from names (`["numa", "guarded"]`), refusing an unknown one.
+    pub fn from_names<S: AsRef<str>>(
+        names: impl IntoIterator<Item = S>,
+    ) -> Result<Self, UnknownGrant> {
+        names
+            .into_iter()
+            .map(|name| name.as_ref().parse())
+            .collect()
+    }
+}
 
 /// Why a region was not mapped; the policy sees it and goes on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -86,7 +122,7 @@ pub(crate) struct Region {
     /// shares.
     _mappings: Option<crate::shares::Mappings>,
     _locked: Option<crate::shares::LockedBytes>,
-    /// Registered with a GPU's driver (pinned), or not host memory at all (device).
+    /// Registered with a GPU's driver, or allocated by it.
     gpu: Option<gpu::Held>,
 }
 
@@ -99,10 +135,9 @@ impl Region {
 
     /// Where the region's memory is: host memory (pinned or not), or a GPU's.
     pub(crate) fn placement(&self) -> crate::gpu::Placement {
-        match &self.gpu {
-            Some(gpu::Held::Device { device, .. }) => crate::gpu::Placement::Device(*device),
-            _ => crate::gpu::Placement::Host,
-        }
+        self.gpu
+            .as_ref()
+            .map_or(crate::gpu::Placement::Host, gpu::Held::placement)
     }
 }
 
@@ -117,7 +152,7 @@ impl Drop for Region {
             .as_ref()
             .is_some_and(|held| !held.release(self.start))
         {
-            // Device memory, given back to the driver: nothing was mapped.
+            // Given back to the driver, which made it: nothing was mapped here.
             return;
         }
         // SAFETY: `[map_start, map_start + map_len)` is the mapping `map` made for this
@@ -426,10 +461,7 @@ mod tests {
 
     #[test]
     fn a_guard_page_is_registered_while_its_region_lives() {
-        let grants = KindGrants {
-            guarded: true,
-            ..KindGrants::default()
-        };
+        let grants = KindGrants::from_iter([KindGrant::Guarded]);
         let kind = Kind {
             guard: Guard::After,
             ..NORMAL
@@ -446,10 +478,7 @@ mod tests {
 
     #[test]
     fn a_region_past_the_budget_is_over_limit_and_its_cost_counts_the_guard() {
-        let grants = KindGrants {
-            guarded: true,
-            ..KindGrants::default()
-        };
+        let grants = KindGrants::from_iter([KindGrant::Guarded]);
         let kind = Kind {
             guard: Guard::Before,
             ..NORMAL
@@ -464,10 +493,7 @@ mod tests {
 
     #[test]
     fn a_transparent_huge_region_starts_on_a_huge_page() {
-        let grants = KindGrants {
-            huge_pages: true,
-            ..KindGrants::default()
-        };
+        let grants = KindGrants::from_iter([KindGrant::HugePages]);
         let kind = Kind {
             pages: Pages::TransparentHuge,
             ..NORMAL
@@ -484,17 +510,18 @@ mod tests {
     #[test]
     fn grant_names_are_the_documented_ones() {
         let grants = KindGrants::from_names(["numa", "guarded"]).unwrap();
-        assert!(grants.numa && grants.guarded && !grants.locked && !grants.huge_pages);
+        let granted: Vec<_> = KindGrant::ALL
+            .into_iter()
+            .filter(|&kind| grants.granted(kind))
+            .collect();
+        assert_eq!(granted, [KindGrant::Numa, KindGrant::Guarded]);
         let err = KindGrants::from_names(["gpu"]).unwrap_err();
         assert!(err.to_string().contains("`gpu` is not a kind"));
     }
 
     #[test]
     fn a_node_the_machine_lacks_is_unavailable() {
-        let grants = KindGrants {
-            numa: true,
-            ..KindGrants::default()
-        };
+        let grants = KindGrants::from_iter([KindGrant::Numa]);
         let kind = Kind {
             numa: Numa::Bind(63),
             ..NORMAL

@@ -9,8 +9,9 @@
 //! (the host serves both with the same checks, `link/mapped.rs` delegating to
 //! `link/imports.rs`) and adds:
 //!
-//! - `memory`: regions of a kind (huge pages, NUMA placement, locked, guarded)
-//!   mapped by the host for the asking policy, **around** the links below it. A
+//! - `memory`: regions of a kind (huge pages, NUMA placement, locked, guarded, and
+//!   the GPU kinds of `map-gpu`, each a row of `kind.rs`) mapped by the host for the
+//!   asking policy, **around** the links below it. A
 //!   region goes on the asking link's own books (`link/mapped.rs`, beside the
 //!   ledger of what its upstream lent it), never through the links below: a lower
 //!   policy cannot grant a kind it does not have, its ledger stays exact, and the

@@ -25,8 +25,9 @@ const CHAOS_ARMS: &[(&str, &str)] = &[
     ("import memory#map-region", "memory::map("),
     ("import memory#unmap-region", "memory::unmap("),
     ("import memory#page-size", "memory::page_size("),
-    ("import memory#map-pinned", "memory::map_pinned("),
-    ("import memory#map-device", "memory::map_device("),
+    ("import memory#map-gpu", "memory::map_gpu("),
+    ("import memory#map-pinned", "before_map_gpu::map_pinned("),
+    ("import memory#map-device", "before_map_gpu::map_device("),
     (
         "import diagnostics#client-misuse",
         "diagnostics::client_misuse(",

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use allocbox::gpu::{Gpu, GpuError, StandIn};
-use allocbox::mapped::KindGrants;
+use allocbox::mapped::{KindGrant, KindGrants};
 use allocbox::{DeviceHandler, Error, Grants, Handler, HandlerBuilder, Limits, Rule, Runtime};
 use allocbox_artifacts::Guest;
 
@@ -23,10 +23,7 @@ fn limits(gpu: &Gpu, grants: KindGrants) -> Limits {
 }
 
 fn device_grant() -> KindGrants {
-    KindGrants {
-        device: true,
-        ..KindGrants::default()
-    }
+    KindGrants::from_iter([KindGrant::Device])
 }
 
 fn stand_in(devices: u32, memory: u64) -> (Arc<StandIn>, Gpu) {
@@ -43,10 +40,7 @@ fn pool_on(gpu: &Gpu, device: u32, config: &[(&str, &str)]) -> DeviceHandler {
 }
 
 fn pinned_grant() -> KindGrants {
-    KindGrants {
-        pinned: true,
-        ..KindGrants::default()
-    }
+    KindGrants::from_iter([KindGrant::Pinned])
 }
 
 /// A handler of host memory of `guest`, granted `grants` of `gpu`.
@@ -273,6 +267,34 @@ fn pinned_regions_are_host_memory_registered_while_they_live() {
     assert_eq!(refused.malloc(100).unwrap(), None);
 }
 
+/// `map-pinned` and `map-device`, the shorthands policies built before `map-gpu` call,
+/// map what `map-gpu` maps, under the same grants.
+#[test]
+fn the_shorthands_before_map_gpu_map_the_same_kinds_under_the_same_grants() {
+    let (stand_in, gpu) = stand_in(1, 1 << 30);
+    let probe = &allocbox_artifacts::KINDS_PROBE;
+    let h = host_on(&gpu, probe, &[("kind", "map-pinned")], pinned_grant());
+    let block = h.malloc(10_000).unwrap().expect("pinned memory");
+    assert!(stand_in.registered() >= 10_000);
+    h.free(Some(block), 10_000).unwrap();
+    assert_eq!(stand_in.registered(), 0);
+    let refused = host_on(
+        &gpu,
+        probe,
+        &[("kind", "map-pinned")],
+        KindGrants::default(),
+    );
+    assert_eq!(refused.malloc(100).unwrap(), None);
+
+    let h = probe_on(&gpu, &[("kind", "map-device")], device_grant());
+    let block = h.malloc(1000).unwrap().expect("device memory");
+    assert_eq!(stand_in.allocated(0), 1024);
+    h.free(block, Some(1000), &[]).unwrap();
+    assert_eq!(stand_in.allocated(0), 0);
+    let refused = probe_on(&gpu, &[("kind", "map-device")], KindGrants::default());
+    assert_eq!(refused.malloc(100).unwrap(), None);
+}
+
 #[test]
 fn the_gpu_pool_serves_numpy_sized_blocks_from_pinned_memory_with_calloc_and_realloc() {
     let (stand_in, gpu) = stand_in(1, 1 << 30);
@@ -464,10 +486,7 @@ const NUMA_BEFORE_GPU_KINDS: &[u8] = include_bytes!("../fixtures/numa-built-befo
 #[test]
 fn a_policy_built_before_the_gpu_kinds_were_added_still_loads_and_maps_memory() {
     let policy = Runtime::shared().load(NUMA_BEFORE_GPU_KINDS).unwrap();
-    let grants = KindGrants {
-        numa: true,
-        ..KindGrants::default()
-    };
+    let grants = KindGrants::from_iter([KindGrant::Numa]);
     let (_, gpu) = stand_in(1, 1 << 30);
     let h = HandlerBuilder::new(Runtime::shared())
         .link_with(&policy, &[("min-size", "4096")])

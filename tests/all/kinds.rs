@@ -2,7 +2,7 @@
 //! host never touches, budgets kept), client diagnostics, a policy's counters and the
 //! limits it is told.
 
-use allocbox::mapped::{KindGrant, KindGrants};
+use allocbox::mapped::{KindGrant, KindGrants, Maps};
 use allocbox::{Error, Grants, HandlerBuilder, Limits, Rule, Runtime};
 
 use super::support::*;
@@ -352,10 +352,14 @@ fn every_written_list_of_memory_kinds_names_every_kind() {
             "python/allocbox/__init__.py",
             "lists the kinds of memory the policy may ask",
         ),
+        ("wit/0.2.0/policy.wit", "Each kind must be granted"),
     ];
     for (file, start) in lists {
         let text = std::fs::read_to_string(root.join(file)).unwrap();
-        let text = text.replace("//!", " ").replace('\n', " ");
+        let text = text
+            .replace("///", " ")
+            .replace("//!", " ")
+            .replace('\n', " ");
         let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
         let at = text
             .find(start)
@@ -369,4 +373,29 @@ fn every_written_list_of_memory_kinds_names_every_kind() {
             );
         }
     }
+}
+
+/// A GPU kind is a row of the host's table and a case of the WIT's `gpu-kind`, by the
+/// same name: a row with no case could never be asked for, a case with no row is refused
+/// by the compiler (the host's match on the WIT's enum).
+#[test]
+fn the_wit_names_every_gpu_kind_of_the_host_s_table() {
+    let wit = include_str!("../../wit/0.2.0/policy.wit");
+    let mut resolve = wit_parser::Resolve::default();
+    resolve.push_str("policy.wit", wit).unwrap();
+    let (_, gpu_kind) = resolve
+        .types
+        .iter()
+        .find(|(_, t)| t.name.as_deref() == Some("gpu-kind"))
+        .expect("the WIT has a `gpu-kind`");
+    let wit_parser::TypeDefKind::Enum(cases) = &gpu_kind.kind else {
+        panic!("`gpu-kind` is an enum");
+    };
+    let in_wit: Vec<&str> = cases.cases.iter().map(|c| c.name.as_str()).collect();
+    let in_table: Vec<&str> = KindGrant::ALL
+        .into_iter()
+        .filter(|kind| matches!(kind.row().maps, Maps::Gpu(_)))
+        .map(KindGrant::name)
+        .collect();
+    assert_eq!(in_wit, in_table);
 }

@@ -1,6 +1,6 @@
 //! Memory of a kind only the host can make, mapped for this policy straight from the
 //! operating system or a GPU's driver: huge pages, NUMA placement, locked pages, guard
-//! pages ([`map`]), pinned host pages ([`map_pinned`]), a GPU's memory ([`map_device`]).
+//! pages ([`map`]), pinned host pages and a GPU's memory ([`map_gpu`]).
 //! Each kind must be granted by the embedder (`numa`, `huge-pages`, `locked`,
 //! `guarded`, `pinned`, `device`); without the grant the call answers
 //! [`Refusal::NotGranted`] and the policy goes on.
@@ -11,7 +11,7 @@
 //! for. A guard page is never part of the region: no one may touch it.
 
 use crate::bindings::allocbox::policy::memory as imports;
-pub use crate::bindings::allocbox::policy::memory::{Guard, Kind, Numa, Pages, Refusal};
+pub use crate::bindings::allocbox::policy::memory::{GpuKind, Guard, Kind, Numa, Pages, Refusal};
 
 impl Kind {
     /// Ordinary pages, anywhere, not locked, unguarded: needs no grant.
@@ -51,21 +51,15 @@ pub fn region_size(size: u64, pages: Pages) -> u64 {
     }
 }
 
-/// A region of at least `size` bytes of ordinary pages registered with the GPU driver
-/// (pinned): host memory like any region, which copies to and from a GPU reach at full
-/// speed. Needs the `pinned` grant; [`Refusal::Unavailable`] without a GPU driver.
-/// Given back with [`unmap`].
+/// A region of at least `size` bytes of `kind` from the GPU driver, or why not:
+/// [`GpuKind::Pinned`], ordinary pages registered with the driver (host memory like any
+/// region, which copies to and from a GPU reach at full speed), or [`GpuKind::Device`],
+/// memory (rounded up to 256 bytes) on the GPU the handler serves, whose blocks the
+/// policy lends as in host memory but never touches (a [`bytes`](crate::bytes) call on
+/// it stops the policy; [`Refusal::Unavailable`] in a handler of host memory). Each
+/// needs its grant; [`Refusal::Unavailable`] without a GPU driver. Given back with
+/// [`unmap`].
 #[inline]
-pub fn map_pinned(size: u64) -> Result<u64, Refusal> {
-    imports::map_pinned(size)
-}
-
-/// A region of at least `size` bytes (rounded up to 256) of memory on the GPU the
-/// handler serves: lend blocks inside it as in host memory, but never touch its bytes
-/// (a [`bytes`](crate::bytes) call on it stops the policy). Needs the `device` grant;
-/// [`Refusal::Unavailable`] in a handler of host memory or without a GPU driver. Given
-/// back with [`unmap`].
-#[inline]
-pub fn map_device(size: u64) -> Result<u64, Refusal> {
-    imports::map_device(size)
+pub fn map_gpu(size: u64, kind: GpuKind) -> Result<u64, Refusal> {
+    imports::map_gpu(size, kind)
 }

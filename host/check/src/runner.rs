@@ -6,6 +6,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use allocbox::gpu::{Gpu, StandIn};
+use allocbox::mapped::KindGrant;
 use allocbox::{Adversary, DeviceHandler, Handler, HandlerBuilder, Limits, LoadError};
 use allocbox::{Policy, Runtime, ShardedHandler, WasmHook};
 
@@ -70,7 +71,7 @@ impl Subject<'_> {
     ) -> Result<(Started, Arc<Adversary>), LoadError> {
         let adversary = Adversary::new(self.upstream_seed);
         let mut limits = self.limits.clone();
-        let device = limits.grants.memory.device;
+        let device = limits.grants.memory.granted(KindGrant::Device);
         if device {
             limits.grants.gpu = checker_gpu();
         }

@@ -11,6 +11,7 @@ use std::sync::{Arc, OnceLock};
 use parking_lot::Mutex;
 
 use super::{Backend, DEVICE_ALIGNMENT, Event, Gpu, GpuError, Stream};
+use crate::kind::KindGrant;
 
 type CuResult = c_int;
 type Context = *mut c_void;
@@ -21,6 +22,11 @@ const OUT_OF_MEMORY: CuResult = 2;
 const HOST_REGISTER_PORTABLE: c_uint = 1;
 /// `cuEventCreate`: no timing, the cheapest event to record and query.
 const EVENT_DISABLE_TIMING: c_uint = 2;
+
+/// A kind this backend has no call for: a row of `kind.rs` added without its driver call.
+fn not_made(kind: KindGrant) -> GpuError {
+    GpuError::Unavailable(format!("the CUDA driver is not asked for `{kind}` memory"))
+}
 
 /// The driver's functions allocbox calls, resolved once.
 struct Api {
@@ -201,25 +207,33 @@ impl Backend for Driver {
         Ok((free as u64, total as u64))
     }
 
-    fn alloc(&self, device: u32, size: u64) -> Result<u64, GpuError> {
+    fn alloc(&self, kind: KindGrant, device: u32, size: u64) -> Result<u64, GpuError> {
         let size = usize::try_from(size).map_err(|_| GpuError::OutOfMemory)?;
         let _current = self.enter(device)?;
         let mut addr = 0u64;
-        // SAFETY: writes the address of `size` fresh bytes of device memory.
-        let made = unsafe { (self.api.mem_alloc)(&mut addr, size) };
-        self.api.check("cuMemAlloc", made)?;
+        let (call, made) = match kind {
+            // SAFETY: writes the address of `size` fresh bytes of device memory.
+            KindGrant::Device => ("cuMemAlloc", unsafe {
+                (self.api.mem_alloc)(&mut addr, size)
+            }),
+            _ => return Err(not_made(kind)),
+        };
+        self.api.check(call, made)?;
         debug_assert_eq!(addr % DEVICE_ALIGNMENT, 0);
         Ok(addr)
     }
 
-    unsafe fn free(&self, device: u32, addr: u64) {
+    unsafe fn free(&self, _: KindGrant, device: u32, addr: u64) {
         if let Ok(_current) = self.enter(device) {
-            // SAFETY: the caller gives back memory cuMemAlloc answered, once.
+            // SAFETY: the caller gives back memory `alloc`'s driver call answered, once.
             unsafe { (self.api.mem_free)(addr) };
         }
     }
 
-    unsafe fn register(&self, addr: u64, len: u64) -> Result<(), GpuError> {
+    unsafe fn register(&self, kind: KindGrant, addr: u64, len: u64) -> Result<(), GpuError> {
+        if kind != KindGrant::Pinned {
+            return Err(not_made(kind));
+        }
         let _current = self.enter(0)?;
         // SAFETY: the caller owns the mapped, page-aligned range until `unregister`.
         let done = unsafe {
@@ -228,7 +242,7 @@ impl Backend for Driver {
         self.api.check("cuMemHostRegister", done)
     }
 
-    unsafe fn unregister(&self, addr: u64) {
+    unsafe fn unregister(&self, _: KindGrant, addr: u64) {
         if let Ok(_current) = self.enter(0) {
             // SAFETY: the caller unregisters a range `register` registered, once.
             unsafe { (self.api.host_unregister)(addr as *mut c_void) };
@@ -296,14 +310,14 @@ impl Backend for Missing {
     fn memory(&self, _: u32) -> Result<(u64, u64), GpuError> {
         Err(GpuError::Unavailable(self.0.clone()))
     }
-    fn alloc(&self, _: u32, _: u64) -> Result<u64, GpuError> {
+    fn alloc(&self, _: KindGrant, _: u32, _: u64) -> Result<u64, GpuError> {
         Err(GpuError::Unavailable(self.0.clone()))
     }
-    unsafe fn free(&self, _: u32, _: u64) {}
-    unsafe fn register(&self, _: u64, _: u64) -> Result<(), GpuError> {
+    unsafe fn free(&self, _: KindGrant, _: u32, _: u64) {}
+    unsafe fn register(&self, _: KindGrant, _: u64, _: u64) -> Result<(), GpuError> {
         Err(GpuError::Unavailable(self.0.clone()))
     }
-    unsafe fn unregister(&self, _: u64) {}
+    unsafe fn unregister(&self, _: KindGrant, _: u64) {}
     fn record(&self, _: u32, _: Stream) -> Result<Event, GpuError> {
         Err(GpuError::Unavailable(self.0.clone()))
     }
@@ -358,20 +372,20 @@ impl Backend for Cuda {
     fn memory(&self, device: u32) -> Result<(u64, u64), GpuError> {
         self.loaded().memory(device)
     }
-    fn alloc(&self, device: u32, size: u64) -> Result<u64, GpuError> {
-        self.loaded().alloc(device, size)
+    fn alloc(&self, kind: KindGrant, device: u32, size: u64) -> Result<u64, GpuError> {
+        self.loaded().alloc(kind, device, size)
     }
-    unsafe fn free(&self, device: u32, addr: u64) {
+    unsafe fn free(&self, kind: KindGrant, device: u32, addr: u64) {
         // SAFETY: the caller's promise, passed on.
-        unsafe { self.loaded().free(device, addr) }
+        unsafe { self.loaded().free(kind, device, addr) }
     }
-    unsafe fn register(&self, addr: u64, len: u64) -> Result<(), GpuError> {
+    unsafe fn register(&self, kind: KindGrant, addr: u64, len: u64) -> Result<(), GpuError> {
         // SAFETY: the caller's promise, passed on.
-        unsafe { self.loaded().register(addr, len) }
+        unsafe { self.loaded().register(kind, addr, len) }
     }
-    unsafe fn unregister(&self, addr: u64) {
+    unsafe fn unregister(&self, kind: KindGrant, addr: u64) {
         // SAFETY: the caller's promise, passed on.
-        unsafe { self.loaded().unregister(addr) }
+        unsafe { self.loaded().unregister(kind, addr) }
     }
     fn record(&self, device: u32, stream: Stream) -> Result<Event, GpuError> {
         self.loaded().record(device, stream)

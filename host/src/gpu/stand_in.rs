@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use parking_lot::Mutex;
 
 use super::{Backend, DEVICE_ALIGNMENT, Event, GpuError, Stream};
+use crate::kind::KindGrant;
 
 /// A stand-in GPU: `devices` devices of `memory` bytes each.
 #[derive(Debug)]
@@ -95,7 +96,9 @@ impl Backend for StandIn {
         Ok((self.memory - self.allocated(device), self.memory))
     }
 
-    fn alloc(&self, device: u32, size: u64) -> Result<u64, GpuError> {
+    // Every kind the stand-in makes is host memory: the host's rules, not the stand-in,
+    // keep a device kind's bytes untouched.
+    fn alloc(&self, _: KindGrant, device: u32, size: u64) -> Result<u64, GpuError> {
         self.has(device)?;
         let mut state = self.state.lock();
         let used = state.used.entry(device).or_default();
@@ -113,7 +116,7 @@ impl Backend for StandIn {
         Ok(addr)
     }
 
-    unsafe fn free(&self, device: u32, addr: u64) {
+    unsafe fn free(&self, _: KindGrant, device: u32, addr: u64) {
         let mut state = self.state.lock();
         let Some((on, size)) = state.allocated.remove(&addr) else {
             panic!("the stand-in GPU was asked to free {addr:#x}, which it never allocated");
@@ -128,7 +131,7 @@ impl Backend for StandIn {
         unsafe { std::alloc::dealloc(addr as *mut u8, layout) };
     }
 
-    unsafe fn register(&self, addr: u64, len: u64) -> Result<(), GpuError> {
+    unsafe fn register(&self, _: KindGrant, addr: u64, len: u64) -> Result<(), GpuError> {
         let mut state = self.state.lock();
         if state.registered.insert(addr, len).is_some() {
             return Err(GpuError::Driver {
@@ -139,7 +142,7 @@ impl Backend for StandIn {
         Ok(())
     }
 
-    unsafe fn unregister(&self, addr: u64) {
+    unsafe fn unregister(&self, _: KindGrant, addr: u64) {
         let removed = self.state.lock().registered.remove(&addr);
         assert!(
             removed.is_some(),

@@ -138,7 +138,7 @@ impl HandlerBuilder {
     }
 
     /// A handler of memory on GPU `device` of the `Limits::grants` GPU: every block a
-    /// policy of it answers must lie in memory it mapped with `memory.map-device` (or a
+    /// policy of it answers must lie in device memory it mapped with `memory.map-gpu` (or a
     /// block of the link below); the host never reads, writes, zeroes or copies one.
     /// Its policies need the `device` grant.
     /// It has no fallback: another handler's memory is not this GPU's.

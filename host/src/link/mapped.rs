@@ -182,16 +182,27 @@ impl LinkState {
             .or_else(|| self.mapped.containing(at, len))
     }
 
-    /// Record a region just mapped, or why none was.
-    /// A GPU request refused as unavailable: the GPU says why (asked only then).
-    fn note_unavailable(&mut self, region: &Result<Region, os::Refusal>, device: u32) {
+    /// A region of GPU kind `kind`, or why not. A request refused as unavailable: the
+    /// GPU says why (asked only then).
+    fn map_gpu_region(&mut self, size: u64, kind: KindGrant) -> Result<u64, memory::Refusal> {
+        let (grants, gpu, place) = (self.mapped.grants, self.mapped.gpu.clone(), self.place);
+        let name = self.sandbox.name.clone();
+        let region = os::map_gpu(&name, size, kind, place, &grants, &gpu, |cost| {
+            self.within_budget(cost)
+        });
+        let device = match place {
+            Placement::Device(device) => device,
+            Placement::Host => 0,
+        };
         if let Err(os::Refusal::Unavailable) = region
-            && let Err(why) = self.mapped.gpu.memory(device)
+            && let Err(why) = gpu.memory(device)
         {
             self.mapped.gpu_unavailable = Some(why.to_string());
         }
+        self.mapped_or_refused(region)
     }
 
+    /// Record a region just mapped, or why none was.
     fn mapped_or_refused(
         &mut self,
         region: Result<Region, os::Refusal>,
@@ -259,26 +270,27 @@ impl memory::Host for LinkState {
         Ok(self.mapped_or_refused(region))
     }
 
+    fn map_gpu(
+        &mut self,
+        size: u64,
+        kind: memory::GpuKind,
+    ) -> wasmtime::Result<Result<u64, memory::Refusal>> {
+        self.on_time(Call::MemoryMapGpu)?;
+        let kind = match kind {
+            memory::GpuKind::Pinned => KindGrant::Pinned,
+            memory::GpuKind::Device => KindGrant::Device,
+        };
+        Ok(self.map_gpu_region(size, kind))
+    }
+
     fn map_pinned(&mut self, size: u64) -> wasmtime::Result<Result<u64, memory::Refusal>> {
         self.on_time(Call::MemoryMapPinned)?;
-        let (grants, gpu) = (self.mapped.grants, self.mapped.gpu.clone());
-        let name = self.sandbox.name.clone();
-        let region = os::map_pinned(&name, size, &grants, &gpu, |cost| self.within_budget(cost));
-        self.note_unavailable(&region, 0);
-        Ok(self.mapped_or_refused(region))
+        Ok(self.map_gpu_region(size, KindGrant::Pinned))
     }
 
     fn map_device(&mut self, size: u64) -> wasmtime::Result<Result<u64, memory::Refusal>> {
         self.on_time(Call::MemoryMapDevice)?;
-        let Placement::Device(device) = self.place else {
-            // A host handler's client reads and writes its blocks: device memory could
-            // only ever be a wrong answer.
-            return Ok(Err(memory::Refusal::Unavailable));
-        };
-        let (grants, gpu) = (self.mapped.grants, self.mapped.gpu.clone());
-        let region = os::map_device(size, device, &grants, &gpu, |cost| self.within_budget(cost));
-        self.note_unavailable(&region, device);
-        Ok(self.mapped_or_refused(region))
+        Ok(self.map_gpu_region(size, KindGrant::Device))
     }
 
     fn unmap_region(&mut self, addr: u64, size: u64) -> wasmtime::Result<()> {

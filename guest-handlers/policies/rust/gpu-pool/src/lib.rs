@@ -16,7 +16,7 @@
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 
-use allocbox_policy::memory;
+use allocbox_policy::memory::{self, GpuKind};
 use allocbox_policy::{Config, Info, Policy, export_policy};
 
 /// Every block starts on this many bytes (what CUDA's own allocator promises).
@@ -24,12 +24,6 @@ const ALIGNMENT: u64 = 256;
 /// The size classes: 256 bytes, 512, ... 4 MiB.
 const CLASSES: usize = 15;
 const LARGEST_CLASS: u64 = ALIGNMENT << (CLASSES - 1);
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Source {
-    Device,
-    Pinned,
-}
 
 struct Region {
     /// The size the region was asked with: the one to unmap it with.
@@ -64,7 +58,7 @@ struct Counters {
 }
 
 struct Pool {
-    source: Source,
+    source: GpuKind,
     region_size: u64,
     large_cache: u64,
     state: RefCell<State>,
@@ -82,11 +76,7 @@ fn class_size(class: usize) -> u64 {
 
 impl Pool {
     fn map(&self, state: &mut State, size: u64, whole: bool) -> Option<u64> {
-        let mapped = match self.source {
-            Source::Device => memory::map_device(size),
-            Source::Pinned => memory::map_pinned(size),
-        };
-        match mapped {
+        match memory::map_gpu(size, self.source) {
             Ok(start) => {
                 let c = &mut state.counters;
                 c.regions_mapped += 1;
@@ -165,8 +155,8 @@ impl Pool {
 impl Policy for Pool {
     fn init(config: &mut Config) -> Result<Self, String> {
         let source = match config.get_str("memory")?.as_deref() {
-            None | Some("device") => Source::Device,
-            Some("pinned") => Source::Pinned,
+            None | Some("device") => GpuKind::Device,
+            Some("pinned") => GpuKind::Pinned,
             Some(other) => {
                 return Err(format!(
                     "bad value `{other}` for `memory`: use `device` or `pinned`"

@@ -19,7 +19,7 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 
-use allocbox_policy::memory;
+use allocbox_policy::memory::{self, GpuKind};
 use allocbox_policy::{Config, Info, Policy, export_policy};
 
 /// Every block's size is a multiple of this, and so is every offset in a segment.
@@ -146,7 +146,7 @@ impl State {
 
     /// Map a segment of `size` bytes for `pool`: its start.
     fn map_segment(&mut self, size: u64, pool: Pool) -> Option<u64> {
-        let start = memory::map_device(size).ok()?;
+        let start = memory::map_gpu(size, GpuKind::Device).ok()?;
         self.segments.insert(start, (size, pool, 0));
         self.segment_bytes += size;
         self.peak_segment_bytes = self.peak_segment_bytes.max(self.segment_bytes);
