@@ -50,6 +50,7 @@ from ._allocbox import numba_maker as _numba_maker
 from ._allocbox import numba_process_wide_use as _numba_process_wide_use
 from ._allocbox import numba_route as _numba_route
 from ._allocbox import numba_route_hold as _numba_route_hold
+from ._allocbox import numba_statistics as _numba_statistics
 from ._allocbox import numba_threads_done as _numba_threads_done
 from ._allocbox import numba_threads_use as _numba_threads_use
 
@@ -110,10 +111,33 @@ def enable():
             from . import AllocboxError
 
             raise AllocboxError(str(e)) from None
+        _follow_statistics(_nrt_python)
         ll.add_symbol("NRT_MemInfo_alloc_aligned", aligned)
         ll.add_symbol("NRT_MemInfo_alloc_safe_aligned", safe_aligned)
         _enabled = True
         _recompile_later()
+
+
+def _follow_statistics(nrt):
+    """Keep the route told whether Numba's runtime counts its allocations: while it
+    does, the route makes each MemInfo through the runtime, which counts it; while it
+    does not, the route makes it itself, which is faster. Numba switches its counting
+    only through these two functions of its `_nrt_python` module (`NUMBA_NRT_STATS`,
+    its tests' leak checks), looked up there at each call; the route is told it is on
+    before the runtime starts counting and off after it stops."""
+    enable, disable = nrt.memsys_enable_stats, nrt.memsys_disable_stats
+
+    def memsys_enable_stats():
+        _numba_statistics(True)
+        enable()
+
+    def memsys_disable_stats():
+        disable()
+        _numba_statistics(bool(nrt.memsys_stats_enabled()))
+
+    nrt.memsys_enable_stats = memsys_enable_stats
+    nrt.memsys_disable_stats = memsys_disable_stats
+    _numba_statistics(bool(nrt.memsys_stats_enabled()))
 
 
 def _recompile_later():

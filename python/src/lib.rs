@@ -119,6 +119,7 @@ fn _allocbox(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(numba::blocks::numba_route_hold, m)?)?;
     m.add_function(wrap_pyfunction!(numba::blocks::numba_route_holds, m)?)?;
     m.add_function(wrap_pyfunction!(numba::route::numba_maker, m)?)?;
+    m.add_function(wrap_pyfunction!(numba::route::numba_statistics, m)?)?;
     m.add_class::<EventHook>()?;
     m.add_class::<stand_in_gpu::StandInGpu>()?;
     m.add_class::<cuda::device::DevicePolicy>()?;

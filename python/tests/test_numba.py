@@ -255,6 +255,36 @@ def test_many_small_and_64_kib_arrays_in_a_loop_balance(size_classes):
     assert stats["size_corrections"] == 0
 
 
+def test_numba_s_statistics_count_the_arrays_a_policy_places_while_they_are_on(size_classes):
+    from numba.core.runtime import _nrt_python as nrt
+
+    import allocbox.numba
+
+    def counted():
+        return [nrt.memsys_get_stats_alloc(), nrt.memsys_get_stats_free(),
+                nrt.memsys_get_stats_mi_alloc(), nrt.memsys_get_stats_mi_free()]
+
+    allocbox.numba.enable()
+    nrt.memsys_enable_stats()
+    try:
+        before = counted()
+        with allocbox.use(size_classes):
+            churn(100, 8)
+        after = counted()
+    finally:
+        nrt.memsys_disable_stats()
+    assert [a - b for a, b in zip(after, before)] == [100, 100, 100, 100], (before, after)
+    # Off, the route makes each MemInfo itself: placed all the same, and counted nowhere.
+    with allocbox.use(size_classes):
+        churn(50, 8)
+    nrt.memsys_enable_stats()
+    try:
+        assert counted() == after
+    finally:
+        nrt.memsys_disable_stats()
+    assert counts(size_classes)["mallocs"] == 150 and counts(size_classes)["live_blocks"] == 0
+
+
 def test_arrays_made_on_parallel_workers_are_placed_by_the_policy_of_the_open_block(size_classes):
     with allocbox.use(size_classes):
         sums = row_sums(64, 100)
