@@ -270,7 +270,12 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// alignment allows, so that a policy which guards the end of its blocks (`guard`)
 /// guards the end of the array to within `align` bytes.
 pub(crate) fn aligned_start(data: usize, padded: usize, size: usize, align: usize) -> usize {
-    (data + padded - size) / align * align
+    let latest = data + padded - size;
+    match align.is_power_of_two() {
+        // What Numba asks for: a mask, where a division took a tenth of the shim's time.
+        true => latest & !(align - 1),
+        false => latest / align * align,
+    }
 }
 
 #[cfg(test)]
@@ -313,7 +318,7 @@ mod tests {
     fn an_array_starts_aligned_inside_its_block_and_ends_as_late_as_alignment_allows() {
         for data in [0x1000, 0x1010, 0x1030] {
             for size in [1, 8, 100, 65536] {
-                for align in [1, 8, 16, 32, 64] {
+                for align in [1, 8, 16, 24, 32, 64] {
                     let padded = size + align - 1;
                     let start = aligned_start(data, padded, size, align);
                     assert_eq!(start % align, 0);
