@@ -18,6 +18,12 @@ Two kinds of memory, each granted to a policy by name:
     pinned = allocbox.load("gpu-pool", {"memory": "pinned"}, grant=["pinned"])
     cupy.cuda.set_pinned_memory_allocator(allocbox.cuda.cupy_pinned_allocator(pinned))
 
+A program of its own frees with the streams that may still use a block:
+`pool.free(ptr, size, streams=[torch.cuda.current_stream()])`, or
+`block = pool.block(size, stream)` that frees itself on `stream` when dropped. A stream
+is a stream object of PyTorch, CuPy or Numba, or its `CUstream` handle as an int; a
+block keeps its stream object alive until its free has recorded an event on it.
+
 The CUDA driver is loaded when a GPU is first used: on a machine without one every
 request is refused, with the reason. `StandInGpu` is a GPU made of host memory, whose
 streams finish when told to, for tests on such machines (`gpu=` of `load`).
@@ -81,21 +87,6 @@ def _memory_error(policy, size):
 # --- CuPy --------------------------------------------------------------------------
 
 
-class _StreamHeld:
-    """What CuPy's `UnownedMemory` owns: the block, and the stream it was made for, kept
-    alive until the block is freed (an event is recorded on the stream then, and a
-    destroyed stream cannot take one)."""
-
-    __slots__ = ("block", "stream")
-
-    def __init__(self, block, stream):
-        self.block = block
-        self.stream = stream
-
-    def __del__(self):
-        self.block.free()
-
-
 def cupy_allocator(policy):
     """A function for `cupy.cuda.set_allocator`: each array's memory comes from `policy`
     and goes back to it, once the work queued on the stream that was current when it
@@ -105,13 +96,12 @@ def cupy_allocator(policy):
     def allocate(size):
         if size == 0:
             return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(0, 0, None, device_id=policy.device), 0)
-        stream = cupy.cuda.get_current_stream()
         try:
-            block = policy.block(size, stream.ptr)
+            # The block keeps the stream alive until its free records an event on it.
+            block = policy.block(size, cupy.cuda.get_current_stream())
         except MemoryError:
             raise cupy.cuda.memory.OutOfMemoryError(size, 0, 0) from None
-        owner = _StreamHeld(block, stream)
-        memory = cupy.cuda.UnownedMemory(block.ptr, size, owner, device_id=policy.device)
+        memory = cupy.cuda.UnownedMemory(block.ptr, size, block, device_id=policy.device)
         return cupy.cuda.MemoryPointer(memory, 0)
 
     return allocate

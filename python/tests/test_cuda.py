@@ -56,6 +56,60 @@ def test_a_block_freed_on_a_busy_stream_goes_back_only_once_the_stream_finishes(
     pool.leak_check()
 
 
+class _TorchStream:
+    """A stream as PyTorch's `torch.cuda.Stream` names its driver handle."""
+
+    def __init__(self, handle):
+        self.cuda_stream = handle
+
+
+class _NumbaStream:
+    """A stream as Numba's names it: a ctypes pointer, None for the default stream."""
+
+    def __init__(self, handle):
+        self.handle = ctypes.c_void_p(handle)
+
+
+def test_a_block_keeps_its_stream_object_alive_until_its_free_has_waited_on_it(gpu, pool):
+    import weakref
+
+    stream = _TorchStream(6)
+    alive = weakref.ref(stream)
+    block = pool.block(1 << 20, stream)
+    del stream
+    gc.collect()
+    assert alive() is not None and block.stream == 6
+    gpu.queue(stream=6)
+    block.free()
+    # The event is on the stream: the object may go, and the block waits for the work.
+    gc.collect()
+    assert alive() is None
+    assert pool.stats()["pending_frees"] == 1
+    gpu.finish(stream=6)
+    pool.synchronize()
+    assert pool.stats()["pending_frees"] == 0
+
+
+def test_free_takes_the_streams_of_pytorch_cupy_and_numba_and_refuses_anything_else(gpu, pool):
+    import types
+
+    streams = [_TorchStream(7), types.SimpleNamespace(ptr=8), _NumbaStream(9), _NumbaStream(None), 10]
+    ptr = pool.malloc(1000)
+    gpu.queue(stream=9)
+    pool.free(ptr, 1000, streams=streams)
+    assert pool.stats()["pending_frees"] == 1
+    gpu.finish(stream=9)
+    pool.synchronize()
+    assert pool.stats()["pending_frees"] == 0
+    ptr = pool.malloc(1000)
+    with pytest.raises(TypeError, match="a `str` is none of them"):
+        pool.free(ptr, 1000, streams=["default"])
+    with pytest.raises(TypeError, match="is none of them"):
+        pool.block(100, object())
+    pool.free(ptr, 1000)
+    pool.leak_check()
+
+
 def test_a_second_free_and_a_free_of_an_unknown_block_are_client_errors(gpu, pool):
     ptr = pool.malloc(100)
     gpu.queue(stream=1)

@@ -8,9 +8,9 @@ use std::path::PathBuf;
 use allocbox::gpu::Stream;
 use allocbox::trace::{DeviceRecorder, Recorder, Served, TraceWriter, Watched, Watcher};
 use allocbox::{DeviceHandler, Error, PolicyHandler, WasmHook};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyInt};
 use std::sync::Mutex;
 
 use crate::errors::{AllocboxError, LoadError, to_py};
@@ -127,29 +127,48 @@ impl DevicePolicy {
     }
 
     /// Free the block at `ptr` (`size` as allocated, or None), once the work queued so
-    /// far on each of `streams` has finished (at once with none).
+    /// far on each of `streams` has finished (at once with none). A stream is a
+    /// `CUstream` handle or a stream object ([`stream_handle`]), alive for the call,
+    /// which records an event on it.
     #[pyo3(signature = (ptr, size = None, streams = Vec::new()))]
     fn free(
         &self,
         py: Python<'_>,
         ptr: u64,
         size: Option<u64>,
-        streams: Vec<Stream>,
+        streams: Vec<Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let streams = streams
+            .iter()
+            .map(stream_handle)
+            .collect::<PyResult<Vec<_>>>()?;
         let handler = self.handler.clone();
         py.detach(move || handler.free(ptr, size, &streams))
             .map_err(|e| to_py(&e))
     }
 
     /// A `DeviceBlock` of `size` bytes that frees itself on `stream` when dropped (or
-    /// `free()`d): an owner for CuPy's `UnownedMemory` or a Numba finalizer.
-    #[pyo3(signature = (size, stream = 0))]
-    fn block(&self, py: Python<'_>, size: u64, stream: Stream) -> PyResult<DeviceBlock> {
+    /// `free()`d): an owner for CuPy's `UnownedMemory` or a Numba finalizer. A stream
+    /// object is kept alive by the block until its free has recorded an event on it: a
+    /// destroyed stream could take none.
+    #[pyo3(signature = (size, stream = None))]
+    fn block(
+        &self,
+        py: Python<'_>,
+        size: u64,
+        stream: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<DeviceBlock> {
+        let handle = stream.as_ref().map_or(Ok(0), stream_handle)?;
         let ptr = self.malloc(py, size)?;
         Ok(DeviceBlock {
             ptr,
             size,
-            stream,
+            stream: handle,
+            stream_object: Mutex::new(
+                stream
+                    .filter(|s| !s.is_instance_of::<PyInt>())
+                    .map(Bound::unbind),
+            ),
             handler: Mutex::new(Some(self.handler.clone())),
         })
     }
@@ -255,20 +274,29 @@ pub(crate) struct DeviceBlock {
     size: u64,
     #[pyo3(get)]
     stream: Stream,
+    /// The stream object the block was made for, kept until its free's event is on it.
+    stream_object: Mutex<Option<Py<PyAny>>>,
     handler: Mutex<Option<Arc<Device>>>,
 }
 
 impl DeviceBlock {
-    fn give_back(&self) -> Result<(), Error> {
+    /// Free the block, once; the stream object it kept, for the caller to let go of.
+    fn give_back(&self) -> (Result<(), Error>, Option<Py<PyAny>>) {
         let maker = self
             .handler
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        match maker {
+        let freed = match maker {
             Some(handler) => handler.free(self.ptr, Some(self.size), &[self.stream]),
             None => Ok(()),
-        }
+        };
+        let stream = self
+            .stream_object
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        (freed, stream)
     }
 }
 
@@ -277,8 +305,45 @@ impl DeviceBlock {
     /// Give the block back (once the work queued on its stream has finished); again does
     /// nothing.
     fn free(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.give_back()).map_err(|e| to_py(&e))
+        let (freed, stream) = py.detach(|| self.give_back());
+        drop(stream);
+        freed.map_err(|e| to_py(&e))
     }
+}
+
+/// The `CUstream` a client names: the handle itself (an int; 0 is the default stream),
+/// or a stream object of PyTorch (`cuda_stream`), CuPy (`ptr`) or Numba (`handle`, a
+/// ctypes pointer or the NVIDIA binding's handle).
+pub(crate) fn stream_handle(stream: &Bound<'_, PyAny>) -> PyResult<Stream> {
+    if let Ok(handle) = stream.extract::<Stream>() {
+        return Ok(handle);
+    }
+    for attribute in ["cuda_stream", "ptr", "handle"] {
+        let Ok(mut value) = stream.getattr(attribute) else {
+            continue;
+        };
+        if let Ok(pointer) = value.getattr("value") {
+            // A ctypes pointer: None is the null (default) stream.
+            value = pointer;
+        }
+        if value.is_none() {
+            return Ok(0);
+        }
+        if let Ok(handle) = value.extract::<Stream>() {
+            return Ok(handle);
+        }
+        if let Ok(handle) = value
+            .call_method0("__int__")
+            .and_then(|v| v.extract::<Stream>())
+        {
+            return Ok(handle);
+        }
+    }
+    Err(PyTypeError::new_err(format!(
+        "a stream is a CUstream handle (an int, 0 for the default stream) or a stream of \
+         PyTorch (`cuda_stream`), CuPy (`ptr`) or Numba (`handle`); a `{}` is none of them",
+        stream.get_type().name()?
+    )))
 }
 
 impl Drop for DeviceBlock {
