@@ -179,18 +179,31 @@ mod tests {
         assert!(published.read(|v| v.is_none()));
         let stop = AtomicBool::new(false);
         let reads = AtomicU64::new(0);
+        let reading = AtomicU64::new(0);
         std::thread::scope(|s| {
             for _ in 0..3 {
                 s.spawn(|| {
-                    while !stop.load(Ordering::Relaxed) {
+                    let mut first = true;
+                    loop {
                         published.read(|v| {
                             if let Some(v) = v {
                                 assert!(v.alive.load(Ordering::SeqCst), "read after its drop");
                             }
                         });
                         reads.fetch_add(1, Ordering::Relaxed);
+                        if std::mem::take(&mut first) {
+                            reading.fetch_add(1, Ordering::Relaxed);
+                        }
+                        if stop.load(Ordering::Relaxed) {
+                            break;
+                        }
                     }
                 });
+            }
+            // Replaced once every reader has read: on two busy cores the writer had
+            // finished before a reader first ran, and the test saw no read at all.
+            while reading.load(Ordering::Relaxed) < 3 {
+                std::thread::yield_now();
             }
             let replacements = if cfg!(miri) { 20 } else { 2000 };
             for _ in 0..replacements {
