@@ -120,6 +120,22 @@ impl KindGrant {
                 maps: Maps::HostPages,
             }
         }
+        const fn gpu(
+            name: &'static str,
+            made_by: MadeBy,
+            host_memory: bool,
+            share: Share,
+        ) -> KindRow {
+            let row = GpuRow {
+                made_by,
+                host_memory,
+                share,
+            };
+            KindRow {
+                name,
+                maps: Maps::Gpu(row),
+            }
+        }
         match self {
             KindGrant::Numa => pages("numa"),
             KindGrant::HugePages => pages("huge-pages"),
@@ -127,23 +143,9 @@ impl KindGrant {
             KindGrant::Guarded => pages("guarded"),
             // For a policy placing a NumPy program's arrays that it hands to PyTorch,
             // CuPy or Numba's CUDA: copies between them and a GPU run as DMA.
-            KindGrant::Pinned => KindRow {
-                name: "pinned",
-                maps: Maps::Gpu(GpuRow {
-                    made_by: MadeBy::HostRegistered,
-                    host_memory: true,
-                    share: Share::Pinned,
-                }),
-            },
+            KindGrant::Pinned => gpu("pinned", MadeBy::HostRegistered, true, Share::Pinned),
             // What a device handler (a GPU program's arrays, tensors, buffers) lends from.
-            KindGrant::Device => KindRow {
-                name: "device",
-                maps: Maps::Gpu(GpuRow {
-                    made_by: MadeBy::Driver,
-                    host_memory: false,
-                    share: Share::Device,
-                }),
-            },
+            KindGrant::Device => gpu("device", MadeBy::Driver, false, Share::Device),
         }
     }
 
