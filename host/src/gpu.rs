@@ -34,8 +34,6 @@ use std::sync::Arc;
 pub use stand_in::StandIn;
 
 use crate::kind::KindGrant;
-#[cfg(doc)]
-use crate::kind::MadeBy;
 
 /// Where a handler's blocks live: in host memory, or on a GPU, which the host never
 /// reads or writes.
@@ -43,6 +41,17 @@ use crate::kind::MadeBy;
 pub enum Placement {
     Host,
     Device(u32),
+}
+
+impl Placement {
+    /// The GPU whose driver serves memory for this placement: its own, or GPU 0 for
+    /// host memory (pinned pages are registered for every GPU through it).
+    pub(crate) fn driver_device(self) -> u32 {
+        match self {
+            Placement::Device(device) => device,
+            Placement::Host => 0,
+        }
+    }
 }
 
 impl std::fmt::Display for Placement {
@@ -85,7 +94,7 @@ pub(crate) trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
     /// Memory on `device`: `(free, total)` bytes; an error when there is no such device.
     fn memory(&self, device: u32) -> Result<(u64, u64), GpuError>;
-    /// `size` bytes of `kind` (a kind the driver makes: [`MadeBy::Driver`]) on
+    /// `size` bytes of `kind` (a kind the driver makes: [`crate::kind::MadeBy::Driver`]) on
     /// `device`, aligned to at least [`DEVICE_ALIGNMENT`].
     fn alloc(&self, kind: KindGrant, device: u32, size: u64) -> Result<u64, GpuError>;
     /// Give back memory `alloc` answered.
@@ -96,7 +105,7 @@ pub(crate) trait Backend: Send + Sync {
     /// nothing uses it afterwards.
     unsafe fn free(&self, kind: KindGrant, device: u32, addr: u64);
     /// Register `[addr, addr+len)` of host memory with the driver as `kind` (a kind made
-    /// of host pages: [`MadeBy::HostRegistered`]).
+    /// of host pages: [`crate::kind::MadeBy::HostRegistered`]).
     ///
     /// # Safety
     ///

@@ -190,12 +190,8 @@ impl LinkState {
         let region = os::map_gpu(&name, size, kind, place, &grants, &gpu, |cost| {
             self.within_budget(cost)
         });
-        let device = match place {
-            Placement::Device(device) => device,
-            Placement::Host => 0,
-        };
         if let Err(os::Refusal::Unavailable) = region
-            && let Err(why) = gpu.memory(device)
+            && let Err(why) = gpu.memory(place.driver_device())
         {
             self.mapped.gpu_unavailable = Some(why.to_string());
         }

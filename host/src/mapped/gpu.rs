@@ -99,13 +99,12 @@ pub(crate) fn map_gpu(
     if !grants.granted(kind) {
         return Err(Refusal::NotGranted(kind));
     }
-    let device = match place {
-        Placement::Device(device) => device,
+    if place == Placement::Host && !row.host_memory {
         // A host handler's client reads and writes its blocks: memory it cannot touch
         // could only ever be a wrong answer.
-        Placement::Host if !row.host_memory => return Err(Refusal::Unavailable),
-        Placement::Host => 0,
-    };
+        return Err(Refusal::Unavailable);
+    }
+    let device = place.driver_device();
     let held = |share| Held {
         gpu: gpu.clone(),
         kind,

@@ -361,7 +361,8 @@ fn alloc_through(
     align: u32,
     safe: bool,
 ) -> *mut MemInfo {
-    let allocator = &lending(bridge).allocator;
+    let lender = lending(bridge);
+    let allocator = &lender.allocator;
     if safe {
         // SAFETY: NRT's function; it aligns the data itself and fills it with its
         // debugging bytes, as `NRT_MemInfo_alloc_safe_aligned` does.
@@ -380,7 +381,7 @@ fn alloc_through(
         // which each block keeps alive.
         unsafe { (route.alloc_external)(padded, allocator) }
     } else {
-        made_here(bridge, padded)
+        made_here(lender, padded)
     };
     if mi.is_null() {
         return mi;
@@ -407,13 +408,12 @@ pub(crate) fn numba_statistics(on: bool) {
     NRT_STATISTICS.store(on, Ordering::Relaxed);
 }
 
-/// What `NRT_MemInfo_alloc_external` makes with `bridge`'s allocator while the
+/// What `NRT_MemInfo_alloc_external` makes with `lender`'s allocator while the
 /// runtime counts nothing: a block of the header and `size` bytes, the header first,
 /// with one reference. Here its reference count is written as plain memory: no thread
 /// but this one knows the block yet, where NRT's atomic store of it cost a full
 /// barrier, a quarter of Numba's own time per small array.
-fn made_here(bridge: &Bridge, size: usize) -> *mut MemInfo {
-    let lender = lending(bridge);
+fn made_here(lender: &Lender<Bridge>, size: usize) -> *mut MemInfo {
     let header = size_of::<MemInfo>();
     let Some(block) = size.checked_add(header).map(|total| lend(lender, total)) else {
         return std::ptr::null_mut();
