@@ -1,8 +1,7 @@
 """Numba's arrays under allocbox policies (`allocbox.numba`): arrays that `@njit` code
 makes are placed by NumPy's current handler when it is an allocbox policy, named,
 counted, traced and hooked like NumPy's, and freed once, with their size, by the policy
-that made them; and zero-copy hand-offs of allocbox arrays (DLPack, the buffer
-protocol, Numba arguments) keep their blocks alive until the last consumer lets go."""
+that made them. Hand-offs of allocbox arrays to other consumers: `test_handoff.py`."""
 
 import gc
 import os
@@ -53,11 +52,6 @@ def zeros_without_the_gil(n):
 def squares(n):
     for i in range(n):
         yield np.full(3, i * i)
-
-
-@numba.njit
-def first_half(a):
-    return a[: a.size // 2]
 
 
 def counts(policy):
@@ -391,49 +385,6 @@ def test_a_trace_and_an_event_hook_see_numba_s_blocks_with_their_sizes(tmp_path)
     lines = [line.split() for line in trace_text(path).splitlines() if not line.startswith("#")]
     ops = [(op, int(size)) for op, _, size, *_ in lines]
     assert ops == [("m", news[0][2]), ("f", news[0][2])], ops
-
-
-def test_dlpack_and_buffer_consumers_keep_a_block_past_a_change_and_a_stop_of_its_policy():
-    policy = allocbox.load(guest("broken"), {"fault": "trap-realloc"})
-    with allocbox.use(policy):
-        a = np.arange(4096, dtype=np.int64)
-    through_dlpack = np.from_dlpack(a)
-    through_buffer = np.frombuffer(memoryview(a), dtype=np.int64)
-    view = memoryview(a)
-    del a
-    with allocbox.use(allocbox.load("system")):
-        np.ones(10)
-    with allocbox.use(policy):
-        doomed = np.ones(10_000)
-        with pytest.raises(MemoryError):
-            doomed.resize(20_000, refcheck=False)  # realloc traps: the policy stops
-    del doomed
-    assert policy.failure is not None
-    gc.collect()
-    expected = np.arange(4096, dtype=np.int64)
-    np.testing.assert_array_equal(through_dlpack, expected)
-    np.testing.assert_array_equal(through_buffer, expected)
-    assert view.tobytes() == expected.tobytes()
-    frees = policy.stats()["frees"]
-    del through_dlpack, through_buffer
-    gc.collect()
-    assert policy.stats()["frees"] == frees, "a consumer is still holding the block"
-    view.release()
-    gc.collect()
-    assert policy.stats()["frees"] == frees + 1, "freed once, by its maker, when the last let go"
-
-
-def test_an_allocbox_array_handed_to_numba_stays_alive_in_the_view_numba_returns(size_classes):
-    with allocbox.use(size_classes):
-        a = np.arange(1000.0)
-    half = first_half(a)
-    del a
-    gc.collect()
-    assert size_classes.stats()["live_blocks"] == 1
-    np.testing.assert_array_equal(half, np.arange(500.0))
-    del half
-    gc.collect()
-    assert size_classes.stats()["live_blocks"] == 0
 
 
 def run_python(tmp_path, body, **env):
