@@ -6,10 +6,64 @@
 //! a folder, a device, a FIFO, a socket, a symbolic link, a read-only file, or a file
 //! the command reads (by identity, through any link) is refused in one sentence. Only
 //! the file this module created is ever removed.
+//!
+//! What a command reads is one registry for the whole process ([`note_input`]): every
+//! reader notes the file it opens (policies, hooks and scripts through
+//! `input::read_at_most`, traces through their reader), and a command notes up front
+//! what it will read later (`allocbox run` its program, the files its arguments name,
+//! its policies), so whichever command writes, no output replaces an input.
 
 use std::fs::{File, Metadata, Permissions};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+
+use parking_lot::Mutex;
+
+mod folder;
+pub use folder::NewFolder;
+
+/// The files this process reads, by identity (`(dev, ino)`), each with the path it was
+/// first named by: one entry per distinct file, however often it is read.
+static INPUTS: Mutex<Vec<((u64, u64), PathBuf)>> = Mutex::new(Vec::new());
+
+/// Note that this process reads the file at `path` (through any link): no output may
+/// replace it from now on. A path that names nothing yet, or no regular file, is
+/// nothing an output could replace and is not noted.
+pub fn note_input(path: &Path) {
+    if let Ok(meta) = std::fs::metadata(path)
+        && meta.is_file()
+    {
+        note_identity(&meta, path);
+    }
+}
+
+/// [`note_input`] for a file already open: its identity from the descriptor, whatever
+/// its name names by now.
+pub fn note_open_input(file: &File, path: &Path) {
+    if let Ok(meta) = file.metadata()
+        && meta.is_file()
+    {
+        note_identity(&meta, path);
+    }
+}
+
+fn note_identity(meta: &Metadata, path: &Path) {
+    let identity = (meta.dev(), meta.ino());
+    let mut inputs = INPUTS.lock();
+    if !inputs.iter().any(|(known, _)| *known == identity) {
+        inputs.push((identity, path.to_owned()));
+    }
+}
+
+/// The path an input of this process was noted by, if `meta` is one.
+fn noted_input(meta: &Metadata) -> Option<PathBuf> {
+    let identity = (meta.dev(), meta.ino());
+    INPUTS
+        .lock()
+        .iter()
+        .find(|(known, _)| *known == identity)
+        .map(|(_, path)| path.clone())
+}
 
 /// Why an output was not written: the target named and what is wrong with it.
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +93,10 @@ pub enum OutputFault {
         .0.display()
     )]
     NoFolder(PathBuf),
+    #[error("it is a file, not a folder; name a folder that does not exist or is empty")]
+    NotAFolder,
+    #[error("it is a folder with files in it; name a folder that does not exist or is empty")]
+    NotEmpty,
     /// The OS error is the message itself, not a cause printed after it again.
     #[error("{0}")]
     Io(std::io::Error),
@@ -50,20 +108,19 @@ pub enum OutputFault {
 #[derive(Debug)]
 pub struct Output {
     path: PathBuf,
-    reads: Vec<PathBuf>,
     beside: tempfile::NamedTempFile,
 }
 
 impl Output {
-    /// Judge `path` as an output of a command that reads `reads`, and create the file
-    /// beside it that will take its place: before any other work, so that a target
-    /// that cannot be written is said before the work is done.
-    pub fn create(path: &Path, reads: &[&Path]) -> Result<Output, OutputError> {
+    /// Judge `path` as an output (never a file this process reads: [`note_input`]), and
+    /// create the file beside it that will take its place: before any other work, so
+    /// that a target that cannot be written is said before the work is done.
+    pub fn create(path: &Path) -> Result<Output, OutputError> {
         let fail = |fault| OutputError {
             path: path.to_owned(),
             fault,
         };
-        let (existing, folder) = check(path, reads)?;
+        let (existing, folder) = check(path)?;
         let name = path.file_name().ok_or_else(|| fail(OutputFault::Folder))?;
         // A file that replaces another keeps its permissions; a new one gets the
         // umask's, as any file a command creates.
@@ -79,7 +136,6 @@ impl Output {
             .map_err(|error| fail(OutputFault::Io(error)))?;
         Ok(Output {
             path: path.to_owned(),
-            reads: reads.iter().map(|p| p.to_path_buf()).collect(),
             beside,
         })
     }
@@ -111,8 +167,7 @@ impl Output {
             .as_file()
             .sync_all()
             .map_err(|error| fail(OutputFault::Io(error)))?;
-        let reads: Vec<&Path> = self.reads.iter().map(PathBuf::as_path).collect();
-        judge(&self.path, &reads).map_err(fail)?;
+        judge(&self.path).map_err(fail)?;
         let path = self.path.clone();
         self.beside.persist(&path).map_err(|error| OutputError {
             path,
@@ -121,19 +176,16 @@ impl Output {
     }
 }
 
-/// Whether [`Output::create`] would take `path` as an output of a command that reads
-/// `reads`, judged without creating anything: for a caller that must say so before it
-/// starts (the pytest plugin, before the session). Gives the target's metadata, if it
-/// exists, and its folder.
-pub fn check<'a>(
-    path: &'a Path,
-    reads: &[&Path],
-) -> Result<(Option<Metadata>, &'a Path), OutputError> {
+/// Whether [`Output::create`] would take `path` as an output, judged without creating
+/// anything: for a caller that must say so before it starts (the pytest plugin, before
+/// the session; `allocbox run`, before the program). Gives the target's metadata, if
+/// it exists, and its folder.
+pub fn check(path: &Path) -> Result<(Option<Metadata>, &Path), OutputError> {
     let fail = |fault| OutputError {
         path: path.to_owned(),
         fault,
     };
-    let existing = judge(path, reads).map_err(fail)?;
+    let existing = judge(path).map_err(fail)?;
     let folder = match path.parent() {
         Some(folder) if !folder.as_os_str().is_empty() => folder,
         _ => Path::new("."),
@@ -147,7 +199,7 @@ pub fn check<'a>(
 /// Write `bytes` as the whole of the file at `path` (see [`Output`]).
 pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<(), OutputError> {
     use std::io::Write;
-    let mut output = Output::create(path, &[])?;
+    let mut output = Output::create(path)?;
     output
         .file()
         .write_all(bytes)
@@ -158,9 +210,8 @@ pub fn write_whole(path: &Path, bytes: &[u8]) -> Result<(), OutputError> {
     output.commit()
 }
 
-/// Whether `path` may be replaced by a command that reads `reads`: the target's
-/// metadata if it exists.
-fn judge(path: &Path, reads: &[&Path]) -> Result<Option<Metadata>, OutputFault> {
+/// Whether `path` may be replaced: the target's metadata if it exists.
+fn judge(path: &Path) -> Result<Option<Metadata>, OutputFault> {
     let existing = match std::fs::symlink_metadata(path) {
         Ok(existing) => existing,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -191,12 +242,8 @@ fn judge(path: &Path, reads: &[&Path]) -> Result<Option<Metadata>, OutputFault> 
     if existing.permissions().readonly() {
         return Err(OutputFault::ReadOnly);
     }
-    for read in reads {
-        if let Ok(input) = std::fs::metadata(read)
-            && (input.dev(), input.ino()) == (existing.dev(), existing.ino())
-        {
-            return Err(OutputFault::IsInput(read.to_path_buf()));
-        }
+    if let Some(input) = noted_input(&existing) {
+        return Err(OutputFault::IsInput(input));
     }
     Ok(Some(existing))
 }
@@ -236,7 +283,7 @@ mod tests {
         let dir = folder("dropped");
         let path = dir.join("page.html");
         std::fs::write(&path, "older page").unwrap();
-        let mut output = Output::create(&path, &[]).unwrap();
+        let mut output = Output::create(&path).unwrap();
         std::io::Write::write_all(output.file(), b"half").unwrap();
         drop(output);
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "older page");
@@ -341,9 +388,9 @@ mod tests {
         std::fs::write(&input, "m 1 8\n").unwrap();
         std::os::unix::fs::symlink(&input, dir.join("alias")).unwrap();
         std::fs::hard_link(&input, dir.join("same")).unwrap();
-        let alias = dir.join("alias");
+        note_input(&dir.join("alias"));
         for output in [dir.join("t.trace"), dir.join("./t.trace"), dir.join("same")] {
-            let error = Output::create(&output, &[&alias]).unwrap_err();
+            let error = Output::create(&output).unwrap_err();
             assert!(matches!(error.fault, OutputFault::IsInput(_)), "{error}");
         }
         assert_eq!(std::fs::read_to_string(&input).unwrap(), "m 1 8\n");
@@ -367,7 +414,7 @@ mod tests {
         let dir = folder("stream");
         let path = dir.join("rec.trace");
         std::fs::write(&path, "an older recording").unwrap();
-        let mut file = Output::create(&path, &[]).unwrap().stream().unwrap();
+        let mut file = Output::create(&path).unwrap().stream().unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"");
         std::io::Write::write_all(&mut file, b"events").unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"events");

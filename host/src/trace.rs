@@ -11,6 +11,7 @@
 
 mod binary;
 pub mod by_site;
+mod file;
 mod kept;
 mod latency;
 mod pickle;
@@ -25,6 +26,7 @@ mod watched;
 mod write;
 
 pub use binary::{BinarySink, MAGIC as BINARY_MAGIC, MAX_CHUNK_BYTES, write_binary};
+pub use file::TraceFile;
 pub use kept::{MAX_MARK_TEXT_BYTES, MAX_MARKS, MAX_NAME_BYTES, MAX_SITE_NAME_BYTES, MAX_SITES};
 pub use reader::{Recorded, TraceReader};
 pub use record::{DeviceRecorder, RecordOptions, Recorder, SiteOf, TraceWriter, child_path};
@@ -84,6 +86,17 @@ pub enum TraceError {
     Format(String),
     #[error("chunk {chunk} of the binary trace: {message}")]
     Chunk { chunk: u64, message: String },
+    #[error(
+        "it is {0}, not a file: allocbox reads a trace from a regular file (it reads it more \
+         than once); save it to one and name that"
+    )]
+    NotAFile(&'static str),
+    /// A trace read in passes whose file was not the same at a later pass.
+    #[error(
+        "the trace changed since it was first read ({was} bytes then, {is} now): allocbox \
+         reads a trace more than once; let its recording end, or copy the file, and run again"
+    )]
+    Changed { was: u64, is: u64 },
 }
 
 impl From<std::io::Error> for TraceError {

@@ -85,11 +85,11 @@ fn child_trace_path(trace: std::path::PathBuf, pid: u32) -> std::path::PathBuf {
 }
 
 /// Raise `AllocboxError` if `path` cannot be a recording's output (a folder, a device, a
-/// link, a read-only file, a folder that does not exist): what `load(..., record=PATH)`
+/// link, a read-only file, a folder that does not exist, a file this process reads): what `load(..., record=PATH)`
 /// would say, said before any work starts, creating nothing.
 #[pyfunction]
 fn check_output(path: std::path::PathBuf) -> PyResult<()> {
-    allocbox::output::check(&path, &[])
+    allocbox::output::check(&path)
         .map(drop)
         .map_err(|error| AllocboxError::new_err(error.to_string()))
 }

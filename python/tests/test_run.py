@@ -282,6 +282,36 @@ def test_a_report_that_cannot_be_made_is_refused_before_the_program_starts(tmp_p
     assert not (tmp_path / "started").exists()
 
 
+@pytest.mark.parametrize(
+    "args, kept",
+    [
+        (["-p", "size-classes", "--record", "program.py", "program.py"], "program.py"),
+        (["-p", "size-classes", "--report", "program.py", "program.py"], "program.py"),
+        (["-p", "pol.wasm", "--record", "pol.wasm", "program.py"], "pol.wasm"),
+        (["--device-policy", "pol.wasm", "--record", "pol.wasm", "program.py"], "pol.wasm"),
+        (["-p", "size-classes", "--record", "data.csv", "program.py", "--in=data.csv"], "data.csv"),
+        (["-p", "size-classes", "--report", "same.csv", "program.py", "data.csv"], "data.csv"),
+    ],
+)
+def test_a_file_the_run_reads_is_refused_as_its_output_before_the_program_starts(tmp_path, args, kept):
+    # Issue 72: `--record job.py job.py` replaced the script with a trace, `--report
+    # b.py b.py` with a page, and a policy named as its own recording was replaced.
+    import shutil
+
+    shutil.copy(guest("gpu-pool"), tmp_path / "pol.wasm")
+    (tmp_path / "data.csv").write_text("the user's data\n")
+    os.link(tmp_path / "data.csv", tmp_path / "same.csv")
+    program = "open('started', 'w').close()\n"
+    (tmp_path / "program.py").write_text(program)
+    before = (tmp_path / kept).read_bytes()
+    done = allocbox_run(tmp_path, *args)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "which this command reads" in lines[0], done.stderr
+    assert not (tmp_path / "started").exists(), "the program never started"
+    assert (tmp_path / kept).read_bytes() == before
+
+
 def test_a_recording_nobody_ended_ends_at_the_program_s_last_line_so_globals_show_as_leaked(tmp_path):
     (tmp_path / "program.py").write_text(
         textwrap.dedent(

@@ -250,7 +250,11 @@ impl BinaryBomb {
         self.chunk.extend_from_slice(item);
     }
 
+    /// The chunk so far, framed; none when it is empty, as a recorder writes none.
     fn flush(&mut self) {
+        if self.chunk.is_empty() {
+            return;
+        }
         put(&mut self.stream, 1);
         put(&mut self.stream, self.chunk.len() as u64);
         self.stream.append(&mut self.chunk);

@@ -130,8 +130,24 @@ fn new_refuses_bad_names_and_occupied_directories() {
     std::fs::write(tmp.0.join("taken/keep.txt"), "mine").unwrap();
     let (code, out) = allocbox_cli(&["new", "taken", "--lang", "rust"], &tmp.0);
     assert_eq!(code, 2, "{out}");
-    assert!(out.contains("already exists"), "{out}");
+    assert!(out.contains("is a folder with files in it"), "{out}");
     assert_eq!(std::fs::read_dir(tmp.0.join("taken")).unwrap().count(), 1);
+    // Issue 72: NAME or `--path` a link to an empty folder got the project through it.
+    std::fs::create_dir(tmp.0.join("elsewhere")).unwrap();
+    std::os::unix::fs::symlink(tmp.0.join("elsewhere"), tmp.0.join("linked")).unwrap();
+    for args in [
+        &["new", "linked", "--lang", "wat"][..],
+        &["new", "other", "--lang", "rust", "--path", "linked"],
+    ] {
+        let (code, out) = allocbox_cli(args, &tmp.0);
+        assert_eq!(code, 2, "{out}");
+        assert!(out.contains("it is a symbolic link"), "{out}");
+        assert_eq!(out.trim().lines().count(), 1, "{out}");
+    }
+    assert_eq!(
+        std::fs::read_dir(tmp.0.join("elsewhere")).unwrap().count(),
+        0
+    );
     // An empty directory is fine, and `--path` picks it.
     std::fs::create_dir(tmp.0.join("empty")).unwrap();
     allocbox_ok(

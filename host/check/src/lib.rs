@@ -87,6 +87,9 @@ fn regression_name(name: &str, policy: &Policy, config: &[(&str, &str)]) -> Stri
     format!("{file_safe}-{:012x}", hasher.finish() >> 16)
 }
 
+/// Why a case was rejected: the time budget ran out before it, which ends the round.
+const OUT_OF_TIME: &str = "the time budget ran out";
+
 /// A proptest runner for one round of `cases` sequences from `seed`, persisting failing
 /// seeds where the options say.
 fn round_runner(options: &CheckOptions, policy: &str, cases: u32, seed: u64) -> TestRunner {
@@ -98,6 +101,10 @@ fn round_runner(options: &CheckOptions, policy: &str, cases: u32, seed: u64) -> 
         max_shrink_iters: u32::MAX - 1,
         max_shrink_time: 0,
         failure_persistence: None,
+        // A case rejected is the time budget spent ([`OUT_OF_TIME`]): the round ends
+        // there, rather than draw every case left (`--cases 4294967295` drew them for
+        // minutes past `--time`).
+        max_global_rejects: 0,
         ..Config::default()
     };
     if let Some(dir) = &options.regressions {
@@ -184,11 +191,11 @@ pub fn check(
         // are kept as it runs, so the verdict is what was seen, not a run again.
         let last_failure = std::sync::Mutex::new(None);
         let outcome = runner.run(&strategy, |case| {
-            // Past the time budget, the round's remaining cases pass unrun; shrinking a
-            // failure found before it runs to its own bound.
+            // Past the time budget, the round ends, its remaining cases undrawn;
+            // shrinking a failure found before it runs to its own bound.
             let out_of_time = options.time.is_some_and(|t| start.elapsed() >= t);
             if out_of_time && first_failure.get().is_none() {
-                return Ok(());
+                return Err(TestCaseError::reject(OUT_OF_TIME));
             }
             // While no case has failed, a case stops at the time budget; shrinking a
             // failure runs each trial whole, to its own bound.
@@ -231,8 +238,10 @@ pub fn check(
             .zip(options.shrink_time)
             .is_some_and(|(at, limit)| at.elapsed() >= limit);
         time_to_failure = first_failure.get().map(|at| at.duration_since(start));
+        let out_of_time = options.time.is_some_and(|t| start.elapsed() >= t);
         failure = match (outcome, last_failure) {
             (Ok(()), _) => None,
+            (Err(TestError::Abort(_)), None) if out_of_time => None,
             (Err(TestError::Fail(..)), Some((finding, script))) => {
                 let script = script.with_names_in_order();
                 Some((confirmed(&subject, finding, &script)?, script))

@@ -26,7 +26,7 @@ pub(crate) fn run_trace_convert(input: &Path, output: &Path, to: Option<Form>) -
         None => Form::Binary,
     };
     // Judged before the trace is read: a target that cannot be written costs no reading.
-    let mut out = Output::create(output, &[input])?;
+    let mut out = Output::create(output)?;
     // A first pass says whether the events have times and sites, which a binary
     // trace's header says first.
     let found = crate::survey::survey(input)?;

@@ -191,6 +191,74 @@ pub(crate) enum Command {
     },
 }
 
+impl Command {
+    /// Every file the command reads, as its arguments name it: noted before any work
+    /// (`allocbox::output::note_input`), so that no output of any command replaces one,
+    /// whichever order the command reads and writes in. A name that is no file (a
+    /// shipped policy's, `builtin`) notes nothing. Under `run`, the program reads what
+    /// its arguments name, so every argument naming a file is one (and the value of an
+    /// argument `--OPTION=FILE`).
+    pub(crate) fn inputs(&self) -> Vec<PathBuf> {
+        let policy_names = |names: &[String]| -> Vec<PathBuf> {
+            // A report's chain is `top>next`, each a name or a file.
+            names
+                .iter()
+                .flat_map(|name| name.split('>'))
+                .map(PathBuf::from)
+                .collect()
+        };
+        match self {
+            Command::Check { policies, hook, .. } => {
+                policies.iter().cloned().chain(hook.path.clone()).collect()
+            }
+            Command::TraceConvert { input, .. } => vec![input.clone()],
+            Command::ReplayTrace {
+                trace,
+                policies,
+                hook,
+                ..
+            } => [trace.clone()]
+                .into_iter()
+                .chain(policy_names(policies))
+                .chain(hook.path.clone())
+                .collect(),
+            Command::Report {
+                traces,
+                policies,
+                hook,
+                device_policies,
+                ..
+            } => traces
+                .iter()
+                .cloned()
+                .chain(policy_names(policies))
+                .chain(policy_names(device_policies))
+                .chain(hook.path.clone())
+                .collect(),
+            Command::Replay { script, policy, .. } => {
+                [script.clone()].into_iter().chain(policy.clone()).collect()
+            }
+            Command::Inspect { policy, .. } => policy.iter().cloned().collect(),
+            Command::Run(run) => {
+                let program = run.module.iter().flatten().skip(1).chain(&run.script);
+                let named_by_arguments = program.flat_map(|word| {
+                    let value: Option<PathBuf> = word
+                        .to_str()
+                        .and_then(|w| w.split_once('=').map(|(_, value)| PathBuf::from(value)));
+                    [Some(PathBuf::from(word)), value].into_iter().flatten()
+                });
+                policy_names(&run.policies)
+                    .into_iter()
+                    .chain(policy_names(&run.compare))
+                    .chain(run.device_policy.iter().map(PathBuf::from))
+                    .chain(named_by_arguments)
+                    .collect()
+            }
+            Command::New { .. } => Vec::new(),
+        }
+    }
+}
+
 /// `--hook`, the same for every command that replays events.
 #[derive(Args, Debug, Clone, Default)]
 pub(crate) struct HookArg {

@@ -80,6 +80,9 @@ where
         );
         return 2;
     }
+    for input in cli.command.inputs() {
+        allocbox::output::note_input(&input);
+    }
     let result = match cli.command {
         Command::Inspect { policy, config } => inspect(policy, config).map(|()| Outcome::Held),
         // The program runs in a Python process, with NumPy: the wheel's `allocbox`

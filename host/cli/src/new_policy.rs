@@ -20,7 +20,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 
 mod rust;
 #[cfg(test)]
@@ -167,27 +167,21 @@ pub struct Created {
 pub fn create(name: &str, lang: Lang, path: Option<PathBuf>) -> Result<Created> {
     validate_name(name)?;
     let dir = path.unwrap_or_else(|| PathBuf::from(name));
-    if dir.exists() {
-        let empty = dir.is_dir()
-            && std::fs::read_dir(&dir)
-                .with_context(|| format!("reading {}", dir.display()))?
-                .next()
-                .is_none();
-        if !empty {
-            bail!(
-                "{} already exists and is not an empty directory; choose another name or `--path`",
-                dir.display()
-            );
-        }
-    }
+    // Made beneath the folder's parent with no link followed, and removed whole if any
+    // file of it cannot be written.
+    let mut folder = allocbox::output::NewFolder::create(&dir)
+        .map_err(|error| anyhow::anyhow!("{error}; choose another name or `--path`"))?;
     let files = match lang {
         Lang::Rust => rust_project(name),
         Lang::Wat => wat_project(name),
         foreign => foreign_project(name, foreign),
     };
     for (file, text) in &files {
-        write(&dir.join(file), text)?;
+        // The build and setup scripts run as `./build.sh`.
+        let mode = if file.ends_with(".sh") { 0o777 } else { 0o666 };
+        folder.write(Path::new(file), text.as_bytes(), mode)?;
     }
+    folder.commit();
     let next = match lang {
         Lang::Rust => format!(
             "cd {} && cargo build --release --target wasm32-wasip2 && allocbox check {}",
@@ -204,22 +198,6 @@ pub fn create(name: &str, lang: Lang, path: Option<PathBuf>) -> Result<Created> 
         ),
     };
     Ok(Created { dir, next })
-}
-
-fn write(file: &Path, text: &str) -> Result<()> {
-    if let Some(parent) = file.parent() {
-        std::fs::create_dir_all(parent)
-            .with_context(|| format!("creating {}", parent.display()))?;
-    }
-    allocbox::output::write_whole(file, text.as_bytes())?;
-    // The build and setup scripts run as `./build.sh`.
-    #[cfg(unix)]
-    if file.extension().is_some_and(|e| e == "sh") {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o755))
-            .with_context(|| format!("making {} executable", file.display()))?;
-    }
-    Ok(())
 }
 
 /// Where the renamed passthrough keeps its name: past its other strings (64..130, at most

@@ -42,6 +42,11 @@ pub struct RunCommand {
 pub fn parse_run(args: Vec<OsString>) -> Result<RunCommand, u8> {
     let argv = ["allocbox".into(), "run".into()].into_iter().chain(args);
     let (cli, matches) = grammar::parse(argv)?;
+    // The program, the files its arguments name and the policies: no output of the run
+    // (its recording, its report) may replace one.
+    for input in cli.command.inputs() {
+        allocbox::output::note_input(&input);
+    }
     let Command::Run(run) = cli.command else {
         unreachable!("parsed as `run`");
     };

@@ -5,11 +5,12 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 
 use allocbox::trace::by_site::{AtPeak, BySite, BySitePass};
-use allocbox::trace::{Event, Mark, Recorded, Trace, TraceError, TraceReader};
+use allocbox::trace::{Event, Mark, Recorded, Trace, TraceError, TraceFile, TraceReader};
 use anyhow::{Context, Result};
 
 use crate::progress;
@@ -66,6 +67,9 @@ impl Placement {
 #[derive(Debug)]
 pub(crate) struct Survey {
     pub(crate) path: PathBuf,
+    /// The file, open: every later pass reads it through this descriptor, refused if
+    /// it changed since this one.
+    file: Arc<TraceFile>,
     /// By placement: `None` for the host's memory, `Some(n)` for GPU n's.
     pub(crate) placements: BTreeMap<Option<u16>, Placement>,
     /// The marks, the sites and what was left out, without the events.
@@ -107,7 +111,7 @@ impl Survey {
 
     /// The events of `placement`, read again.
     pub(crate) fn pass(&self, placement: Option<u16>) -> Result<Pass> {
-        Pass::start(self.path.clone(), placement)
+        Pass::start(self.file.clone(), placement)
     }
 
     /// The second pass for the program's lines behind `placement`'s bytes, when the
@@ -188,7 +192,8 @@ pub(crate) fn survey(path: &Path) -> Result<Survey> {
 const PROGRESS_STRIDE: u64 = 1 << 16;
 
 fn first_pass(path: &Path, done: &AtomicU64) -> Result<Survey, TraceError> {
-    let mut reader = TraceReader::open(path)?;
+    let file = Arc::new(TraceFile::open(path)?);
+    let mut reader = TraceReader::of(&file)?;
     let mut placements: BTreeMap<Option<u16>, Placement> = BTreeMap::new();
     let mut marks_placed = 0;
     // Where each placement stood when the first mark was left out: the mark that sums
@@ -253,6 +258,7 @@ fn first_pass(path: &Path, done: &AtomicU64) -> Result<Survey, TraceError> {
     }
     Ok(Survey {
         path: path.to_owned(),
+        file,
         placements,
         trace,
     })
@@ -268,6 +274,8 @@ const BATCHES_AHEAD: usize = 4;
 /// that takes them runs on another core meanwhile): an iterator that ends at the
 /// trace's end or at an error, which [`Pass::finish`] then says.
 pub(crate) struct Pass {
+    /// The trace, for what the pass's error says.
+    path: PathBuf,
     batches: Option<Receiver<Result<Vec<Recorded>, TraceError>>>,
     batch: std::vec::IntoIter<Recorded>,
     error: Option<TraceError>,
@@ -275,13 +283,15 @@ pub(crate) struct Pass {
 }
 
 impl Pass {
-    fn start(path: PathBuf, placement: Option<u16>) -> Result<Pass> {
+    fn start(file: Arc<TraceFile>, placement: Option<u16>) -> Result<Pass> {
         let (send, batches) = sync_channel(BATCHES_AHEAD);
+        let path = file.path().to_owned();
         let reading = std::thread::Builder::new()
             .name("allocbox-read".into())
-            .spawn(move || read_batches(&path, placement, &send))
+            .spawn(move || read_batches(&file, placement, &send))
             .context("cannot start a thread to read the trace")?;
         Ok(Pass {
+            path,
             batches: Some(batches),
             batch: Vec::new().into_iter(),
             error: None,
@@ -294,13 +304,17 @@ impl Pass {
         self.by_ref().map(|r| r.event)
     }
 
-    /// The error that ended the pass early, if one did (the file changed since the first
-    /// pass read it whole).
+    /// The error that ended the pass early, if one did, naming the trace (the file
+    /// changed since the first pass read it whole).
     pub(crate) fn finish(mut self) -> Result<()> {
         match self.error.take() {
             None => Ok(()),
+            Some(error @ TraceError::Changed { .. }) => {
+                Err(anyhow::Error::new(error).context(self.path.display().to_string()))
+            }
             Some(error) => Err(anyhow::anyhow!(
-                "{error} (the trace was read whole a moment before: did the file change?)"
+                "{}: {error} (the trace was read whole a moment before: did the file change?)",
+                self.path.display()
             )),
         }
     }
@@ -309,11 +323,11 @@ impl Pass {
 /// The reading thread: `placement`'s events in batches, until the trace ends, an error
 /// (sent), or the pass is dropped.
 fn read_batches(
-    path: &Path,
+    file: &TraceFile,
     placement: Option<u16>,
     send: &SyncSender<Result<Vec<Recorded>, TraceError>>,
 ) {
-    let mut reader = match TraceReader::open(path) {
+    let mut reader = match TraceReader::of(file) {
         Ok(reader) => reader,
         Err(error) => return drop(send.send(Err(error))),
     };

@@ -249,8 +249,7 @@ pub(crate) struct ReportArgs {
 pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
     // Before the replays, which take seconds to minutes: a page that cannot be written
     // is said at once.
-    let reads: Vec<&Path> = args.traces.iter().map(PathBuf::as_path).collect();
-    let mut page_file = Output::create(&args.output, &reads)?;
+    let mut page_file = Output::create(&args.output)?;
     // So is a trace that is not there, whichever of several.
     for trace in &args.traces {
         std::fs::metadata(trace).with_context(|| trace.display().to_string())?;

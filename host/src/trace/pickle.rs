@@ -5,9 +5,12 @@
 //!
 //! Values live in one arena and refer to each other by index: a value the memo shares
 //! is never copied, a deep or cyclic structure is never walked by recursion, and the
-//! whole costs a bounded number of bytes per byte of input.
+//! whole costs a bounded number of bytes per byte of input ([`budget`]). A dict's keys
+//! are hashed, so a lookup costs the same in a dict of ten keys or of a million shared
+//! through the memo by every entry: reading a snapshot is linear in its bytes.
 
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 
 /// A value of the pickle, by its index in [`Pickle::nodes`].
 pub(super) type Id = usize;
@@ -32,21 +35,97 @@ pub(super) enum Node {
 pub(super) struct Pickle {
     pub(super) nodes: Vec<Node>,
     pub(super) root: Id,
+    /// The string keys of every dict past [`INDEXED_AT`] items, by the dict and the
+    /// key's hash.
+    keys: HashMap<(Id, u64), Keyed, foldhash::fast::FixedState>,
 }
+
+/// A dict of more items than this has its keys hashed; a smaller one (a snapshot's
+/// entries and frames have under ten) is searched.
+const INDEXED_AT: usize = 16;
+
+/// What an index holds of one hash of a dict's keys.
+#[derive(Debug, Clone, Copy)]
+enum Keyed {
+    /// The key's node and its value (the last set, as Python keeps).
+    One { key: Id, value: Id },
+    /// Two different keys of one hash: searched.
+    Collided,
+}
+
+/// What the index costs per key it holds, counted in the decode's budget.
+const KEYED_BYTES: usize = 48;
 
 impl Pickle {
     pub(super) fn node(&self, id: Id) -> &Node {
         &self.nodes[id]
     }
 
-    /// The value under `key` of the dict `id`, if it is a dict that has one.
+    fn key_hash(key: &str) -> u64 {
+        foldhash::fast::FixedState::default().hash_one(key)
+    }
+
+    /// The keys of the dicts past [`INDEXED_AT`] items, to index.
+    fn keys_to_index(nodes: &[Node]) -> usize {
+        nodes
+            .iter()
+            .map(|node| match node {
+                Node::Dict(items) if items.len() > INDEXED_AT => items.len(),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// Index the keys of every large dict.
+    fn with_keys(nodes: Vec<Node>, root: Id) -> Pickle {
+        let mut keys: HashMap<(Id, u64), Keyed, _> = HashMap::default();
+        let same = |a: Id, b: Id| match (&nodes[a], &nodes[b]) {
+            (Node::Str(a), Node::Str(b)) => a == b,
+            _ => false,
+        };
+        for (id, node) in nodes.iter().enumerate() {
+            let Node::Dict(items) = node else { continue };
+            if items.len() <= INDEXED_AT {
+                continue;
+            }
+            for &(key, value) in items {
+                let Node::Str(text) = &nodes[key] else {
+                    continue;
+                };
+                let slot = keys
+                    .entry((id, Pickle::key_hash(text)))
+                    .or_insert(Keyed::One { key, value });
+                if let Keyed::One { key: known, .. } = *slot {
+                    *slot = match same(known, key) {
+                        true => Keyed::One { key, value },
+                        false => Keyed::Collided,
+                    };
+                }
+            }
+        }
+        Pickle { nodes, root, keys }
+    }
+
+    /// The value under `key` of the dict `id`, if it is a dict that has one (the last
+    /// set, as Python keeps).
     pub(super) fn get(&self, id: Id, key: &str) -> Option<Id> {
-        match self.node(id) {
-            Node::Dict(items) => items
+        let Node::Dict(items) = self.node(id) else {
+            return None;
+        };
+        let is_key = |k: Id| matches!(self.node(k), Node::Str(s) if s == key);
+        let search = || {
+            items
                 .iter()
-                .find(|&&(k, _)| matches!(self.node(k), Node::Str(s) if s == key))
-                .map(|&(_, v)| v),
-            _ => None,
+                .rev()
+                .find(|&&(k, _)| is_key(k))
+                .map(|&(_, v)| v)
+        };
+        if items.len() <= INDEXED_AT {
+            return search();
+        }
+        match self.keys.get(&(id, Pickle::key_hash(key)))? {
+            Keyed::One { key, value } => is_key(*key).then_some(*value),
+            Keyed::Collided => search(),
         }
     }
 
@@ -81,19 +160,35 @@ enum Slot {
     Mark,
 }
 
-/// The most values, stack slots, memo entries and container items a decode holds
-/// together (each a few words): 16 Mi, about 512 MiB at the worst, whatever the bytes
-/// ask for. A snapshot of a long history (PyTorch's `max_entries`, 10^5 entries with
-/// their frames) holds under half of it.
-pub(super) const MAX_HELD: usize = 16 << 20;
+/// The most bytes a decode holds, whatever the bytes ask for: its values, stack,
+/// memo, the items of its containers, its strings and the index of its dicts' keys,
+/// counted by length (a vector growing may hold up to twice its length at a moment). A
+/// snapshot of a long history (PyTorch's `max_entries`, 10^5 entries with their frames)
+/// holds under half of it.
+pub(super) const MAX_HELD_BYTES: usize = 256 << 20;
+
+/// The most bytes a decode holds per byte of its input (a value is at least one byte
+/// of it): with [`MAX_HELD_BYTES`], what [`budget`] allows.
+pub(super) const HELD_PER_BYTE: usize = 24;
+
+/// What decoding `len` bytes may hold: at most [`HELD_PER_BYTE`] times them (and a MiB),
+/// at most [`MAX_HELD_BYTES`]; so the decode's peak is at most twice that, 48 times the
+/// file and 512 MiB.
+pub(super) fn budget(len: usize) -> usize {
+    len.saturating_mul(HELD_PER_BYTE)
+        .saturating_add(1 << 20)
+        .min(MAX_HELD_BYTES)
+}
+
+/// What a memo entry costs in its map.
+const MEMO_BYTES: usize = 24;
 
 /// Decode `bytes` as a pickle of plain data; the error is one sentence.
 pub(super) fn decode(bytes: &[u8]) -> Result<Pickle, String> {
-    decode_within(bytes, MAX_HELD)
+    decode_within(bytes, budget(bytes.len()))
 }
 
-/// [`decode`], holding at most `most` values, stack slots, memo entries and container
-/// items together.
+/// [`decode`], holding at most `most` bytes.
 fn decode_within(bytes: &[u8], most: usize) -> Result<Pickle, String> {
     let mut nodes: Vec<Node> = Vec::new();
     let mut stack: Vec<Slot> = Vec::new();
@@ -143,14 +238,27 @@ fn decode_within(bytes: &[u8], most: usize) -> Result<Pickle, String> {
             .collect();
         Ok(values)
     };
-    // Items put in containers: what a value holds beside itself.
+    // Items put in containers, and the bytes of strings: what values hold beside
+    // themselves.
     let mut items_held = 0usize;
+    let mut text_bytes = 0usize;
+    let too_much = || {
+        format!(
+            "the pickle expands to more than {} MiB of values ({HELD_PER_BYTE} bytes for \
+             each of its own, at most {} MiB), past what allocbox reads (record a shorter \
+             history: `_record_memory_history(max_entries=...)`)",
+            most >> 20,
+            MAX_HELD_BYTES >> 20
+        )
+    };
     loop {
-        if nodes.len() + stack.len() + memo.len() + items_held > most {
-            return Err(format!(
-                "the pickle holds more than {most} values, past what allocbox reads \
-                 (record a shorter history: `_record_memory_history(max_entries=...)`)"
-            ));
+        let held = nodes.len() * size_of::<Node>()
+            + stack.len() * size_of::<Slot>()
+            + memo.len() * MEMO_BYTES
+            + items_held * size_of::<Id>()
+            + text_bytes;
+        if held > most {
+            return Err(too_much());
         }
         let op = *take(&mut at, 1)?.first().expect("one byte");
         match op {
@@ -162,7 +270,11 @@ fn decode_within(bytes: &[u8], most: usize) -> Result<Pickle, String> {
             }
             b'.' => {
                 let root = pop(&mut stack)?;
-                return Ok(Pickle { nodes, root });
+                drop((stack, memo));
+                if held + Pickle::keys_to_index(&nodes) * KEYED_BYTES > most {
+                    return Err(too_much());
+                }
+                return Ok(Pickle::with_keys(nodes, root));
             }
             b'(' => stack.push(Slot::Mark),
             b'}' => push(&mut nodes, &mut stack, Node::Dict(Vec::new())),
@@ -213,6 +325,7 @@ fn decode_within(bytes: &[u8], most: usize) -> Result<Pickle, String> {
                     _ => le(take(&mut at, 8)?),
                 };
                 let data = take(&mut at, usize::try_from(len).unwrap_or(usize::MAX))?;
+                text_bytes += data.len();
                 let node = match op {
                     0x8c | b'X' | 0x8d => Node::Str(
                         std::str::from_utf8(data)
@@ -396,16 +509,16 @@ mod tests {
         let mut bytes = vec![0x80, 4, b']', 0x94, b'('];
         bytes.extend(std::iter::repeat_n([b'h', 0], 100).flatten());
         bytes.extend(*b"e.");
-        assert!(decode_within(&bytes, 1000).is_ok());
-        let error = decode_within(&bytes, 50).unwrap_err();
-        assert!(error.contains("more than 50 values"), "{error}");
+        assert!(decode_within(&bytes, 4000).is_ok());
+        let error = decode_within(&bytes, 800).unwrap_err();
+        assert!(error.contains("expands to more than"), "{error}");
         // A stream of None: one value a byte.
         let mut nones = vec![0x80, 4];
         nones.extend(std::iter::repeat_n(b'N', 100));
         assert!(
-            decode_within(&nones, 50)
+            decode_within(&nones, 800)
                 .unwrap_err()
-                .contains("more than 50")
+                .contains("expands to more than")
         );
     }
 

@@ -5,11 +5,12 @@
 //! whole [`Trace`] is one read to the end.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Seek};
+use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::rc::Rc;
 
 use super::binary::BinaryEvents;
+use super::file::TraceFile;
 use super::kept::{Keeper, left_out_mark};
 use super::text::TextEvents;
 use super::{CutShort, Event, MAX_MARK_BYTES, Mark, Site, Trace, TraceError, binary};
@@ -81,24 +82,26 @@ impl std::fmt::Debug for TraceReader<'_> {
 }
 
 impl TraceReader<'static> {
-    /// Open the trace at `path`: binary, a PyTorch snapshot, or text (plain, or gzip
-    /// when the file starts with the gzip magic, every member of it read).
+    /// Open the trace at `path` for one pass: binary, a PyTorch snapshot, or text
+    /// (plain, or gzip when the file starts with the gzip magic, every member of it
+    /// read). A command that reads it more than once opens a [`TraceFile`].
     pub fn open(path: impl AsRef<Path>) -> Result<TraceReader<'static>, TraceError> {
-        let path = path.as_ref();
-        let mut file = std::fs::File::open(path)?;
-        if file.metadata()?.is_dir() {
-            return Err(TraceError::Io(std::io::ErrorKind::IsADirectory.into()));
-        }
+        TraceReader::of(&TraceFile::open(path)?)
+    }
+
+    /// A pass through `trace` from its start, once it is checked to be the file it was
+    /// when opened.
+    pub fn of(trace: &TraceFile) -> Result<TraceReader<'static>, TraceError> {
         let mut magic = [0u8; binary::MAGIC.len()];
-        let read = super::read_up_to(&mut file, &mut magic)?;
-        file.seek(std::io::SeekFrom::Start(0))?;
+        let read = super::read_up_to(&mut trace.bytes()?, &mut magic)?;
         if magic[..read] == binary::MAGIC {
-            let events = BinaryEvents::open_file(file)?;
+            let events = BinaryEvents::open_file(trace.shared()?)?;
             return Ok(TraceReader::with(Source::Binary(Box::new(events))));
         }
         if super::torch_snapshot::is_pickle(&magic[..read]) {
-            return TraceReader::loaded(super::torch_snapshot::read(file)?);
+            return TraceReader::loaded(super::torch_snapshot::read(trace)?);
         }
+        let file = trace.bytes()?;
         if magic[..read].starts_with(&[0x1f, 0x8b]) {
             let cut_short = Rc::new(std::cell::Cell::new(false));
             let stream = CutShort {

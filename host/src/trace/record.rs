@@ -266,7 +266,7 @@ impl<H> Watched<H, TraceWriter> {
 /// The file a recording writes at `path`, in place at once (a program killed part way
 /// leaves its trace up to there).
 fn trace_file(path: &std::path::Path) -> Result<Box<dyn Write + Send>, OutputError> {
-    let file = Output::create(path, &[])?.stream()?;
+    let file = Output::create(path)?.stream()?;
     Ok(Box::new(std::io::BufWriter::new(file)))
 }
 

@@ -13,31 +13,43 @@
 use std::collections::HashMap;
 use std::io::Read;
 
+use super::file::TraceFile;
 use super::kept::Keeper;
 use super::pickle::{Id, Pickle, decode};
 use super::{Event, EventOp, Trace, TraceError, UNKNOWN_ID};
 
 /// The largest snapshot read: it is decoded whole, holding at most
-/// [`super::pickle::MAX_HELD`] values however far its bytes expand.
+/// [`super::pickle::budget`] bytes however far its bytes expand.
 pub const MAX_SNAPSHOT_BYTES: u64 = 256 << 20;
+
+/// The most GPUs a snapshot's traces are read for (a machine has far fewer).
+const MAX_GPUS: usize = 64;
 
 /// Do a file's first bytes say it is a pickle (protocol 2 to 5)?
 pub(super) fn is_pickle(magic: &[u8]) -> bool {
     matches!(magic, [0x80, 2..=5, ..])
 }
 
-/// Read the snapshot in `input` (at most [`MAX_SNAPSHOT_BYTES`]).
-pub(super) fn read(input: impl Read) -> Result<Trace, TraceError> {
-    let mut bytes = Vec::new();
-    input.take(MAX_SNAPSHOT_BYTES + 1).read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > MAX_SNAPSHOT_BYTES {
+/// Read the snapshot in `file`: refused by its size, before any of it is read, past
+/// [`MAX_SNAPSHOT_BYTES`].
+pub(super) fn read(file: &TraceFile) -> Result<Trace, TraceError> {
+    if file.len() > MAX_SNAPSHOT_BYTES {
         return Err(format_error(format!(
-            "the memory snapshot is past the {} MiB allocbox reads",
+            "the memory snapshot is {} MiB, past the {} MiB allocbox reads",
+            file.len() >> 20,
             MAX_SNAPSHOT_BYTES >> 20
         )));
     }
-    let pickle = decode(&bytes).map_err(format_error)?;
-    drop(bytes);
+    let mut bytes = Vec::new();
+    file.bytes()?
+        .take(MAX_SNAPSHOT_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    read_bytes(&bytes)
+}
+
+/// The snapshot pickled in `bytes`.
+fn read_bytes(bytes: &[u8]) -> Result<Trace, TraceError> {
+    let pickle = decode(bytes).map_err(format_error)?;
     trace_of(&pickle)
 }
 
@@ -61,10 +73,31 @@ fn trace_of(pickle: &Pickle) -> Result<Trace, TraceError> {
         format_error("it has no `device_traces` (record with `torch.cuda.memory._record_memory_history()` first)".into())
     })?;
     let mut entries = Vec::new();
+    // Each list and entry is read once: one shared through the memo (which no snapshot
+    // does) would otherwise be read again for each place it is named.
+    let mut read = vec![false; pickle.nodes.len()];
+    let mut first_read = |id: Id| !std::mem::replace(&mut read[id], true);
     for (device, &list) in pickle.items(traces).iter().enumerate() {
-        let device = u16::try_from(device)
-            .map_err(|_| format_error("it has more GPUs than any machine".into()))?;
+        if device >= MAX_GPUS {
+            return Err(format_error(format!(
+                "it has traces of more than {MAX_GPUS} GPUs, more than any machine"
+            )));
+        }
+        let device = device as u16;
+        let shared = || {
+            format_error(
+                "one of its traces or entries is named twice (shared through the pickle's \
+                 memo), which PyTorch never writes: is this file a memory snapshot?"
+                    .into(),
+            )
+        };
+        if !first_read(list) {
+            return Err(shared());
+        }
         for &entry in pickle.items(list) {
+            if !first_read(entry) {
+                return Err(shared());
+            }
             let op = match pickle.get(entry, "action").and_then(|a| pickle.str(a)) {
                 Some("alloc") => EventOp::Malloc,
                 Some("free_requested") => EventOp::Free,
@@ -104,6 +137,9 @@ fn trace_of(pickle: &Pickle) -> Result<Trace, TraceError> {
     let mut keeper = Keeper::default();
     let mut ids: HashMap<(u16, u64), u64> = HashMap::new();
     let mut site_numbers: HashMap<(String, u32, String), u32> = HashMap::new();
+    // The site of each list of frames, found once: a list shared by many entries
+    // through the memo is searched once, not once per entry.
+    let mut site_of_frames: HashMap<Id, u32> = HashMap::new();
     let mut next_id = 1;
     let first_time = entries.first().and_then(|e| e.time_us).unwrap_or(0);
     let timed = entries.iter().all(|e| e.time_us.is_some());
@@ -119,9 +155,14 @@ fn trace_of(pickle: &Pickle) -> Result<Trace, TraceError> {
             }
         };
         let site = match (entry.op, entry.site) {
-            (EventOp::Malloc, Some(frames)) => {
-                site_of(pickle, frames, &mut keeper, &mut trace, &mut site_numbers)
-            }
+            (EventOp::Malloc, Some(frames)) => match site_of_frames.get(&frames) {
+                Some(&site) => site,
+                None => {
+                    let site = site_of(pickle, frames, &mut keeper, &mut trace, &mut site_numbers);
+                    site_of_frames.insert(frames, site);
+                    site
+                }
+            },
             _ => 0,
         };
         trace.sites.push(site);
@@ -266,7 +307,7 @@ mod tests {
             ("free_requested", 0x7000, 4096, 7, 20, "train.py"),
             ("free_completed", 0x7000, 4096, 7, 30, "train.py"),
         ]);
-        let trace = read(&bytes[..]).unwrap();
+        let trace = read_bytes(&bytes).unwrap();
         let events: Vec<_> = trace
             .events
             .iter()
@@ -293,7 +334,7 @@ mod tests {
 
     #[test]
     fn a_pickle_that_is_no_snapshot_says_what_it_lacks() {
-        let error = read(&[0x80, 4, b'}', b'.'][..]).unwrap_err().to_string();
+        let error = read_bytes(&[0x80, 4, b'}', b'.']).unwrap_err().to_string();
         assert!(error.contains("no `device_traces`"), "{error}");
     }
 }

@@ -14,12 +14,12 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet};
 use std::fs::File;
 use std::io::{self, BufRead, Read};
-use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use super::chunk::{ChunkDecoder, SiteNumbers, What, first_seq, varint_step};
 use super::{MAGIC, MAX_CHUNK_BYTES, SITES, TIMES, VERSION};
 use crate::fasthash::FastMap;
+use crate::trace::file::ReadAt;
 use crate::trace::reader::{Beside, Recorded};
 use crate::trace::{Event, EventOp, TraceError, UNKNOWN_ID};
 
@@ -43,26 +43,25 @@ const MAX_READS_OVER: u64 = 32;
 /// overlap (not a recorder's) is refused here rather than held whole.
 pub(crate) const MAX_HELD_CHUNK_BYTES: usize = 256 << 20;
 
+/// The largest window (log 2 of its bytes) a decoder keeps: the recorder's zstd level
+/// uses 2^19 (and zstd's level 19, 2^23); a stream that asks for more (zstd allows 2^31)
+/// is not a recording. Each decoder holds its window, so this bounds the decoders'
+/// memory: [`MAX_DECODERS`] of them 132 MiB at most, within the chunks' budget.
+const WINDOW_LOG_MAX: u32 = 23;
+
+/// What one decoder holds at most: its window and zstd's buffers beside it, counted in
+/// the chunks' budget ([`MAX_HELD_CHUNK_BYTES`]) for each decoder reading ahead.
+const DECODER_BYTES: usize = (1 << WINDOW_LOG_MAX) + (256 << 10);
+
+/// The most chunks a trace's index holds (20 bytes each: 80 MiB): a chunk is 64 KiB of
+/// calls, or what a thread wrote before it ended, so a recording has far fewer.
+const MAX_CHUNKS: usize = 1 << 22;
+
 /// What the first pass learns of a chunk.
 struct ChunkInfo {
     thread: u32,
     /// The recording's number of its first call or mark (0 for a chunk with none).
     first: u64,
-}
-
-/// A file read from `offset` on, by position: every decoder reads the one file opened,
-/// whatever happens to its name meanwhile.
-struct ReadAt {
-    file: Arc<File>,
-    offset: u64,
-}
-
-impl Read for ReadAt {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let read = self.file.read_at(buf, self.offset)?;
-        self.offset += read as u64;
-        Ok(read)
-    }
 }
 
 type Decoder = io::BufReader<zstd::stream::read::Decoder<'static, io::BufReader<ReadAt>>>;
@@ -87,6 +86,14 @@ enum Chunks {
 }
 
 impl Chunks {
+    /// The decoders reading ahead in the file.
+    fn decoders(&self) -> usize {
+        match self {
+            Chunks::File { cursors, .. } => cursors.len(),
+            Chunks::Held(_) => 0,
+        }
+    }
+
     /// Chunk `index`'s bytes.
     fn read(&mut self, index: usize) -> Result<Vec<u8>, TraceError> {
         let (file, cursors, left) = match self {
@@ -148,7 +155,8 @@ impl Chunks {
 fn decoder(file: Arc<File>) -> Result<(u8, Decoder), TraceError> {
     let mut input = io::BufReader::new(ReadAt { file, offset: 0 });
     let flags = read_header(&mut input)?;
-    let stream = zstd::stream::read::Decoder::with_buffer(input)?;
+    let mut stream = zstd::stream::read::Decoder::with_buffer(input)?;
+    stream.window_log_max(WINDOW_LOG_MAX)?;
     Ok((flags, io::BufReader::new(stream)))
 }
 
@@ -196,8 +204,7 @@ pub(crate) struct BinaryEvents {
 
 impl BinaryEvents {
     /// Read the binary trace in `file`.
-    pub(crate) fn open_file(file: File) -> Result<BinaryEvents, TraceError> {
-        let file = Arc::new(file);
+    pub(crate) fn open_file(file: Arc<File>) -> Result<BinaryEvents, TraceError> {
         let (flags, mut stream) = decoder(file.clone())?;
         let mut cut_short = false;
         let mut bytes = 0u64;
@@ -215,7 +222,9 @@ impl BinaryEvents {
     /// Read a binary trace from its first byte, holding its chunks.
     pub(crate) fn read_held(mut input: impl Read) -> Result<BinaryEvents, TraceError> {
         let flags = read_header(&mut input)?;
-        let mut stream = io::BufReader::new(zstd::stream::read::Decoder::new(input)?);
+        let mut decoder = zstd::stream::read::Decoder::new(input)?;
+        decoder.window_log_max(WINDOW_LOG_MAX)?;
+        let mut stream = io::BufReader::new(decoder);
         let mut cut_short = false;
         let mut held = Vec::new();
         let infos = index(&mut stream, &mut cut_short, |_, bytes| {
@@ -261,10 +270,7 @@ impl BinaryEvents {
     /// The decoders reading the file.
     #[cfg(test)]
     pub(crate) fn decoders(&self) -> usize {
-        match &self.chunks {
-            Chunks::File { cursors, .. } => cursors.len(),
-            Chunks::Held(_) => 0,
-        }
+        self.chunks.decoders()
     }
 
     /// Whether the stream ended before its trace's end (a killed recording).
@@ -371,7 +377,8 @@ impl BinaryEvents {
             let mut decoder = ChunkDecoder::new(u64::from(index) + 1, info.thread, bytes);
             self.held_bytes += decoder.bytes.len();
             self.most_held_bytes = self.most_held_bytes.max(self.held_bytes);
-            if self.held_bytes > MAX_HELD_CHUNK_BYTES {
+            let decoding = self.chunks.decoders() * DECODER_BYTES;
+            if self.held_bytes + decoding > MAX_HELD_CHUNK_BYTES {
                 return Err(decoder.bad(format!(
                     "the chunks that overlap here pass the {} MiB a reader holds at once: \
                      the file was not written by allocbox's recorder",
@@ -404,6 +411,12 @@ fn index(
         let Some((thread, length)) = read_frame(stream, number, cut_short)? else {
             return Ok(infos);
         };
+        if infos.len() == MAX_CHUNKS {
+            return Err(format_error(&format!(
+                "the trace has more than {MAX_CHUNKS} chunks, past what a reader indexes (a \
+                 recorder writes a chunk per 64 KiB of calls: is this file a recording?)"
+            )));
+        }
         chunk.resize(length, 0);
         if let Err(error) = stream.read_exact(&mut chunk) {
             ended_early(error, cut_short)?;
@@ -443,6 +456,12 @@ fn read_frame(
             format!("thread {thread} is past any thread's number"),
         )
     })?;
+    if length == 0 {
+        return Err(chunk_error(
+            number,
+            "it is empty, which no recorder writes (is this file damaged?)",
+        ));
+    }
     if length > MAX_CHUNK_BYTES as u64 {
         return Err(chunk_error(
             number,
@@ -473,8 +492,21 @@ fn ended_early(error: io::Error, cut_short: &mut bool) -> Result<(), TraceError>
             *cut_short = true;
             Ok(())
         }
-        _ => Err(TraceError::Io(error)),
+        _ => Err(decoding_error(error)),
     }
+}
+
+/// An error of the compressed stream in one sentence: zstd names a window past
+/// [`WINDOW_LOG_MAX`] only in its message.
+fn decoding_error(error: io::Error) -> TraceError {
+    if error.to_string().contains("too much memory") {
+        return format_error(&format!(
+            "the trace's compressed stream asks for a window past the {} MiB a reader \
+             keeps, which allocbox's recorder never does (is this file a recording?)",
+            (1u32 << WINDOW_LOG_MAX) >> 20
+        ));
+    }
+    TraceError::Io(error)
 }
 
 /// A number of the stream's framing, or `None` where the stream ends (cut short: a
