@@ -223,3 +223,78 @@ fn a_recording_refuses_a_link_a_fifo_and_a_folder_and_is_at_its_name_while_it_ru
     recorder.finish().unwrap();
     assert!(allocbox::trace::read_trace(&path).unwrap().is_empty());
 }
+
+/// Issue 72: whichever command writes, every file it reads, named as its output
+/// directly or through a hard link, is refused in one line before any work and keeps
+/// its bytes: a trace, a host policy, a device policy.
+#[test]
+fn every_input_of_every_writing_command_is_refused_as_its_output() {
+    let dir = tempdir("out-every-input");
+    a_trace(&dir);
+    std::fs::copy(allocbox_artifacts::SYSTEM.path(), dir.join("pol.wasm")).unwrap();
+    std::fs::copy(allocbox_artifacts::GPU_POOL.path(), dir.join("gpu.wasm")).unwrap();
+    let commands: [(&[&str], &[&str]); 3] = [
+        (
+            &["report", "t.trace", "-p", "pol.wasm", "-o", "OUT"],
+            &["t.trace", "pol.wasm"],
+        ),
+        (
+            &[
+                "report",
+                "t.trace",
+                "-p",
+                "default",
+                "--device-policy",
+                "gpu.wasm",
+                "-o",
+                "OUT",
+            ],
+            &["t.trace", "gpu.wasm"],
+        ),
+        (&["trace-convert", "t.trace", "OUT"], &["t.trace"]),
+    ];
+    for (command, inputs) in commands {
+        for input in inputs {
+            let linked = format!("{input}.same");
+            let _ = std::fs::remove_file(dir.join(&linked));
+            std::fs::hard_link(dir.join(input), dir.join(&linked)).unwrap();
+            for output in [*input, linked.as_str()] {
+                let before = std::fs::read(dir.join(input)).unwrap();
+                let args: Vec<&str> = command
+                    .iter()
+                    .map(|&a| if a == "OUT" { output } else { a })
+                    .collect();
+                let (code, out) = allocbox_cli(&args, &dir);
+                assert_eq!(code, 2, "{args:?}: {out}");
+                assert!(
+                    one_line(&out).contains("which this command reads"),
+                    "{args:?}: {out}"
+                );
+                assert_eq!(std::fs::read(dir.join(input)).unwrap(), before, "{args:?}");
+            }
+        }
+    }
+}
+
+/// Issue 72: a FIFO with no writer held `report` for good, and a pipe was refused as
+/// "Illegal seek (os error 29)": a trace that is no regular file is refused at once,
+/// by what it is, naming it.
+#[test]
+fn a_trace_that_is_a_fifo_is_refused_at_once_by_what_it_is() {
+    let dir = tempdir("in-fifo");
+    mkfifo(&dir.join("t.fifo"));
+    for args in [
+        &["report", "t.fifo", "-p", "default", "-o", "page.html"][..],
+        &["replay-trace", "t.fifo", "-p", "default"],
+        &["trace-convert", "t.fifo", "out.txt"],
+    ] {
+        let (code, out) = allocbox_cli(args, &dir);
+        assert_eq!(code, 2, "{args:?}: {out}");
+        let line = one_line(&out);
+        assert!(
+            line.starts_with("allocbox: t.fifo: it is a FIFO or a pipe, not a file"),
+            "{args:?}: {line}"
+        );
+    }
+    assert!(!dir.join("page.html").exists() && !dir.join("out.txt").exists());
+}

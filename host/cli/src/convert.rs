@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::Path;
 
 use allocbox::output::Output;
-use allocbox::trace::{BinarySink, CopyError, TextSink, TraceReader, copy_trace};
+use allocbox::trace::{BinarySink, CopyError, TextSink, TraceFile, copy_trace};
 use anyhow::{Context, Result};
 
 use crate::outcome::{Outcome, print_report};
@@ -20,23 +20,29 @@ pub(crate) enum Form {
 }
 
 pub(crate) fn run_trace_convert(input: &Path, output: &Path, to: Option<Form>) -> Result<Outcome> {
+    let trace = TraceFile::open(input).with_context(|| input.display().to_string())?;
     let to = match to {
         Some(to) => to,
-        None if is_binary(input)? => Form::Text,
+        None if trace
+            .is_binary()
+            .with_context(|| input.display().to_string())? =>
+        {
+            Form::Text
+        }
         None => Form::Binary,
     };
     // Judged before the trace is read: a target that cannot be written costs no reading.
     let mut out = Output::create(output)?;
     // A first pass says whether the events have times and sites, which a binary
     // trace's header says first.
-    let found = crate::survey::survey(input)?;
+    let found = crate::survey::survey_of(std::sync::Arc::new(trace))?;
     let (times, sites) = found
         .placements
         .values()
         .fold((false, false), |(times, sites), p| {
             (times || !p.times.is_empty(), sites || p.has_sites())
         });
-    let reader = TraceReader::open(input).with_context(|| input.display().to_string())?;
+    let reader = found.reader()?;
     let file = std::io::BufWriter::new(out.file());
     let copied = match to {
         Form::Binary => BinarySink::new(file, times, sites)
@@ -79,17 +85,4 @@ pub(crate) fn run_trace_convert(input: &Path, output: &Path, to: Option<Form>) -
         }
     ));
     Ok(Outcome::Held)
-}
-
-/// Whether the file at `path` is a binary trace (it must be readable at all).
-fn is_binary(path: &Path) -> Result<bool> {
-    use std::io::Read;
-    let mut start = Vec::new();
-    std::fs::File::open(path)
-        .and_then(|file| {
-            file.take(allocbox::trace::BINARY_MAGIC.len() as u64)
-                .read_to_end(&mut start)
-        })
-        .with_context(|| format!("cannot read the trace {}", path.display()))?;
-    Ok(start == allocbox::trace::BINARY_MAGIC)
 }

@@ -109,6 +109,11 @@ impl Survey {
         self.placements.values().map(|p| p.events).sum()
     }
 
+    /// A reader of every event, from the start again.
+    pub(crate) fn reader(&self) -> Result<TraceReader<'static>> {
+        TraceReader::of(&self.file).with_context(|| self.path.display().to_string())
+    }
+
     /// The events of `placement`, read again.
     pub(crate) fn pass(&self, placement: Option<u16>) -> Result<Pass> {
         Pass::start(self.file.clone(), placement)
@@ -152,9 +157,17 @@ impl Survey {
 /// The first pass through the trace at `path`, under a spinner (a long trace takes
 /// seconds), with a line on standard error for each thing of it that was not kept whole.
 pub(crate) fn survey(path: &Path) -> Result<Survey> {
+    let file = TraceFile::open(path).with_context(|| path.display().to_string())?;
+    survey_of(Arc::new(file))
+}
+
+/// [`survey`] of a trace already open.
+pub(crate) fn survey_of(file: Arc<TraceFile>) -> Result<Survey> {
+    let path = file.path().to_owned();
+    let path = path.as_path();
     let done = AtomicU64::new(0);
     let reading = format!("reading {}", path.display());
-    let read = progress::counting_unknown(&reading, &done, || first_pass(path, &done))
+    let read = progress::counting_unknown(&reading, &done, || first_pass(file, &done))
         .with_context(|| path.display().to_string())?;
     let trace = &read.trace;
     if trace.cut_short {
@@ -191,8 +204,9 @@ pub(crate) fn survey(path: &Path) -> Result<Survey> {
 /// Events between two updates of the count a progress spinner shows.
 const PROGRESS_STRIDE: u64 = 1 << 16;
 
-fn first_pass(path: &Path, done: &AtomicU64) -> Result<Survey, TraceError> {
-    let file = Arc::new(TraceFile::open(path)?);
+fn first_pass(file: Arc<TraceFile>, done: &AtomicU64) -> Result<Survey, TraceError> {
+    let path = file.path().to_owned();
+    let path = path.as_path();
     let mut reader = TraceReader::of(&file)?;
     let mut placements: BTreeMap<Option<u16>, Placement> = BTreeMap::new();
     let mut marks_placed = 0;
@@ -407,7 +421,8 @@ mod tests {
                     m 2 16 1 t=4\n# third\nm 2 512 1 t=5 d=1\nf 1 8 1\n# last\n";
         let path = std::env::temp_dir().join(format!("allocbox-survey-{}.txt", std::process::id()));
         std::fs::write(&path, text).unwrap();
-        let found = first_pass(&path, &AtomicU64::new(0)).unwrap();
+        let file = Arc::new(TraceFile::open(&path).unwrap());
+        let found = first_pass(file, &AtomicU64::new(0)).unwrap();
         assert_eq!(
             found.placements.keys().copied().collect::<Vec<_>>(),
             [None, Some(0), Some(1)]

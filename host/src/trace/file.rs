@@ -77,6 +77,13 @@ impl TraceFile {
         self.len == 0
     }
 
+    /// Whether it is a binary trace (by its first bytes).
+    pub fn is_binary(&self) -> Result<bool, TraceError> {
+        let mut magic = [0u8; super::binary::MAGIC.len()];
+        let read = super::read_up_to(&mut self.bytes()?, &mut magic)?;
+        Ok(magic[..read] == super::binary::MAGIC)
+    }
+
     /// The file's bytes from its start, once it is checked to be as it was opened.
     pub(crate) fn bytes(&self) -> Result<ReadAt, TraceError> {
         self.unchanged()?;

@@ -332,6 +332,72 @@ mod tests {
         assert_eq!(&*trace.site_table[&trace.sites[1]].file, "model.py");
     }
 
+    /// Issue 72: snapshots of 5-11 MB took past 75-120 s: a list of frames shared by
+    /// every entry through the memo was searched again for each. Here 20,000 entries
+    /// share one list of 20,000 frames of PyTorch's own (4 x 10^8 frames searched, were
+    /// each entry to search it); each list is searched once.
+    #[test]
+    fn a_list_of_frames_shared_by_every_entry_is_searched_once() {
+        const N: u32 = 20_000;
+        fn s(out: &mut Vec<u8>, text: &str) {
+            out.push(0x8c);
+            out.push(text.len() as u8);
+            out.extend(text.as_bytes());
+        }
+        fn int(out: &mut Vec<u8>, n: u32) {
+            out.push(b'J');
+            out.extend(n.to_le_bytes());
+        }
+        let mut out = vec![0x80, 4, b'}', b'('];
+        s(&mut out, "device_traces");
+        out.extend(*b"](](");
+        for n in 0..N {
+            out.extend(*b"}(");
+            s(&mut out, "action");
+            s(&mut out, "alloc");
+            s(&mut out, "addr");
+            int(&mut out, n * 512);
+            s(&mut out, "size");
+            int(&mut out, 512);
+            s(&mut out, "frames");
+            if n == 0 {
+                // The list, memoized as value 0, of frames all in PyTorch's own files.
+                out.extend(*b"]\x94(");
+                for line in 0..N {
+                    out.extend(*b"}(");
+                    s(&mut out, "filename");
+                    s(&mut out, "/site-packages/torch/nn/modules/module.py");
+                    s(&mut out, "line");
+                    int(&mut out, line);
+                    out.push(b'u');
+                }
+                out.push(b'e');
+            } else {
+                out.extend(*b"h\x00");
+            }
+            out.push(b'u');
+        }
+        out.extend(*b"eeu.");
+        let trace = read_bytes(&out).unwrap();
+        assert_eq!(trace.events.len(), N as usize);
+        assert!(trace.site_table.is_empty(), "no frame is the program's own");
+    }
+
+    /// Issue 72: a 16 MB memo bomb was refused only after holding +831 MiB. What a
+    /// decode holds is counted in bytes against a budget of the file's size: a
+    /// megabyte of `None`s (48 bytes held each) is refused within 25 MiB.
+    #[test]
+    fn a_pickle_expanding_past_its_budget_is_refused_within_it() {
+        let mut nones = vec![0x80, 4];
+        nones.extend(std::iter::repeat_n(b'N', 1 << 20));
+        let error = read_bytes(&nones).unwrap_err().to_string();
+        assert!(
+            error.contains("expands to more than 25 MiB of values (24 bytes for each of its own"),
+            "{error}"
+        );
+        assert_eq!(super::super::pickle::budget(1 << 20), 25 << 20);
+    }
+
     #[test]
     fn a_pickle_that_is_no_snapshot_says_what_it_lacks() {
         let error = read_bytes(&[0x80, 4, b'}', b'.']).unwrap_err().to_string();
