@@ -899,3 +899,77 @@ fn a_policy_that_reuses_nothing_until_trimmed_passes_with_a_warning_that_it_grow
         "{out}"
     );
 }
+
+/// Issue 73: the replay line `check` printed for a failure found under `-c` answered
+/// "every rule held" (0 of 103 reproduced): neither it nor the saved script kept the
+/// configuration. Run as printed, from another folder, each planted fault's line breaks
+/// the same rule.
+#[test]
+fn every_printed_replay_line_reproduces_its_rule_as_printed() {
+    let dir = tempdir("replay-as-printed");
+    let (here, elsewhere, cache) = (dir.join("here"), dir.join("elsewhere"), dir.join("cache"));
+    for folder in [&here, &elsewhere] {
+        std::fs::create_dir_all(folder).unwrap();
+    }
+    std::fs::copy(allocbox_artifacts::BROKEN.path(), here.join("mine.wasm")).unwrap();
+    let run = |args: &[&str], folder: &std::path::Path| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_allocbox"))
+            .args(args)
+            .current_dir(folder)
+            .env("XDG_CACHE_HOME", &cache)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    };
+    for fault in [
+        "overlap",
+        "misaligned",
+        "double-free",
+        "calloc-dirty",
+        "realloc-loses",
+        "off-by-one",
+        "scribble",
+        "class-rounding",
+        "trusts-alignment",
+        "recycled-calloc-dirty",
+    ] {
+        let setting = format!("fault={fault}");
+        let (code, text) = run(
+            &[
+                "check",
+                "mine.wasm",
+                "-c",
+                &setting,
+                "--seed",
+                "7",
+                "--cases",
+                "64",
+            ],
+            &here,
+        );
+        assert_eq!(code, Some(1), "{fault}: {text}");
+        let verdict = |text: &str| {
+            let line = text.lines().find(|l| l.contains("BROKEN ["))?;
+            let rule = line.split("BROKEN [").nth(1)?.split(']').next()?;
+            Some(rule.to_string())
+        };
+        let rule = verdict(&text).unwrap_or_else(|| panic!("{fault}: {text}"));
+        let line = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("replay: "))
+            .unwrap_or_else(|| panic!("{fault}: no replay line\n{text}"));
+        let words: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(words[..2], ["allocbox", "replay"], "{line}");
+        let (code, again) = run(&words[1..], &elsewhere);
+        assert_eq!(code, Some(1), "{fault}: `{line}` gave\n{again}");
+        assert_eq!(
+            verdict(&again).as_deref(),
+            Some(rule.as_str()),
+            "{fault}: {again}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -530,6 +530,7 @@ mod tests {
             upstream_seed: 77,
             path: CallPath::PerCall,
             magazine_depth: None,
+            ..Script::default()
         };
         assert_eq!(Script::parse(&script.to_string()).unwrap(), script);
         let interleaved = Script {

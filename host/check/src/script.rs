@@ -288,6 +288,14 @@ pub struct Script {
     /// Written `magazines N`: the host's magazines held at most N blocks each, not the
     /// 64 they hold in production.
     pub magazine_depth: Option<u8>,
+    /// What the check ran, so that `allocbox replay SCRIPT` alone runs it again the
+    /// same way: written `policy PATH` (the file, as the check was given it), each
+    /// `config KEY=VALUE` the policy was started with, and `grant KINDS`. A script
+    /// without them ran the policy the command line names, unconfigured, granted
+    /// nothing.
+    pub policy: Option<String>,
+    pub config: Vec<(String, String)>,
+    pub grants: Vec<String>,
 }
 
 impl Script {
@@ -334,6 +342,24 @@ impl Script {
             };
             let at = |e: String| format!("line {}: {e}", n + 1);
             if line.is_empty() {
+                continue;
+            }
+            if let Some(path) = line.strip_prefix("policy ") {
+                script.policy = Some(path.trim().to_string());
+                continue;
+            }
+            if let Some(setting) = line.strip_prefix("config ") {
+                let (key, value) = setting
+                    .trim()
+                    .split_once('=')
+                    .ok_or_else(|| at(format!("`config {setting}`: a setting is KEY=VALUE")))?;
+                script.config.push((key.to_string(), value.to_string()));
+                continue;
+            }
+            if let Some(kinds) = line.strip_prefix("grant ") {
+                script
+                    .grants
+                    .extend(kinds.split(',').map(|k| k.trim().to_string()));
                 continue;
             }
             if let Some(seed) = line.strip_prefix("upstream seed ") {
@@ -471,6 +497,15 @@ const MAX_THREADS: usize = 256;
 
 impl fmt::Display for Script {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(policy) = &self.policy {
+            writeln!(f, "policy {policy}")?;
+        }
+        for (key, value) in &self.config {
+            writeln!(f, "config {key}={value}")?;
+        }
+        if !self.grants.is_empty() {
+            writeln!(f, "grant {}", self.grants.join(","))?;
+        }
         if self.upstream_seed != 0 {
             writeln!(f, "upstream seed {}", self.upstream_seed)?;
         }
@@ -508,6 +543,32 @@ impl fmt::Display for Script {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 73: a failure found under `-c` did not reproduce from its saved script:
+    /// neither it nor the printed line kept the configuration.
+    #[test]
+    fn a_script_keeps_the_policy_its_configuration_and_grants_and_reads_them_back() {
+        let script = Script::parse(
+            "policy fixtures/broken.wasm\nconfig fault=overlap\nconfig alignment=64\n\
+             grant numa,guarded\nupstream seed 3\nb0 = malloc 8\nfree b0\n",
+        )
+        .unwrap();
+        assert_eq!(script.policy.as_deref(), Some("fixtures/broken.wasm"));
+        assert_eq!(
+            script.config,
+            [
+                ("fault".to_string(), "overlap".to_string()),
+                ("alignment".to_string(), "64".to_string())
+            ]
+        );
+        assert_eq!(script.grants, ["numa", "guarded"]);
+        assert_eq!(Script::parse(&script.to_string()).unwrap(), script);
+        assert!(
+            Script::parse("config nokey\n")
+                .unwrap_err()
+                .contains("KEY=VALUE")
+        );
+    }
 
     /// Issue 60: a script said `malloc 0` where the policy got 1, and printed sizes near
     /// 2^64 as twenty digits. Each now has a note, and the script still reads back.

@@ -67,7 +67,10 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
             );
         }
         let script_file = match &report.failure {
-            Some((_, script)) => save_script(&args.options, &report, script),
+            Some((_, script)) => {
+                let ran = ran_with(script.clone(), target, &args.config, &args.options);
+                save_script(&args.options, &report, &ran)
+            }
             None => None,
         };
         if args.json {
@@ -76,12 +79,7 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
                 json_report(&report, &label, script_file.as_deref())
             ));
         } else {
-            print_report(&text_report(
-                &report,
-                &label,
-                target,
-                script_file.as_deref(),
-            ));
+            print_report(&text_report(&report, &label, script_file.as_deref()));
             if let Some(hook) = &options.hook {
                 print_report(&hook_report(hook, &report.policy));
             }
@@ -93,6 +91,31 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
         }
     }
     Ok(outcome)
+}
+
+/// `script` with what the check ran it with: the policy's file (absolute, so the replay
+/// runs from anywhere; a shipped policy by its name), its configuration and grants, so
+/// that `allocbox replay FILE` alone reproduces the finding.
+fn ran_with(
+    mut script: Script,
+    target: Option<&PathBuf>,
+    config: &[(String, String)],
+    options: &CheckOptions,
+) -> Script {
+    script.policy = target.map(|path| match path.is_file() {
+        true => std::path::absolute(path)
+            .unwrap_or_else(|_| path.clone())
+            .display()
+            .to_string(),
+        false => path.display().to_string(),
+    });
+    script.config = config.to_vec();
+    script.grants = allocbox::mapped::KindGrant::ALL
+        .iter()
+        .filter(|&&kind| options.limits.grants.memory.granted(kind))
+        .map(|kind| kind.name().to_string())
+        .collect();
+    script
 }
 
 fn save_script(options: &CheckOptions, report: &CheckReport, script: &Script) -> Option<PathBuf> {
@@ -108,12 +131,7 @@ fn save_script(options: &CheckOptions, report: &CheckReport, script: &Script) ->
     Some(file)
 }
 
-fn text_report(
-    report: &CheckReport,
-    label: &str,
-    target: Option<&PathBuf>,
-    saved: Option<&Path>,
-) -> String {
+fn text_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> String {
     let mut totals = format!(
         "{} cases, {} operations in {:.2} s ({:.0} ops/s) from seed {} (`--seed {}` runs \
          them again)",
@@ -188,8 +206,8 @@ fn text_report(
         out += &format!("    {line}\n");
     }
     if let Some(file) = saved {
-        let policy = target.map_or(String::new(), |p| format!(" {}", p.display()));
-        out += &format!("  replay: allocbox replay {}{policy}\n", file.display());
+        // The script names the policy, its configuration and grants.
+        out += &format!("  replay: allocbox replay {}\n", file.display());
     }
     out += &format!("  ({totals}, shrinking included)\n");
     out += &not_tested(report);
@@ -382,11 +400,29 @@ pub(crate) fn run_replay(
         );
     };
     let parsed = Script::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", script.display()))?;
+    // What the command line names goes first; the rest as the check ran it.
+    let policy = policy.or_else(|| parsed.policy.as_ref().map(PathBuf::from));
+    if let Some(policy) = &policy {
+        allocbox::output::note_input(policy);
+    }
     let loaded = load(runtime, policy.as_ref())?;
+    let config = match config.is_empty() {
+        true => &parsed.config,
+        false => &config,
+    };
     let config: Vec<(&str, &str)> = config
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
+    let mut limits = limits;
+    if limits.grants.memory == allocbox::mapped::KindGrants::default() {
+        for name in &parsed.grants {
+            let kind = name
+                .parse::<allocbox::mapped::KindGrant>()
+                .map_err(|e| anyhow::anyhow!("{}: `grant {name}`: {e}", script.display()))?;
+            limits.grants.memory.grant(kind);
+        }
+    }
     match check::replay(runtime, &loaded, &config, &parsed, &limits)? {
         None => {
             print_report(&format!(
