@@ -32,7 +32,8 @@ pub use reader::{Recorded, TraceReader};
 pub use record::{DeviceRecorder, RecordOptions, Recorder, SiteOf, TraceWriter, child_path};
 pub(crate) use replay::Held;
 pub use replay::{
-    ReplayReport, leak_after_replay, replay_events, replay_trace, replay_trace_counted,
+    MAX_REPLAY_THREADS, ReplayReport, leak_after_replay, replay_events, replay_trace,
+    replay_trace_counted,
 };
 pub use text::{TextSink, write_text};
 pub use torch_snapshot::MAX_SNAPSHOT_BYTES;

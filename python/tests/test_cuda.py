@@ -106,6 +106,9 @@ def test_free_takes_the_streams_of_pytorch_cupy_and_numba_and_refuses_anything_e
         pool.free(ptr, 1000, streams=["default"])
     with pytest.raises(TypeError, match="is none of them"):
         pool.block(100, object())
+    # Issue 72: a stream whose `cuda_stream` is 1.5 was taken as stream 1.
+    with pytest.raises(TypeError, match="a `_TorchStream` is none of them"):
+        pool.free(ptr, 1000, streams=[_TorchStream(1.5)])
     pool.free(ptr, 1000)
     pool.leak_check()
 

@@ -973,3 +973,31 @@ fn every_printed_replay_line_reproduces_its_rule_as_printed() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Issue 72: `--regressions FILE` silently saved nothing.
+#[test]
+fn regressions_naming_a_file_is_refused_before_any_case_runs() {
+    let dir = tempdir("regressions-file");
+    std::fs::write(dir.join("notes.txt"), "mine").unwrap();
+    let (code, out) = allocbox_cli(
+        &[
+            "check",
+            allocbox_artifacts::BROKEN.path(),
+            "-c",
+            "fault=overlap",
+            "--regressions",
+            "notes.txt",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 2, "{out}");
+    assert_eq!(out.trim().lines().count(), 1, "{out}");
+    assert!(
+        out.contains("--regressions `notes.txt` is not a folder"),
+        "{out}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("notes.txt")).unwrap(),
+        "mine"
+    );
+}

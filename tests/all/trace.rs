@@ -702,3 +702,23 @@ fn a_long_recording_is_reported_in_the_memory_of_what_it_held_not_of_its_length(
     // The waiting thread's block is live throughout: the peak counts it.
     assert!(out.contains("4.1 KiB") || out.contains("4.2 KiB"), "{out}");
 }
+
+/// Issue 72: "replayed on 65536 threads" where at most 64 run: the line says how many
+/// ran and how many recorded threads shared them.
+#[test]
+fn replay_trace_says_how_many_threads_ran_and_how_many_shared_them() {
+    let dir = tempdir("replay-threads");
+    let mut text = String::new();
+    for thread in 1..=100 {
+        text += &format!("m {thread} 64 {thread}\nf {thread} 64 {thread}\n");
+    }
+    std::fs::write(dir.join("t.trace"), text).unwrap();
+    let (code, out) = allocbox_cli(&["replay-trace", "t.trace", "-p", "default"], &dir);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains(
+            "(200 events, replayed on 64 threads, the recording's 100 threads sharing them)"
+        ),
+        "{out}"
+    );
+}

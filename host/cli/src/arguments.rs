@@ -109,9 +109,10 @@ pub(crate) fn client_threads(s: &str) -> Result<usize> {
     whole_in(s, 1, 256, "a number of client threads")
 }
 
-/// Bytes, written as a number with an optional unit: `B`, `KiB`, `MiB`, `GiB`, `TiB`
-/// (and `K`, `M`, `G`, `T` for the same), `KB`, `MB`, `GB`, `TB` (powers of 1000); a
-/// space may stand between.
+/// Bytes, written as a number with an optional unit: `B`, `KiB`, `MiB`, `GiB`, `TiB`,
+/// `PiB` (and `K`, `M`, `G`, `T`, `P` for the same), `KB`, `MB`, `GB`, `TB`, `PB`
+/// (powers of 1000); a space may stand between. Every bound a message names ("at most
+/// 1 PiB") is written in a unit this takes.
 pub(crate) fn byte_size(s: &str) -> Result<u64> {
     let text = s.trim();
     let split = text
@@ -124,11 +125,15 @@ pub(crate) fn byte_size(s: &str) -> Result<u64> {
         "M" | "MiB" => 1 << 20,
         "G" | "GiB" => 1 << 30,
         "T" | "TiB" => 1 << 40,
+        "P" | "PiB" => 1 << 50,
         "KB" => 1_000,
         "MB" => 1_000_000,
         "GB" => 1_000_000_000,
         "TB" => 1_000_000_000_000,
-        other => bail!("`{other}` is not a unit of bytes in `{s}`: use B, KiB, MiB, GiB or TiB"),
+        "PB" => 1_000_000_000_000_000,
+        other => {
+            bail!("`{other}` is not a unit of bytes in `{s}`: use B, KiB, MiB, GiB, TiB or PiB")
+        }
     };
     let n = number
         .parse::<u64>()
@@ -143,5 +148,22 @@ pub(crate) fn parse_key_value(s: &str) -> Result<(String, String)> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
         _ => bail!("expected KEY=VALUE, got `{s}`"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 72: "give at most 1 PiB" while `1PiB` was no unit the option took.
+    #[test]
+    fn the_bound_a_message_names_is_a_size_the_option_takes() {
+        assert_eq!(overhead("1PiB").unwrap(), 1 << 50);
+        assert_eq!(device_memory("1 PiB").unwrap(), 1 << 50);
+        assert_eq!(byte_size("2P").unwrap(), 2 << 50);
+        assert_eq!(byte_size("1PB").unwrap(), 1_000_000_000_000_000);
+        let error = overhead("1025TiB").unwrap_err().to_string();
+        assert!(error.ends_with("give at most 1 PiB"), "{error}");
+        assert!(byte_size("1EiB").unwrap_err().to_string().contains("PiB"));
     }
 }

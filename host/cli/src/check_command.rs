@@ -20,6 +20,16 @@ pub(crate) struct CheckArgs {
 }
 
 pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
+    // Said before any case runs: a folder that cannot be made saved nothing, unsaid.
+    if let Some(dir) = &args.options.regressions
+        && std::fs::symlink_metadata(dir).is_ok_and(|meta| !meta.is_dir())
+    {
+        bail!(
+            "--regressions `{}` is not a folder: name the folder (made if missing) that \
+             keeps the failing seeds and shrunk scripts",
+            dir.display()
+        );
+    }
     let runtime = Runtime::shared();
     let config: Vec<(&str, &str)> = args
         .config
@@ -126,9 +136,18 @@ fn save_script(options: &CheckOptions, report: &CheckReport, script: &Script) ->
         "# allocbox replay script for `{}`\n# {finding}\n{script}",
         report.policy
     );
-    std::fs::create_dir_all(dir).ok()?;
-    allocbox::output::write_whole(&file, text.as_bytes()).ok()?;
-    Some(file)
+    let saved = std::fs::create_dir_all(dir)
+        .map_err(|error| format!("cannot make the folder `{}`: {error}", dir.display()))
+        .and_then(|()| {
+            allocbox::output::write_whole(&file, text.as_bytes()).map_err(|e| e.to_string())
+        });
+    match saved {
+        Ok(()) => Some(file),
+        Err(why) => {
+            eprintln!("allocbox: the shrunk script was not saved ({why}): it is printed below");
+            None
+        }
+    }
 }
 
 fn text_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> String {

@@ -140,9 +140,15 @@ pub(crate) fn run_replay_trace(
         report.leak = leak_after_replay(chain);
     }
     let stats = &report.stats;
-    let threads = host.threads();
+    // A recording names each thread the program started; at most so many run at once.
+    let recorded = host.threads();
+    let threads = recorded.min(allocbox::trace::MAX_REPLAY_THREADS as usize);
+    let shared = match recorded > threads {
+        true => format!(", the recording's {recorded} threads sharing them"),
+        false => String::new(),
+    };
     let mut out = format!(
-        "trace      {} ({} events, replayed on {threads} thread{})\nhandler    {}\ntime       {:.2} s, {:.0} ns/event\n\
+        "trace      {} ({} events, replayed on {threads} thread{}{shared})\nhandler    {}\ntime       {:.2} s, {:.0} ns/event\n\
          peak       {} bytes live\ncalls      {} malloc, {} calloc, {} realloc, {} free\n\
          quirks     {} ids not allocated in the trace, {} free(NULL), {} wrong-size frees corrected\n\
          none       {} requests answered out-of-memory\n\

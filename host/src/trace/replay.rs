@@ -274,7 +274,7 @@ struct Schedule {
 /// one the program started, over its whole run: past this, recorded threads share a
 /// replay thread (each keeps its order, and every event still waits for the one before
 /// it on its block, so the earliest unfinished event can always run).
-const MAX_REPLAY_THREADS: u32 = 64;
+pub const MAX_REPLAY_THREADS: u32 = 64;
 
 /// One window on as many threads as it names, `live` the blocks held for ids before
 /// and after it.

@@ -332,6 +332,11 @@ pub(crate) fn stream_handle(stream: &Bound<'_, PyAny>) -> PyResult<Stream> {
         if let Ok(handle) = value.extract::<Stream>() {
             return Ok(handle);
         }
+        // The NVIDIA binding's handle converts by `int()`; a float would too, cut to a
+        // whole number (1.5 taken as stream 1), and is no stream.
+        if value.is_instance_of::<pyo3::types::PyFloat>() {
+            break;
+        }
         if let Ok(handle) = value
             .call_method0("__int__")
             .and_then(|v| v.extract::<Stream>())
