@@ -19,7 +19,7 @@ mod runtime;
 pub mod shares;
 mod system;
 pub mod trace;
-mod untrusted;
+pub mod untrusted;
 mod wasi;
 mod wit;
 

@@ -9,7 +9,7 @@
 
 /// `text` with every control character (C0, DEL, C1) and every bidirectional
 /// embedding, override or isolate replaced by its Rust escape (`\u{1b}`, `\n`).
-pub(crate) fn escape(text: &str) -> String {
+pub fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         if c.is_control() || is_bidi_control(c) {
@@ -24,7 +24,7 @@ pub(crate) fn escape(text: &str) -> String {
 /// [`escape`] of the first `bytes` bytes of `text` at most (cut at a character
 /// boundary, with `…` where it was cut): for text a policy may make as long as its
 /// memory, shown where a line is expected.
-pub(crate) fn escape_at_most(text: &str, bytes: usize) -> String {
+pub fn escape_at_most(text: &str, bytes: usize) -> String {
     if text.len() <= bytes {
         return escape(text);
     }

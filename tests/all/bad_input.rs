@@ -412,3 +412,43 @@ fn every_grant_option_names_every_kind_of_memory() {
         }
     }
 }
+
+/// Issue 72: clap's usage errors were four lines, and the user's own U+202E was echoed
+/// raw (reordering the terminal's line). Each is one line, the text escaped.
+#[test]
+fn a_usage_error_is_one_line_with_the_user_s_text_escaped() {
+    for (args, says) in [
+        (
+            &["check", "--frobnicate\u{202e}"][..],
+            "allocbox check: unexpected argument '--frobnicate\\u{202e}' found",
+        ),
+        (
+            &["--bogus"],
+            "allocbox: unexpected argument '--bogus' found",
+        ),
+        (
+            &["report", "t.trace", "-o", "p.html"],
+            "allocbox report: the following required arguments were not provided",
+        ),
+    ] {
+        let (code, out, _) = run("usage-one-line", args);
+        assert_eq!(code, 2, "{args:?}: {out}");
+        let lines: Vec<&str> = out.trim().lines().collect();
+        assert_eq!(lines.len(), 1, "{args:?}: {out}");
+        assert!(lines[0].starts_with(says), "{args:?}: {out}");
+        assert!(lines[0].ends_with("--help` says how it is used"), "{out}");
+        assert!(
+            !out.contains('\u{202e}') && !out.contains('\u{1b}'),
+            "{out}"
+        );
+    }
+    let (code, out, _) = run(
+        "path-escaped",
+        &["trace-convert", "a\u{202e}b.trace", "o.txt"],
+    );
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("a\\u{202e}b.trace") && !out.contains('\u{202e}'),
+        "{out}"
+    );
+}

@@ -722,3 +722,30 @@ fn replay_trace_says_how_many_threads_ran_and_how_many_shared_them() {
         "{out}"
     );
 }
+
+/// Issue 74: `trace-convert S.pickle S.txt.gz` wrote the binary form into a `.txt.gz`.
+/// An output named `.txt` or `.txt.gz` is text, whatever the input's form.
+#[test]
+fn trace_convert_writes_text_where_the_output_s_name_says_text() {
+    let dir = tempdir("convert-by-name");
+    std::fs::write(dir.join("t.txt"), "m 1 8\nf 1 8\n").unwrap();
+    for output in ["again.txt", "again.txt.gz"] {
+        let (code, out) = allocbox_cli(&["trace-convert", "t.txt", output], &dir);
+        assert_eq!(code, 0, "{out}");
+        assert!(out.contains("(text)"), "{output}: {out}");
+        let bytes = std::fs::read(dir.join(output)).unwrap();
+        let text = match output.ends_with(".gz") {
+            true => {
+                let mut text = String::new();
+                std::io::Read::read_to_string(
+                    &mut flate2::read::GzDecoder::new(&bytes[..]),
+                    &mut text,
+                )
+                .unwrap();
+                text
+            }
+            false => String::from_utf8(bytes).unwrap(),
+        };
+        assert!(text.contains("m 1 8"), "{output}: {text}");
+    }
+}

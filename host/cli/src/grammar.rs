@@ -81,7 +81,8 @@ pub(crate) enum Command {
         /// Where to write it; replaced only once written whole. Text is gzip-compressed
         /// when the name ends in `.gz`.
         output: PathBuf,
-        /// The form to write [default: the other form than the input's].
+        /// The form to write [default: text when the output's name ends in `.txt` or
+        /// `.txt.gz`, else the other form than the input's].
         #[arg(long, value_enum)]
         to: Option<convert::Form>,
     },
@@ -402,19 +403,79 @@ fn grant_help() -> String {
 
 /// Parse a command line (the program's name first) by the grammar: the command and
 /// its matches (which say where each option stood), or, after printing clap's help or
-/// error, the exit status to end with: 0 for help and version, 2 for a usage error.
+/// error, the exit status to end with: 0 for help and version, 2 for a usage error. A
+/// usage error is one line (clap's message and its tip, the user's own text escaped),
+/// naming the `--help` that says how the command is used.
 pub(crate) fn parse<I, T>(args: I) -> Result<(Cli, ArgMatches), u8>
 where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    let parsed = Cli::command()
-        .try_get_matches_from(args)
-        .and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
-    parsed.map_err(|e| {
-        // Help and version are printed to stdout and succeed; a usage error is printed
-        // to stderr and exits 2, as clap's own `exit` would.
-        let _ = e.print();
-        u8::try_from(e.exit_code()).unwrap_or(2)
+    parse_or_say(args).map_err(|stop| match stop {
+        Stop::Help(e) => {
+            // Help and version are printed to stdout and succeed.
+            let _ = e.print();
+            u8::try_from(e.exit_code()).unwrap_or(0)
+        }
+        Stop::Usage(line) => {
+            eprintln!("{line}");
+            2
+        }
     })
+}
+
+/// Why a command line parsed to no command.
+#[derive(Debug)]
+pub(crate) enum Stop {
+    /// Help or the version was asked for: clap's, to print.
+    Help(clap::Error),
+    /// A usage error, in one line.
+    Usage(String),
+}
+
+/// [`parse`], printing nothing.
+pub(crate) fn parse_or_say<I, T>(args: I) -> Result<(Cli, ArgMatches), Stop>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let args: Vec<OsString> = args.into_iter().map(Into::into).collect();
+    let parsed = Cli::command()
+        .try_get_matches_from(&args)
+        .and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
+    parsed.map_err(|e| match e.use_stderr() {
+        false => Stop::Help(e),
+        true => Stop::Usage(usage_error_line(&e, &args)),
+    })
+}
+
+/// A usage error in one line: `allocbox SUB: MESSAGE; tip: ...; `allocbox SUB --help`
+/// says how it is used`, every control character and bidirectional override the user
+/// typed shown escaped.
+fn usage_error_line(e: &clap::Error, args: &[OsString]) -> String {
+    let rendered = e.render().to_string();
+    let said: Vec<&str> = rendered
+        .lines()
+        .map(str::trim)
+        .take_while(|line| !line.starts_with("Usage:"))
+        .filter(|line| !line.is_empty() && !line.starts_with("For more information"))
+        .map(|line| line.strip_prefix("error: ").unwrap_or(line))
+        .collect();
+    let command = Cli::command();
+    let sub = args
+        .iter()
+        .skip(1)
+        .filter_map(|a| a.to_str())
+        .find(|a| command.find_subcommand(a).is_some());
+    let named = sub.map_or("allocbox".to_string(), |sub| format!("allocbox {sub}"));
+    // A line that ends in `:` leads into the next (the arguments not provided).
+    let mut message = String::new();
+    for line in said {
+        if !message.is_empty() {
+            message += if message.ends_with(':') { " " } else { "; " };
+        }
+        message += line;
+    }
+    let text = format!("{named}: {message}; `{named} --help` says how it is used");
+    allocbox::untrusted::escape(&text)
 }

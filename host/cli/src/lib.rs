@@ -50,6 +50,21 @@ use trace_command::{ReportArgs, config_per_policy, run_replay_trace, run_report}
 /// gives it) and return the exit status: 0 every rule held (or the command succeeded),
 /// 1 a rule was broken, 2 unusable input. The `allocbox` binary and the Python wheel's
 /// `allocbox` command both run this.
+/// Parse a command line as [`run`] would, running nothing and printing nothing: `Err`
+/// holds the one line a usage error prints (empty for help or the version). What the
+/// option fuzzer (`fuzz/`) drives.
+pub fn parse_only<I, T>(args: I) -> Result<(), String>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    match grammar::parse_or_say(args) {
+        Ok(_) => Ok(()),
+        Err(grammar::Stop::Help(_)) => Err(String::new()),
+        Err(grammar::Stop::Usage(line)) => Err(line),
+    }
+}
+
 pub fn run<I, T>(args: I) -> u8
 where
     I: IntoIterator<Item = T>,
@@ -190,7 +205,11 @@ where
         Ok(Outcome::Held) => 0,
         Ok(Outcome::Broken) => 1,
         Err(e) => {
-            eprintln!("allocbox: {e:#}");
+            // One line, whatever the user's paths and names hold.
+            eprintln!(
+                "allocbox: {}",
+                allocbox::untrusted::escape(&format!("{e:#}"))
+            );
             2
         }
     }
