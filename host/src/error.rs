@@ -310,7 +310,11 @@ impl fmt::Display for Violation {
             f,
             "policy `{policy}` broke the contract in `{call}`{whose} at {addr:#x} ({size} \
              bytes): {rule}"
-        )
+        )?;
+        match crate::fill::named_in(*addr) {
+            Some(cause) => write!(f, "; {cause}"),
+            None => Ok(()),
+        }
     }
 }
 

@@ -3,6 +3,7 @@
 mod clock;
 mod compile_bounds;
 mod error;
+mod fill;
 pub mod gpu;
 mod handler;
 mod hook;

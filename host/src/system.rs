@@ -86,14 +86,7 @@ pub(crate) fn advise_huge_pages(ptr: NonNull<u8>, size: usize) {
     }
 }
 
-/// What fresh host memory holds in checked mode ([`crate::HandlerBuilder::checked`]):
-/// a byte the contract checker's block pattern never holds, so a block that should hold
-/// a client's bytes and holds fresh memory instead differs at its first byte, whatever
-/// the memory held before.
-pub const FRESH_MEMORY: u8 = 0x5A;
-
-/// Every byte of quarantined memory (see [`crate::HandlerBuilder::quarantine`]).
-pub const QUARANTINE_POISON: u8 = 0xDD;
+pub use crate::fill::{FRESH_MEMORY, QUARANTINE_POISON};
 
 /// Memory given back and kept unreleased and poisoned, so that a use after free reads
 /// poison and an audit can find a client block in it.

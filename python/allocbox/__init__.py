@@ -115,6 +115,24 @@ def _library_folders():
     return sorted(folders)
 
 
+def _machinery_folders():
+    """The folders NumPy, Numba and allocbox are installed in (each as given and as its
+    real path, ending in a separator), found without importing them: code in them is
+    never the program's line nor a library line to show."""
+    import importlib.util
+
+    folders = set()
+    for package in ("numpy", "numba", "allocbox"):
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            continue
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            for form in (folder, os.path.realpath(folder)):
+                folders.add(os.path.join(form, ""))
+    return sorted(folders)
+
+
 def _shipped_name(source):
     """The name of a shipped policy `source` names (`builtin` included), else None."""
     if not isinstance(source, str) or os.path.exists(source):

@@ -94,10 +94,7 @@ fn innermost_user_frame(py: Python<'_>) -> Option<(String, u32)> {
             .and_then(|code| code.getattr("co_filename"))
             .and_then(|name| name.extract())
             .ok()?;
-        let library = ["/numpy/", "/allocbox/", "<frozen "]
-            .iter()
-            .any(|part| file.contains(part));
-        if !library {
+        if !crate::sites::is_machinery(py, &file) {
             let line: u32 = frame.getattr("f_lineno").and_then(|l| l.extract()).ok()?;
             return Some((file, line));
         }

@@ -85,8 +85,26 @@ static CODES: Mutex<Option<HashMap<usize, Code, RandomState>>> = Mutex::new(None
 /// (and released), and looked at again when next seen.
 const MAX_CODES_KEPT: usize = 1 << 14;
 
-/// Code in these is NumPy's, allocbox's or Python's import machinery.
-const MACHINERY: [&str; 3] = ["/numpy/", "/allocbox/", "<frozen "];
+/// The folders NumPy, Numba and allocbox are installed in, each ending in `/`
+/// (`allocbox._machinery_folders`): code in them is never a line to show. By where the
+/// packages are, never by a word in a path: a program under a folder named `numpy` or
+/// `allocbox` (a clone of this repository) has its own lines.
+static MACHINERY_FOLDERS: OnceLock<Vec<String>> = OnceLock::new();
+
+/// Whether code in `file` is NumPy's, Numba's, allocbox's or Python's import
+/// machinery's.
+pub(crate) fn is_machinery(py: Python<'_>, file: &str) -> bool {
+    let folders = MACHINERY_FOLDERS.get_or_init_py_attached(py, || {
+        py.import("allocbox")
+            .and_then(|allocbox| allocbox.getattr("_machinery_folders")?.call0())
+            .and_then(|folders| folders.extract::<Vec<String>>())
+            .unwrap_or_default()
+    });
+    file.starts_with("<frozen ")
+        || folders
+            .iter()
+            .any(|folder| file.starts_with(folder.as_str()))
+}
 
 /// The folders of the standard library and of installed packages, each ending in `/`
 /// ([`prepare`]).
@@ -95,6 +113,7 @@ static LIBRARY_FOLDERS: OnceLock<Vec<String>> = OnceLock::new();
 /// Find the library folders (`allocbox._library_folders`) before the first
 /// allocation is recorded: not inside one, where running Python code could allocate.
 pub(crate) fn prepare(py: Python<'_>) {
+    is_machinery(py, "");
     // Detached while another thread runs the initialiser, which runs Python.
     LIBRARY_FOLDERS.get_or_init_py_attached(py, || {
         py.import("allocbox")
@@ -208,7 +227,7 @@ unsafe fn describe<'a>(
             .unwrap_or_else(|_| "?".into())
     };
     let file = name("co_filename");
-    let whose = if MACHINERY.iter().any(|part| file.contains(part)) {
+    let whose = if is_machinery(py, &file) {
         Whose::Machinery
     } else if folders
         .iter()

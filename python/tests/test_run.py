@@ -227,6 +227,19 @@ def test_a_run_recorded_with_sites_names_the_peak_s_function_and_the_leaking_lin
     assert "seconds since the recording started" in page, "the x axis is time"
 
 
+def test_a_program_under_folders_named_allocbox_and_numpy_has_its_own_lines(tmp_path):
+    # Issue 74: the rule that sets aside NumPy's and allocbox's frames matched the text
+    # `/allocbox/` and `/numpy/` in a path, so a program under such a folder (a clone of
+    # this repository by git's default name) got no line at all.
+    folder = tmp_path / "allocbox" / "numpy"
+    folder.mkdir(parents=True)
+    (folder / "job.py").write_text("import numpy as np\nkept = np.ones(100_000)\n")
+    done = allocbox_run(tmp_path, "-p", "size-classes", "--record", "job.trace", "--sites", str(folder / "job.py"))
+    assert done.returncode == 0, done.stderr
+    sites = [line for line in trace_text(tmp_path / "job.trace").splitlines() if line.startswith("#@site ")]
+    assert any(line.endswith(str(folder / "job.py")) and " 2 " in line for line in sites), sites
+
+
 def test_a_report_names_the_program_s_lines_unless_told_not_to(tmp_path):
     # Issue 61: `--report` without `--sites` made a page with no tables by line and no
     # hint; a report now records the lines unless `--no-sites`.

@@ -394,8 +394,9 @@ fn confirmed(
 /// instances), counted rather than timed, so a test does the same work on any machine.
 pub const CONTRACT_ROUNDS: u32 = 24;
 
-/// What [`assert_contract`] checks with: [`CONTRACT_ROUNDS`] rounds from the fixed seed,
-/// failing seeds kept where the command line keeps them.
+/// What [`assert_contract`] checks with: [`CONTRACT_ROUNDS`] rounds (from the fixed
+/// seed, which it replaces by a fresh one), failing seeds kept where the command line
+/// keeps them.
 pub fn contract_options() -> CheckOptions {
     CheckOptions {
         rounds: Some(CONTRACT_ROUNDS),
@@ -404,20 +405,52 @@ pub fn contract_options() -> CheckOptions {
     }
 }
 
+/// A seed no earlier run is likely to have used, for a check given none: the clock's
+/// nanoseconds and the process id, through a hasher keyed at random for this process.
+pub fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(nanos ^ u64::from(std::process::id()));
+    hasher.finish()
+}
+
+/// The variable that pins [`assert_contract`]'s seed.
+pub const SEED_ENV: &str = "ALLOCBOX_CHECK_SEED";
+
 /// For a policy author's `#[test]`: check the component at `path` as a default
-/// `allocbox check` does ([`contract_options`]: the same depth, counted in cases, from a
-/// fixed seed) and panic with the broken rule and the shrunk script if any rule breaks.
+/// `allocbox check` does ([`contract_options`]: the same depth, counted in cases) from a
+/// fresh seed each run, so each `cargo test` looks somewhere new, and panic with the
+/// broken rule, the shrunk script and the seed if any rule breaks. The seed is printed
+/// (shown with a failing test's output); `ALLOCBOX_CHECK_SEED=N` runs that one again.
 pub fn assert_contract(path: impl AsRef<Path>, config: &[(&str, &str)]) {
     let runtime = Runtime::shared();
     let path = path.as_ref();
     let policy = runtime
         .load_file(path)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let options = contract_options();
+    let seed = match std::env::var(SEED_ENV) {
+        Ok(pinned) => pinned
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{SEED_ENV}={pinned:?} is not a seed: give a whole number")),
+        Err(_) => fresh_seed(),
+    };
+    eprintln!(
+        "allocbox_check: {} from seed {seed} ({SEED_ENV}={seed} runs it again)",
+        path.display()
+    );
+    let options = CheckOptions {
+        seed: Some(seed),
+        ..contract_options()
+    };
     let report = check(runtime, &policy, config, &options).unwrap_or_else(|e| panic!("{e}"));
     if let Some((finding, script)) = report.failure {
         panic!(
-            "{finding}\nshrunk script ({} operations):\n{script}",
+            "{finding}\nshrunk script ({} operations):\n{script}\nfrom seed {seed}: \
+             `{SEED_ENV}={seed} cargo test` runs it again",
             script.len()
         );
     }

@@ -137,7 +137,7 @@ where
                     (None, None) => Some(DEFAULT_CHECK_TIME),
                 },
                 // A fresh seed each run finds what the last did not; the report prints it.
-                seed: Some(seed.unwrap_or_else(fresh_seed)),
+                seed: Some(seed.unwrap_or_else(allocbox_check::fresh_seed)),
                 max_ops,
                 threads,
                 regressions: regressions.or_else(allocbox_check::default_regressions_dir),
@@ -213,16 +213,4 @@ where
             2
         }
     }
-}
-
-/// A seed no earlier run is likely to have used, for a check given none: the clock's
-/// nanoseconds and the process id, through a hasher keyed at random for this process.
-fn fresh_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u64(nanos ^ u64::from(std::process::id()));
-    hasher.finish()
 }
