@@ -260,3 +260,188 @@ fn a_module_using_one_above_it_or_one_the_order_does_not_place_is_named() {
         ]
     );
 }
+
+/// The modules `line` (code, not a comment) names by path from `at` (a file's module
+/// path, `["trace", "binary", "read"]`): each `crate::`, `super::` or `self::` path as
+/// the module path it starts with, the items of a `{...}` group each on its own.
+fn module_paths(line: &str, at: &[String]) -> Vec<Vec<String>> {
+    let code = line.split("//").next().unwrap_or("");
+    let ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut found = Vec::new();
+    for prefix in ["crate::", "super::", "self::"] {
+        for (start, _) in code.match_indices(prefix) {
+            if code[..start].ends_with(ident) || code[..start].ends_with("::") {
+                continue;
+            }
+            let mut base: Vec<String> = match prefix {
+                "crate::" => Vec::new(),
+                "self::" => at.to_vec(),
+                _ => at[..at.len().saturating_sub(1)].to_vec(),
+            };
+            let mut rest = &code[start + prefix.len()..];
+            while let Some(after) = rest.strip_prefix("super::") {
+                base.pop();
+                rest = after;
+            }
+            let mut segments = Vec::new();
+            loop {
+                let end = rest.find(|c: char| !ident(c)).unwrap_or(rest.len());
+                if end == 0 {
+                    break;
+                }
+                segments.push(rest[..end].to_string());
+                match rest[end..].strip_prefix("::") {
+                    Some(after) => rest = after,
+                    None => {
+                        rest = "";
+                        break;
+                    }
+                }
+            }
+            match rest.strip_prefix('{') {
+                Some(group) => {
+                    let group = group.split('}').next().unwrap_or("");
+                    for item in group.split(',') {
+                        let item = item.trim().split("::").next().unwrap_or("").trim();
+                        if !item.is_empty() && item != "self" {
+                            let mut path = base.clone();
+                            path.extend(segments.iter().cloned());
+                            path.push(item.to_string());
+                            found.push(path);
+                        }
+                    }
+                }
+                None => {
+                    let mut path = base.clone();
+                    path.extend(segments);
+                    found.push(path);
+                }
+            }
+        }
+    }
+    found
+}
+
+/// Issue 72: `trace/` had two import circles (its readers and their shared types;
+/// `binary/chunk.rs` and `binary/read.rs`) that the order of the top modules cannot
+/// see. Among the files of every folder of `host/src`, at any depth, the imports form
+/// no circle: each module uses its siblings in one direction only. (A file may use the
+/// module whose folder it is in, whose concept it implements.)
+#[test]
+fn no_files_of_one_folder_of_the_host_use_each_other_in_a_circle() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let module_of = |file: &Path| -> Option<Vec<String>> {
+        let relative = file.strip_prefix(&src).ok()?.with_extension("");
+        let mut path: Vec<String> = relative
+            .components()
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
+            .collect();
+        match path.last().map(String::as_str) {
+            Some("lib") => path.clear(),
+            Some("mod") => drop(path.pop()),
+            Some("tests" | "models") => return None,
+            _ => {}
+        }
+        Some(path)
+    };
+    let modules: Vec<(Vec<String>, PathBuf)> = files
+        .iter()
+        .filter_map(|f| module_of(f).map(|m| (m, f.clone())))
+        .collect();
+    let known: std::collections::HashSet<&[String]> =
+        modules.iter().map(|(m, _)| m.as_slice()).collect();
+    // Each sibling one module uses, lifted to the children of their common parent.
+    let mut uses: HashMap<Vec<String>, Vec<(Vec<String>, String)>> = HashMap::new();
+    for (module, file) in &modules {
+        let text = std::fs::read_to_string(file).unwrap();
+        let code = text.split("#[cfg(test)]\nmod ").next().unwrap();
+        for (n, line) in code.lines().enumerate() {
+            for path in module_paths(line, module) {
+                let Some(target) = (1..=path.len())
+                    .rev()
+                    .map(|n| &path[..n])
+                    .find(|p| known.contains(p))
+                else {
+                    continue;
+                };
+                let common = module
+                    .iter()
+                    .zip(target)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                if common >= module.len() || common >= target.len() {
+                    continue;
+                }
+                let at = format!("{}:{}", file.strip_prefix(&src).unwrap().display(), n + 1);
+                uses.entry(module[..=common].to_vec())
+                    .or_default()
+                    .push((target[..=common].to_vec(), at));
+            }
+        }
+    }
+    // A circle is a module that reaches itself: found by a walk from each.
+    let mut circles = Vec::new();
+    for start in uses.keys() {
+        let mut seen = std::collections::HashSet::new();
+        let mut stack: Vec<(Vec<String>, Vec<String>)> = vec![(start.clone(), Vec::new())];
+        while let Some((module, trail)) = stack.pop() {
+            for (next, at) in uses.get(&module).into_iter().flatten() {
+                let mut trail = trail.clone();
+                trail.push(format!(
+                    "{} uses {} ({at})",
+                    module.join("::"),
+                    next.join("::")
+                ));
+                if next == start {
+                    circles.push(trail.join(", "));
+                } else if seen.insert(next.clone()) {
+                    stack.push((next.clone(), trail));
+                }
+            }
+        }
+    }
+    circles.sort();
+    assert!(
+        circles.is_empty(),
+        "import circles:\n{}",
+        circles.join("\n")
+    );
+    assert!(
+        uses.len() > 20,
+        "found only {} modules using siblings",
+        uses.len()
+    );
+}
+
+#[test]
+fn a_path_names_its_module_from_where_it_is_written() {
+    let at = [
+        "trace".to_string(),
+        "binary".to_string(),
+        "read".to_string(),
+    ];
+    let joined = |line: &str| -> Vec<String> {
+        module_paths(line, &at)
+            .iter()
+            .map(|p| p.join("::"))
+            .collect()
+    };
+    assert_eq!(
+        joined("use super::chunk::{ChunkDecoder, chunk_error};"),
+        [
+            "trace::binary::chunk::ChunkDecoder",
+            "trace::binary::chunk::chunk_error"
+        ]
+    );
+    assert_eq!(
+        joined("use super::super::file::ReadAt;"),
+        ["trace::file::ReadAt"]
+    );
+    assert_eq!(
+        joined("let x = crate::output::note_input(p);"),
+        ["output::note_input"]
+    );
+    assert_eq!(joined("// crate::gone::X"), Vec::<String>::new());
+}

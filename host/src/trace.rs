@@ -14,9 +14,11 @@ pub mod by_site;
 mod file;
 mod kept;
 mod latency;
+mod lines;
 mod pickle;
 mod reader;
 mod record;
+mod recorded;
 mod replay;
 mod rmm;
 mod text;
@@ -208,18 +210,6 @@ pub fn read_trace(path: impl AsRef<Path>) -> Result<Vec<Event>, TraceError> {
 /// one at a time.
 pub fn read_trace_marked(path: impl AsRef<Path>) -> Result<Trace, TraceError> {
     TraceReader::open(path)?.read_all()
-}
-
-/// As many bytes as `file` has, up to `buf`'s length.
-fn read_up_to(file: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut read = 0;
-    while read < buf.len() {
-        match file.read(&mut buf[read..])? {
-            0 => break,
-            n => read += n,
-        }
-    }
-    Ok(read)
 }
 
 /// A gzip stream that ends early ends there, saying so in `cut_short`.

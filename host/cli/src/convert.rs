@@ -21,10 +21,18 @@ pub(crate) enum Form {
 
 pub(crate) fn run_trace_convert(input: &Path, output: &Path, to: Option<Form>) -> Result<Outcome> {
     let trace = TraceFile::open(input).with_context(|| input.display().to_string())?;
+    // The form asked for; else the one the output's name says (`.txt`, `.txt.gz`: a
+    // PyTorch snapshot converted to `S.txt.gz` was written binary); else the input's
+    // other form.
+    let named_text = output
+        .file_name()
+        .and_then(|name| name.to_str())
+        .is_some_and(|name| name.ends_with(".txt") || name.ends_with(".txt.gz"));
     let to = match to {
         Some(to) => to,
+        None if named_text => Form::Text,
         None if trace
-            .is_binary()
+            .starts_with(&allocbox::trace::BINARY_MAGIC)
             .with_context(|| input.display().to_string())? =>
         {
             Form::Text

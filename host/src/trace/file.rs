@@ -77,11 +77,11 @@ impl TraceFile {
         self.len == 0
     }
 
-    /// Whether it is a binary trace (by its first bytes).
-    pub fn is_binary(&self) -> Result<bool, TraceError> {
-        let mut magic = [0u8; super::binary::MAGIC.len()];
-        let read = super::read_up_to(&mut self.bytes()?, &mut magic)?;
-        Ok(magic[..read] == super::binary::MAGIC)
+    /// Whether its first bytes are `magic` (a form's: [`super::BINARY_MAGIC`]).
+    pub fn starts_with(&self, magic: &[u8]) -> Result<bool, TraceError> {
+        let mut start = vec![0u8; magic.len()];
+        let read = read_up_to(&mut self.bytes()?, &mut start)?;
+        Ok(start[..read] == *magic)
     }
 
     /// The file's bytes from its start, once it is checked to be as it was opened.
@@ -125,6 +125,18 @@ impl Read for ReadAt {
         self.offset += read as u64;
         Ok(read)
     }
+}
+
+/// As many bytes as `file` has, up to `buf`'s length.
+pub(crate) fn read_up_to(file: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut read = 0;
+    while read < buf.len() {
+        match file.read(&mut buf[read..])? {
+            0 => break,
+            n => read += n,
+        }
+    }
+    Ok(read)
 }
 
 #[cfg(test)]

@@ -11,65 +11,29 @@ use std::rc::Rc;
 
 use super::binary::BinaryEvents;
 use super::file::TraceFile;
-use super::kept::{Keeper, left_out_mark};
+use super::kept::left_out_mark;
+pub use super::recorded::Recorded;
+use super::recorded::{Beside, FormatEvents};
 use super::text::TextEvents;
-use super::{CutShort, Event, MAX_MARK_BYTES, Mark, Site, Trace, TraceError, binary};
+use super::{CutShort, Mark, Site, Trace, TraceError, binary};
 
-/// One event as a reader gives it, with what the recording said beside it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Recorded {
-    pub event: Event,
-    /// Nanoseconds since the recording started; an event without a time has its
-    /// predecessor's, and every one before the first time has none.
-    pub time: Option<u64>,
-    /// The number of its site in the reader's site table (0: none); `None` when the
-    /// trace names no site for it.
-    pub site: Option<u32>,
-    /// For a free of GPU memory, the stream whose queued work it waited for.
-    pub stream: Option<u64>,
-}
+/// A form read whole (a PyTorch snapshot, bounded in its size), given event by event.
+struct Loaded(std::vec::IntoIter<Recorded>);
 
-/// What a reader keeps beside the events: the marks and sites within their bounds, and
-/// how many events it has given.
-#[derive(Debug, Default)]
-pub(crate) struct Beside {
-    pub(crate) marks: Vec<Mark>,
-    pub(crate) site_table: HashMap<u32, Site>,
-    pub(crate) keeper: Keeper,
-    first_left_out: Option<u64>,
-    /// Events given so far: where a mark read now stands.
-    pub(crate) events: u64,
-    pub(crate) cut_short: bool,
-}
-
-impl Beside {
-    /// A comment between events, as a mark where the reader is (escaped and cut: a
-    /// trace is input); past the bounds, counted.
-    pub(crate) fn mark(&mut self, comment: &str) {
-        let text = crate::untrusted::escape_at_most(comment.trim(), MAX_MARK_BYTES);
-        if self.keeper.keep_mark(self.marks.len(), &text) {
-            self.marks.push(Mark {
-                at: self.events,
-                text,
-            });
-        } else {
-            self.first_left_out.get_or_insert(self.events);
-        }
+impl FormatEvents for Loaded {
+    fn next_event(&mut self, _: &mut Beside) -> Result<Option<Recorded>, TraceError> {
+        Ok(self.0.next())
     }
-}
 
-enum Source<'a> {
-    Text(TextEvents<Box<dyn BufRead + 'a>>),
-    Binary(Box<BinaryEvents>),
-    /// A form read whole (a PyTorch snapshot, bounded in its size), given event by
-    /// event.
-    Loaded(std::vec::IntoIter<Recorded>),
+    fn cut_short(&self) -> bool {
+        false
+    }
 }
 
 /// A trace being read: [`TraceReader::next_event`] until `None`, then
 /// [`TraceReader::finish`] for its marks, sites and what was left out.
 pub struct TraceReader<'a> {
-    source: Source<'a>,
+    source: Box<dyn FormatEvents + 'a>,
     beside: Beside,
 }
 
@@ -93,10 +57,10 @@ impl TraceReader<'static> {
     /// when opened.
     pub fn of(trace: &TraceFile) -> Result<TraceReader<'static>, TraceError> {
         let mut magic = [0u8; binary::MAGIC.len()];
-        let read = super::read_up_to(&mut trace.bytes()?, &mut magic)?;
+        let read = super::file::read_up_to(&mut trace.bytes()?, &mut magic)?;
         if magic[..read] == binary::MAGIC {
             let events = BinaryEvents::open_file(trace.shared()?)?;
-            return Ok(TraceReader::with(Source::Binary(Box::new(events))));
+            return Ok(TraceReader::with(Box::new(events)));
         }
         if super::torch_snapshot::is_pickle(&magic[..read]) {
             return TraceReader::loaded(super::torch_snapshot::read(trace)?);
@@ -122,7 +86,7 @@ impl<'a> TraceReader<'a> {
     pub fn new(mut input: impl BufRead + 'a) -> Result<TraceReader<'a>, TraceError> {
         if binary::is_binary(&mut input)? {
             let events = BinaryEvents::read_held(input)?;
-            return Ok(TraceReader::with(Source::Binary(Box::new(events))));
+            return Ok(TraceReader::with(Box::new(events)));
         }
         TraceReader::text(Box::new(input), Rc::default())
     }
@@ -130,10 +94,10 @@ impl<'a> TraceReader<'a> {
     /// The events of a binary trace being read.
     #[cfg(test)]
     pub(crate) fn binary(events: BinaryEvents) -> Self {
-        TraceReader::with(Source::Binary(Box::new(events)))
+        TraceReader::with(Box::new(events))
     }
 
-    fn with(source: Source<'a>) -> Self {
+    fn with(source: Box<dyn FormatEvents + 'a>) -> Self {
         TraceReader {
             source,
             beside: Beside::default(),
@@ -146,7 +110,7 @@ impl<'a> TraceReader<'a> {
     ) -> Result<Self, TraceError> {
         let mut text = TextEvents::new(input, cut_short);
         text.know_dialect()?;
-        Ok(TraceReader::with(Source::Text(text)))
+        Ok(TraceReader::with(Box::new(text)))
     }
 
     fn loaded(trace: Trace) -> Result<Self, TraceError> {
@@ -159,7 +123,7 @@ impl<'a> TraceReader<'a> {
                 stream: trace.streams.get(at).copied().flatten(),
             });
         }
-        let mut reader = TraceReader::with(Source::Loaded(recorded.into_iter()));
+        let mut reader = TraceReader::with(Box::new(Loaded(recorded.into_iter())));
         reader.beside.marks = trace.marks;
         reader.beside.site_table = trace.site_table;
         reader.beside.cut_short = trace.cut_short;
@@ -168,11 +132,7 @@ impl<'a> TraceReader<'a> {
 
     /// The next event in the recording's order; `None` at the end.
     pub fn next_event(&mut self) -> Result<Option<Recorded>, TraceError> {
-        let next = match &mut self.source {
-            Source::Text(text) => text.next(&mut self.beside)?,
-            Source::Binary(binary) => binary.next(&mut self.beside)?,
-            Source::Loaded(events) => events.next(),
-        };
+        let next = self.source.next_event(&mut self.beside)?;
         if next.is_some() {
             self.beside.events += 1;
         }
@@ -208,11 +168,7 @@ impl<'a> TraceReader<'a> {
             site_table: beside.site_table,
             ..Trace::default()
         };
-        match &self.source {
-            Source::Text(text) => trace.cut_short |= text.cut_short(),
-            Source::Binary(binary) => trace.cut_short |= binary.cut_short(),
-            Source::Loaded(_) => {}
-        }
+        trace.cut_short |= self.source.cut_short();
         trace.marks = std::mem::take(&mut beside.marks);
         trace.marks_left_out = beside.keeper.marks_left_out();
         trace.sites_left_out = beside.keeper.sites_left_out();

@@ -13,8 +13,8 @@
 use std::collections::HashMap;
 use std::io::BufRead;
 
-use super::reader::Recorded;
-use super::text::Lines;
+use super::lines::Lines;
+use super::recorded::Recorded;
 use super::{Event, EventOp, TraceError, UNKNOWN_ID};
 use crate::fasthash::FastMap;
 

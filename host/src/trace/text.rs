@@ -3,12 +3,13 @@
 
 use std::cell::Cell;
 use std::collections::HashSet;
-use std::io::{self, BufRead, Read, Write};
+use std::io::{self, BufRead, Write};
 use std::rc::Rc;
 
-use super::reader::{Beside, Recorded};
+use super::lines::Lines;
+use super::recorded::{Beside, FormatEvents, Recorded};
 use super::write::TraceSink;
-use super::{Event, EventOp, MAX_LINE_BYTES, Site, Trace, TraceError};
+use super::{Event, EventOp, Site, Trace, TraceError};
 
 /// The first line of a trace written in the text form.
 const HEADER: &str = "# op(m=malloc,c=calloc,r=realloc,f=free) ptr-id size thread; \
@@ -104,61 +105,13 @@ fn site_record(kind: &str, number: u32, site: &Site) -> String {
     )
 }
 
-/// A trace's lines, each read within [`MAX_LINE_BYTES`] and as UTF-8, numbered from 1;
-/// a last line without its end, in a stream cut short, is left out. Every text dialect
-/// (the trace's own, RMM's log) reads through it.
-pub(super) struct Lines<R> {
-    input: R,
-    cut_short: Rc<Cell<bool>>,
-    raw: Vec<u8>,
-    /// The number of the line read last.
-    n: u32,
-    /// The line read last is given again by the next call.
-    again: bool,
-}
-
-impl<R: BufRead> Lines<R> {
-    pub(super) fn new(input: R, cut_short: Rc<Cell<bool>>) -> Self {
-        Lines {
-            input,
-            cut_short,
-            raw: Vec::new(),
-            n: 0,
-            again: false,
-        }
+impl<R: BufRead> FormatEvents for TextEvents<R> {
+    fn next_event(&mut self, beside: &mut Beside) -> Result<Option<Recorded>, TraceError> {
+        self.next(beside)
     }
 
-    /// The next line, trimmed, with its number; `None` at the end.
-    pub(super) fn next_line(&mut self) -> Result<Option<(u32, &str)>, TraceError> {
-        if !std::mem::take(&mut self.again) {
-            self.raw.clear();
-            if (&mut self.input)
-                .take(MAX_LINE_BYTES as u64 + 1)
-                .read_until(b'\n', &mut self.raw)?
-                == 0
-                || self.cut_short.get() && !self.raw.ends_with(b"\n")
-            {
-                return Ok(None);
-            }
-            self.n = self.n.saturating_add(1);
-        }
-        let content = self.raw.strip_suffix(b"\n").unwrap_or(&self.raw);
-        if content.len() > MAX_LINE_BYTES {
-            return Err(TraceError::Syntax {
-                line: self.n,
-                message: format!(
-                    "the line is longer than {MAX_LINE_BYTES} bytes: a trace's lines are \
-                     events, sites and short comments (is this file a trace?)"
-                ),
-            });
-        }
-        match std::str::from_utf8(content) {
-            Ok(text) => Ok(Some((self.n, text.trim()))),
-            Err(_) => Err(TraceError::Syntax {
-                line: self.n,
-                message: "the line is not UTF-8 text (is this file a trace?)".into(),
-            }),
-        }
+    fn cut_short(&self) -> bool {
+        TextEvents::cut_short(self)
     }
 }
 
@@ -185,7 +138,7 @@ impl<R: BufRead> TextEvents<R> {
 
     /// Whether the stream ended early.
     pub(super) fn cut_short(&self) -> bool {
-        self.lines.cut_short.get()
+        self.lines.cut_short()
     }
 
     /// Read the first line: a log of RMM's logging adaptor (its CSV header first) is
@@ -195,7 +148,7 @@ impl<R: BufRead> TextEvents<R> {
         if let Some((_, first)) = self.lines.next_line()? {
             match super::rmm::is_header(first) {
                 true => self.rmm = Some(super::rmm::RmmEvents::default()),
-                false => self.lines.again = true,
+                false => self.lines.read_again(),
             }
         }
         Ok(())
@@ -403,6 +356,7 @@ fn site_name_read(word: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::super::MAX_LINE_BYTES;
     use super::*;
     use proptest::prelude::*;
 

@@ -3,10 +3,9 @@
 
 use std::sync::Arc;
 
-use super::read::chunk_error;
 use super::{MARK, PLACE, SITE, SITES, STREAM, TIMES, unzigzag};
 use crate::fasthash::FastMap;
-use crate::trace::reader::Beside;
+use crate::trace::recorded::Beside;
 use crate::trace::{EventOp, MAX_LINE_BYTES, TraceError};
 
 /// One thing a chunk says, at its place in the recording's order.
@@ -376,5 +375,14 @@ impl<'a> Cursor<'a> {
         self.string()?;
         self.string()?;
         Ok(())
+    }
+}
+
+/// An error of chunk number `chunk` (from 1), as every part of the binary reader says
+/// it.
+pub(super) fn chunk_error(chunk: u64, message: impl Into<String>) -> TraceError {
+    TraceError::Chunk {
+        chunk,
+        message: message.into(),
     }
 }

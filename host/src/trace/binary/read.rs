@@ -16,11 +16,11 @@ use std::fs::File;
 use std::io::{self, BufRead, Read};
 use std::sync::Arc;
 
-use super::chunk::{ChunkDecoder, SiteNumbers, What, first_seq, varint_step};
+use super::chunk::{ChunkDecoder, SiteNumbers, What, chunk_error, first_seq, varint_step};
 use super::{MAGIC, MAX_CHUNK_BYTES, SITES, TIMES, VERSION};
 use crate::fasthash::FastMap;
 use crate::trace::file::ReadAt;
-use crate::trace::reader::{Beside, Recorded};
+use crate::trace::recorded::{Beside, FormatEvents, Recorded};
 use crate::trace::{Event, EventOp, TraceError, UNKNOWN_ID};
 
 /// Whether `input` starts as a binary trace does.
@@ -177,6 +177,16 @@ fn read_header(input: &mut impl Read) -> Result<u8, TraceError> {
         )));
     }
     Ok(head[9])
+}
+
+impl FormatEvents for BinaryEvents {
+    fn next_event(&mut self, beside: &mut Beside) -> Result<Option<Recorded>, TraceError> {
+        self.next(beside)
+    }
+
+    fn cut_short(&self) -> bool {
+        BinaryEvents::cut_short(self)
+    }
 }
 
 /// A binary trace's events in the recording's order.
@@ -471,13 +481,6 @@ fn read_frame(
         ));
     }
     Ok(Some((thread, length as usize)))
-}
-
-pub(super) fn chunk_error(chunk: u64, message: impl Into<String>) -> TraceError {
-    TraceError::Chunk {
-        chunk,
-        message: message.into(),
-    }
 }
 
 fn format_error(message: &str) -> TraceError {

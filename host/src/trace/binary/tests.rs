@@ -335,7 +335,7 @@ fn a_thread_s_early_chunk_written_last_is_read_first_holding_only_the_chunks_tha
     let events = BinaryEvents::open_file(std::sync::Arc::new(std::fs::File::open(&path).unwrap()));
     std::fs::remove_file(&path).unwrap();
     let mut events = events.unwrap();
-    let mut beside = crate::trace::reader::Beside::default();
+    let mut beside = crate::trace::recorded::Beside::default();
     let mut read = Vec::new();
     while let Some(recorded) = events.next(&mut beside).unwrap() {
         read.push(recorded.event);
