@@ -568,11 +568,16 @@ fn a_trace_with_gpu_memory_converts_whole_and_replays_each_memory_through_its_ow
         ],
         &dir,
     );
-    assert_eq!(code, 0, "{out}");
+    // Issue 74: a replay that ran out of memory was compared as if it had run, its row
+    // said `failure none` and the command ended 0.
+    assert_eq!(code, 1, "{out}");
     assert!(
         out.contains("on GPU 0 of 1.0 MiB (--device-memory), `gpu-pool` ran out of memory 1 time"),
         "{out}"
     );
+    let gpu = &out[out.find("t.bin, GPU 0:").unwrap_or_else(|| panic!("{out}"))..];
+    let row = gpu.lines().find(|l| l.starts_with("gpu-pool")).unwrap();
+    assert!(row.contains("ran out of memory 1 time"), "{row}");
     let page = std::fs::read_to_string(dir.join("r.html")).unwrap();
     assert!(
         page.contains("<h1>allocbox report: t.bin, GPU 0</h1>"),
@@ -748,4 +753,38 @@ fn trace_convert_writes_text_where_the_output_s_name_says_text() {
         };
         assert!(text.contains("m 1 8"), "{output}: {text}");
     }
+}
+
+/// Issue 74: `--device-memory X` let policies map three quarters of X, and the host's
+/// 256 MiB overhead budget capped what a device policy cached: a run that fit in X ran
+/// out of memory on X. A GPU trace of 100 MiB live fits a 128 MiB GPU.
+#[test]
+fn a_gpu_trace_that_fits_in_the_device_memory_runs_out_of_none() {
+    let dir = tempdir("device-fits");
+    let mut text = String::new();
+    for id in 1..=4u64 {
+        text += &format!("m {id} {} 1 d=0\n", 25u64 << 20);
+    }
+    for id in 1..=4u64 {
+        text += &format!("f {id} {} 1 d=0\n", 25u64 << 20);
+    }
+    std::fs::write(dir.join("g.trace"), text).unwrap();
+    let (code, out) = allocbox_cli(
+        &[
+            "report",
+            "g.trace",
+            "-p",
+            "default",
+            "-o",
+            "g.html",
+            "--device-memory",
+            "128MiB",
+        ],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("on GPU 0 of 128 MiB (--device-memory), `gpu-pool` fit"),
+        "{out}"
+    );
 }

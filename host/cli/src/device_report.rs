@@ -33,18 +33,13 @@ pub(crate) struct DevicePolicies {
 pub(crate) fn fit_lines(part: &GpuPart, memory: u64) -> String {
     let mut out = String::new();
     for t in &part.timelines {
-        let verdict = match t.replay.out_of_memory {
-            0 => format!(
+        let verdict = t.ran_out_text().unwrap_or_else(|| {
+            format!(
                 "fit: it held at most {} for the program's {} at the most",
                 report::bytes(t.peak_held),
                 report::bytes(t.peak_live)
-            ),
-            n => format!(
-                "ran out of memory {n} time{} (the program would have seen an out-of-memory \
-                 error there)",
-                if n == 1 { "" } else { "s" }
-            ),
-        };
+            )
+        });
         out += &format!(
             "on GPU {} of {} (--device-memory), `{}` {verdict}\n",
             part.gpu,
@@ -135,7 +130,15 @@ fn gpu_timeline(
     let loaded = crate::named::load(runtime, Some(&PathBuf::from(policy)))?;
     let mut limits = limits.clone();
     limits.grants.memory.grant(KindGrant::Device);
-    limits.grants.gpu = Gpu::stand_in(Arc::new(StandIn::new(u32::from(gpu) + 1, memory)));
+    // Issue 74: the host's overhead budget (256 MiB) capped what a device policy may
+    // cache, and the policies' share of a GPU (three quarters of it) left them 3/4 of
+    // `--device-memory`. What a device policy holds is bounded by the GPU alone, and
+    // `--device-memory` is what they may map: the stand-in GPU has as much more as the
+    // share keeps for the program.
+    limits.overhead = memory;
+    let (kept, of) = allocbox::shares::DEVICE_SHARE;
+    let stand_in_memory = memory.div_ceil(kept).saturating_mul(of);
+    limits.grants.gpu = Gpu::stand_in(Arc::new(StandIn::new(u32::from(gpu) + 1, stand_in_memory)));
     let handler = HandlerBuilder::new(runtime)
         .link(&loaded)
         .limits(limits)

@@ -146,7 +146,8 @@ pub(crate) enum Command {
         #[arg(long = "device-policy", value_name = "POLICY")]
         device_policies: Vec<String>,
         /// The memory of each stand-in GPU, as bytes or with a unit (`80GiB`): a device
-        /// policy that needs more runs out [default: 80 GiB].
+        /// policy may map all of it, and caches within it (not within `--overhead`); one
+        /// that needs more runs out, which fails the report [default: 80 GiB].
         #[arg(long, value_parser = device_memory)]
         device_memory: Option<u64>,
     },

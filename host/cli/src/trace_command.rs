@@ -266,7 +266,7 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
     for trace in &args.traces {
         let name = trace.display().to_string();
         let (reported, gpus) = report_trace(&args, trace)?;
-        broken |= reported.hook_failed || reported.timelines.iter().any(|t| t.replay.failed());
+        broken |= reported.hook_failed || reported.timelines.iter().any(Timeline::failed);
         let several = args.traces.len() > 1 || !gpus.is_empty();
         let mut summarise = |name: &str, timelines: &[Timeline], gpu: Option<u16>| {
             if args.json {
@@ -292,7 +292,7 @@ pub(crate) fn run_report(args: ReportArgs) -> Result<Outcome> {
         }
         parts.push((name.clone(), reported.part));
         for gpu in gpus {
-            broken |= gpu.hook_failed || gpu.timelines.iter().any(|t| t.replay.failed());
+            broken |= gpu.hook_failed || gpu.timelines.iter().any(Timeline::failed);
             summarise(&gpu.name, &gpu.timelines, Some(gpu.gpu));
             if !args.json {
                 print_report(&crate::device_report::fit_lines(&gpu, args.device.memory));

@@ -125,13 +125,32 @@ impl Timeline {
         ratio(self.held_at_peak_live, self.peak_live)
     }
 
-    /// The first failure, as the report words it: `line N: `op id size`: error`, or the
-    /// leak found after the last event.
+    /// The first failure, as the report words it: `line N: `op id size`: error`, the
+    /// leak found after the last event, or the requests answered out of memory (each an
+    /// error the program would have seen there).
     pub fn failure_text(&self) -> Option<String> {
         match (&self.replay.failure, &self.replay.leak) {
             (Some((event, error)), _) => Some(format!("{event}: {error}")),
             (None, Some(leak)) => Some(format!("after the last event: {leak}")),
-            (None, None) => None,
+            (None, None) => self.ran_out_text(),
+        }
+    }
+
+    /// Whether the replay did not run as the program did: it failed, leaked, or
+    /// answered a request out of memory that the program had served.
+    pub fn failed(&self) -> bool {
+        self.replay.failed() || self.replay.out_of_memory > 0
+    }
+
+    /// The requests answered out of memory, as the report words them.
+    pub fn ran_out_text(&self) -> Option<String> {
+        match self.replay.out_of_memory {
+            0 => None,
+            n => Some(format!(
+                "ran out of memory {n} time{} (the program would have seen an out-of-memory \
+                 error there)",
+                if n == 1 { "" } else { "s" }
+            )),
         }
     }
 }

@@ -36,22 +36,30 @@ pub const TIMED_EVENTS: u64 = 10_000;
 /// and at the end, and, on a trace long enough to time, the median time an event, each
 /// with its absolute figures ("`arena` would have held 18% less than `default` when the
 /// client held the most (1.2 MiB against 1.5 MiB) and the same as it at the end (0 B);
-/// a median 41 ns an event against 52 ns"). A handler whose replay failed compares with
-/// nothing.
+/// a median 41 ns an event against 52 ns"). A handler whose replay failed (stopped, or
+/// out of memory where the program was not) compares with nothing, and says so first.
 pub fn comparisons(timelines: &[Timeline]) -> Vec<String> {
     let Some((base, others)) = timelines.split_first() else {
         return Vec::new();
     };
+    let base_name = short_label(&base.label);
     if base.replay.failure.is_some() {
         return Vec::new();
     }
-    let base_name = short_label(&base.label);
+    if let Some(ran_out) = base.ran_out_text() {
+        return vec![format!(
+            "`{base_name}` {ran_out}, so nothing compares with it"
+        )];
+    }
     others
         .iter()
         .map(|t| {
             let name = short_label(&t.label);
             if let Some((event, _)) = &t.replay.failure {
                 return format!("`{name}` failed at {event}, so it compares with nothing");
+            }
+            if let Some(ran_out) = t.ran_out_text() {
+                return format!("`{name}` {ran_out}, so it compares with nothing");
             }
             let figures = |held: u64, was: u64| match held == was {
                 true => format!("({})", bytes(held)),
