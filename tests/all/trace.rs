@@ -788,3 +788,36 @@ fn a_gpu_trace_that_fits_in_the_device_memory_runs_out_of_none() {
         "{out}"
     );
 }
+
+/// Issue 74: a snapshot's blocks live before its trace window (its `segments`: the
+/// model's weights) were left out of every peak ("6.3 GiB at the most" against 19.37
+/// GiB allocated), and every GPU line was `??:0 torch::unwind::unwind()`. The fixture
+/// has the public snapshots' shape: 2 GiB of weights in `segments`, an activation
+/// freed in the window but allocated before it, C++ frames above PyTorch's and the
+/// user's. The replay starts with those blocks live, says so, and names the user's
+/// lines.
+#[test]
+fn a_snapshot_replays_with_what_was_live_before_its_window_and_the_user_s_lines() {
+    let dir = tempdir("snapshot-whole");
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/snapshot-weights-before-the-window.pickle");
+    let fixture = fixture.to_str().unwrap();
+    let (code, out) = allocbox_cli(&["report", fixture, "-p", "default", "-o", "s.html"], &dir);
+    assert_eq!(code, 0, "{out}");
+    let gpu = &out[out.find("GPU 0:").unwrap_or_else(|| panic!("{out}"))..];
+    let row = gpu.lines().find(|l| l.starts_with("gpu-pool")).unwrap();
+    assert!(
+        row.contains("3.5 GiB"),
+        "2.25 GiB before the window, 1.5 in it: {row}"
+    );
+    let page = std::fs::read_to_string(dir.join("s.html")).unwrap();
+    assert!(
+        page.contains("the recorded window starts here: 3 blocks (2.25 GiB) were live before it"),
+        "the page says what was live before"
+    );
+    assert!(page.contains("modeling_llama.py:88"), "the user's line");
+    assert!(
+        !page.contains("??") && !page.contains("torch::unwind"),
+        "no C++ frame"
+    );
+}

@@ -58,6 +58,7 @@ fn format_error(message: String) -> TraceError {
 }
 
 /// One entry of a device trace that the trace keeps.
+#[derive(Clone, Copy)]
 struct Entry {
     op: EventOp,
     device: u16,
@@ -133,6 +134,17 @@ fn trace_of(pickle: &Pickle) -> Result<Trace, TraceError> {
     if entries.iter().all(|e| e.time_us.is_some()) {
         entries.sort_by_key(|e| e.time_us);
     }
+    let before = live_before_the_window(pickle, &entries)?;
+    let before_bytes: u64 = before.iter().map(|e| e.size).sum();
+    let before_count = before.len();
+    let first_time = entries.first().and_then(|e| e.time_us);
+    entries.splice(
+        0..0,
+        before.into_iter().map(|mut e| {
+            e.time_us = first_time;
+            e
+        }),
+    );
     let mut trace = Trace::default();
     let mut keeper = Keeper::default();
     let mut ids: HashMap<(u16, u64), u64> = HashMap::new();
@@ -141,8 +153,19 @@ fn trace_of(pickle: &Pickle) -> Result<Trace, TraceError> {
     // through the memo is searched once, not once per entry.
     let mut site_of_frames: HashMap<Id, u32> = HashMap::new();
     let mut next_id = 1;
-    let first_time = entries.first().and_then(|e| e.time_us).unwrap_or(0);
+    let first_time = first_time.unwrap_or(0);
     let timed = entries.iter().all(|e| e.time_us.is_some());
+    if before_count > 0 {
+        // Said where the recorded window starts, as a mark the page shows.
+        trace.marks.push(super::Mark {
+            at: before_count as u64,
+            text: format!(
+                "the recorded window starts here: {before_count} blocks ({}) were live before \
+                 it (the snapshot's segments, and blocks freed in it but allocated before it)",
+                bytes_text(before_bytes)
+            ),
+        });
+    }
     for (n, entry) in entries.iter().enumerate() {
         let id = match entry.op {
             EventOp::Free => ids
@@ -195,8 +218,91 @@ fn trace_of(pickle: &Pickle) -> Result<Trace, TraceError> {
     Ok(trace)
 }
 
-/// The number of the site `frames` names (the innermost frame outside PyTorch's own
-/// code), 0 for none; each site numbered once.
+/// The blocks live when the recorded window started, each as an allocation of it: a
+/// block the snapshot's `segments` hold (their state when the snapshot was taken, at the
+/// window's end) that the window never allocated, and a block the window frees but
+/// never allocated. Ignored, they left the model's weights out of every peak.
+fn live_before_the_window(pickle: &Pickle, window: &[Entry]) -> Result<Vec<Entry>, TraceError> {
+    let mut made = std::collections::HashSet::new();
+    let mut before = Vec::new();
+    let mut known = std::collections::HashSet::new();
+    for entry in window {
+        let key = (entry.device, entry.addr);
+        match entry.op {
+            EventOp::Free if !made.contains(&key) && known.insert(key) => before.push(Entry {
+                op: EventOp::Malloc,
+                site: None,
+                ..*entry
+            }),
+            EventOp::Free => {}
+            _ => {
+                made.insert(key);
+                known.insert(key);
+            }
+        }
+    }
+    let number = |id: Id, key| {
+        pickle
+            .get(id, key)
+            .and_then(|v| pickle.int(v))
+            .and_then(|n| u64::try_from(n).ok())
+    };
+    let segments = pickle.get(pickle.root, "segments");
+    for &segment in segments.map_or(&[][..], |s| pickle.items(s)) {
+        let device = number(segment, "device").unwrap_or(0);
+        let device = u16::try_from(device)
+            .ok()
+            .filter(|&d| usize::from(d) < MAX_GPUS)
+            .ok_or_else(|| {
+                format_error(format!("a segment is of GPU {device}, past any machine's"))
+            })?;
+        // A block's address is its own when the snapshot says it, else where the
+        // blocks before it in the segment end.
+        let mut at = number(segment, "address").unwrap_or(0);
+        let blocks = pickle
+            .get(segment, "blocks")
+            .map_or(&[][..], |b| pickle.items(b));
+        for &block in blocks {
+            let size = number(block, "size").unwrap_or(0);
+            let addr = number(block, "address").unwrap_or(at);
+            at = addr.saturating_add(size);
+            let state = pickle.get(block, "state").and_then(|s| pickle.str(s));
+            if !matches!(state, Some("active_allocated" | "active_pending_free")) {
+                continue;
+            }
+            if known.insert((device, addr)) {
+                let asked = number(block, "requested_size")
+                    .filter(|&n| n > 0)
+                    .unwrap_or(size);
+                before.push(Entry {
+                    op: EventOp::Malloc,
+                    device,
+                    addr,
+                    size: asked,
+                    stream: 0,
+                    time_us: None,
+                    site: None,
+                });
+            }
+        }
+    }
+    Ok(before)
+}
+
+/// `n` bytes as a person reads them.
+fn bytes_text(n: u64) -> String {
+    match n {
+        n if n >= 1 << 30 => format!("{:.2} GiB", n as f64 / (1u64 << 30) as f64),
+        n if n >= 1 << 20 => format!("{:.1} MiB", n as f64 / (1u64 << 20) as f64),
+        n => format!("{n} bytes"),
+    }
+}
+
+/// The number of the site `frames` names, 0 for none; each site numbered once. As for a
+/// host trace: the innermost frame of the program's own Python files, with the
+/// innermost library frame inside it (PyTorch's, an installed package's) as the line it
+/// was in. A frame of no Python file (the C++ unwinder's `??`, PyTorch's own C++) is
+/// neither.
 fn site_of(
     pickle: &Pickle,
     frames: Id,
@@ -204,38 +310,68 @@ fn site_of(
     trace: &mut Trace,
     numbers: &mut HashMap<(String, u32, String), u32>,
 ) -> u32 {
-    let frame = pickle.items(frames).iter().find_map(|&frame| {
-        let file = pickle.get(frame, "filename").and_then(|f| pickle.str(f))?;
-        let own = !file.contains("/torch/") && !file.starts_with('<') && !file.is_empty();
-        let line = pickle.get(frame, "line").and_then(|l| pickle.int(l))?;
+    let frame = |id: Id| {
+        let file = pickle.get(id, "filename").and_then(|f| pickle.str(f))?;
+        if !file.ends_with(".py") {
+            return None;
+        }
+        let line = pickle.get(id, "line").and_then(|l| pickle.int(l))?;
         let name = pickle
-            .get(frame, "name")
+            .get(id, "name")
             .and_then(|n| pickle.str(n))
             .unwrap_or("?");
-        own.then(|| {
-            (
-                file.to_owned(),
-                u32::try_from(line).unwrap_or(0),
-                name.to_owned(),
-            )
-        })
-    });
-    let Some(key) = frame else {
+        let library = [
+            "/torch/",
+            "/site-packages/",
+            "/dist-packages/",
+            "/lib/python3",
+        ]
+        .iter()
+        .any(|part| file.contains(part));
+        Some((library, (file, u32::try_from(line).unwrap_or(0), name)))
+    };
+    let mut via = None;
+    let mut own = None;
+    for &id in pickle.items(frames) {
+        match frame(id) {
+            Some((true, found)) => {
+                via.get_or_insert(found);
+            }
+            Some((false, found)) => {
+                own = Some(found);
+                break;
+            }
+            None => {}
+        }
+    }
+    // No frame of the program's own: the library line it was in.
+    let Some((file, line, name)) = own.or(via.take()) else {
         return 0;
+    };
+    let key = match via {
+        Some((via_file, via_line, via_name)) => (
+            format!("{file}\u{0}{via_file}"),
+            line,
+            format!("{name}\u{0}{via_line}\u{0}{via_name}"),
+        ),
+        None => (file.to_owned(), line, name.to_owned()),
     };
     if let Some(&number) = numbers.get(&key) {
         return number;
     }
     let kept = trace.site_table.len();
-    match keeper.site(kept, false, key.1, &key.2, &key.0) {
-        Some(site) => {
-            let number = kept as u32 + 1;
-            trace.site_table.insert(number, site);
-            numbers.insert(key, number);
-            number
-        }
-        None => 0,
+    let Some(mut site) = keeper.site(kept, false, line, name, file) else {
+        return 0;
+    };
+    if let Some((via_file, via_line, via_name)) = via {
+        site.via = keeper
+            .site(kept, false, via_line, via_name, via_file)
+            .map(std::sync::Arc::new);
     }
+    let number = kept as u32 + 1;
+    trace.site_table.insert(number, site);
+    numbers.insert(key, number);
+    number
 }
 
 #[cfg(test)]
@@ -380,7 +516,9 @@ mod tests {
         out.extend(*b"eeu.");
         let trace = read_bytes(&out).unwrap();
         assert_eq!(trace.events.len(), N as usize);
-        assert!(trace.site_table.is_empty(), "no frame is the program's own");
+        // No frame is the program's own: every entry has the one library line.
+        assert_eq!(trace.site_table.len(), 1);
+        assert!(trace.sites.iter().all(|&site| site == 1));
     }
 
     /// Issue 72: a 16 MB memo bomb was refused only after holding +831 MiB. What a
