@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::{MARK, PLACE, SITE, SITES, STREAM, TIMES, unzigzag};
 use crate::fasthash::FastMap;
 use crate::trace::recorded::Beside;
-use crate::trace::{EventOp, MAX_LINE_BYTES, TraceError};
+use crate::trace::{EventOp, MAX_LINE_BYTES, Site, TraceError};
 
 /// One thing a chunk says, at its place in the recording's order.
 pub(super) enum What {
@@ -59,6 +59,10 @@ pub(super) struct ChunkDecoder {
 #[derive(Default)]
 pub(super) struct SiteNumbers {
     of_thread: FastMap<(u32, u32), u32>,
+    /// Each site's number by what it names: a line every thread names (each under a
+    /// number of its own) is one site of the trace, so its bytes are one row of a
+    /// table by line, not one per thread.
+    by_content: FastMap<Site, u32>,
 }
 
 impl ChunkDecoder {
@@ -260,8 +264,15 @@ impl ChunkDecoder {
                 beside.site_table.insert(number, site);
             }
             (Some(site), None) => {
-                let number = kept as u32 + 1;
-                beside.site_table.insert(number, site);
+                let number = match sites.by_content.get(&site) {
+                    Some(&number) => number,
+                    None => {
+                        let number = kept as u32 + 1;
+                        sites.by_content.insert(site.clone(), number);
+                        beside.site_table.insert(number, site);
+                        number
+                    }
+                };
                 sites.of_thread.insert((self.thread, local), number);
             }
             (None, Some(number)) => {
@@ -361,7 +372,7 @@ impl<'a> Cursor<'a> {
         keeper: &mut crate::trace::kept::Keeper,
         kept: usize,
         replaces: bool,
-    ) -> Result<Option<crate::trace::Site>, String> {
+    ) -> Result<Option<Site>, String> {
         let line =
             u32::try_from(self.varint()?).map_err(|_| "a site's line is past any line's number")?;
         let function = self.string()?;

@@ -764,3 +764,33 @@ proptest! {
         prop_assert_eq!(streams(&read), streams(&trace));
     }
 }
+
+/// Issue 74: eight threads making arrays at one line were eight rows of the table by
+/// line (`randfill.py:15 create_array 95 MiB 6%` eight times), each thread naming the
+/// line under a number of its own. The reader gives one site for one line.
+#[test]
+fn a_line_every_thread_names_is_one_site_of_the_trace() {
+    let site = Site {
+        file: "randfill.py".into(),
+        line: 15,
+        function: "create_array".into(),
+        via: None,
+    };
+    let mut trace = Trace::default();
+    trace.site_table.insert(1, site.clone());
+    for thread in 1..=8u32 {
+        trace.events.push(Event {
+            op: EventOp::Malloc,
+            id: u64::from(thread),
+            size: 64,
+            thread,
+            line: 0,
+            device: None,
+        });
+        trace.sites.push(1);
+    }
+    let back = read_binary(&binary(&trace)).unwrap();
+    assert_eq!(back.site_table.len(), 1, "{:?}", back.site_table);
+    assert_eq!(back.site_table[&1], site);
+    assert!(back.sites.iter().all(|&s| s == 1), "{:?}", back.sites);
+}
