@@ -76,6 +76,11 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
                 report.elapsed.as_secs_f64()
             );
         }
+        if let Some((finding, _)) = &report.failure
+            && finding.rule == check::MACHINE_TOO_SLOW
+        {
+            bail!("no verdict on `{label}`: {}", finding.message);
+        }
         let script_file = match &report.failure {
             Some((_, script)) => {
                 let ran = ran_with(script.clone(), target, &args.config, &args.options);
