@@ -1001,3 +1001,16 @@ fn regressions_naming_a_file_is_refused_before_any_case_runs() {
         "mine"
     );
 }
+
+/// Issue 72: `--cases 4294967295 --time 2` ran past 120 s: a round drew every case left
+/// after the time was spent. The round ends there; the check ends with what it judged.
+#[test]
+fn check_time_ends_a_round_of_any_number_of_cases() {
+    let dir = tempdir("check-time-ends");
+    let (code, out) = allocbox_cli(
+        &["check", "builtin", "--cases", "4294967295", "--time", "0.5"],
+        &dir,
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("every rule held"), "{out}");
+}

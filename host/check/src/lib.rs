@@ -52,7 +52,7 @@ pub use build::{BuildError, build_policy};
 pub use holdings::{Holdings, REUSE_SPAN};
 use runner::Subject;
 use script::Case;
-pub use script::{CallPath, Op, SCRIPT_NOTATION, Script};
+pub use script::{CallPath, Op, RanWith, SCRIPT_NOTATION, Script};
 use seeds::SeedFile;
 use strategy::Scripts;
 use verdict::Tally;

@@ -289,10 +289,16 @@ pub struct Script {
     /// 64 they hold in production.
     pub magazine_depth: Option<u8>,
     /// What the check ran, so that `allocbox replay SCRIPT` alone runs it again the
-    /// same way: written `policy PATH` (the file, as the check was given it), each
-    /// `config KEY=VALUE` the policy was started with, and `grant KINDS`. A script
-    /// without them ran the policy the command line names, unconfigured, granted
-    /// nothing.
+    /// same way (boxed: a script is passed by value through every case).
+    pub ran: Box<RanWith>,
+}
+
+/// What a check ran a script's policy with: written `policy PATH` (the file, as the
+/// check was given it), each `config KEY=VALUE` the policy was started with, and `grant
+/// KINDS`. A script without them ran the policy the command line names, unconfigured,
+/// granted nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RanWith {
     pub policy: Option<String>,
     pub config: Vec<(String, String)>,
     pub grants: Vec<String>,
@@ -345,7 +351,7 @@ impl Script {
                 continue;
             }
             if let Some(path) = line.strip_prefix("policy ") {
-                script.policy = Some(path.trim().to_string());
+                script.ran.policy = Some(path.trim().to_string());
                 continue;
             }
             if let Some(setting) = line.strip_prefix("config ") {
@@ -353,11 +359,12 @@ impl Script {
                     .trim()
                     .split_once('=')
                     .ok_or_else(|| at(format!("`config {setting}`: a setting is KEY=VALUE")))?;
-                script.config.push((key.to_string(), value.to_string()));
+                script.ran.config.push((key.to_string(), value.to_string()));
                 continue;
             }
             if let Some(kinds) = line.strip_prefix("grant ") {
                 script
+                    .ran
                     .grants
                     .extend(kinds.split(',').map(|k| k.trim().to_string()));
                 continue;
@@ -497,14 +504,14 @@ const MAX_THREADS: usize = 256;
 
 impl fmt::Display for Script {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if let Some(policy) = &self.policy {
+        if let Some(policy) = &self.ran.policy {
             writeln!(f, "policy {policy}")?;
         }
-        for (key, value) in &self.config {
+        for (key, value) in &self.ran.config {
             writeln!(f, "config {key}={value}")?;
         }
-        if !self.grants.is_empty() {
-            writeln!(f, "grant {}", self.grants.join(","))?;
+        if !self.ran.grants.is_empty() {
+            writeln!(f, "grant {}", self.ran.grants.join(","))?;
         }
         if self.upstream_seed != 0 {
             writeln!(f, "upstream seed {}", self.upstream_seed)?;
@@ -553,15 +560,15 @@ mod tests {
              grant numa,guarded\nupstream seed 3\nb0 = malloc 8\nfree b0\n",
         )
         .unwrap();
-        assert_eq!(script.policy.as_deref(), Some("fixtures/broken.wasm"));
+        assert_eq!(script.ran.policy.as_deref(), Some("fixtures/broken.wasm"));
         assert_eq!(
-            script.config,
+            script.ran.config,
             [
                 ("fault".to_string(), "overlap".to_string()),
                 ("alignment".to_string(), "64".to_string())
             ]
         );
-        assert_eq!(script.grants, ["numa", "guarded"]);
+        assert_eq!(script.ran.grants, ["numa", "guarded"]);
         assert_eq!(Script::parse(&script.to_string()).unwrap(), script);
         assert!(
             Script::parse("config nokey\n")

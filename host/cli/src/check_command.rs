@@ -117,15 +117,15 @@ fn ran_with(
     config: &[(String, String)],
     options: &CheckOptions,
 ) -> Script {
-    script.policy = target.map(|path| match path.is_file() {
+    script.ran.policy = target.map(|path| match path.is_file() {
         true => std::path::absolute(path)
             .unwrap_or_else(|_| path.clone())
             .display()
             .to_string(),
         false => path.display().to_string(),
     });
-    script.config = config.to_vec();
-    script.grants = allocbox::mapped::KindGrant::ALL
+    script.ran.config = config.to_vec();
+    script.ran.grants = allocbox::mapped::KindGrant::ALL
         .iter()
         .filter(|&&kind| options.limits.grants.memory.granted(kind))
         .map(|kind| kind.name().to_string())
@@ -425,13 +425,13 @@ pub(crate) fn run_replay(
     };
     let parsed = Script::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", script.display()))?;
     // What the command line names goes first; the rest as the check ran it.
-    let policy = policy.or_else(|| parsed.policy.as_ref().map(PathBuf::from));
+    let policy = policy.or_else(|| parsed.ran.policy.as_ref().map(PathBuf::from));
     if let Some(policy) = &policy {
         allocbox::output::note_input(policy);
     }
     let loaded = load(runtime, policy.as_ref())?;
     let config = match config.is_empty() {
-        true => &parsed.config,
+        true => &parsed.ran.config,
         false => &config,
     };
     let config: Vec<(&str, &str)> = config
@@ -440,7 +440,7 @@ pub(crate) fn run_replay(
         .collect();
     let mut limits = limits;
     if limits.grants.memory == allocbox::mapped::KindGrants::default() {
-        for name in &parsed.grants {
+        for name in &parsed.ran.grants {
             let kind = name
                 .parse::<allocbox::mapped::KindGrant>()
                 .map_err(|e| anyhow::anyhow!("{}: `grant {name}`: {e}", script.display()))?;
