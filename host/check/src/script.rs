@@ -351,7 +351,11 @@ impl Script {
                 continue;
             }
             if let Some(path) = line.strip_prefix("policy ") {
-                script.ran.policy = Some(path.trim().to_string());
+                let path = path.trim();
+                if path.is_empty() {
+                    return Err(at("`policy` names the policy's file: `policy PATH`".into()));
+                }
+                script.ran.policy = Some(path.to_string());
                 continue;
             }
             if let Some(setting) = line.strip_prefix("config ") {
@@ -363,10 +367,15 @@ impl Script {
                 continue;
             }
             if let Some(kinds) = line.strip_prefix("grant ") {
-                script
-                    .ran
-                    .grants
-                    .extend(kinds.split(',').map(|k| k.trim().to_string()));
+                for kind in kinds.split(',').map(str::trim) {
+                    if kind.is_empty() {
+                        return Err(at(format!(
+                            "`grant {}`: a grant names kinds of memory, comma-separated",
+                            kinds.trim()
+                        )));
+                    }
+                    script.ran.grants.push(kind.to_string());
+                }
                 continue;
             }
             if let Some(seed) = line.strip_prefix("upstream seed ") {
@@ -575,6 +584,24 @@ mod tests {
                 .unwrap_err()
                 .contains("KEY=VALUE")
         );
+    }
+
+    /// Found by `.ci/fuzz`'s `replay_script` target (its first long run): `grant ` of
+    /// nothing but form feeds parsed as a grant of no kind, which printed as `grant `
+    /// and read back as no operation. A grant or policy line naming nothing is refused.
+    #[test]
+    fn a_grant_or_policy_line_naming_nothing_is_refused_so_a_script_prints_as_it_parses() {
+        for text in [
+            "grant \u{c}\u{c}\n",
+            "grant numa,\n",
+            "grant \u{c},\u{c}\n",
+            "policy \u{c}\n",
+        ] {
+            let error = Script::parse(text).unwrap_err();
+            assert!(error.starts_with("line 1: "), "{text:?}: {error}");
+        }
+        let script = Script::parse("grant numa, guarded\nb0 = malloc 8\n").unwrap();
+        assert_eq!(Script::parse(&script.to_string()).unwrap(), script);
     }
 
     /// Issue 60: a script said `malloc 0` where the policy got 1, and printed sizes near

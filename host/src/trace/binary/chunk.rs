@@ -243,8 +243,12 @@ impl ChunkDecoder {
         // does): it replaces itself.
         let known = sites.of_thread.get(&(self.thread, local)).copied();
         let kept = beside.site_table.len();
+        // Each thread's name for a site is held, one site or many: the sites' bound
+        // counts them, so a trace naming one line under millions of numbers holds no
+        // more than one naming millions of lines.
+        let counted = kept.max(sites.of_thread.len());
         let keeper = &mut beside.keeper;
-        let mut site = chunk.place(keeper, kept, known.is_some())?;
+        let mut site = chunk.place(keeper, counted, known.is_some())?;
         match chunk.byte()? {
             0 => {}
             1 => {
