@@ -127,10 +127,15 @@ pub(crate) struct Region {
 }
 
 impl Region {
-    /// Memory the region takes: every page mapped, the guard page included, or every
-    /// byte of device memory.
+    /// Host memory the region takes, which the policy's overhead budget counts: every
+    /// page mapped, the guard page included. A GPU's own memory takes none (issue 74:
+    /// the host's 256 MiB budget capped what a device policy cached on an 80 GiB GPU);
+    /// its bound is the GPU's share, taken before the driver was asked.
     pub(crate) fn cost(&self) -> u64 {
-        self.map_len
+        match &self.gpu {
+            Some(held) if !held.is_host_memory() => 0,
+            _ => self.map_len,
+        }
     }
 
     /// Where the region's memory is: host memory (pinned or not), or a GPU's.

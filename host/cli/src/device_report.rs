@@ -130,12 +130,9 @@ fn gpu_timeline(
     let loaded = crate::named::load(runtime, Some(&PathBuf::from(policy)))?;
     let mut limits = limits.clone();
     limits.grants.memory.grant(KindGrant::Device);
-    // Issue 74: the host's overhead budget (256 MiB) capped what a device policy may
-    // cache, and the policies' share of a GPU (three quarters of it) left them 3/4 of
-    // `--device-memory`. What a device policy holds is bounded by the GPU alone, and
-    // `--device-memory` is what they may map: the stand-in GPU has as much more as the
-    // share keeps for the program.
-    limits.overhead = memory;
+    // Issue 74: the policies' share of a GPU (three quarters of it) left them 3/4 of
+    // `--device-memory`. `--device-memory` is what they may map: the stand-in GPU has as
+    // much more as the share keeps for the program.
     let (kept, of) = allocbox::shares::DEVICE_SHARE;
     let stand_in_memory = memory.div_ceil(kept).saturating_mul(of);
     limits.grants.gpu = Gpu::stand_in(Arc::new(StandIn::new(u32::from(gpu) + 1, stand_in_memory)));

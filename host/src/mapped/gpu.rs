@@ -2,8 +2,9 @@
 //! ([`super::GpuRow`]): host pages registered with the driver (`pinned`, copies to and
 //! from a GPU run as DMA) or memory the driver allocates (`device`, on a GPU, which no
 //! host code reads or writes). Each is taken from its process-wide share
-//! ([`crate::shares`]) before the driver is asked, and counts against the asking
-//! policy's overhead budget like any region.
+//! ([`crate::shares`]) before the driver is asked. A region of host pages counts
+//! against the asking policy's overhead budget like any region; a GPU's own memory does
+//! not (it is no host memory): what a device policy caches is bounded by the GPU's share.
 
 use std::sync::Arc;
 
@@ -33,6 +34,12 @@ enum Taken {
 }
 
 impl Held {
+    /// Whether its bytes are host memory (pinned pages), which a policy's overhead
+    /// budget counts; a GPU's own memory is bounded by the GPU's share instead.
+    pub(super) fn is_host_memory(&self) -> bool {
+        self.row.host_memory
+    }
+
     /// Give what the region at `start` holds back to the driver: true when host pages
     /// remain to be unmapped.
     pub(super) fn release(&self, start: u64) -> bool {
