@@ -456,17 +456,11 @@ pub enum Error {
         call: Call,
         message: String,
     },
-    #[error(
-        "policy `{policy}` ran past the time limit of {} in `{call}` (one limit covers \
-         a client's call through the whole chain, every guest call it causes and host work \
-         in imports included); if it needs more, raise the limit (`--call-time-ms` on the \
-         command line, `call_time=` in Python, `Limits::call_time` in Rust)",
-        duration_text(*limit)
-    )]
+    #[error("{}", timeout_text(policy, *call, limit))]
     Timeout {
         policy: Arc<str>,
         call: Call,
-        limit: Duration,
+        limit: TimeLimit,
     },
     #[error(
         "policy `{policy}` passed its memory budget of {limit} bytes (its linear memories \
@@ -571,6 +565,35 @@ impl Error {
 }
 
 /// A duration as a person writes it: `250 ms`, `1.5 s`.
+/// The limit a call ran past: the wall clock's, or (under a counted runtime, the
+/// checker's) its counted work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimeLimit {
+    /// [`crate::Limits::call_time`].
+    Clock(Duration),
+    /// [`crate::Limits::call_work`], in units of counted work.
+    Work(u64),
+}
+
+fn timeout_text(policy: &str, call: Call, limit: &TimeLimit) -> String {
+    match limit {
+        TimeLimit::Clock(time) => format!(
+            "policy `{policy}` ran past the time limit of {} in `{call}` (one limit covers \
+             a client's call through the whole chain, every guest call it causes and host \
+             work in imports included); if it needs more, raise the limit (`--call-time-ms` \
+             on the command line, `call_time=` in Python, `Limits::call_time` in Rust)",
+            duration_text(*time)
+        ),
+        TimeLimit::Work(units) => format!(
+            "policy `{policy}` ran past its counted limit of {units} units of work in \
+             `{call}` (a checked call's work is counted, not timed: about a unit per wasm \
+             instruction of the policy's, and the host's work in its imports by what it \
+             moves, each within the limit); if it needs more, raise the limit \
+             (`--call-work` on the command line, `Limits::call_work` in Rust)"
+        ),
+    }
+}
+
 fn duration_text(d: Duration) -> String {
     match d.as_millis() {
         ms if ms < 1000 => format!("{ms} ms"),
@@ -587,7 +610,7 @@ mod tests {
         let timeout = Error::Timeout {
             policy: "slow".into(),
             call: Call::Malloc,
-            limit: Duration::from_millis(250),
+            limit: TimeLimit::Clock(Duration::from_millis(250)),
         };
         let text = timeout.to_string();
         assert!(text.contains("time limit of 250 ms in `malloc`"), "{text}");
@@ -596,5 +619,21 @@ mod tests {
             "{text}"
         );
         assert_eq!(duration_text(Duration::from_millis(1500)), "1.5 s");
+    }
+
+    #[test]
+    fn a_counted_timeout_says_its_units_and_how_to_raise_them() {
+        let timeout = Error::Timeout {
+            policy: "slow".into(),
+            call: Call::Free,
+            limit: TimeLimit::Work(1000),
+        };
+        let text = timeout.to_string();
+        assert!(
+            text.contains("counted limit of 1000 units of work in `free`"),
+            "{text}"
+        );
+        assert!(text.contains("`--call-work` on the command line"), "{text}");
+        assert_eq!(timeout.kind(), "timeout");
     }
 }

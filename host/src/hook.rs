@@ -97,7 +97,7 @@ impl WasmHook {
         // client's call has ended.
         let deadline = Deadline::for_client_call(&st.clock, CallTicks::of(st.limits.call_time));
         let armed = st.store.data_mut().begin_call(deadline);
-        st.store.set_epoch_deadline(armed);
+        armed.arm(&mut st.store);
         let HookState {
             store,
             bindings,

@@ -27,12 +27,17 @@ mod wit;
 pub use allocbox_ledger::ledger::LEDGER_ENTRY_COST;
 use allocbox_ledger::{fasthash, ledger};
 pub use compile_bounds::{CompileBound, CompileBounds};
-pub use error::{Bound, Call, ClientError, Error, InvariantBroken, LoadError, Rule, Violation};
+pub use error::{
+    Bound, Call, ClientError, Error, InvariantBroken, LoadError, Rule, TimeLimit, Violation,
+};
 pub use handler::{
     Deferral, DeviceHandler, Handler, HandlerBuilder, PendingFrees, PolicyHandler, ShardedHandler,
 };
 pub use hook::{MAX_REPORTED_NUMBERS, WasmHook};
-pub use link::{ClientMisuse, Grants, Limits, LinkStats, PolicyInfo};
+pub use link::{
+    BYTES_PER_WORK, ClientMisuse, DEFAULT_CALL_WORK, Grants, IMPORT_WORK, Limits, LinkStats,
+    PolicyInfo,
+};
 pub use memhandler::{MemHandler, Stats};
 pub use native::NumpyDefault;
 pub use nep49::Buffer;

@@ -52,13 +52,12 @@ use imports::check_lent;
 pub use mapped::ClientMisuse;
 use mapped::Mapped;
 pub(crate) use sandbox::Sandbox;
-pub use sandbox::{Grants, Limits};
+pub use sandbox::{BYTES_PER_WORK, DEFAULT_CALL_WORK, Grants, IMPORT_WORK, Limits};
 use transit::Transit;
 pub(crate) use upstream::Upstream;
 use zeroed::Zeroed;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use wasmtime::Store;
 use wasmtime_wasi::{WasiCtxView, WasiView};
@@ -144,7 +143,9 @@ pub(crate) struct LinkState {
     /// The policy took memory in the current call that only the request's allowance
     /// let it take (`LinkState::end_allowance`).
     on_allowance: bool,
-    call_time: Duration,
+    /// Bytes of the current call's request the host may still move for the policy
+    /// uncounted ([`Limits::call_work`]): the client chose them, once a call.
+    excused_left: u64,
     batch_limit: u32,
     read_limit: u64,
     overhead_limit: u64,
@@ -397,9 +398,10 @@ impl Link {
         let state = self.store.data_mut();
         let armed = state.sandbox.begin_call(deadline);
         state.demand = demand;
+        state.excused_left = demand;
         state.on_allowance = false;
         state.zeroed.clear();
-        self.store.set_epoch_deadline(armed);
+        armed.arm(&mut self.store);
     }
 
     /// A call into the guest ended: the embedder's call takes on the host work excused

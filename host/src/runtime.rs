@@ -100,6 +100,8 @@ struct RuntimeInner {
     /// Epoch ticks since the runtime started: host code inside imports reads it to
     /// keep the same time limits as wasm code.
     clock: Arc<Clock>,
+    /// Each call's work is counted ([`Limits::call_work`]): the engine consumes fuel.
+    counted: bool,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -115,14 +117,36 @@ impl Runtime {
     pub fn new() -> Result<Runtime, wasmtime::Error> {
         let mut config = Config::new();
         config.cache(compile_cache());
-        Runtime::with_config(config)
+        Runtime::with_config(config, false)
+    }
+
+    /// A runtime whose guests' calls are limited by counted work ([`Limits::call_work`]:
+    /// wasm fuel, and the host's work in imports by what it moves) as well as by the
+    /// wall clock, which stays as a safety net: the same call passes or fails whatever
+    /// the machine's load. For checked runs (`allocbox check`, `replay`,
+    /// `assert_contract`), whose verdict must not depend on the machine; counting costs
+    /// the guest's code some speed, so clients' runtimes are clocked.
+    pub fn counted() -> Result<Runtime, wasmtime::Error> {
+        let mut config = Config::new();
+        config.cache(compile_cache());
+        Runtime::with_config(config, true)
+    }
+
+    /// [`Runtime::pooled`] and [`Runtime::counted`] at once: the contract checker's.
+    pub fn counted_pool(instances: u32, memory: u64) -> Result<Runtime, wasmtime::Error> {
+        Runtime::with_config(pool_config(instances, memory)?, true)
+    }
+
+    /// Whether this runtime counts its guests' work ([`Runtime::counted`]).
+    pub fn is_counted(&self) -> bool {
+        self.inner.counted
     }
 
     /// A runtime that keeps no compiled policy on disk ([`compile_cache_dir`]): for
     /// policies loaded once (generated ones, in a fuzzer), or where no cache directory
     /// can be trusted. It still keeps what it compiled in memory while it lives.
     pub fn without_disk_cache() -> Result<Runtime, wasmtime::Error> {
-        Runtime::with_config(Config::new())
+        Runtime::with_config(Config::new(), false)
     }
 
     /// A runtime that starts instances in a pool of `instances` slots, each with room for
@@ -136,43 +160,16 @@ impl Runtime {
     /// For programs that start many short-lived handlers a few at a time; the contract
     /// checker starts one per case.
     pub fn pooled(instances: u32, memory: u64) -> Result<Runtime, wasmtime::Error> {
-        const WASM_PAGE: u64 = 64 << 10;
-        /// Memory kept mapped when a slot is freed (its dirty pages reset with memset),
-        /// instead of handed back to the kernel and faulted in again by the next
-        /// instance: a Rust guest's 1 MiB stack and its heap above it. Measured with
-        /// `allocbox check`: 4 MiB beat 0, 1 and 2 MiB for `size-classes`.
-        const KEEP_RESIDENT: usize = 4 << 20;
-        let mut pool = PoolingAllocationConfig::new();
-        // A Rust wasm32-wasip2 component has a few core instances, each with a table or
-        // two, and one memory between them; a componentize-py one has 14 core instances
-        // (CPython and its runtime). Room for the larger kind in every slot: unused slots
-        // of the pool cost address space only.
-        pool.total_component_instances(instances)
-            .total_core_instances(instances.saturating_mul(16))
-            .total_memories(instances.saturating_mul(4))
-            .total_tables(instances.saturating_mul(16))
-            .max_memory_size(usize::try_from(
-                memory
-                    .div_ceil(WASM_PAGE)
-                    .saturating_mul(WASM_PAGE)
-                    .min(4 << 30),
-            )?)
-            .linear_memory_keep_resident(KEEP_RESIDENT)
-            // Tables are a few KiB; memset beats madvise for them too (start+end of a
-            // `system` instance: 34 µs against 43 µs).
-            .table_keep_resident(64 << 10);
-        let mut config = Config::new();
-        config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
-        config.cache(compile_cache());
-        Runtime::with_config(config)
+        Runtime::with_config(pool_config(instances, memory)?, false)
     }
 
-    fn with_config(mut config: Config) -> Result<Runtime, wasmtime::Error> {
+    fn with_config(mut config: Config, counted: bool) -> Result<Runtime, wasmtime::Error> {
         // Component calls cost 2.5-3x more with async concurrency support on; policies
         // are synchronous.
         config.concurrency_support(false);
         sandbox_features(&mut config);
         config.epoch_interruption(true);
+        config.consume_fuel(counted);
         let engine = Engine::new(&config)?;
         let mut linker = Linker::new(&engine);
         // A std wasm32-wasip2 guest imports wasi:io and wasi:cli even if it never prints.
@@ -190,6 +187,7 @@ impl Runtime {
                 hook_linker,
                 compiled: Mutex::new(HashMap::new()),
                 clock,
+                counted,
             }),
         })
     }
@@ -326,15 +324,21 @@ impl Runtime {
         state: impl FnOnce(Sandbox) -> T,
         sandbox: fn(&mut T) -> &mut Sandbox,
     ) -> Store<T> {
-        let sandboxed = Sandbox::new(Arc::from(name), limits, self.inner.clock.clone());
+        let sandboxed = Sandbox::new(
+            Arc::from(name),
+            limits,
+            self.inner.clock.clone(),
+            self.inner.counted,
+        );
         let mut store = Store::new(&self.inner.engine, state(sandboxed));
         store.limiter(move |s| sandbox(s).limiter());
         store.set_max_component_handles(MAX_COMPONENT_HANDLES);
         store.epoch_deadline_callback(move |mut ctx| Ok(sandbox(ctx.data_mut()).on_epoch()));
         let starting =
             Deadline::for_client_call(&self.inner.clock, CallTicks::of(limits.call_time));
-        let armed = sandbox(store.data_mut()).begin_call(starting);
-        store.set_epoch_deadline(armed);
+        sandbox(store.data_mut())
+            .begin_call(starting)
+            .arm(&mut store);
         store
     }
 
@@ -557,4 +561,37 @@ fn list_or_none(items: &[String]) -> String {
     } else {
         items.join(", ")
     }
+}
+
+/// The configuration of a runtime that starts instances from a pool ([`Runtime::pooled`]).
+fn pool_config(instances: u32, memory: u64) -> Result<Config, wasmtime::Error> {
+    const WASM_PAGE: u64 = 64 << 10;
+    /// Memory kept mapped when a slot is freed (its dirty pages reset with memset),
+    /// instead of handed back to the kernel and faulted in again by the next
+    /// instance: a Rust guest's 1 MiB stack and its heap above it. Measured with
+    /// `allocbox check`: 4 MiB beat 0, 1 and 2 MiB for `size-classes`.
+    const KEEP_RESIDENT: usize = 4 << 20;
+    let mut pool = PoolingAllocationConfig::new();
+    // A Rust wasm32-wasip2 component has a few core instances, each with a table or
+    // two, and one memory between them; a componentize-py one has 14 core instances
+    // (CPython and its runtime). Room for the larger kind in every slot: unused slots
+    // of the pool cost address space only.
+    pool.total_component_instances(instances)
+        .total_core_instances(instances.saturating_mul(16))
+        .total_memories(instances.saturating_mul(4))
+        .total_tables(instances.saturating_mul(16))
+        .max_memory_size(usize::try_from(
+            memory
+                .div_ceil(WASM_PAGE)
+                .saturating_mul(WASM_PAGE)
+                .min(4 << 30),
+        )?)
+        .linear_memory_keep_resident(KEEP_RESIDENT)
+        // Tables are a few KiB; memset beats madvise for them too (start+end of a
+        // `system` instance: 34 µs against 43 µs).
+        .table_keep_resident(64 << 10);
+    let mut config = Config::new();
+    config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    config.cache(compile_cache());
+    Ok(config)
 }

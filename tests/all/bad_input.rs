@@ -16,6 +16,8 @@ fn run(name: &str, args: &[&str]) -> (i32, String, std::path::PathBuf) {
 fn counts_of_zero_and_too_many_threads_are_refused() {
     for (flag, value, says) in [
         ("--cases", "0", "at least 1"),
+        ("--rounds", "0", "at least 1"),
+        ("--call-work", "0", "at least 1"),
         ("--max-ops", "0", "from 1 to 100000"),
         ("--threads", "0", "from 1 to 256"),
         ("--threads", "1000", "from 1 to 256"),
@@ -125,6 +127,8 @@ fn byte_sizes_take_the_units_the_help_shows_and_refuse_others() {
         "byte-units",
         &[
             "check",
+            "--rounds",
+            "1",
             "--cases",
             "2",
             "--guest-memory",
@@ -268,7 +272,10 @@ fn replay_trace_and_report_fail_a_policy_that_leaks() {
 #[test]
 fn a_shipped_name_works_wherever_a_policy_is_named_and_an_unknown_one_lists_them() {
     let dir = tempdir("shipped-names");
-    let (code, out) = allocbox_cli(&["check", "size-classes", "--cases", "4"], &dir);
+    let (code, out) = allocbox_cli(
+        &["check", "size-classes", "--rounds", "1", "--cases", "4"],
+        &dir,
+    );
     assert_eq!(code, 0, "{out}");
     assert!(out.starts_with("size-classes: every rule held"), "{out}");
     let (code, out) = allocbox_cli(&["inspect", "arena"], &dir);
@@ -307,7 +314,10 @@ fn a_shipped_name_works_wherever_a_policy_is_named_and_an_unknown_one_lists_them
         "{out}"
     );
     // The built-in policy answers to the name it gives itself, as handler names show it.
-    let (code, out) = allocbox_cli(&["check", "passthrough", "--cases", "4"], &dir);
+    let (code, out) = allocbox_cli(
+        &["check", "passthrough", "--rounds", "1", "--cases", "4"],
+        &dir,
+    );
     assert_eq!(code, 0, "{out}");
     assert!(out.starts_with("passthrough: every rule held"), "{out}");
 }
@@ -379,7 +389,7 @@ proptest! {
     ) {
         let dir = tempdir("random-option");
         // A check kept short whatever the option: one case of few operations.
-        let mut args = vec!["check", "builtin", "--cases", "1"];
+        let mut args = vec!["check", "builtin", "--rounds", "1", "--cases", "1"];
         if flag != "--max-ops" {
             args.extend(["--max-ops", "4"]);
         }

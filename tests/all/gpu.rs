@@ -416,6 +416,8 @@ fn check_grant_device_checks_a_device_policy_on_the_stand_in_gpu() {
     let args = [
         "check",
         pool,
+        "--rounds",
+        "1",
         "--cases",
         "24",
         "--grant",
@@ -432,6 +434,8 @@ fn check_grant_device_checks_a_device_policy_on_the_stand_in_gpu() {
     let args = [
         "check",
         probe,
+        "--rounds",
+        "1",
         "--cases",
         "8",
         "--grant",
@@ -558,6 +562,8 @@ fn torch_caching_passes_check_on_the_stand_in_gpu() {
     let args = [
         "check",
         allocbox_artifacts::TORCH_CACHING.path(),
+        "--rounds",
+        "1",
         "--cases",
         "48",
         "--grant",

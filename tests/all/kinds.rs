@@ -243,14 +243,14 @@ fn policies_of_both_contract_versions_load_and_only_0_2_0_ones_report_counters()
 fn check_prints_a_policy_s_counters_and_grants_kinds_by_name() {
     let dir = tempdir("kinds-check");
     let guard = allocbox_artifacts::GUARD.path();
-    let (code, out) = allocbox_cli(&["check", guard, "--cases", "16"], &dir);
+    let (code, out) = allocbox_cli(&["check", guard, "--rounds", "1", "--cases", "16"], &dir);
     assert_eq!(code, 0, "{out}");
     assert!(
         out.contains("its counters, summed over the cases (a `peak-` one: its largest): guarded 0, guard-refused "),
         "{out}"
     );
     let args = [
-        "check", guard, "--cases", "16", "--grant", "guarded", "-c", "sample=1",
+        "check", guard, "--rounds", "1", "--cases", "16", "--grant", "guarded", "-c", "sample=1",
     ];
     let (code, out) = allocbox_cli(&args, &dir);
     assert_eq!(code, 0, "{out}");

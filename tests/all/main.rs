@@ -10,6 +10,7 @@ mod check;
 mod client;
 mod compile_cache;
 mod contract;
+mod counted;
 mod coverage;
 mod fuzz;
 mod gpu;

@@ -38,7 +38,10 @@ fn new_wat_policy_passes_check_under_its_own_name() {
     let readme = std::fs::read_to_string(tmp.0.join("demo/README.md")).unwrap();
     assert!(readme.contains("allocbox check demo.wat"), "{readme}");
 
-    let out = allocbox_ok(&["check", "demo/demo.wat", "--cases", "64"], &tmp.0);
+    let out = allocbox_ok(
+        &["check", "demo/demo.wat", "--rounds", "1", "--cases", "64"],
+        &tmp.0,
+    );
     assert!(out.contains("every rule held"), "{out}");
     let out = allocbox_ok(&["inspect", "demo/demo.wat"], &tmp.0);
     assert!(out.starts_with("policy     demo\n"), "{out}");
@@ -89,7 +92,7 @@ fn new_rust_policy_builds_with_its_readme_command_and_passes_check() {
 
     let wasm = target.join("wasm32-wasip2/release/demo.wasm");
     let wasm = wasm.to_str().unwrap();
-    let out = allocbox_ok(&["check", wasm, "--cases", "64"], &project);
+    let out = allocbox_ok(&["check", wasm, "--rounds", "1", "--cases", "64"], &project);
     assert!(out.contains("every rule held"), "{out}");
     assert!(
         out.contains(
@@ -208,7 +211,10 @@ fn new_project_builds_and_passes_check(lang: &str, language: &str) {
     eprintln!("{language}: built in {:.1?}", started.elapsed());
     assert!(project.join("demo.wasm").is_file(), "no demo.wasm");
 
-    let out = allocbox_ok(&["check", "demo.wasm", "--cases", "200"], &project);
+    let out = allocbox_ok(
+        &["check", "demo.wasm", "--rounds", "1", "--cases", "200"],
+        &project,
+    );
     assert!(out.contains("every rule held"), "{out}");
     // The templates of languages that speak contract 0.2.0 report their counter.
     if ["Python", "JavaScript"].contains(&language) {

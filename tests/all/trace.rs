@@ -394,6 +394,8 @@ fn check_runs_an_event_hook_over_every_case() {
         &[
             "check",
             "size-classes",
+            "--rounds",
+            "1",
             "--cases",
             "4",
             "--hook",
@@ -486,7 +488,18 @@ fn a_failing_hook_fails_the_run_and_is_named_as_a_hook() {
     );
     assert_eq!(code, 1, "{out}");
     assert!(out.contains("event hook `trapping`"), "{out}");
-    let (code, out) = allocbox_cli(&["check", "--cases", "4", "--hook", "trapping.wat"], &dir);
+    let (code, out) = allocbox_cli(
+        &[
+            "check",
+            "--rounds",
+            "1",
+            "--cases",
+            "4",
+            "--hook",
+            "trapping.wat",
+        ],
+        &dir,
+    );
     assert_eq!(code, 1, "{out}");
     assert!(
         out.contains("FAILED") && out.contains("event hook `trapping` trapped in `on-event`"),

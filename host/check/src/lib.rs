@@ -27,7 +27,8 @@
 //! ```
 
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestError, TestRng, TestRunner};
@@ -52,13 +53,13 @@ pub use build::{BuildError, build_policy};
 pub use holdings::{Holdings, REUSE_SPAN};
 use runner::Subject;
 use script::Case;
-pub use script::{CallPath, Op, RanWith, SCRIPT_NOTATION, Script};
+pub use script::{CallPath, Op, RanWith, SCRIPT_NOTATION, Script, ScriptLimit};
 use seeds::SeedFile;
 use strategy::Scripts;
 use verdict::Tally;
 pub use verdict::{
-    COUNTERS_KEPT, CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS, MAX_SHRINK_TIME,
-    Progress, ProgressFn, default_regressions_dir,
+    CHECK_CALL_TIME, COUNTERS_KEPT, CheckOptions, CheckReport, Finding, LONG_CASES, LONG_OPS,
+    MACHINE_TOO_SLOW, Progress, ProgressFn, default_regressions_dir,
 };
 
 /// The seed of a check given none: fixed, so a library caller's check (a test's
@@ -135,12 +136,18 @@ pub fn check(
     // Every case starts a fresh instance. From a pool of warm slots that skips a memory
     // mapping and the guest's page faults each time. A pool reserves its address space
     // up front; where that is refused (a `ulimit -v`), cases start the ordinary way.
-    let pooled = Runtime::pooled(POOL_INSTANCES, options.limits.memory)
+    // Either way the runtime counts each call's work, so the verdict is the machine's
+    // whatever its load.
+    let pooled = Runtime::counted_pool(POOL_INSTANCES, options.limits.memory)
         .ok()
         .and_then(|pool| Some((pool.adopt(policy).ok()?, pool)));
+    let counted;
     let (runtime, policy) = match &pooled {
         Some((policy, pool)) => (pool, policy),
-        None => (runtime, policy),
+        None => {
+            counted = in_counted(runtime, policy)?;
+            (&counted.0, &counted.1)
+        }
     };
     let mut subject = Subject {
         runtime,
@@ -162,8 +169,9 @@ pub fn check(
     let base_seed = options.seed.unwrap_or(DEFAULT_SEED);
     let regression_name = regression_name(&name, policy, config);
     let mut failure = None;
-    let mut shrink_stopped_early = false;
+    let shrink_spent = Arc::new(AtomicBool::new(false));
     let mut time_to_failure = None;
+    let mut rounds_run = 0;
     for round in 0u64.. {
         // Every fourth round (from the fourth on): a few long-lived instances.
         let several = options.time.is_some() || options.rounds.is_some();
@@ -185,12 +193,20 @@ pub fn check(
             // A long-lived instance's failure replays thousands of operations per
             // trial: past this, the smallest script found so far is reported.
             shrink_time: options.shrink_time,
+            shrink_spent: shrink_spent.clone(),
         };
         let first_failure = std::sync::OnceLock::new();
+        // A call past the wall clock's safety net judges the machine, not the policy:
+        // the check ends with no verdict, and no case after it (shrinking's included)
+        // is run.
+        let too_slow = std::sync::OnceLock::new();
         // The case shrinking settles on is the last that failed: its script and finding
         // are kept as it runs, so the verdict is what was seen, not a run again.
         let last_failure = std::sync::Mutex::new(None);
         let outcome = runner.run(&strategy, |case| {
+            if too_slow.get().is_some() {
+                return Ok(());
+            }
             // Past the time budget, the round ends, its remaining cases undrawn;
             // shrinking a failure found before it runs to its own bound.
             let out_of_time = options.time.is_some_and(|t| start.elapsed() >= t);
@@ -224,6 +240,11 @@ pub fn check(
             }
             match finding {
                 None => Ok(()),
+                Some(f) if f.rule == MACHINE_TOO_SLOW => {
+                    let reason = TestCaseError::fail(f.to_string());
+                    let _ = too_slow.set((f, script));
+                    Err(reason)
+                }
                 Some(f) => {
                     first_failure.get_or_init(Instant::now);
                     let reason = TestCaseError::fail(f.to_string());
@@ -233,13 +254,11 @@ pub fn check(
             }
         });
         let last_failure = last_failure.into_inner().unwrap_or_else(|p| p.into_inner());
-        shrink_stopped_early = first_failure
-            .get()
-            .zip(options.shrink_time)
-            .is_some_and(|(at, limit)| at.elapsed() >= limit);
+        rounds_run += 1;
         time_to_failure = first_failure.get().map(|at| at.duration_since(start));
         let out_of_time = options.time.is_some_and(|t| start.elapsed() >= t);
         failure = match (outcome, last_failure) {
+            _ if too_slow.get().is_some() => too_slow.into_inner(),
             (Ok(()), _) => None,
             (Err(TestError::Abort(_)), None) if out_of_time => None,
             (Err(TestError::Fail(..)), Some((finding, script))) => {
@@ -271,9 +290,15 @@ pub fn check(
             break;
         }
     }
+    // Rounds were asked for, and the time cap ended the check first.
+    let cut_by_time = failure.is_none()
+        && options.rounds.is_some()
+        && options.time.is_some_and(|t| start.elapsed() >= t);
     Ok(CheckReport {
         policy: name,
         seed: base_seed,
+        rounds: rounds_run,
+        cut_by_time,
         regression_name,
         cases: cases.into_inner() as u32,
         ops: ops.into_inner(),
@@ -299,12 +324,26 @@ pub fn check(
             .unwrap_or_else(|p| p.into_inner()),
         holdings: (subject.tally.holdings.into_inner()).unwrap_or_else(|p| p.into_inner()),
         failure,
-        shrink_stopped_early,
+        shrink_stopped_early: shrink_spent.load(Ordering::Relaxed),
         time_to_failure,
     })
 }
 
-/// Run a script exactly, with every check on. `Ok(None)`: every rule held.
+/// `policy` in a counted runtime ([`Runtime::counted`]): `runtime` if it counts, else
+/// the process's counted runtime, the policy compiled there once.
+fn in_counted(runtime: &Runtime, policy: &Policy) -> Result<(Runtime, Policy), LoadError> {
+    if runtime.is_counted() {
+        return Ok((runtime.clone(), policy.clone()));
+    }
+    static COUNTED: std::sync::OnceLock<Runtime> = std::sync::OnceLock::new();
+    let counted = COUNTED
+        .get_or_init(|| Runtime::counted().expect("the counted wasmtime configuration is valid"));
+    Ok((counted.clone(), counted.adopt(policy)?))
+}
+
+/// Run a script exactly, with every check on, each call's work counted as `check`
+/// counts it (in `runtime` if it counts, else in the process's counted runtime).
+/// `Ok(None)`: every rule held.
 pub fn replay(
     runtime: &Runtime,
     policy: &Policy,
@@ -312,9 +351,10 @@ pub fn replay(
     script: &Script,
     limits: &Limits,
 ) -> Result<Option<Finding>, LoadError> {
+    let (runtime, policy) = in_counted(runtime, policy)?;
     let subject = Subject {
-        runtime,
-        policy,
+        runtime: &runtime,
+        policy: &policy,
         config,
         limits,
         upstream_seed: script.upstream_seed,
@@ -369,22 +409,6 @@ fn confirmed(
     if again.as_ref().is_some_and(|f| f.rule == finding.rule) {
         return Ok(finding);
     }
-    // The time limit is the wall clock's: a call past it while the cases ran, whose
-    // script replays within it, says the machine was slow then, not that the policy
-    // broke a rule (issue 73: a correct policy was called BROKEN on a loaded machine).
-    if finding.rule == "timeout" && again.is_none() {
-        return Ok(Finding {
-            rule: MACHINE_TOO_SLOW,
-            message: format!(
-                "{} while the cases ran, and the shrunk script ({} operations) ran within \
-                 the limit when replayed: the wall clock decides that limit, and the machine \
-                 was too slow for it then (busy?); run again, or give a higher \
-                 --call-time-ms",
-                finding.message,
-                script.len()
-            ),
-        });
-    }
     let seen = again.map_or("passed".to_string(), |f| format!("found {f}"));
     Ok(match script.threads.len() {
         1 => Finding {
@@ -405,21 +429,18 @@ fn confirmed(
     })
 }
 
-/// The rule of a finding that is no verdict: a call ran past the wall clock's limit,
-/// and its script ran within it when replayed.
-pub const MACHINE_TOO_SLOW: &str = "machine-too-slow";
+/// The rounds a default `allocbox check` and [`assert_contract`] run: about what the
+/// check's earlier default of 3 s ran here on a quiet machine (24 rounds of 64 cases,
+/// every fourth of them a few long-lived instances), counted rather than timed, so the
+/// same seed does the same work, and gives the same verdict, on any machine.
+pub const DEFAULT_ROUNDS: u32 = 24;
 
-/// The rounds [`assert_contract`] runs: about the cases a default `allocbox check` runs
-/// in its 3 s here (24 rounds of 64 cases, every fourth of them a few long-lived
-/// instances), counted rather than timed, so a test does the same work on any machine.
-pub const CONTRACT_ROUNDS: u32 = 24;
-
-/// What [`assert_contract`] checks with: [`CONTRACT_ROUNDS`] rounds (from the fixed
+/// What [`assert_contract`] checks with: [`DEFAULT_ROUNDS`] rounds (from the fixed
 /// seed, which it replaces by a fresh one), failing seeds kept where the command line
 /// keeps them.
 pub fn contract_options() -> CheckOptions {
     CheckOptions {
-        rounds: Some(CONTRACT_ROUNDS),
+        rounds: Some(DEFAULT_ROUNDS),
         regressions: default_regressions_dir(),
         ..CheckOptions::default()
     }
@@ -505,6 +526,7 @@ mod tests {
             long: false,
             per_thread: false,
             shrink_time: None,
+            shrink_spent: Default::default(),
         };
         match runner.run(&strategy, |case| {
             if fails(&case.threads) {

@@ -11,6 +11,12 @@ use std::fmt;
 pub const SCRIPT_NOTATION: &str = "\
 A script has one line each (`#` starts a comment, on its own line or after an operation,
 where the checker notes what the numbers do not show: `# 2^32 - 15`):
+  policy PATH             the policy the check ran (one named on the command line goes first)
+  digest HEX              the SHA-256 of its binary: a replay of another binary says so
+  config KEY=VALUE        a setting the policy was started with (a line each)
+  grant KINDS             the kinds of memory the check granted, comma-separated
+  limit NAME N            a bound the check ran under that is not the default: call-work,
+                          guest-memory, overhead or batch
   upstream seed N         the seed the checker's upstream places blocks by (first; 0 if absent)
   magazines | per-call    how the host asked a policy that batches: small requests served
                           from its per-thread magazines (the default), or every call asked
@@ -294,14 +300,80 @@ pub struct Script {
 }
 
 /// What a check ran a script's policy with: written `policy PATH` (the file, as the
-/// check was given it), each `config KEY=VALUE` the policy was started with, and `grant
-/// KINDS`. A script without them ran the policy the command line names, unconfigured,
-/// granted nothing.
+/// check was given it), `digest HEX` (the SHA-256 of its binary, so a replay of a
+/// changed file says so), each `config KEY=VALUE` the policy was started with, `grant
+/// KINDS`, and `limit NAME N` for each bound not at its default (`call-work`,
+/// `guest-memory`, `overhead`, `batch`). A script without them ran the policy the
+/// command line names, unconfigured, granted nothing, within the default bounds.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct RanWith {
     pub policy: Option<String>,
+    pub digest: Option<String>,
     pub config: Vec<(String, String)>,
     pub grants: Vec<String>,
+    pub limits: Vec<(ScriptLimit, u64)>,
+}
+
+/// A bound of [`allocbox::Limits`] a script records (`limit NAME N`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScriptLimit {
+    CallWork,
+    GuestMemory,
+    Overhead,
+    Batch,
+}
+
+impl ScriptLimit {
+    pub const ALL: [ScriptLimit; 4] = [
+        ScriptLimit::CallWork,
+        ScriptLimit::GuestMemory,
+        ScriptLimit::Overhead,
+        ScriptLimit::Batch,
+    ];
+
+    /// Its name in a script: the command line's option without `--` (`batch-limit`'s
+    /// is `batch`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ScriptLimit::CallWork => "call-work",
+            ScriptLimit::GuestMemory => "guest-memory",
+            ScriptLimit::Overhead => "overhead",
+            ScriptLimit::Batch => "batch",
+        }
+    }
+
+    /// Its value in `limits`.
+    pub fn of(self, limits: &allocbox::Limits) -> u64 {
+        match self {
+            ScriptLimit::CallWork => limits.call_work,
+            ScriptLimit::GuestMemory => limits.memory,
+            ScriptLimit::Overhead => limits.overhead,
+            ScriptLimit::Batch => limits.batch.into(),
+        }
+    }
+
+    /// `limits` with this bound set to `value` (a batch past `u32` is the most there is).
+    pub fn set(self, limits: &mut allocbox::Limits, value: u64) {
+        match self {
+            ScriptLimit::CallWork => limits.call_work = value,
+            ScriptLimit::GuestMemory => limits.memory = value,
+            ScriptLimit::Overhead => limits.overhead = value,
+            ScriptLimit::Batch => limits.batch = u32::try_from(value).unwrap_or(u32::MAX),
+        }
+    }
+}
+
+impl RanWith {
+    /// What `limits` holds of the bounds a script records, each that is not at its
+    /// default.
+    pub fn record_limits(&mut self, limits: &allocbox::Limits) {
+        let defaults = allocbox::Limits::default();
+        self.limits = ScriptLimit::ALL
+            .into_iter()
+            .filter(|b| b.of(limits) != b.of(&defaults))
+            .map(|b| (b, b.of(limits)))
+            .collect();
+    }
 }
 
 impl Script {
@@ -356,6 +428,40 @@ impl Script {
                     return Err(at("`policy` names the policy's file: `policy PATH`".into()));
                 }
                 script.ran.policy = Some(path.to_string());
+                continue;
+            }
+            if let Some(digest) = line.strip_prefix("digest ") {
+                let digest = digest.trim();
+                if digest.len() != 64 || !digest.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err(at(format!(
+                        "`digest {digest}`: a digest is the policy's SHA-256, 64 hex digits"
+                    )));
+                }
+                script.ran.digest = Some(digest.to_ascii_lowercase());
+                continue;
+            }
+            if let Some(limit) = line.strip_prefix("limit ") {
+                let (name, value) = limit.trim().split_once(' ').unwrap_or((limit.trim(), ""));
+                let bound = ScriptLimit::ALL
+                    .into_iter()
+                    .find(|b| b.name() == name)
+                    .ok_or_else(|| {
+                        let names: Vec<&str> = ScriptLimit::ALL.iter().map(|b| b.name()).collect();
+                        at(format!(
+                            "`limit {}`: a limit is one of {} and a whole number",
+                            limit.trim(),
+                            names.join(", ")
+                        ))
+                    })?;
+                let value = value.trim().parse().map_err(|_| {
+                    at(format!(
+                        "`limit {}`: `{}` is not a whole number",
+                        limit.trim(),
+                        value.trim()
+                    ))
+                })?;
+                script.ran.limits.retain(|(b, _)| *b != bound);
+                script.ran.limits.push((bound, value));
                 continue;
             }
             if let Some(setting) = line.strip_prefix("config ") {
@@ -516,11 +622,17 @@ impl fmt::Display for Script {
         if let Some(policy) = &self.ran.policy {
             writeln!(f, "policy {policy}")?;
         }
+        if let Some(digest) = &self.ran.digest {
+            writeln!(f, "digest {digest}")?;
+        }
         for (key, value) in &self.ran.config {
             writeln!(f, "config {key}={value}")?;
         }
         if !self.ran.grants.is_empty() {
             writeln!(f, "grant {}", self.ran.grants.join(","))?;
+        }
+        for (bound, value) in &self.ran.limits {
+            writeln!(f, "limit {} {value}", bound.name())?;
         }
         if self.upstream_seed != 0 {
             writeln!(f, "upstream seed {}", self.upstream_seed)?;
@@ -564,11 +676,18 @@ mod tests {
     /// neither it nor the printed line kept the configuration.
     #[test]
     fn a_script_keeps_the_policy_its_configuration_and_grants_and_reads_them_back() {
-        let script = Script::parse(
-            "policy fixtures/broken.wasm\nconfig fault=overlap\nconfig alignment=64\n\
-             grant numa,guarded\nupstream seed 3\nb0 = malloc 8\nfree b0\n",
-        )
+        let digest = "ab".repeat(32);
+        let script = Script::parse(&format!(
+            "policy fixtures/broken.wasm\ndigest {digest}\nconfig fault=overlap\n\
+             config alignment=64\ngrant numa,guarded\nlimit call-work 5000\nlimit batch 8\n\
+             upstream seed 3\nb0 = malloc 8\nfree b0\n",
+        ))
         .unwrap();
+        assert_eq!(script.ran.digest.as_deref(), Some(digest.as_str()));
+        assert_eq!(
+            script.ran.limits,
+            [(ScriptLimit::CallWork, 5000), (ScriptLimit::Batch, 8)]
+        );
         assert_eq!(script.ran.policy.as_deref(), Some("fixtures/broken.wasm"));
         assert_eq!(
             script.ran.config,
@@ -584,6 +703,22 @@ mod tests {
                 .unwrap_err()
                 .contains("KEY=VALUE")
         );
+    }
+
+    #[test]
+    fn a_digest_or_limit_line_of_another_form_is_refused_naming_its_form() {
+        for (line, says) in [
+            ("digest abc", "64 hex digits"),
+            ("limit call-work", "not a whole number"),
+            ("limit speed 9", "a limit is one of call-work"),
+            ("limit overhead -1", "not a whole number"),
+        ] {
+            let err = Script::parse(&format!("{line}\nb0 = malloc 8\n")).unwrap_err();
+            assert!(
+                err.contains(says) && err.starts_with("line 1:"),
+                "{line}: {err}"
+            );
+        }
     }
 
     /// Found by `.ci/fuzz`'s `replay_script` target (its first long run): `grant ` of

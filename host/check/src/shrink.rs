@@ -2,41 +2,56 @@
 //! (blocks are named by the operation that made it, so a deletion never changes which
 //! block another operation means), then narrows each number, within a budget of its own.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::script::{CallPath, Case, Op};
 
-/// The most trials shrinking one failure runs, and how long it may take from its first
-/// trial (`None`: no time bound). Past either, the smallest failing script found so far
-/// stands. Kept here rather than in proptest's configuration, which says so on standard
-/// error when it stops shrinking.
-#[derive(Debug, Clone, Copy)]
+/// The most trials shrinking one failure runs and the most operations they run
+/// together, counted so that a seed shrinks to the same script on any machine, and
+/// optionally how long it may take from its first trial. Past any, the smallest failing
+/// script found so far stands. Kept here rather than in proptest's configuration, which
+/// says so on standard error when it stops shrinking.
+#[derive(Debug, Clone)]
 pub(super) struct ShrinkBudget {
     trials_left: u32,
+    ops_left: u64,
     time: Option<Duration>,
     started: Option<Instant>,
+    /// Set when the budget ran out before shrinking ended (the check's report says so).
+    spent: Arc<AtomicBool>,
 }
 
 impl ShrinkBudget {
     /// Trials one failure's shrinking may run.
     pub(super) const TRIALS: u32 = 2048;
+    /// Operations one failure's trials may run together: room for a long-lived
+    /// instance's failure of 16,384 operations to shrink to the few hundred that show
+    /// it (`tests/all/check.rs`), some 20 s of shrinking at the checker's rate here.
+    pub(super) const OPS: u64 = 4_000_000;
 
-    pub(super) fn new(time: Option<Duration>) -> Self {
+    /// `spent` is set if this budget runs out.
+    pub(super) fn new(time: Option<Duration>, spent: Arc<AtomicBool>) -> Self {
         ShrinkBudget {
             trials_left: Self::TRIALS,
+            ops_left: Self::OPS,
             time,
             started: None,
+            spent,
         }
     }
 
-    /// Take one trial; false once the budget is spent.
-    fn take(&mut self) -> bool {
+    /// Take one trial of at most `ops` operations; false once the budget is spent.
+    fn take(&mut self, ops: u64) -> bool {
         let started = *self.started.get_or_insert_with(Instant::now);
         let in_time = self.time.is_none_or(|limit| started.elapsed() < limit);
-        if self.trials_left == 0 || !in_time {
+        if self.trials_left == 0 || self.ops_left < ops || !in_time {
+            self.spent.store(true, Ordering::Relaxed);
             return false;
         }
         self.trials_left -= 1;
+        self.ops_left -= ops;
         true
     }
 }
@@ -131,7 +146,9 @@ impl ScriptTree {
     /// Put up the next candidate; false when there is none left (the current script is
     /// then the smallest failing one found).
     pub(super) fn next_trial(&mut self) -> bool {
-        if !self.budget.take() {
+        // A trial runs at most the operations of the script it deletes from or narrows.
+        let ops = self.threads.iter().map(|ops| ops.len() as u64).sum();
+        if !self.budget.take(ops) {
             self.step = Step::Done;
             return false;
         }
@@ -286,14 +303,15 @@ mod tests {
     /// bound would (which says so on standard error).
     #[test]
     fn shrinking_stops_after_its_budget_of_trials_on_the_last_failing_script() {
-        let ops: Vec<Op> = (0..4096)
+        let ops: Vec<Op> = (0..256)
             .map(|block| Op::Malloc { block, size: 8 })
             .collect();
+        let spent = Arc::new(AtomicBool::new(false));
         let mut tree = ScriptTree::new(
             CallPath::Magazines,
             None,
             vec![ops.clone()],
-            ShrinkBudget::new(None),
+            ShrinkBudget::new(None, spent.clone()),
         );
         // Only the whole script fails: every one of the thousands of deletions passes.
         let mut trials = 0;
@@ -305,5 +323,31 @@ mod tests {
         }
         assert_eq!(trials, ShrinkBudget::TRIALS);
         assert_eq!(tree.current().threads, [ops]);
+        assert!(spent.load(Ordering::Relaxed), "the report is told");
+    }
+
+    /// Long scripts spend the operations' budget before the trials': shrinking a long
+    /// failure stops after a count of work, the same on any machine.
+    #[test]
+    fn shrinking_a_long_script_stops_after_its_budget_of_operations() {
+        let len = 16_384;
+        let ops: Vec<Op> = (0..len)
+            .map(|block| Op::Malloc { block, size: 8 })
+            .collect();
+        let spent = Arc::new(AtomicBool::new(false));
+        let mut tree = ScriptTree::new(
+            CallPath::Magazines,
+            None,
+            vec![ops],
+            ShrinkBudget::new(None, spent.clone()),
+        );
+        let mut trials = 0;
+        let mut more = tree.simplify();
+        while more {
+            trials += 1;
+            more = tree.complicate();
+        }
+        assert_eq!(trials, ShrinkBudget::OPS / u64::from(len));
+        assert!(spent.load(Ordering::Relaxed));
     }
 }

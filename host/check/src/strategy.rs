@@ -1,6 +1,8 @@
 //! Drawing random scripts: a proptest strategy of client operations in the shapes real
 //! workloads have, whose value tree ([`ScriptTree`], in `shrink.rs`) shrinks a failure.
 
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use proptest::test_runner::{TestRng, TestRunner};
@@ -314,7 +316,7 @@ fn draw_standing_oom(rng: &mut TestRng) -> Option<Op> {
 /// proptest's `vec(prop_oneof![..])` builds a value tree per operation, and building
 /// those cost more than running the operations; this strategy keeps plain operations
 /// and shrinks them with [`ScriptTree`].
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(super) struct Scripts {
     pub(super) threads: usize,
     pub(super) max_ops: usize,
@@ -327,6 +329,8 @@ pub(super) struct Scripts {
     pub(super) per_thread: bool,
     /// How long shrinking a failure may take ([`ShrinkBudget`]).
     pub(super) shrink_time: Option<Duration>,
+    /// Set when a failure's shrinking ran out of its budget.
+    pub(super) shrink_spent: Arc<AtomicBool>,
 }
 
 /// The most blocks a long-lived instance's thread holds at once; past it, the next
@@ -386,7 +390,7 @@ impl Strategy for Scripts {
             path,
             magazine_depth,
             threads,
-            ShrinkBudget::new(self.shrink_time),
+            ShrinkBudget::new(self.shrink_time, self.shrink_spent.clone()),
         ))
     }
 }

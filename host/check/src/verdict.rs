@@ -7,10 +7,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use allocbox::mapped::KindGrant;
-use allocbox::{Adversary, Error, Limits, Rule, WasmHook};
+use allocbox::{Adversary, Error, Limits, Rule, TimeLimit, WasmHook};
 
 use super::holdings::Holdings;
 use super::script::Script;
+
+/// The rule of a finding that is no verdict: a call ran past the wall clock's safety
+/// net before its counted limit, so the machine, not the policy, was too slow.
+pub const MACHINE_TOO_SLOW: &str = "machine-too-slow";
 
 /// A broken rule, found by running a script.
 #[derive(Debug, Clone)]
@@ -24,6 +28,18 @@ impl Finding {
     pub(super) fn from_error(e: &Error) -> Finding {
         match e {
             Error::Poisoned { cause, .. } => Finding::from_error(cause),
+            Error::Timeout {
+                limit: TimeLimit::Clock(_),
+                ..
+            } => Finding {
+                rule: MACHINE_TOO_SLOW,
+                message: format!(
+                    "{e}; but a checked call's work is counted (`--call-work`), and the \
+                     wall clock is only a safety net far above it: the machine was too slow \
+                     to do the call's work in time (busy?), which says nothing of the \
+                     policy; run again, or give a higher --call-time-ms"
+                ),
+            },
             _ => Finding {
                 rule: e.kind(),
                 message: e.to_string(),
@@ -72,9 +88,10 @@ pub struct CheckOptions {
     /// same work whatever the machine's speed (tests use it). With `time` too, whichever
     /// ends first. Default none.
     pub rounds: Option<u32>,
-    /// Longest a failure is shrunk; past it the smallest script found so far is
-    /// reported. `None`: shrinking is bounded by its step count alone, so that it finds
-    /// the same script on a busy machine (tests use it). Default [`MAX_SHRINK_TIME`].
+    /// Longest a failure is shrunk, beside its counted budget of trials and operations;
+    /// past it the smallest script found so far is reported. Default `None`: shrinking
+    /// is bounded by its counts alone, so that a seed shrinks to the same script on any
+    /// machine.
     pub shrink_time: Option<Duration>,
     /// Most operations in one sequence (per thread). Default 128.
     pub max_ops: usize,
@@ -83,7 +100,9 @@ pub struct CheckOptions {
     pub seed: Option<u64>,
     /// Client threads calling one handler at once. Default 1.
     pub threads: usize,
-    /// Bounds on the policy; default [`Limits::default`] with a 250 ms call limit.
+    /// Bounds on the policy; default [`Limits::default`] with a 10 s call limit: in a
+    /// check the counted [`Limits::call_work`] decides, and the wall clock is a safety
+    /// net far above it.
     pub limits: Limits,
     /// Where failing seeds persist (`<dir>/<policy>.txt`, retried first by later runs).
     /// Default none; the command line keeps them in [`default_regressions_dir`].
@@ -95,12 +114,12 @@ pub struct CheckOptions {
     pub hook: Option<Arc<WasmHook>>,
 }
 
+/// The wall clock's limit on a checked call: a safety net far above
+/// [`allocbox::DEFAULT_CALL_WORK`]'s counted work on any machine likely to run it.
+pub const CHECK_CALL_TIME: Duration = Duration::from_secs(10);
+
 /// What [`CheckOptions::progress`] calls.
 pub type ProgressFn = dyn Fn(&Progress) + Send + Sync;
-
-/// How long a failure is shrunk by default; past it the smallest script found so far is
-/// reported.
-pub const MAX_SHRINK_TIME: Duration = Duration::from_secs(10);
 
 /// Sequences in a round of long-lived instances.
 pub const LONG_CASES: u32 = 4;
@@ -137,12 +156,12 @@ impl Default for CheckOptions {
             cases: 64,
             time: None,
             rounds: None,
-            shrink_time: Some(MAX_SHRINK_TIME),
+            shrink_time: None,
             max_ops: 128,
             seed: None,
             threads: 1,
             limits: Limits {
-                call_time: Duration::from_millis(250),
+                call_time: CHECK_CALL_TIME,
                 ..Limits::default()
             },
             regressions: None,
@@ -163,6 +182,11 @@ pub struct CheckReport {
     /// [`CheckOptions::regressions`]: the policy's name, and a digest of its binary and
     /// configuration, so that two policies of one name keep theirs apart.
     pub regression_name: String,
+    /// Rounds run (begun: the last may have been cut by the time cap).
+    pub rounds: u32,
+    /// [`CheckOptions::time`] ended the check before the rounds asked for were run:
+    /// the depth was cut by the clock, and another machine may run more.
+    pub cut_by_time: bool,
     /// Cases run, shrinking runs included.
     pub cases: u32,
     /// Operations run, shrinking runs included.
@@ -207,9 +231,9 @@ pub struct CheckReport {
     pub holdings: Holdings,
     /// The first broken rule, with the shrunk script that shows it.
     pub failure: Option<(Finding, Script)>,
-    /// Shrinking the failure ran out of time ([`CheckOptions::shrink_time`]): the script
-    /// shows the
-    /// broken rule but may not be the shortest that does.
+    /// Shrinking the failure ran out of its budget (its counted trials and operations,
+    /// or [`CheckOptions::shrink_time`]): the script shows the broken rule but may not be
+    /// the shortest that does.
     pub shrink_stopped_early: bool,
     /// How long the check ran before the first failing case, shrinking not included.
     pub time_to_failure: Option<Duration>,

@@ -83,7 +83,7 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
         }
         let script_file = match &report.failure {
             Some((_, script)) => {
-                let ran = ran_with(script.clone(), target, &args.config, &args.options);
+                let ran = ran_with(script.clone(), target, &policy, &args.config, &args.options);
                 save_script(&args.options, &report, &ran)
             }
             None => None,
@@ -109,14 +109,18 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
 }
 
 /// `script` with what the check ran it with: the policy's file (absolute, so the replay
-/// runs from anywhere; a shipped policy by its name), its configuration and grants, so
-/// that `allocbox replay FILE` alone reproduces the finding.
+/// runs from anywhere; a shipped policy by its name) and digest, its configuration,
+/// grants and the bounds not at their defaults, so that `allocbox replay FILE` alone
+/// reproduces the finding.
 fn ran_with(
     mut script: Script,
     target: Option<&PathBuf>,
+    policy: &allocbox::Policy,
     config: &[(String, String)],
     options: &CheckOptions,
 ) -> Script {
+    script.ran.digest = Some(hex(&policy.digest()));
+    script.ran.record_limits(&options.limits);
     script.ran.policy = target.map(|path| match path.is_file() {
         true => std::path::absolute(path)
             .unwrap_or_else(|_| path.clone())
@@ -157,8 +161,9 @@ fn save_script(options: &CheckOptions, report: &CheckReport, script: &Script) ->
 
 fn text_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> String {
     let mut totals = format!(
-        "{} cases, {} operations in {:.2} s ({:.0} ops/s) from seed {} (`--seed {}` runs \
-         them again)",
+        "{} rounds, {} cases, {} operations in {:.2} s ({:.0} ops/s) from seed {} (`--seed \
+         {}` runs them again)",
+        report.rounds,
         report.cases,
         report.ops,
         report.elapsed.as_secs_f64(),
@@ -166,6 +171,14 @@ fn text_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> Strin
         report.seed,
         report.seed,
     );
+    if report.cut_by_time {
+        totals += &format!(
+            "; --time stopped the check after {} rounds, before the depth asked for: a \
+             faster machine runs more from the same seed (leave out --time for the same \
+             depth everywhere)",
+            report.rounds
+        );
+    }
     if let Some(refused) = refused_on_purpose(report) {
         totals += &format!("; {refused}");
     }
@@ -220,10 +233,7 @@ fn text_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> Strin
     };
     out += &format!("  shrunk to {} operations, {path}", script.len());
     if report.shrink_stopped_early {
-        out += &format!(
-            " (shrinking stopped after {} s: a shorter script may exist)",
-            check::MAX_SHRINK_TIME.as_secs()
-        );
+        out += " (shrinking stopped at its budget of trials: a shorter script may exist)";
     }
     out += ":\n";
     for line in script.to_string().lines() {
@@ -351,6 +361,8 @@ fn json_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> serde
         "policy": report.policy,
         "source": label,
         "passed": report.passed(),
+        "rounds": report.rounds,
+        "cut_by_time": report.cut_by_time,
         "cases": report.cases,
         "operations": report.ops,
         "seconds": report.elapsed.as_secs_f64(),
@@ -430,6 +442,18 @@ pub(crate) fn run_replay(
         allocbox::output::note_input(policy);
     }
     let loaded = load(runtime, policy.as_ref())?;
+    if let Some(digest) = &parsed.ran.digest
+        && *digest != hex(&loaded.digest())
+    {
+        eprintln!(
+            "allocbox: the policy `{}` is not the binary the script was made with (its \
+             digest differs from the script's `digest` line): the replay may not find \
+             what the check found",
+            policy
+                .as_ref()
+                .map_or("built-in default".to_string(), |p| p.display().to_string())
+        );
+    }
     let config = match config.is_empty() {
         true => &parsed.ran.config,
         false => &config,
@@ -439,6 +463,13 @@ pub(crate) fn run_replay(
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
     let mut limits = limits;
+    // A bound the command line left at its default is the script's.
+    let defaults = Limits::default();
+    for &(bound, value) in &parsed.ran.limits {
+        if bound.of(&limits) == bound.of(&defaults) {
+            bound.set(&mut limits, value);
+        }
+    }
     if limits.grants.memory == allocbox::mapped::KindGrants::default() {
         for name in &parsed.ran.grants {
             let kind = name
@@ -455,9 +486,17 @@ pub(crate) fn run_replay(
             ));
             Ok(Outcome::Held)
         }
+        Some(finding) if finding.rule == check::MACHINE_TOO_SLOW => {
+            bail!("no verdict on `{}`: {}", script.display(), finding.message)
+        }
         Some(finding) => {
             print_report(&format!("BROKEN {finding}\n"));
             Ok(Outcome::Broken)
         }
     }
+}
+
+/// Bytes as lowercase hex digits: a digest as a script writes it.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -41,14 +41,19 @@ pub(crate) enum Command {
         /// Policies: shipped ones by name (`system`, `aligned`, `size-classes`, `arena`,
         /// `builtin`), components (.wasm) or WAT sources (.wat).
         policies: Vec<PathBuf>,
-        /// Seconds to spend on each policy, in rounds of `--cases` sequences (every
-        /// fourth round long-lived instances of thousands of operations). Default 3,
-        /// unless `--cases` is given alone.
+        /// Rounds of `--cases` sequences to run on each policy, each from a seed of its
+        /// own drawn from `--seed` (every fourth round long-lived instances of thousands
+        /// of operations): the same work, and the same verdict, on any machine.
+        #[arg(long, default_value_t = allocbox_check::DEFAULT_ROUNDS, value_parser = at_least_one::<u32>)]
+        rounds: u32,
+        /// Random sequences per round.
+        #[arg(long, default_value_t = 64, value_parser = at_least_one::<u32>)]
+        cases: u32,
+        /// Most seconds to spend on each policy: a cap that stops the rounds early (the
+        /// report says so), so a slower machine may check less than a faster one.
+        /// Default: no cap.
         #[arg(long, allow_negative_numbers = true, value_parser = check_seconds)]
         time: Option<f64>,
-        /// Random sequences per round. Given without `--time`: run exactly this many.
-        #[arg(long, value_parser = at_least_one::<u32>)]
-        cases: Option<u32>,
         /// Seed, for a run that repeats exactly.
         #[arg(long)]
         seed: Option<u64>,
@@ -72,6 +77,8 @@ pub(crate) enum Command {
         hook: HookArg,
         #[command(flatten)]
         limits: LimitArgs,
+        #[command(flatten)]
+        work: CallWorkArg,
     },
     /// Convert a trace between the binary form recordings write and the text form
     /// (`op id size thread` lines) people read and write by hand.
@@ -165,6 +172,8 @@ pub(crate) enum Command {
         config: Vec<(String, String)>,
         #[command(flatten)]
         limits: LimitArgs,
+        #[command(flatten)]
+        work: CallWorkArg,
     },
     /// Show what a policy is: name, version, alignment, world, imports, exports, size.
     /// With no file, the built-in default policy.
@@ -276,7 +285,7 @@ pub(crate) struct HookArg {
 #[derive(Args, Debug, Clone, Default)]
 pub(crate) struct LimitArgs {
     /// Longest one call into a policy may run, time in its imports included, in ms
-    /// [default: 1000; 250 for check and replay].
+    /// [default: 1000; for check and replay a safety net of 10000 beside --call-work].
     #[arg(long, value_parser = call_time_ms)]
     call_time_ms: Option<u64>,
     /// Most bytes of its own memory a policy may grow to, as bytes or with a unit
@@ -315,10 +324,32 @@ impl LimitArgs {
     }
 }
 
-/// The call limit of checking runs: short, so a looping policy is found quickly.
-pub(crate) const CHECK_CALL_TIME: Duration = Duration::from_millis(250);
-/// How long `allocbox check` spends on a policy unless told otherwise.
-pub(crate) const DEFAULT_CHECK_TIME: Duration = Duration::from_secs(3);
+/// `--call-work`: the counted limit of checking runs (`check`, `replay`).
+#[derive(Args, Debug, Clone, Default)]
+pub(crate) struct CallWorkArg {
+    /// Most work one call into a policy may do in `check` and `replay`, counted rather
+    /// than timed so that the verdict is the same on a busy machine: about a unit per
+    /// wasm instruction of the policy's, the host's work in its imports counted apart
+    /// by what it moves (a unit per 8 bytes) [default: 200000000]. `--call-time-ms` is
+    /// then only a safety net against a machine too slow to finish the work.
+    #[arg(long, value_name = "UNITS", value_parser = at_least_one::<u64>)]
+    pub(crate) call_work: Option<u64>,
+}
+
+impl CallWorkArg {
+    /// `limits` with the counted limit given.
+    pub(crate) fn apply(&self, limits: Limits) -> Limits {
+        Limits {
+            call_work: self.call_work.unwrap_or(limits.call_work),
+            ..limits
+        }
+    }
+}
+
+/// The wall clock's limit on a call in checking runs: a safety net far above the
+/// counted limit (`--call-work`), which decides; past it the check says the machine was
+/// too slow, never that the policy broke a rule.
+pub(crate) const CHECK_CALL_TIME: Duration = allocbox_check::CHECK_CALL_TIME;
 /// The device policy `report` replays a trace's GPU memory through unless told.
 pub(crate) const DEFAULT_DEVICE_POLICY: &str = "gpu-pool";
 /// A stand-in GPU's memory unless told: an 80 GB data-centre GPU's.

@@ -39,9 +39,7 @@ use allocbox::{CompileBounds, Limits};
 use allocbox_check::CheckOptions;
 
 use check_command::{CheckArgs, run_check, run_replay};
-use grammar::{
-    CHECK_CALL_TIME, Command, DEFAULT_CHECK_TIME, DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICE_POLICY,
-};
+use grammar::{CHECK_CALL_TIME, Command, DEFAULT_DEVICE_MEMORY, DEFAULT_DEVICE_POLICY};
 use inspect::inspect;
 use outcome::{Outcome, print_report};
 use trace_command::{ReportArgs, config_per_policy, run_replay_trace, run_report};
@@ -117,6 +115,7 @@ where
         }),
         Command::Check {
             policies,
+            rounds,
             time,
             cases,
             seed,
@@ -127,21 +126,19 @@ where
             config,
             hook,
             limits,
+            work,
         } => run_check(CheckArgs {
             policies,
             options: CheckOptions {
-                cases: cases.unwrap_or(64),
-                time: match (time, cases) {
-                    (Some(secs), _) => Some(Duration::from_secs_f64(secs)),
-                    (None, Some(_)) => None,
-                    (None, None) => Some(DEFAULT_CHECK_TIME),
-                },
+                cases,
+                rounds: Some(rounds),
+                time: time.map(Duration::from_secs_f64),
                 // A fresh seed each run finds what the last did not; the report prints it.
                 seed: Some(seed.unwrap_or_else(allocbox_check::fresh_seed)),
                 max_ops,
                 threads,
                 regressions: regressions.or_else(allocbox_check::default_regressions_dir),
-                limits: limits.limits(CHECK_CALL_TIME),
+                limits: work.apply(limits.limits(CHECK_CALL_TIME)),
                 ..CheckOptions::default()
             },
             json,
@@ -153,7 +150,13 @@ where
             policy,
             config,
             limits,
-        } => run_replay(script, policy, config, limits.limits(CHECK_CALL_TIME)),
+            work,
+        } => run_replay(
+            script,
+            policy,
+            config,
+            work.apply(limits.limits(CHECK_CALL_TIME)),
+        ),
         Command::Report {
             traces,
             policies,

@@ -31,8 +31,8 @@ impl LinkState {
     ) -> wasmtime::Result<()> {
         let mut done = 0;
         while done < total {
-            self.on_time(call)?;
             let len = (total - done).min(BYTES_CHUNK);
+            self.on_time_moving(call, len)?;
             let offset = match order {
                 Order::Ascending => done,
                 Order::Descending => total - done - len,

@@ -18,6 +18,7 @@
 use std::sync::Arc;
 
 use super::bindings;
+use super::sandbox::{BYTES_PER_WORK, IMPORT_WORK};
 use super::{LinkStart, LinkState, Sandbox, Transit, Upstream};
 use crate::clock::Deadline;
 use crate::error::{Bound, Call, Error, Rule, Violation};
@@ -44,7 +45,7 @@ impl LinkState {
             unreported: None,
             demand: 0,
             on_allowance: false,
-            call_time: limits.call_time,
+            excused_left: 0,
             batch_limit: limits.batch,
             read_limit: limits.memory,
             overhead_limit: limits.overhead,
@@ -169,19 +170,35 @@ impl LinkState {
 
     /// Stop an import of a call that has run past its time: wasm code is interrupted by
     /// the epoch, host code checks here, at every import and between chunks of long ones.
+    /// Under a counted runtime, each import costs [`IMPORT_WORK`] units.
     #[inline]
     pub(super) fn on_time(&mut self, call: Call) -> wasmtime::Result<()> {
+        self.sandbox.charge(IMPORT_WORK);
         if self.out_of_time() {
             return Err(self.timed_out(call));
         }
         Ok(())
     }
 
+    /// [`Self::on_time`] for an import about to move `bytes` for the policy (read,
+    /// write, fill, copy, or take them from upstream, which fills or copies them), its
+    /// counted work charged first ([`BYTES_PER_WORK`]), so that work past the
+    /// limit is refused before it is done. What the client's request covers is not
+    /// counted, once a call: the client chose it.
+    #[inline]
+    pub(super) fn on_time_moving(&mut self, call: Call, bytes: u64) -> wasmtime::Result<()> {
+        let excused = bytes.min(self.excused_left);
+        self.excused_left -= excused;
+        let moved = bytes - excused;
+        self.sandbox.charge(moved.div_ceil(BYTES_PER_WORK));
+        self.on_time(call)
+    }
+
     #[cold]
     #[inline(never)]
     fn timed_out(&mut self, call: Call) -> wasmtime::Error {
         let policy = self.sandbox.name.clone();
-        let limit = self.call_time;
+        let limit = self.sandbox.limit_passed();
         self.fail(Error::Timeout {
             policy,
             call,
@@ -369,7 +386,7 @@ impl LinkState {
 
 impl bindings::allocbox::policy::allocator::Host for LinkState {
     fn malloc(&mut self, size: u64) -> wasmtime::Result<u64> {
-        self.on_time(Call::Malloc)?;
+        self.on_time_moving(Call::Malloc, size)?;
         if size == 0 || !self.may_take(size) {
             return Ok(0);
         }
@@ -382,10 +399,11 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
     }
 
     fn calloc(&mut self, nelem: u64, elsize: u64) -> wasmtime::Result<u64> {
-        self.on_time(Call::Calloc)?;
         let Some(size) = nelem.checked_mul(elsize) else {
+            self.on_time(Call::Calloc)?;
             return Ok(0);
         };
+        self.on_time_moving(Call::Calloc, size)?;
         if self.upstream_placement() != Placement::Host {
             // Zeroing is host work on the bytes: none for GPU memory.
             return Ok(0);
@@ -405,7 +423,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
         if ptr == 0 {
             return self.malloc(new);
         }
-        self.on_time(Call::Realloc)?;
+        self.on_time_moving(Call::Realloc, new)?;
         let hold_back = self.check_give_back(Call::Realloc, ptr, old)?;
         if self.upstream_placement() != Placement::Host {
             // Moving a block copies its bytes, which the host never does on a GPU: the
@@ -464,9 +482,11 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
     }
 
     fn malloc_many(&mut self, size: u64, count: u32) -> wasmtime::Result<Vec<u64>> {
-        self.on_time(Call::MallocMany)?;
         let limit = self.batch_limit;
         self.bounded(Call::MallocMany, Bound::Batch, count.into(), limit.into())?;
+        let blocks_work = u64::from(count).saturating_mul(IMPORT_WORK);
+        self.sandbox.charge(blocks_work);
+        self.on_time_moving(Call::MallocMany, size.saturating_mul(count.into()))?;
         if size == 0 {
             return Ok(Vec::new());
         }
@@ -495,6 +515,7 @@ impl bindings::allocbox::policy::allocator::Host for LinkState {
             ptrs.len() as u64,
             limit.into(),
         )?;
+        // Each block is a `free`: checked and counted as one.
         for ptr in ptrs {
             self.free(ptr, size)?;
         }

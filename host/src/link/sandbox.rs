@@ -17,7 +17,7 @@ use wasmtime::Trap;
 use wasmtime::component::ResourceTableError;
 use wasmtime_wasi::{I32Exit, WasiCtxView, WasiView};
 
-use crate::error::{Bound, Call, Error};
+use crate::error::{Bound, Call, Error, TimeLimit};
 use crate::wasi::{GuestView, GuestWasi};
 
 /// Bounds on one policy instance: every unit of host work and host memory a policy can
@@ -30,8 +30,19 @@ pub struct Limits {
     pub memory: u64,
     /// Longest a single call into the guest may run, time spent in its imports
     /// included. A chain's call is bounded by the sum of its links' limits. Passing it
-    /// stops the policy with [`Error::Timeout`]. Default 1 s.
+    /// stops the policy with [`Error::Timeout`]. Default 1 s. Under a counted runtime
+    /// ([`crate::Runtime::counted`]) it is a safety net far above [`Limits::call_work`],
+    /// which decides instead.
     pub call_time: Duration,
+    /// Under a counted runtime (the checker's): the most work one call into the guest
+    /// may do, counted rather than timed, so the same call passes or fails on a quiet
+    /// machine and a busy one. The guest's own code is counted by wasmtime's fuel (about
+    /// a unit per wasm instruction), and the host's work in its imports, separately,
+    /// against the same number: [`IMPORT_WORK`] units an import, a unit per
+    /// [`BYTES_PER_WORK`] bytes it reads, writes, fills, copies or takes from upstream
+    /// beyond what the client asked for. Passing either stops the policy with
+    /// [`Error::Timeout`]. Unused by a clocked runtime. Default [`DEFAULT_CALL_WORK`].
+    pub call_work: u64,
     /// Most blocks one `malloc-many` or `free-many` may ask of the host. Passing it stops
     /// the policy with [`Error::WorkLimit`]. Default 4096.
     pub batch: u32,
@@ -71,10 +82,43 @@ impl Default for Limits {
         Limits {
             memory: 128 << 20,
             call_time: Duration::from_secs(1),
+            call_work: DEFAULT_CALL_WORK,
             batch: 4096,
             overhead: 256 << 20,
             output: 16 << 10,
             grants: Grants::default(),
+        }
+    }
+}
+
+/// [`Limits::call_work`]'s default: 200 million units, a fifth of a second or so of a
+/// Rust policy's code here, and far more than any shipped policy's call takes.
+pub const DEFAULT_CALL_WORK: u64 = 200_000_000;
+/// Units of counted work an import costs the host before what it moves
+/// ([`Limits::call_work`]): about what its checks cost, in wasm instructions' time.
+pub const IMPORT_WORK: u64 = 64;
+/// Bytes the host moves for a guest per unit of counted work ([`Limits::call_work`]):
+/// about what a wasm instruction's time moves.
+pub const BYTES_PER_WORK: u64 = 8;
+
+/// What a call into a guest is armed with: the epoch ticks left of its deadline, and
+/// under a counted runtime the fuel its code may burn.
+#[derive(Debug, Clone, Copy)]
+#[must_use]
+pub(crate) struct Armed {
+    ticks: u64,
+    fuel: Option<u64>,
+}
+
+impl Armed {
+    /// Set the store's epoch deadline and fuel for the call about to run.
+    #[inline]
+    pub(crate) fn arm<T>(self, store: &mut wasmtime::Store<T>) {
+        store.set_epoch_deadline(self.ticks);
+        if let Some(fuel) = self.fuel {
+            // Fuel is set only under a counted runtime, whose engine consumes it: the
+            // call cannot fail there.
+            let _ = store.set_fuel(fuel);
         }
     }
 }
@@ -95,10 +139,18 @@ pub(crate) struct Sandbox {
     /// below it and every other guest call that embedder's call causes. Passed until a
     /// call arms it: a guest runs only under a deadline.
     deadline: Deadline,
+    /// Under a counted runtime, [`Limits::call_work`]: each call's fuel, and the bound on
+    /// `host_work`.
+    work: Option<u64>,
+    /// The host's counted work in this call's imports so far.
+    host_work: u64,
+    /// The wall clock's limit, said when it stops a call.
+    call_time: Duration,
 }
 
 impl Sandbox {
-    pub(crate) fn new(name: Arc<str>, limits: &Limits, clock: Arc<Clock>) -> Self {
+    /// `counted`: the runtime counts each call's work ([`Limits::call_work`]).
+    pub(crate) fn new(name: Arc<str>, limits: &Limits, clock: Arc<Clock>, counted: bool) -> Self {
         Sandbox {
             name,
             fault: None,
@@ -106,6 +158,9 @@ impl Sandbox {
             wasi: GuestWasi::new(&limits.grants.env, limits.grants.clocks, limits.output),
             clock,
             deadline: Deadline::passed(),
+            work: counted.then_some(limits.call_work),
+            host_work: 0,
+            call_time: limits.call_time,
         }
     }
 
@@ -114,18 +169,40 @@ impl Sandbox {
     }
 
     /// A new call into the guest begins, under the deadline of the embedder's call that
-    /// causes it. Returns the epoch ticks to arm: what is left of the deadline, at least
-    /// one, so that a callee whose time is already out is stopped at once. A growth the
-    /// budget refused in an earlier call, which the guest survived, does not explain a
-    /// failure in this one.
+    /// causes it. Returns what to arm: the epoch ticks left of the deadline, at least
+    /// one, so that a callee whose time is already out is stopped at once, and under a
+    /// counted runtime a call's fuel. A growth the budget refused in an earlier call,
+    /// which the guest survived, does not explain a failure in this one.
     #[inline]
-    pub(crate) fn begin_call(&mut self, deadline: Deadline) -> u64 {
+    pub(crate) fn begin_call(&mut self, deadline: Deadline) -> Armed {
         self.limiter.hit = false;
         self.deadline = deadline;
-        deadline
-            .tick()
-            .saturating_sub(self.clock.now_ticking())
-            .max(1)
+        self.host_work = 0;
+        Armed {
+            ticks: deadline
+                .tick()
+                .saturating_sub(self.clock.now_ticking())
+                .max(1),
+            fuel: self.work,
+        }
+    }
+
+    /// Count `units` of host work done for the guest in this call (nothing under a
+    /// clocked runtime, whose deadline times that work).
+    #[inline]
+    pub(crate) fn charge(&mut self, units: u64) {
+        if self.work.is_some() {
+            self.host_work = self.host_work.saturating_add(units);
+        }
+    }
+
+    /// The limit a call that is out of time passed: the counted one when the host's
+    /// work passed it, else the wall clock's.
+    pub(crate) fn limit_passed(&self) -> TimeLimit {
+        match self.work {
+            Some(work) if self.host_work >= work => TimeLimit::Work(work),
+            _ => TimeLimit::Clock(self.call_time),
+        }
     }
 
     /// The clock the guest is timed by.
@@ -144,11 +221,11 @@ impl Sandbox {
         self.deadline
     }
 
-    /// Has the current call reached its deadline? The epoch stops wasm code at the same
-    /// tick.
+    /// Has the current call reached its deadline, or (counted) the host's work in it its
+    /// bound? The epoch stops wasm code at the same tick, and its fuel at the same bound.
     #[inline]
     pub(crate) fn out_of_time(&self) -> bool {
-        self.now() >= self.deadline.tick()
+        self.now() >= self.deadline.tick() || self.work.is_some_and(|w| self.host_work >= w)
     }
 
     /// Give the current call back the ticks spent since `since` on host work that the
@@ -193,7 +270,14 @@ impl Sandbox {
             return Error::Timeout {
                 policy,
                 call,
-                limit: limits.call_time,
+                limit: TimeLimit::Clock(limits.call_time),
+            };
+        }
+        if err.downcast_ref::<Trap>() == Some(&Trap::OutOfFuel) {
+            return Error::Timeout {
+                policy,
+                call,
+                limit: TimeLimit::Work(self.work.unwrap_or(limits.call_work)),
             };
         }
         if let Some(ResourceTableError::Full) = err.downcast_ref::<ResourceTableError>() {

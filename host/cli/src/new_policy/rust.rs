@@ -157,9 +157,10 @@ allocbox check {wasm}
 allocbox inspect {wasm}
 ```
 
-`check` fuzzes the whole handler contract (`--time SECONDS` or `--cases N`; `-c KEY=VALUE`
+`check` fuzzes the whole handler contract (24 rounds of 64 cases, counted, so the same
+`--seed` gives the same verdict on any machine; `--rounds N` for more; `-c KEY=VALUE`
 passes configuration to `init`) and shrinks any failure to a short script that
-`allocbox replay` repeats.
+`allocbox replay SCRIPT` repeats as printed.
 
 ## Tests
 
