@@ -80,8 +80,10 @@ pub enum Rule {
     DoubleFree,
     /// An upstream free or realloc of an address that was never lent to this policy.
     UnknownFree,
-    /// `bytes` access outside the blocks the policy owns and has not lent out.
-    BytesOutOfBounds,
+    /// `bytes` access outside the blocks the policy owns and has not lent out; `lent`,
+    /// the block lent to the client that the access falls in, if it does: its address,
+    /// its size, and where the access starts.
+    BytesOutOfBounds { lent: Option<(u64, u64, u64)> },
     /// A `bytes` write into the block the client's `realloc` is resizing: until the
     /// answer, the block is the client's and may be read, not written (C4: on an answer
     /// of none it must be unchanged).
@@ -128,7 +130,7 @@ impl Rule {
             Rule::WrongSizeFree { .. } => "wrong-size-free",
             Rule::DoubleFree => "double-free",
             Rule::UnknownFree => "unknown-free",
-            Rule::BytesOutOfBounds => "bytes-out-of-bounds",
+            Rule::BytesOutOfBounds { .. } => "bytes-out-of-bounds",
             Rule::ResizedBlockWritten => "resized-block-written",
             Rule::GaveBackLentMemory { .. } => "gave-back-lent-memory",
             Rule::CallocNotZeroed { .. } => "calloc-not-zeroed",
@@ -139,6 +141,34 @@ impl Rule {
             Rule::WrongMemory { .. } => "wrong-memory",
             Rule::DeviceBytes { .. } => "device-bytes",
         }
+    }
+}
+
+/// What an access at `at` into the block `[block, block+size)` the client holds says.
+/// Past the block's start, the usual cause is a policy's own header or link placed
+/// where it thinks the block ends: it took the block for shorter than it was asked,
+/// and both sizes are named.
+fn lent_block_hit(f: &mut fmt::Formatter<'_>, block: u64, size: u64, at: u64) -> fmt::Result {
+    let offset = at.wrapping_sub(block);
+    match at.cmp(&block) {
+        std::cmp::Ordering::Less => write!(
+            f,
+            "it reaches into the block {block:#x} ({size} bytes) the policy lent its client \
+             from below: whatever lies before that block was taken for longer than it is"
+        ),
+        std::cmp::Ordering::Equal => write!(
+            f,
+            "it falls at the start of the block {block:#x} ({size} bytes) the policy lent \
+             its client, which only the client may write until it is freed (a stale \
+             pointer to it, or a header written over the client's first bytes)"
+        ),
+        std::cmp::Ordering::Greater => write!(
+            f,
+            "it falls at byte {offset} of the block {block:#x} ({size} bytes) the policy \
+             lent its client, which only the client may write until it is freed: a policy \
+             writing its header or link there took that block for {offset} bytes, shorter \
+             than the {size} asked"
+        ),
     }
 }
 
@@ -166,8 +196,14 @@ impl fmt::Display for Rule {
             ),
             Rule::DoubleFree => f.write_str("block already given back (double free)"),
             Rule::UnknownFree => f.write_str("address was never lent to this policy"),
-            Rule::BytesOutOfBounds => {
+            Rule::BytesOutOfBounds { lent: None } => {
                 f.write_str("bytes access outside owned, not-lent-out memory")
+            }
+            Rule::BytesOutOfBounds {
+                lent: Some((block, block_size, at)),
+            } => {
+                f.write_str("bytes access outside owned, not-lent-out memory: ")?;
+                lent_block_hit(f, *block, *block_size, *at)
             }
             Rule::ResizedBlockWritten => f.write_str(
                 "bytes write into the block the client's realloc is resizing, which stays the \
@@ -635,5 +671,28 @@ mod tests {
         );
         assert!(text.contains("`--call-work` on the command line"), "{text}");
         assert_eq!(timeout.kind(), "timeout");
+    }
+
+    /// Issue 73: a block 16 bytes too short showed as a later out-of-bounds write
+    /// that did not name the short block. A write into a lent block names it, where the
+    /// write falls, and both sizes.
+    #[test]
+    fn a_write_into_a_lent_block_names_the_block_and_the_size_the_policy_took_it_for() {
+        let into = |at| {
+            Rule::BytesOutOfBounds {
+                lent: Some((0x1000, 40, at)),
+            }
+            .to_string()
+        };
+        let past_start = into(0x1000 + 24);
+        assert!(
+            past_start.contains("byte 24 of the block 0x1000 (40 bytes)")
+                && past_start.contains("took that block for 24 bytes, shorter than the 40 asked"),
+            "{past_start}"
+        );
+        assert!(into(0x1000).contains("at the start of the block 0x1000"));
+        assert!(into(0xff8).contains("from below"));
+        let elsewhere = Rule::BytesOutOfBounds { lent: None }.to_string();
+        assert_eq!(elsewhere, "bytes access outside owned, not-lent-out memory");
     }
 }

@@ -192,10 +192,11 @@ planted! {
     /// stale pointer into one; neither write reaches the client's bytes.
     a_write_beside_a_lent_block_does_not_clear_the_block:
         ["scribble-beside", "scribble-stale"], [[Malloc(64), Malloc(64)]]
-            => (Call::BytesWrite, Rule::BytesOutOfBounds);
+            => (Call::BytesWrite, Rule::BytesOutOfBounds { lent: Some((_, 64, _)) });
     writing_into_a_lent_block_through_bytes_is_refused:
         ["scribble"], [[Malloc(64), Malloc(64)]]
-            => (Call::BytesWrite, Rule::BytesOutOfBounds);
+            => (Call::BytesWrite, Rule::BytesOutOfBounds { lent: Some((_, 64, _)) }),
+            says ["at the start of the block", "(64 bytes) the policy lent"];
     /// `realloc-outside` moves the bytes, frees the old block upstream, then answers 64 KiB
     /// past the new block: outside everything the policy holds, or, where the C allocator
     /// happened to put the old block there, inside the memory the policy just gave back.
@@ -257,7 +258,12 @@ fn a_block_given_back_clears_itself_for_its_policy_and_not_its_lent_neighbour() 
     // The policy's write into the block it got back passed; the next one did not.
     assert_eq!(
         (&v.rule, v.call),
-        (&Rule::BytesOutOfBounds, Call::BytesWrite)
+        (
+            &Rule::BytesOutOfBounds {
+                lent: Some((second.as_ptr() as u64, 64, second.as_ptr() as u64))
+            },
+            Call::BytesWrite
+        )
     );
     assert_eq!(v.addr, second.as_ptr() as u64, "{err}");
     assert!(holds(second, 64, 0xC7), "the lent neighbour changed");

@@ -14,10 +14,10 @@
 //! (one client thread's calls and checks), `runner` (a script against a fresh handler),
 //! `verdict` (options and findings), `holdings` (what the policy held beside its
 //! client's bytes), `seeds` (failing seeds kept), `build` (an author's
-//! policy crate built for the checker). Each uses only those after it here
-//! (`tests/layers.rs`):
+//! policy crate built for the checker), `sweep` (the configurations a check draws).
+//! Each uses only those after it here (`tests/layers.rs`):
 //!
-//! Module order: `runner` > `client` > `model` > `strategy` > `shrink` > `verdict` > `holdings` > `pattern` > `script` > `seeds` > `build`
+//! Module order: `runner` > `client` > `model` > `strategy` > `shrink` > `verdict` > `holdings` > `pattern` > `script` > `seeds` > `build` > `sweep`
 //!
 //! ```no_run
 //! // In a policy author's own `cargo test` (`tests/contract.rs`):
@@ -47,6 +47,7 @@ mod script;
 mod seeds;
 mod shrink;
 mod strategy;
+mod sweep;
 mod verdict;
 
 pub use build::{BuildError, build_policy};
@@ -152,7 +153,7 @@ pub fn check(
     let mut subject = Subject {
         runtime,
         policy,
-        config,
+        config: owned(config),
         limits: &options.limits,
         upstream_seed: 0,
         hook: options.hook.as_deref(),
@@ -162,6 +163,24 @@ pub fn check(
         runner::Started::Host(h) => (h.name().to_string(), h.shardable()),
         started => (started.name().to_string(), false),
     };
+    // The standard configurations this policy starts with, which some rounds draw.
+    let accepted: Vec<(&'static str, String)> = sweep::candidates(config)
+        .into_iter()
+        .filter(|(key, value)| {
+            let mut config = owned(config);
+            config.push((key.to_string(), value.clone()));
+            let probe = Subject {
+                runtime,
+                policy,
+                config,
+                limits: &options.limits,
+                upstream_seed: 0,
+                hook: None,
+                tally: Tally::default(),
+            };
+            probe.start(CallPath::Magazines, None, 1).is_ok()
+        })
+        .collect();
 
     let cases = AtomicU64::new(0);
     let ops = AtomicU64::new(0);
@@ -172,6 +191,7 @@ pub fn check(
     let shrink_spent = Arc::new(AtomicBool::new(false));
     let mut time_to_failure = None;
     let mut rounds_run = 0;
+    let mut failure_drawn = Vec::new();
     for round in 0u64.. {
         // Every fourth round (from the fourth on): a few long-lived instances.
         let several = options.time.is_some() || options.rounds.is_some();
@@ -182,6 +202,12 @@ pub fn check(
         };
         let seed = base_seed.wrapping_add(round.wrapping_mul(0x9E37_79B9_7F4A_7C15));
         subject.upstream_seed = seed;
+        let drawn = match several && sweep::draws(round) {
+            true => sweep::drawn(&accepted, seed),
+            false => Vec::new(),
+        };
+        subject.config = owned(config);
+        subject.config.extend(drawn.iter().cloned());
         let mut runner = round_runner(options, &regression_name, round_cases, seed);
         let strategy = Scripts {
             threads: options.threads.max(1),
@@ -262,7 +288,9 @@ pub fn check(
             (Ok(()), _) => None,
             (Err(TestError::Abort(_)), None) if out_of_time => None,
             (Err(TestError::Fail(..)), Some((finding, script))) => {
-                let script = script.with_names_in_order();
+                let mut script = script.with_names_in_order();
+                script.ran.config = subject.config.clone();
+                failure_drawn = drawn;
                 Some((confirmed(&subject, finding, &script)?, script))
             }
             (Err(TestError::Fail(reason, _)), None) => Some((
@@ -324,9 +352,23 @@ pub fn check(
             .unwrap_or_else(|p| p.into_inner()),
         holdings: (subject.tally.holdings.into_inner()).unwrap_or_else(|p| p.into_inner()),
         failure,
+        drawn_config: failure_drawn,
+        swept: {
+            let mut keys: Vec<&'static str> = accepted.iter().map(|(key, _)| *key).collect();
+            keys.dedup();
+            keys
+        },
         shrink_stopped_early: shrink_spent.load(Ordering::Relaxed),
         time_to_failure,
     })
+}
+
+/// A configuration as the runner keeps it.
+fn owned(config: &[(&str, &str)]) -> Vec<(String, String)> {
+    config
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }
 
 /// `policy` in a counted runtime ([`Runtime::counted`]): `runtime` if it counts, else
@@ -355,7 +397,7 @@ pub fn replay(
     let subject = Subject {
         runtime: &runtime,
         policy: &policy,
-        config,
+        config: owned(config),
         limits,
         upstream_seed: script.upstream_seed,
         hook: None,
@@ -399,10 +441,13 @@ fn confirmed(
     finding: Finding,
     script: &Script,
 ) -> Result<Finding, LoadError> {
+    let config: Vec<(&str, &str)> = (subject.config.iter())
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
     let again = replay(
         subject.runtime,
         subject.policy,
-        subject.config,
+        &config,
         script,
         subject.limits,
     )?;

@@ -47,7 +47,9 @@ fn checker_gpu() -> Gpu {
 pub(super) struct Subject<'a> {
     pub(super) runtime: &'a Runtime,
     pub(super) policy: &'a Policy,
-    pub(super) config: &'a [(&'a str, &'a str)],
+    /// The configuration of the round running: the one given, and what the check drew
+    /// (`sweep`).
+    pub(super) config: Vec<(String, String)>,
     pub(super) limits: &'a Limits,
     /// The seed of the checker's upstream for every case.
     pub(super) upstream_seed: u64,
@@ -75,8 +77,11 @@ impl Subject<'_> {
         if device {
             limits.grants.gpu = checker_gpu();
         }
+        let config: Vec<(&str, &str)> = (self.config.iter())
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
         let builder = HandlerBuilder::new(self.runtime)
-            .link_with(self.policy, self.config)
+            .link_with(self.policy, &config)
             .limits(limits)
             .checked(true)
             .magazines(path == CallPath::Magazines)

@@ -229,8 +229,15 @@ pub struct CheckReport {
     /// What the policy held from the host beside its client's bytes, before each trim
     /// and at each case's end, over the cases of one client thread.
     pub holdings: Holdings,
-    /// The first broken rule, with the shrunk script that shows it.
+    /// The first broken rule, with the shrunk script that shows it (the script's
+    /// configuration the round's: the one given, and what the check drew).
     pub failure: Option<(Finding, Script)>,
+    /// The configuration the check drew for the round that failed, beyond the one
+    /// given: a bug found only there names it. Empty when it failed under the one given.
+    pub drawn_config: Vec<(String, String)>,
+    /// The standard configuration keys some rounds drew values for (those the policy
+    /// accepted and the caller left unset): `alignment`.
+    pub swept: Vec<&'static str>,
     /// Shrinking the failure ran out of its budget (its counted trials and operations,
     /// or [`CheckOptions::shrink_time`]): the script shows the broken rule but may not be
     /// the shortest that does.

@@ -83,7 +83,7 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
         }
         let script_file = match &report.failure {
             Some((_, script)) => {
-                let ran = ran_with(script.clone(), target, &policy, &args.config, &args.options);
+                let ran = ran_with(script.clone(), target, &policy, &args.options);
                 save_script(&args.options, &report, &ran)
             }
             None => None,
@@ -109,14 +109,13 @@ pub(crate) fn run_check(args: CheckArgs) -> Result<Outcome> {
 }
 
 /// `script` with what the check ran it with: the policy's file (absolute, so the replay
-/// runs from anywhere; a shipped policy by its name) and digest, its configuration,
-/// grants and the bounds not at their defaults, so that `allocbox replay FILE` alone
-/// reproduces the finding.
+/// runs from anywhere; a shipped policy by its name) and digest, its grants and the
+/// bounds not at their defaults, so that `allocbox replay FILE` alone reproduces the
+/// finding. (The check wrote the round's configuration: the one given, and what it drew.)
 fn ran_with(
     mut script: Script,
     target: Option<&PathBuf>,
     policy: &allocbox::Policy,
-    config: &[(String, String)],
     options: &CheckOptions,
 ) -> Script {
     script.ran.digest = Some(hex(&policy.digest()));
@@ -128,7 +127,6 @@ fn ran_with(
             .to_string(),
         false => path.display().to_string(),
     });
-    script.ran.config = config.to_vec();
     script.ran.grants = allocbox::mapped::KindGrant::ALL
         .iter()
         .filter(|&&kind| options.limits.grants.memory.granted(kind))
@@ -179,6 +177,12 @@ fn text_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> Strin
             report.rounds
         );
     }
+    if !report.swept.is_empty() {
+        totals += &format!(
+            "; every third round under a drawn `{}` (standard keys the policy accepts)",
+            report.swept.join("`, `")
+        );
+    }
     if let Some(refused) = refused_on_purpose(report) {
         totals += &format!("; {refused}");
     }
@@ -226,6 +230,16 @@ fn text_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> Strin
         return out;
     };
     let mut out = format!("{named}: BROKEN {finding}\n");
+    if !report.drawn_config.is_empty() {
+        let options: Vec<String> = (report.drawn_config.iter())
+            .map(|(key, value)| format!("-c {key}={value}"))
+            .collect();
+        out += &format!(
+            "  found under `{}`, a configuration the check drew (the policy accepts it; \
+             the rounds before, under the configuration given, found nothing): the script carries it\n",
+            options.join(" ")
+        );
+    }
     let path = match script.path {
         check::CallPath::Magazines => "through the host's magazines",
         check::CallPath::PerCall => "the policy asked on every call",
@@ -393,6 +407,12 @@ fn json_report(report: &CheckReport, label: &str, saved: Option<&Path>) -> serde
         "message": message,
         "script": script,
         "shrink_stopped_early": report.shrink_stopped_early,
+        "drawn_config": report
+            .drawn_config
+            .iter()
+            .map(|(key, value)| (key.clone(), serde_json::Value::from(value.clone())))
+            .collect::<serde_json::Map<_, _>>(),
+        "swept": report.swept,
         "script_file": saved.map(|file| file.display().to_string()),
     })
 }

@@ -325,7 +325,11 @@ impl LinkState {
             None if !read_only && self.transit.under_block(at, len) => {
                 Err(self.violate(call, at, len, Rule::ResizedBlockWritten))
             }
-            None => Err(self.violate(call, at, len, Rule::BytesOutOfBounds)),
+            None => {
+                let lent = (self.lent.nearby().overlapping(at, len))
+                    .map(|(block, size)| (block, size, at));
+                Err(self.violate(call, at, len, Rule::BytesOutOfBounds { lent }))
+            }
         }
     }
 
