@@ -112,6 +112,55 @@ fn new_rust_policy_builds_with_its_readme_command_and_passes_check() {
     let (code, out) = allocbox_cli(&["inspect", wasm, "-c", "colour=red"], &project);
     assert_eq!(code, 2, "{out}");
     assert!(out.contains("demo: unknown config key `colour`"), "{out}");
+
+    // Its own `cargo test` checks the contract with the installed `allocbox`, building
+    // nothing of allocbox; without one it says how to install it.
+    let cargo_test = |allocbox: &str| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        Command::new(cargo)
+            .args(["test", "--quiet"])
+            .current_dir(&project)
+            .env("CARGO_TARGET_DIR", &target)
+            .env("ALLOCBOX", allocbox)
+            .env("ALLOCBOX_CHECK_SEED", "11")
+            .env_remove("RUSTFLAGS")
+            .env_remove("CARGO_ENCODED_RUSTFLAGS")
+            .env_remove("CARGO_BUILD_RUSTFLAGS")
+            .env_remove("CARGO_BUILD_TARGET")
+            .env_remove("RUSTC_WRAPPER")
+            .env_remove("RUSTC_WORKSPACE_WRAPPER")
+            .output()
+            .unwrap()
+    };
+    let out = cargo_test(env!("CARGO_BIN_EXE_allocbox"));
+    let said = |out: &std::process::Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    assert!(
+        out.status.success(),
+        "the project's cargo test failed:\n{}",
+        said(&out)
+    );
+    let built: Vec<String> = std::fs::read_dir(target.join("debug/.fingerprint"))
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        built.iter().any(|name| name.starts_with("demo-"))
+            && !built.iter().any(|name| name.starts_with("wasmtime")),
+        "built {built:?}"
+    );
+    let out = cargo_test("/no/such/allocbox");
+    assert!(!out.status.success());
+    assert!(
+        said(&out).contains("was not found: install allocbox's wheel"),
+        "{}",
+        said(&out)
+    );
 }
 
 #[test]

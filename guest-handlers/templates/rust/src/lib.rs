@@ -42,7 +42,7 @@
 //!
 //! ```text
 //! cargo build --release --target wasm32-wasip2
-//! allocbox check target/wasm32-wasip2/release/<package_name>.wasm --cases 1000
+//! allocbox check target/wasm32-wasip2/release/<package_name>.wasm --rounds 100
 //! ```
 
 use std::cell::Cell;

@@ -2,8 +2,6 @@
 //! vendored, the pinned toolchain, and a `cargo test` that builds the policy and checks
 //! the whole contract.
 
-use std::path::Path;
-
 /// Where `cargo build --release --target wasm32-wasip2` puts the policy.
 pub(super) fn rust_wasm_path(name: &str) -> String {
     format!(
@@ -60,33 +58,62 @@ const TEMPLATE_LIB: &str = include_str!("../../../../guest-handlers/templates/ru
 /// The toolchain allocbox and its SDK are built and tested with.
 const TOOLCHAIN: &str = include_str!("../../../../rust-toolchain.toml");
 
-/// The checker as a new Rust project's dev-dependency: the allocbox checkout this
-/// command was built from, when it is still there; else the repository.
-fn checker_dependency() -> String {
-    let checkout = Path::new(env!("CARGO_MANIFEST_DIR")).join("../check");
-    match checkout.canonicalize() {
-        Ok(path) if path.join("Cargo.toml").is_file() => {
-            format!("{{ path = \"{}\" }}", path.display())
-        }
-        _ => format!("{{ git = \"{}\" }}", env!("CARGO_PKG_REPOSITORY")),
-    }
-}
+/// A new Rust project's `cargo test` of the whole contract: the policy built for
+/// wasm32-wasip2, then checked by the `allocbox` installed on PATH, so that the test
+/// builds nothing of allocbox (no wasmtime: seconds, not an hour).
+const CONTRACT_TEST: &str = r#"//! The whole handler contract, checked as a default `allocbox check` checks it, by the
+//! `allocbox` on PATH (or the one `$ALLOCBOX` names). The policy is built for
+//! wasm32-wasip2 first, so the test checks this source; nothing of allocbox is built.
+//! `ALLOCBOX_CHECK_SEED=N cargo test` checks from seed N again.
 
-/// A new Rust project's `cargo test` of the whole contract.
-const CONTRACT_TEST: &str = r#"//! The whole handler contract, checked as a default `allocbox check` checks it: the
-//! policy is built for wasm32-wasip2 first, so the test checks this source.
+use std::process::Command;
 
 #[test]
 fn keeps_the_handler_contract() {
-    let wasm = allocbox_check::build_policy(env!("CARGO_MANIFEST_DIR"), env!("CARGO_PKG_NAME"))
-        .unwrap_or_else(|e| panic!("{e}"));
-    allocbox_check::assert_contract(&wasm, &[]);
+    let dir = env!("CARGO_MANIFEST_DIR");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // A target folder of its own: the `cargo test` running this holds `target`'s lock.
+    let built = Command::new(&cargo)
+        .args(["build", "--release", "--target", "wasm32-wasip2"])
+        .args(["--target-dir", "target/contract"])
+        .current_dir(dir)
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run `{cargo}` to build the policy: {e}"));
+    assert!(built.success(), "the policy did not build for wasm32-wasip2 (cargo said why above)");
+    let wasm = format!(
+        "{dir}/target/contract/wasm32-wasip2/release/{}.wasm",
+        env!("CARGO_PKG_NAME").replace('-', "_")
+    );
+    let allocbox = std::env::var("ALLOCBOX").unwrap_or_else(|_| "allocbox".into());
+    let mut check = Command::new(&allocbox);
+    check.args(["check", &wasm]);
+    if let Ok(seed) = std::env::var("ALLOCBOX_CHECK_SEED") {
+        check.args(["--seed", seed.trim()]);
+    }
+    let out = match check.output() {
+        Ok(out) => out,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
+            "`{allocbox}` was not found: install allocbox's wheel (`pip install allocbox-*.whl`, \
+             which puts `allocbox` on PATH; allocbox's `python/build_wheel.sh` builds it), or \
+             set ALLOCBOX to the `allocbox` command's path"
+        ),
+        Err(e) => panic!("cannot run `{allocbox}`: {e}"),
+    };
+    let report = String::from_utf8_lossy(&out.stdout);
+    // Shown with a failing test's output: the verdict, the seed, the shrunk script.
+    print!("{report}");
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "`{allocbox} check {wasm}` did not pass (exit {:?}): {}",
+        out.status.code(),
+        report.lines().next().unwrap_or("no report; see the errors above")
+    );
 }
 "#;
 
 pub(super) fn rust_project(name: &str) -> Vec<(String, String)> {
     let wasm = rust_wasm_path(name);
-    let checker = checker_dependency();
     let cargo_toml = format!(
         r#"[package]
 name = "{name}"
@@ -102,14 +129,8 @@ crate-type = ["cdylib"]
 # The policy SDK, vendored: a trait to implement and an export macro.
 allocbox-policy = {{ path = "allocbox-policy" }}
 
-# `cargo test` checks the whole handler contract (`tests/contract.rs`) with allocbox's
-# checker, built for this machine the first time (several minutes: wasmtime).
-[dev-dependencies]
-allocbox-check = {checker}
-
-# The checker runs thousands of cases: its code optimised, as in allocbox's own tests.
-[profile.dev.package."*"]
-opt-level = 2
+# `cargo test` checks the whole handler contract (`tests/contract.rs`) with the
+# `allocbox` command on PATH: nothing of allocbox is built here.
 
 # Small and fast: one codegen unit, whole-program LTO, no unwinding machinery. Debug
 # info goes; the name section (function names in a trap's backtrace) and the producers
@@ -181,18 +202,16 @@ mod tests {{
 }}
 ```
 
-`cargo test` also checks the whole contract (`tests/contract.rs`), as a default
-`allocbox check` does (the same depth, counted in cases, from a fixed seed): it builds the
-policy for wasm32-wasip2 into `target/contract/`, then
-
-```rust
-allocbox_check::assert_contract(&wasm, &[]);
-```
-
-panics with the broken rule and the shrunk script if any rule breaks. `allocbox-check` is
-a dev-dependency on the allocbox checkout this project was made from (`Cargo.toml`; a
-`git` dependency on its repository works as well); the first `cargo test` builds it,
-wasmtime and all, which takes several minutes.
+`cargo test` also checks the whole contract (`tests/contract.rs`): it builds the policy
+for wasm32-wasip2 into `target/contract/`, runs `allocbox check` on it as a default check
+runs (the same depth, counted, from a fresh seed it prints), and fails with the broken
+rule and the shrunk script if any rule breaks (`ALLOCBOX_CHECK_SEED=N cargo test` checks
+from seed N again). It builds nothing of allocbox: `allocbox` must be on PATH, which
+installing allocbox's wheel does (`pip install allocbox-*.whl`; allocbox's
+`python/build_wheel.sh` builds it), or named by `ALLOCBOX=/path/to/allocbox`. A Rust
+test of the host's own can call the checker as a library instead
+(`allocbox_check::assert_contract(&wasm, &[])`, the `allocbox-check` crate of allocbox's
+checkout), at the cost of building wasmtime.
 
 ## Layout
 
